@@ -1,0 +1,129 @@
+"""Task runner for the Belayer monorepo.
+
+Every folder ``packages/belayer-*/`` is a package; each gets its own ``tests``, ``lint`` and
+``typecheck`` sessions, and each session installs only that package, the siblings it declares and
+its ``test`` extra, so an undeclared sibling import fails there.  ``layers`` checks the import
+contract of DESIGN.md with import-linter.
+
+    nox -s "tests(package='belayer-envckpt')"
+    nox -t envckpt          # all sessions of one package
+    nox                     # everything
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PACKAGES_DIR = ROOT / "packages"
+CONSTRAINTS = ROOT / "constraints.txt"
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.error_on_missing_interpreters = True
+
+PACKAGES = sorted(p.name for p in PACKAGES_DIR.glob("belayer-*") if (p / "pyproject.toml").is_file())
+
+
+def _declared_siblings(package: str, seen: set[str] | None = None) -> list[Path]:
+    """Local packages ``package`` depends on, transitively, as install paths."""
+    seen = set() if seen is None else seen
+    meta = tomllib.loads((PACKAGES_DIR / package / "pyproject.toml").read_text())
+    deps = list(meta["project"].get("dependencies", []))
+    for extra in ("test",):
+        deps += meta["project"].get("optional-dependencies", {}).get(extra, [])
+    paths: list[Path] = []
+    for dep in deps:
+        name = re.split(r"[\s\[<>=!~;]", dep.strip(), maxsplit=1)[0].lower()
+        if name.startswith("belayer-") and name not in seen and name in PACKAGES:
+            seen.add(name)
+            paths += _declared_siblings(name, seen)
+            paths.append(PACKAGES_DIR / name)
+    return paths
+
+
+def _install(session: nox.Session, package: str, *extra_reqs: str) -> None:
+    siblings = [str(p) for p in _declared_siblings(package)]
+    session.install("-c", str(CONSTRAINTS), *siblings, f"{PACKAGES_DIR / package}[test]", *extra_reqs)
+
+
+def _tag(package: str) -> str:
+    return package.removeprefix("belayer-")
+
+
+
+
+@nox.session(tags=["tests"])
+@nox.parametrize("package", [nox.param(p, tags=[_tag(p)]) for p in PACKAGES])
+def tests(session: nox.Session, package: str) -> None:
+    """Run one package's test suite against only what it declares."""
+    _install(session, package, "pytest-timeout")
+    session.chdir(PACKAGES_DIR / package)
+    session.run("python", "-m", "pytest", "-ra", "--timeout=900", *session.posargs)
+
+
+@nox.session(tags=["lint"])
+@nox.parametrize("package", [nox.param(p, tags=[_tag(p)]) for p in PACKAGES])
+def lint(session: nox.Session, package: str) -> None:
+    """Ruff lint and format check of one package."""
+    session.install("-c", str(CONSTRAINTS), "ruff")
+    path = str(PACKAGES_DIR / package)
+    session.run("ruff", "check", path)
+    session.run("ruff", "format", "--check", path)
+
+
+@nox.session(tags=["typecheck"])
+@nox.parametrize("package", [nox.param(p, tags=[_tag(p)]) for p in PACKAGES])
+def typecheck(session: nox.Session, package: str) -> None:
+    """mypy over one package's sources, installed with only what it declares."""
+    _install(session, package, "mypy")
+    session.run("mypy", "--config-file", str(ROOT / "mypy.ini"), str(PACKAGES_DIR / package / "src"))
+
+
+# DESIGN.md: which of our packages each package may import.  Everything else is forbidden.
+ALLOWED_IMPORTS = {
+    "belayer-policy": set(),
+    "belayer-envckpt": set(),
+    "belayer-gpumem": set(),
+    "belayer-router": set(),
+    "belayer-shadow": {"belayer-gpumem", "belayer-router"},
+    "belayer-grpo": {"belayer-policy", "belayer-envckpt", "belayer-gpumem", "belayer-router", "belayer-shadow"},
+}
+
+
+def _module(package: str) -> str:
+    return package.replace("-", "_")
+
+
+def _importlinter_config() -> str:
+    unknown = set(PACKAGES) - set(ALLOWED_IMPORTS)
+    if unknown:
+        raise SystemExit(f"add {sorted(unknown)} to ALLOWED_IMPORTS in noxfile.py (see DESIGN.md)")
+    lines = ["[importlinter]", "root_packages =", *[f"    {_module(p)}" for p in PACKAGES], ""]
+    for package in PACKAGES:
+        forbidden = [p for p in PACKAGES if p != package and p not in ALLOWED_IMPORTS[package]]
+        if not forbidden:
+            continue
+        lines += [
+            f"[importlinter:contract:{package}]",
+            f"name = {package} imports only {sorted(ALLOWED_IMPORTS[package]) or 'none of ours'}",
+            "type = forbidden",
+            f"source_modules = {_module(package)}",
+            "forbidden_modules =",
+            *[f"    {_module(p)}" for p in forbidden],
+            "",
+        ]
+    return "\n".join(lines)
+
+
+@nox.session(tags=["layers"])
+def layers(session: nox.Session) -> None:
+    """The layering contract of DESIGN.md: imports go downward only."""
+    session.install("-c", str(CONSTRAINTS), "import-linter", *[str(PACKAGES_DIR / p) for p in PACKAGES])
+    config = Path(session.create_tmp()) / "importlinter.ini"
+    config.write_text(_importlinter_config())
+    session.run("lint-imports", "--config", str(config))
