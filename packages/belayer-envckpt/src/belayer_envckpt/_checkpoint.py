@@ -1,0 +1,180 @@
+"""`full_checkpoint` and `full_restore`: the environment half of prefix-consistent recovery."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import docker.errors
+
+from ._engine import Engine
+from ._errors import (
+    BelayerEnvckptError,
+    CheckpointFailedError,
+    InjectedCrash,
+    RestoreFailedError,
+)
+from ._faults import CheckpointFault, CrashPoint, apply_fault
+from ._ids import validate_id
+from ._layer import capture_layer, check_layer_archive, install_layer
+from ._sandbox import Sandbox, SandboxConfig, check_guarantee
+from ._store import CRIU_DIR, LAYER, Checkpoint, CheckpointStore, record_files, verify_checkpoint
+
+
+def _ms(start: float) -> float:
+    return round((time.perf_counter() - start) * 1000.0, 3)
+
+
+def new_checkpoint_id(prefix: int) -> str:
+    """A unique, engine-safe checkpoint name that sorts by prefix."""
+    return f"k{prefix:05d}-{uuid.uuid4().hex[:12]}"
+
+
+def full_checkpoint(
+    sandbox: Sandbox,
+    trajectory: str,
+    prefix: int | None = None,
+    context_ref: str = "",
+    *,
+    store: CheckpointStore,
+    fault: CheckpointFault | None = None,
+) -> Checkpoint:
+    """Freeze, capture layer + processes from the same frozen moment, thaw, publish atomically.
+
+    Waits for the current action to end.  Only the freeze window (pause -> thaw) is on the
+    sandbox's critical path; hashing and publication run after the thaw.  On any failure the
+    partial checkpoint is removed and the previous ready checkpoint stays in effect.
+    """
+    validate_id(trajectory, "trajectory")
+    sandbox.engine.require_checkpoint_support()
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    tmp: Path | None = None
+    try:
+        with sandbox.action_boundary():
+            k = sandbox.prefix if prefix is None else prefix
+            if k < 0:
+                raise ValueError(f"prefix must be >= 0, got {k}")
+            checkpoint_id = new_checkpoint_id(k)
+            status = sandbox.status()
+            if status != "running":
+                raise CheckpointFailedError(
+                    f"sandbox {sandbox.id[:12]} is {status}, not running: there is nothing consistent "
+                    "to capture. Restore it from its latest ready checkpoint instead"
+                )
+            check_guarantee(sandbox.container.attrs)
+            upper = sandbox.engine.upper_dir(sandbox.container)
+            tmp = store.begin(trajectory, checkpoint_id)
+            container_id = sandbox.id
+            freeze = time.perf_counter()
+            sandbox.container.pause()
+            try:
+                step = time.perf_counter()
+                capture_layer(upper, tmp / LAYER)
+                timings["layer_ms"] = _ms(step)
+                _maybe_fault(sandbox, fault, CrashPoint.AFTER_LAYER)
+                step = time.perf_counter()
+                sandbox.engine.checkpoint(sandbox.container, checkpoint_id, tmp)
+                (tmp / checkpoint_id).rename(tmp / CRIU_DIR)
+                timings["dump_ms"] = _ms(step)
+                _maybe_fault(sandbox, fault, CrashPoint.AFTER_DUMP)
+            finally:
+                _thaw(sandbox)
+                timings["freeze_ms"] = _ms(freeze)
+        step = time.perf_counter()
+        checkpoint = Checkpoint(
+            checkpoint_id=checkpoint_id,
+            trajectory=trajectory,
+            prefix=k,
+            context_ref=context_ref,
+            image=sandbox.config.image,
+            config=sandbox.config.to_dict(),
+            container_id=container_id,
+            created_ns=time.time_ns(),
+            timings_ms=timings,
+            files=record_files(tmp),
+            path=tmp,
+        )
+        _maybe_fault(sandbox, fault, CrashPoint.BEFORE_PUBLISH)
+        timings["publish_ms"] = _ms(step)
+        timings["total_ms"] = _ms(started)
+        published = store.publish(tmp, checkpoint)
+        tmp = None
+        return published
+    except InjectedCrash:
+        raise  # a dead process cleans nothing up: the partial directory stays for gc
+    except Exception as exc:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, CheckpointFailedError | ValueError):
+            raise
+        raise CheckpointFailedError(
+            f"checkpoint of sandbox {sandbox.id[:12]} failed ({exc}); the partial checkpoint was "
+            "removed and the previous ready checkpoint is still in effect"
+        ) from exc
+
+
+def _maybe_fault(sandbox: Sandbox, fault: CheckpointFault | None, point: CrashPoint) -> None:
+    if fault is not None and fault.point is point:
+        apply_fault(sandbox, fault.action)
+
+
+def _thaw(sandbox: Sandbox) -> None:
+    with contextlib.suppress(docker.errors.APIError):
+        sandbox.container.reload()
+        if sandbox.container.status == "paused":
+            sandbox.container.unpause()
+
+
+def full_restore(
+    checkpoint: Checkpoint,
+    *,
+    engine: Engine | None = None,
+    remove_failed: bool = True,
+) -> Sandbox:
+    """Verify ``checkpoint``, replace the failed container with a fresh one restored from it.
+
+    Nothing is touched before the manifest, every checksum and the layer archive's members have
+    been checked.  The failed instance is never reused: a new container is created from the
+    original image and configuration, the layer is installed, and it starts from the CRIU images.
+    """
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    checkpoint = verify_checkpoint(checkpoint.path)
+    check_layer_archive(checkpoint.path / LAYER)
+    timings["verify_ms"] = _ms(started)
+    own_engine = engine is None
+    engine = engine or Engine.connect()
+    engine.require_checkpoint_support()
+    config = SandboxConfig.from_dict(checkpoint.config)
+    if remove_failed:
+        step = time.perf_counter()
+        engine.remove(checkpoint.container_id)
+        timings["remove_ms"] = _ms(step)
+    step = time.perf_counter()
+    sandbox = Sandbox.create(engine, config, trajectory=checkpoint.trajectory, start=False)
+    timings["create_ms"] = _ms(step)
+    try:
+        step = time.perf_counter()
+        install_layer(checkpoint.path / LAYER, engine.upper_dir(sandbox.container))
+        timings["layer_ms"] = _ms(step)
+        step = time.perf_counter()
+        engine.start_from_checkpoint(sandbox.container, checkpoint.checkpoint_id, checkpoint.path / CRIU_DIR)
+        sandbox.container.reload()
+        timings["start_ms"] = _ms(step)
+    except (BelayerEnvckptError, OSError, docker.errors.DockerException) as exc:
+        sandbox.remove()
+        if own_engine:
+            engine.close()
+        raise RestoreFailedError(
+            f"restoring checkpoint {checkpoint.checkpoint_id} failed ({exc}); the new container was "
+            "removed and the checkpoint is untouched. Check `belayer-envckpt doctor`"
+        ) from exc
+    timings["total_ms"] = _ms(started)
+    sandbox.prefix = checkpoint.prefix
+    sandbox.context_ref = checkpoint.context_ref
+    sandbox.restore_timings_ms = timings
+    return sandbox

@@ -1,0 +1,87 @@
+"""The container's writable overlay layer: archived with GNU tar, checked, installed.
+
+GNU tar is used because it round-trips what overlayfs stores in the upper directory: whiteouts
+(character devices 0/0), opaque directories (the ``trusted.overlay.opaque`` xattr), modes, numeric
+ownership and other xattrs.  Python's tarfile only reads the archive, to check its members before
+anything is extracted.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import tarfile
+from pathlib import Path
+
+from ._errors import CheckpointCorruptError, UnsafeArchiveError
+from ._run import run_command
+
+_TAR_FLAGS = ("--xattrs", "--xattrs-include=*", "--numeric-owner", "--acls")
+
+
+def capture_layer(upper_dir: Path, archive: Path) -> None:
+    """Archive ``upper_dir`` (the container must be frozen) into ``archive``."""
+    run_command(
+        ["tar", "--create", "--file", str(archive), "--directory", str(upper_dir), "--sparse", *_TAR_FLAGS, "."],
+        hint="the container's overlay upper directory could not be archived",
+    )
+
+
+def _inside(path: str) -> bool:
+    """Whether a relative archive path stays inside the root once normalised."""
+    norm = posixpath.normpath(path)
+    return not (norm == ".." or norm.startswith("../") or posixpath.isabs(path))
+
+
+def check_layer_archive(archive: Path) -> int:
+    """Refuse members that would escape the root on extraction; return the member count.
+
+    Refused: absolute names, ``..`` components, hard links to outside the archive root, symlinks
+    whose relative target climbs above the root, members written through a symlink of the same
+    archive, and device nodes other than overlay whiteouts (character devices 0/0).
+    """
+    try:
+        with tarfile.open(archive, "r:") as tar:
+            members = tar.getmembers()
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise CheckpointCorruptError(
+            f"layer archive {archive} is unreadable ({exc}); take a new checkpoint"
+        ) from exc
+    symlinks: set[str] = set()
+    for member in members:
+        name = member.name
+        if posixpath.isabs(name) or not _inside(name) or ".." in name.split("/"):
+            raise UnsafeArchiveError(f"layer archive member {name!r} escapes the root; refusing to install it")
+        norm = posixpath.normpath(name)
+        parts = norm.split("/")
+        for depth in range(1, len(parts)):
+            if "/".join(parts[:depth]) in symlinks:
+                raise UnsafeArchiveError(
+                    f"layer archive member {name!r} would be written through the symlink "
+                    f"{'/'.join(parts[:depth])!r}; refusing to install it"
+                )
+        if member.islnk() and (posixpath.isabs(member.linkname) or not _inside(member.linkname)):
+            raise UnsafeArchiveError(f"hard link {name!r} -> {member.linkname!r} points outside the layer")
+        if member.issym():
+            symlinks.add(norm)
+            target = member.linkname
+            if not posixpath.isabs(target) and not _inside(posixpath.join(posixpath.dirname(norm), target)):
+                raise UnsafeArchiveError(f"symlink {name!r} -> {target!r} points outside the root")
+        if (member.ischr() or member.isblk()) and not (
+            member.ischr() and member.devmajor == 0 and member.devminor == 0
+        ):
+            raise UnsafeArchiveError(
+                f"device node {name!r} ({member.devmajor}:{member.devminor}) is not an overlay whiteout"
+            )
+    return len(members)
+
+
+def install_layer(archive: Path, upper_dir: Path) -> None:
+    """Check ``archive`` and extract it into a fresh (not yet started) container's upper dir."""
+    check_layer_archive(archive)
+    run_command(
+        [
+            "tar", "--extract", "--file", str(archive), "--directory", str(upper_dir),
+            "--same-permissions", "--same-owner", *_TAR_FLAGS,
+        ],
+        hint="installing the checkpoint's layer into the new container failed",
+    )
