@@ -1,0 +1,77 @@
+"""What the agent loop reports after a step, and the loggable record of each decision."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import attrs
+
+from belayer_policy._validate import non_negative, positive_int
+
+__all__ = ["Decision", "Reason", "StepObservation"]
+
+
+def _optional_non_negative(instance: object, attribute: Any, value: object) -> None:
+    if value is not None:
+        non_negative(instance, attribute, value)
+
+
+@attrs.frozen
+class StepObservation:
+    """One environment step that just committed, as the agent loop saw it.
+
+    ``step_index`` is the prefix length ``k`` after the step (1 after the first action).
+    ``response_seconds`` and ``action_seconds`` are the step's LLM response and environment action
+    times; ``now`` is the trainer's monotonic clock in seconds.  ``response_elapsed`` is ``x``, how far
+    the next LLM response already is when a checkpoint would start (0 when it starts now).
+    ``next_step_seconds`` overrides the policy's estimate of the next step's duration ``d_t``.
+    """
+
+    step_index: int = attrs.field(validator=positive_int)
+    response_seconds: float = attrs.field(validator=non_negative)
+    action_seconds: float = attrs.field(validator=non_negative)
+    now: float = attrs.field(validator=non_negative)
+    response_elapsed: float = attrs.field(default=0.0, validator=non_negative)
+    next_step_seconds: float | None = attrs.field(default=None, validator=_optional_non_negative)
+
+
+class Reason(enum.StrEnum):
+    """Why a decision came out the way it did."""
+
+    BENEFIT_EXCEEDS_COST = "benefit_exceeds_cost"
+    COST_EXCEEDS_BENEFIT = "cost_exceeds_benefit"
+    COOLDOWN = "cooldown"
+    CHECKPOINT_IN_FLIGHT = "checkpoint_in_flight"
+    ALWAYS = "always"
+    NEVER = "never"
+    EVERY_K = "every_k"
+    NOT_KTH_STEP = "not_kth_step"
+
+
+@attrs.frozen
+class Decision:
+    """The outcome of one decision with every input that went into it, ready to be logged.
+
+    ``benefit`` is ``p_t * C_t`` (expected seconds saved); ``visible_cost`` is
+    ``c_t * (1 - q(x; c_t)) + extra_cost`` (expected seconds on the critical path plus the fixed
+    extra).  Baselines report the same numbers even though they ignore them.
+    """
+
+    checkpoint: bool
+    reason: Reason
+    policy: str
+    step_index: int
+    now: float
+    benefit: float
+    visible_cost: float
+    failure_probability: float
+    regeneration_cost: float
+    checkpoint_cost: float
+    hidden_probability: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """A flat JSON-ready dict (``reason`` as its string value)."""
+        record = attrs.asdict(self)
+        record["reason"] = self.reason.value
+        return record

@@ -1,0 +1,161 @@
+"""Online estimators: LLM response time ``T`` (and ``q``), checkpoint cost ``c_t``, regeneration ``C_t``."""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+
+import attrs
+
+from belayer_policy._errors import PolicyStateError
+from belayer_policy._validate import (
+    non_negative,
+    positive_int,
+    require_non_negative,
+    unit_fraction,
+)
+
+__all__ = ["CheckpointCostModel", "RegenerationCost", "ResponseTimeModel"]
+
+
+@attrs.define
+class ResponseTimeModel:
+    """Empirical distribution of LLM response times over a sliding window.
+
+    Memory is bounded by ``window`` samples; the oldest sample leaves when a new one arrives, so the
+    distribution follows drift.  One observation is enough to answer queries.  Queries are
+    O(log window): samples are also kept sorted.
+    """
+
+    window: int = attrs.field(default=64, validator=positive_int)
+    _recent: deque[float] = attrs.field(init=False, factory=deque)
+    _sorted: list[float] = attrs.field(init=False, factory=list)
+    _sum: float = attrs.field(init=False, default=0.0)
+
+    @property
+    def num_observations(self) -> int:
+        """Samples currently in the window."""
+        return len(self._recent)
+
+    @property
+    def mean(self) -> float:
+        """Mean of the samples in the window (0.0 when empty)."""
+        return self._sum / len(self._recent) if self._recent else 0.0
+
+    def observe(self, seconds: float) -> None:
+        """Add one measured response time."""
+        value = require_non_negative("seconds", seconds)
+        self._recent.append(value)
+        bisect.insort(self._sorted, value)
+        self._sum += value
+        if len(self._recent) > self.window:
+            oldest = self._recent.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, oldest)]
+            self._sum -= oldest
+
+    def survival(self, seconds: float) -> float:
+        """Empirical ``P(T >= seconds)``; 1.0 for ``seconds <= 0`` even without samples."""
+        require_non_negative("seconds", seconds, allow_inf=True)
+        if seconds <= 0:
+            return 1.0
+        if not self._sorted:
+            return 0.0
+        return (len(self._sorted) - bisect.bisect_left(self._sorted, seconds)) / len(self._sorted)
+
+    def hidden_probability(self, elapsed: float, cost: float) -> float:
+        """``q(x; c) = P(T >= x + c | T >= x)``: a checkpoint of ``cost`` started ``elapsed`` seconds
+        into the current response ends before the response does.
+
+        Without samples the answer is pessimistic (0 for any ``cost > 0``).  When the response has
+        already outlived every sample, the tail is taken as exponential with the window's mean.
+        """
+        x = require_non_negative("elapsed", elapsed)
+        c = require_non_negative("cost", cost)
+        if c == 0:
+            return 1.0
+        reached = self.survival(x)
+        if reached > 0:
+            return self.survival(x + c) / reached
+        mean = self.mean
+        return math.exp(-c / mean) if mean > 0 else 0.0
+
+
+@attrs.define
+class CheckpointCostModel:
+    """Exponentially weighted mean of measured checkpoint costs (seconds), following current load.
+
+    ``initial_seconds`` stands in until the first measurement; ``smoothing`` is the weight of each
+    new measurement (1.0 keeps only the latest).
+    """
+
+    initial_seconds: float = attrs.field(default=1.0, validator=non_negative)
+    smoothing: float = attrs.field(default=0.3, validator=unit_fraction)
+    num_observations: int = attrs.field(init=False, default=0)
+    _estimate: float | None = attrs.field(init=False, default=None)
+
+    @property
+    def estimate(self) -> float:
+        """Current estimate of ``c_t`` in seconds."""
+        return self.initial_seconds if self._estimate is None else self._estimate
+
+    def observe(self, seconds: float) -> None:
+        """Add one measured checkpoint cost."""
+        value = require_non_negative("seconds", seconds)
+        if self._estimate is None:
+            self._estimate = value
+        else:
+            self._estimate += self.smoothing * (value - self._estimate)
+        self.num_observations += 1
+
+
+@attrs.define
+class RegenerationCost:
+    """``C_t``: seconds of responses and actions since the latest ready checkpoint.
+
+    The work is a running total along the current prefix.  A checkpoint *captures* the total when it
+    is taken; only when it becomes *ready* does the ready mark move there (work done while it was in
+    flight stays counted).  A restore rolls the total back to the ready mark (to 0 without one:
+    the trajectory restarts from the base image).
+    """
+
+    _work: float = attrs.field(init=False, default=0.0)
+    _ready_mark: float = attrs.field(init=False, default=0.0)
+    _capture_mark: float | None = attrs.field(init=False, default=None)
+
+    @property
+    def seconds(self) -> float:
+        """Current ``C_t``."""
+        return self._work - self._ready_mark
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a captured checkpoint is neither ready nor abandoned yet."""
+        return self._capture_mark is not None
+
+    def add(self, seconds: float) -> None:
+        """Add ``seconds`` of work (a response, an action) to the prefix."""
+        self._work += require_non_negative("seconds", seconds)
+
+    def capture(self) -> None:
+        """A checkpoint of the current prefix starts."""
+        self._capture_mark = self._work
+
+    def mark_ready(self) -> None:
+        """The captured checkpoint is ready: it becomes the restore point."""
+        if self._capture_mark is None:
+            raise PolicyStateError(
+                "a checkpoint became ready but none was started: call on_checkpoint_ready only after "
+                "a decision with checkpoint=True"
+            )
+        self._ready_mark = self._capture_mark
+        self._capture_mark = None
+
+    def abandon(self) -> None:
+        """The captured checkpoint failed or timed out; the previous ready one stays in effect."""
+        self._capture_mark = None
+
+    def restore(self) -> None:
+        """The environment went back to the latest ready checkpoint (or to the base image)."""
+        self._work = self._ready_mark
+        self._capture_mark = None
