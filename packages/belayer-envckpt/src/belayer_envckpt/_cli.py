@@ -1,0 +1,191 @@
+"""`belayer-envckpt`: doctor, checkpoint, restore, ls, verify, gc and a demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import docker.errors
+
+from ._checkpoint import full_checkpoint, full_restore
+from ._demo import run_demo
+from ._engine import Engine, check_criu
+from ._errors import BelayerEnvckptError
+from ._sandbox import Sandbox
+from ._store import Checkpoint, CheckpointStore
+
+DEFAULT_IMAGES = ("belayer/busybox:latest", "belayer/debian-python:latest")
+
+
+def _summary(c: Checkpoint) -> dict[str, Any]:
+    return {
+        "checkpoint_id": c.checkpoint_id,
+        "trajectory": c.trajectory,
+        "prefix": c.prefix,
+        "context_ref": c.context_ref,
+        "image": c.image,
+        "bytes": c.total_bytes,
+        "freeze_ms": c.timings_ms.get("freeze_ms"),
+        "total_ms": c.timings_ms.get("total_ms"),
+        "path": str(c.path),
+    }
+
+
+def _doctor(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    checks: dict[str, dict[str, Any]] = {}
+    engine: Engine | None = None
+    try:
+        engine = Engine.connect()
+        checks["engine"] = {"ok": True, "detail": engine.client.version().get("Version")}
+    except BelayerEnvckptError as exc:
+        checks["engine"] = {"ok": False, "detail": str(exc)}
+    if engine is not None:
+        ok = engine.experimental()
+        checks["experimental"] = {
+            "ok": ok,
+            "detail": "on" if ok else 'off: put {"experimental": true} in /etc/docker/daemon.json, restart dockerd',
+        }
+    try:
+        checks["criu"] = {"ok": True, "detail": check_criu().splitlines()[-1]}
+    except BelayerEnvckptError as exc:
+        checks["criu"] = {"ok": False, "detail": str(exc)}
+    for image in args.image or DEFAULT_IMAGES:
+        present = False
+        if engine is not None:
+            try:
+                engine.client.images.get(image)
+                present = True
+            except docker.errors.ImageNotFound:
+                pass
+        checks[f"image {image}"] = {
+            "ok": present,
+            "detail": "present" if present else "missing: run `bash scripts/setup-system` to build it",
+        }
+    ready = all(c["ok"] for c in checks.values())
+    if not args.json:
+        for name, check in checks.items():
+            print(f"{'ok ' if check['ok'] else 'BAD'} {name}: {check['detail']}")
+        print("ready" if ready else "not ready: fix the lines marked BAD")
+    return {"ready": ready, "checks": checks}, 0 if ready else 1
+
+
+def _checkpoint(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    engine = Engine.connect()
+    sandbox = Sandbox.attach(engine, args.container, trajectory=args.trajectory, prefix=args.prefix)
+    ckpt = full_checkpoint(
+        sandbox, args.trajectory, args.prefix, args.context_ref, store=CheckpointStore(args.store)
+    )
+    out = _summary(ckpt) | {"timings_ms": ckpt.timings_ms}
+    if not args.json:
+        print(f"{ckpt.checkpoint_id} ready (freeze {out['freeze_ms']} ms, total {out['total_ms']} ms)")
+    return out, 0
+
+
+def _restore(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    store = CheckpointStore(args.store)
+    ckpt = store.get(args.trajectory, args.prefix)
+    sandbox = full_restore(ckpt, remove_failed=not args.keep_failed)
+    out = {
+        "container_id": sandbox.id,
+        "checkpoint_id": ckpt.checkpoint_id,
+        "prefix": sandbox.prefix,
+        "context_ref": sandbox.context_ref,
+        "timings_ms": sandbox.restore_timings_ms,
+    }
+    if not args.json:
+        print(sandbox.id)
+    return out, 0
+
+
+def _ls(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    store = CheckpointStore(args.store)
+    ready = [_summary(c) for c in store.list(args.trajectory)]
+    leftovers = [str(p) for p in store.leftovers()]
+    if not args.json:
+        for c in ready:
+            print(f"{c['trajectory']}\t{c['prefix']}\t{c['checkpoint_id']}\t{c['bytes']} B\t{c['context_ref']}")
+        for p in leftovers:
+            print(f"leftover (not ready): {p}")
+    return {"checkpoints": ready, "leftovers": leftovers}, 0
+
+
+def _verify(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    store = CheckpointStore(args.store)
+    ckpt = store.verify(store.get(args.trajectory, args.prefix))
+    if not args.json:
+        print(f"{ckpt.checkpoint_id} ok ({len(ckpt.files)} files, {ckpt.total_bytes} B)")
+    return {"checkpoint_id": ckpt.checkpoint_id, "ok": True}, 0
+
+
+def _gc(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    removed = [str(p) for p in CheckpointStore(args.store).gc(args.trajectory, keep=args.keep)]
+    if not args.json:
+        print(f"removed {len(removed)}")
+    return {"removed": removed}, 0
+
+
+def _demo(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    return run_demo(image=args.image, store_root=args.store, say=None if args.json else print), 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface."""
+    parser = argparse.ArgumentParser(prog="belayer-envckpt", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, func: Callable[[argparse.Namespace], tuple[dict[str, Any], int]], help_: str) -> Any:
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+        p.set_defaults(func=func)
+        return p
+
+    p = add("doctor", _doctor, "check engine, experimental mode, CRIU and images")
+    p.add_argument("--image", action="append", help="image that must be present (repeatable)")
+    p = add("checkpoint", _checkpoint, "full checkpoint of a running container")
+    p.add_argument("container")
+    p.add_argument("--store", required=True)
+    p.add_argument("--trajectory", required=True)
+    p.add_argument("--prefix", type=int, required=True)
+    p.add_argument("--context-ref", default="")
+    p = add("restore", _restore, "restore the latest ready checkpoint into a new container")
+    p.add_argument("--store", required=True)
+    p.add_argument("--trajectory", required=True)
+    p.add_argument("--prefix", type=int)
+    p.add_argument("--keep-failed", action="store_true", help="do not remove the checkpointed container")
+    p = add("ls", _ls, "list ready checkpoints and leftovers")
+    p.add_argument("--store", required=True)
+    p.add_argument("--trajectory")
+    p = add("verify", _verify, "check a checkpoint's manifest and checksums")
+    p.add_argument("--store", required=True)
+    p.add_argument("--trajectory", required=True)
+    p.add_argument("--prefix", type=int)
+    p = add("gc", _gc, "remove leftovers, and a trajectory's checkpoints")
+    p.add_argument("--store", required=True)
+    p.add_argument("--trajectory")
+    p.add_argument("--keep", type=int, help="keep the newest N ready checkpoints of each trajectory")
+    p = add("demo", _demo, "checkpoint -> kill -> restore a sandbox, and show the state survived")
+    p.add_argument("--image", default="belayer/debian-python:latest")
+    p.add_argument("--store", default="")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; typed errors become one line on stderr (and a JSON error with --json)."""
+    args = build_parser().parse_args(argv)
+    try:
+        out, code = args.func(args)
+    except (BelayerEnvckptError, ValueError) as exc:
+        if args.json:
+            print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
+        print(f"belayer-envckpt {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(out))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
