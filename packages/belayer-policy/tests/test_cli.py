@@ -1,0 +1,91 @@
+"""``belayer-policy simulate``: in-process and as the installed console script."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from belayer_policy import Trajectory, save_trace
+from belayer_policy._cli import main
+
+REQUIRED_KEYS = {
+    "policy",
+    "rollout_time_mean",
+    "failure_free_time_mean",
+    "lost_time_mean",
+    "visible_checkpoint_time_mean",
+    "checkpoints_mean",
+}
+
+
+def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> list[dict[str, object]]:
+    assert main(["simulate", *argv, "--json"]) == 0
+    result: list[dict[str, object]] = json.loads(capsys.readouterr().out)
+    return result
+
+
+def test_json_has_one_object_per_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    result = _json(
+        capsys,
+        *("--policy", "adaptive", "--policy", "never", "--policy", "every:2"),
+        *("--fail-prob", "0.05", "--trajectories", "4", "--steps", "5", "--runs", "3", "--seed", "3"),
+    )
+    assert [r["policy"] for r in result] == ["adaptive", "never", "every:2"]
+    for record in result:
+        assert REQUIRED_KEYS <= set(record)
+        assert record["runs"] == 3
+    assert result[1]["checkpoints_mean"] == 0.0
+
+
+def test_default_compares_the_four_policies_as_a_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--trajectories", "2", "--steps", "3", "--runs", "2"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("| policy |")
+    assert [line.split("|")[1].strip() for line in table[2:]] == ["adaptive", "always", "every:3", "never"]
+
+
+def test_trace_drives_the_batch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "trace.jsonl"
+    save_trace(trace, [Trajectory([10.0, 10.0], [1.0, 1.0], [0.5, 0.5]), Trajectory([5.0], [1.0], [0.5])])
+    (record,) = _json(capsys, "--trace", str(trace), "--policy", "always", "--fail-prob", "0", "--runs", "2")
+    assert record["failure_free_time_mean"] == 22.0
+    assert record["rollout_time_mean"] == 22.0
+    assert record["checkpoints_mean"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--fail-prob", "1.5"], "fail_prob"),
+        (["--policy", "sometimes"], "policy"),
+        (["--runs", "0"], "runs"),
+        (["--trajectories", "0"], "num_trajectories"),
+        (["--steps", "0"], "num_steps"),
+        (["--policy", "never", "--policy", "never"], "twice"),
+        (["--trace", "/nonexistent/trace.jsonl"], "cannot be read"),
+        (["--trace", "x.jsonl", "--steps", "3"], "--trace"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_message(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["simulate", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_console_script_runs_as_a_process() -> None:
+    script = shutil.which("belayer-policy", path=str(Path(sys.executable).parent))
+    assert script is not None, "the package's console script is not installed next to this Python"
+    done = subprocess.run(
+        [script, "simulate", "--trajectories", "2", "--steps", "3", "--runs", "1", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    assert {r["policy"] for r in json.loads(done.stdout)} == {"adaptive", "always", "every:3", "never"}
