@@ -1,0 +1,280 @@
+"""The router's ASGI application: routes, admin authentication, request and error plumbing."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+
+from belayer_router._asgi import Receive, Send, read_json, send_json, send_text, stream_response
+from belayer_router._dispatch import Dispatcher, Emit, new_seed
+from belayer_router._errors import BelayerRouterError, InvalidRequestError, NotFoundError, UnauthorizedError
+from belayer_router._journal import Journal, RequestRecord
+from belayer_router._metrics import Metrics
+from belayer_router._openai import CompletionRenderer, parse_completion_request
+from belayer_router._protocol import (
+    FinishEvent,
+    GenerateRequest,
+    TokenEvent,
+    encode_event,
+    parse_generate_request,
+)
+from belayer_router._registry import Registry
+from belayer_router._store import JournalStore
+from belayer_router._tokenizer import Tokenizer
+
+__all__ = ["RouterApp", "RouterConfig"]
+
+Event = TokenEvent | FinishEvent
+
+
+@attrs.frozen
+class RouterConfig:
+    """Everything a router is configured with; the CLI flags map one to one."""
+
+    admin_token: str | None = None
+    journal_path: Path | None = None
+    prefix_interval: int = attrs.field(default=256, validator=attrs.validators.ge(1))
+    resume_wait: float = attrs.field(default=5.0, validator=attrs.validators.ge(0))
+    worker_read_timeout: float = attrs.field(default=120.0, validator=attrs.validators.gt(0))
+    fsync: bool = False
+    tokenizer: Tokenizer | None = None
+
+
+def _int_field(body: dict[str, Any], name: str) -> int:
+    value = body.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidRequestError(f"field {name!r} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise InvalidRequestError("request body must be a JSON object")
+    return body
+
+
+def _error_line(error: BelayerRouterError) -> bytes:
+    return json.dumps({"type": "error", "message": str(error), "status": error.status}).encode() + b"\n"
+
+
+@attrs.define
+class RouterApp:
+    """The router as an ASGI app; serve it with `serve_router` or any ASGI server."""
+
+    config: RouterConfig = attrs.field(factory=RouterConfig)
+    registry: Registry = attrs.field(factory=Registry)
+    metrics: Metrics = attrs.field(factory=Metrics)
+    journal: Journal = attrs.field(init=False)
+    dispatcher: Dispatcher = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        store = None
+        if self.config.journal_path is not None:
+            store = JournalStore(self.config.journal_path, fsync=self.config.fsync)
+        self.journal = Journal(store, prefix_interval=self.config.prefix_interval)
+        for op in self.journal.load():
+            self._apply_admin(op)
+        timeout = httpx.Timeout(10.0, read=self.config.worker_read_timeout)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
+        client = httpx.AsyncClient(timeout=timeout, limits=limits)
+        self.dispatcher = Dispatcher(
+            self.registry, self.journal, self.metrics, client, self.config.resume_wait
+        )
+
+    def _apply_admin(self, op: dict[str, Any]) -> None:
+        """Apply one registry change; the same code serves the API and a journal replay."""
+        if op["op"] == "register":
+            self.registry.register(op["slot"], op["url"], op["epoch"])
+        elif op["op"] == "unregister":
+            self.registry.unregister(op["slot"], op["epoch"])
+        else:
+            self.registry.mark_unhealthy(op["slot"])
+
+    async def aclose(self) -> None:
+        """Close worker connections and the journal file."""
+        await self.dispatcher.client.aclose()
+        if self.journal.store is not None:
+            self.journal.store.close()
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        """ASGI entry point."""
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        try:
+            await self._route(scope, receive, send)
+        except BelayerRouterError as error:
+            await send_json(send, error.status, {"error": {"message": str(error), "status": error.status}})
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    def _authorize(self, scope: dict[str, Any]) -> None:
+        token = self.config.admin_token
+        if token is None:
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if not hmac.compare_digest(given, b"Bearer " + token.encode()):
+            raise UnauthorizedError("admin call needs the header 'Authorization: Bearer <admin token>'")
+
+    async def _route(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        method, parts = scope["method"], [p for p in scope["path"].split("/") if p]
+        match method, parts:
+            case "POST", ["generate"]:
+                await self._generate(parse_generate_request(await read_json(receive)), receive, send)
+            case "POST", ["v1", "completions"]:
+                await self._completions(await read_json(receive), receive, send)
+            case "GET", ["v1", "models"]:
+                await send_json(send, 200, {"object": "list", "data": [{"id": "belayer", "object": "model"}]})
+            case "GET", ["health"]:
+                healthy = [s for s in self.registry.slots.values() if s.healthy and s.worker is not None]
+                await send_json(send, 200, {"status": "ok", "num_active_workers": len(healthy)})
+            case "GET", ["metrics"]:
+                await send_text(send, 200, self.metrics.render(self.registry), "text/plain; version=0.0.4")
+            case "GET", ["requests", request_id]:
+                record = self.journal.records.get(request_id)
+                if record is None:
+                    raise NotFoundError(f"no journal record for request {request_id!r}")
+                await send_json(send, 200, record.as_dict())
+            case _, ["workers" | "slots", *_]:
+                self._authorize(scope)
+                await self._admin(method, parts, receive, send)
+            case _, ["contexts", *_]:
+                await self._contexts(method, parts, receive, send)
+            case _:
+                raise NotFoundError(f"no route {method} {scope['path']}; see the belayer-router README")
+
+    async def _admin(self, method: str, parts: list[str], receive: Receive, send: Send) -> None:
+        match method, parts:
+            case "GET", ["workers"]:
+                await send_json(send, 200, {"slots": self.registry.snapshot()})
+            case "POST", ["workers", "register"]:
+                body = _object(await read_json(receive))
+                url = body.get("url")
+                if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                    raise InvalidRequestError(f"field 'url' must be an http(s) URL, got {url!r}")
+                slot, epoch = str(body.get("slot")), _int_field(body, "epoch")
+                self._admin_change({"op": "register", "slot": slot, "url": url.rstrip("/"), "epoch": epoch})
+                await send_json(send, 200, {"slot": slot, "url": url.rstrip("/"), "epoch": epoch})
+            case "POST", ["workers", "unregister"]:
+                body = _object(await read_json(receive))
+                slot, epoch = str(body.get("slot")), _int_field(body, "epoch")
+                self._admin_change({"op": "unregister", "slot": slot, "epoch": epoch})
+                await send_json(send, 200, {"ok": True})
+            case "POST", ["slots", slot, "unhealthy"]:
+                self._admin_change({"op": "unhealthy", "slot": slot})
+                await send_json(send, 200, {"ok": True})
+            case _:
+                raise NotFoundError(f"no admin route {method} /{'/'.join(parts)}")
+
+    async def _contexts(self, method: str, parts: list[str], receive: Receive, send: Send) -> None:
+        match method, parts:
+            case "PUT" | "POST", ["contexts", trajectory, turn]:
+                body = _object(await read_json(receive))
+                token_ids = body.get("token_ids")
+                if not isinstance(token_ids, list) or not all(type(t) is int and t >= 0 for t in token_ids):
+                    raise InvalidRequestError("field 'token_ids' must be a list of non-negative token ids")
+                self.journal.put_context(trajectory, _parse_turn(turn), token_ids)
+                await send_json(send, 200, {"trajectory_id": trajectory, "turn": _parse_turn(turn)})
+            case "GET", ["contexts", trajectory, *rest] if len(rest) <= 1:
+                found, token_ids = self.journal.get_context(
+                    trajectory, _parse_turn(rest[0]) if rest else None
+                )
+                await send_json(
+                    send, 200, {"trajectory_id": trajectory, "turn": found, "token_ids": token_ids}
+                )
+            case "DELETE", ["contexts", trajectory]:
+                self.journal.drop_trajectory(trajectory)
+                await send_json(send, 200, {"ok": True})
+            case _:
+                raise NotFoundError(f"no route {method} /{'/'.join(parts)}")
+
+    def _admin_change(self, op: dict[str, Any]) -> None:
+        self._apply_admin(op)  # raises before anything is persisted if the change is refused
+        self.journal.record_admin(op)
+
+    def _begin(self, request: GenerateRequest) -> RequestRecord:
+        request_id = request.request_id or uuid.uuid4().hex
+        seed = request.seed if request.seed is not None else new_seed()
+        existing = self.journal.records.get(request_id)
+        record = self.journal.begin(request_id, request, seed)
+        if existing is not None and existing.finish_reason is None:
+            record.num_resumes += 1  # picked up again, e.g. after a router restart
+            self.metrics.num_resumes += 1
+        self.metrics.num_requests += 1
+        return record
+
+    async def _run(self, record: RequestRecord, emit: Emit, num_received: int) -> None:
+        self.metrics.num_in_flight += 1
+        try:
+            await self.dispatcher.run(record, emit, num_received)
+        except BelayerRouterError:
+            self.metrics.num_requests_failed += 1
+            raise
+        finally:
+            self.metrics.num_in_flight -= 1
+
+    async def _collect(self, record: RequestRecord, num_received: int) -> list[Event]:
+        events: list[Event] = []
+        await self._run(record, events.append, num_received)
+        return events
+
+    async def _generate(self, request: GenerateRequest, receive: Receive, send: Send) -> None:
+        record = self._begin(request)
+        skip = request.num_received_tokens
+        if not request.stream:
+            events = await self._collect(record, skip)
+            tokens = [e for e in events if isinstance(e, TokenEvent)]
+            finish = next(e for e in events if isinstance(e, FinishEvent))
+            payload = {**attrs.asdict(finish), "token_ids": [t.token_id for t in tokens]}
+            payload["logprobs"] = [t.logprob for t in tokens]
+            await send_json(send, 200, payload)
+            return
+
+        async def produce(emit: Emit) -> None:
+            await self._run(record, emit, skip)
+
+        await stream_response(
+            receive,
+            send,
+            produce,
+            lambda events: b"".join(encode_event(e) for e in events),
+            _error_line,
+            "application/x-ndjson",
+        )
+
+    async def _completions(self, body: Any, receive: Receive, send: Send) -> None:
+        request, options = parse_completion_request(body, self.config.tokenizer)
+        record = self._begin(request)
+        renderer = CompletionRenderer(options, self.config.tokenizer, f"cmpl-{record.request_id}")
+        if not request.stream:
+            await send_json(send, 200, renderer.whole(await self._collect(record, 0)))
+            return
+
+        async def produce(emit: Emit) -> None:
+            await self._run(record, emit, 0)
+
+        await stream_response(
+            receive, send, produce, renderer.chunks, renderer.error_chunk, "text/event-stream"
+        )
+
+
+def _parse_turn(turn: str) -> int:
+    if not turn.isdigit():
+        raise InvalidRequestError(f"turn must be a non-negative integer, got {turn!r}")
+    return int(turn)

@@ -1,0 +1,115 @@
+"""The little of ASGI the router needs: JSON in, JSON / text out, and streamed responses.
+
+A streamed response is produced by a task that emits events synchronously into an unbounded
+in-memory queue; the handler drains whatever is queued into one body chunk per wake-up, and a
+watcher cancels the producer when the client disconnects.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio
+import anyio.abc
+
+from belayer_router._errors import BelayerRouterError, InvalidRequestError
+
+__all__ = ["MAX_BODY_BYTES", "Receive", "Send", "read_json", "send_json", "send_text", "stream_response"]
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+_E = TypeVar("_E")
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+async def read_json(receive: Receive) -> Any:
+    """The request body decoded as JSON; `InvalidRequestError` if it is not JSON or too large."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise InvalidRequestError("client disconnected before sending the whole body")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise InvalidRequestError(f"request body exceeds {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    try:
+        return json.loads(b"".join(chunks))
+    except ValueError as error:
+        raise InvalidRequestError(f"request body is not valid JSON: {error}") from error
+
+
+async def send_text(send: Send, status: int, text: str | bytes, content_type: str) -> None:
+    """A complete response with one body."""
+    body = text.encode() if isinstance(text, str) else text
+    headers = [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_json(send: Send, status: int, payload: Any) -> None:
+    """A complete JSON response."""
+    await send_text(send, status, json.dumps(payload, separators=(",", ":")), "application/json")
+
+
+async def _watch_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+async def stream_response(
+    receive: Receive,
+    send: Send,
+    produce: Callable[[Callable[[_E], None]], Awaitable[None]],
+    render: Callable[[list[_E]], bytes],
+    render_error: Callable[[BelayerRouterError], bytes],
+    content_type: str,
+) -> None:
+    """Stream what ``produce`` emits; an error before the first event becomes an error status."""
+    sender, receiver = anyio.create_memory_object_stream[_E | BelayerRouterError](math.inf)
+
+    async def run_producer() -> None:
+        with sender:
+            try:
+                await produce(sender.send_nowait)
+            except BelayerRouterError as error:
+                sender.send_nowait(error)
+
+    started = False
+    async with anyio.create_task_group() as group:
+        group.start_soon(run_producer)
+        group.start_soon(_watch_disconnect, receive, group.cancel_scope)
+        with receiver:
+            async for first in receiver:
+                batch = [first]
+                while True:
+                    try:
+                        batch.append(receiver.receive_nowait())
+                    except (anyio.WouldBlock, anyio.EndOfStream):
+                        break
+                error = next((e for e in batch if isinstance(e, BelayerRouterError)), None)
+                if not started and error is not None and len(batch) == 1:
+                    await send_json(
+                        send, error.status, {"error": {"message": str(error), "status": error.status}}
+                    )
+                    group.cancel_scope.cancel()
+                    return
+                if not started:
+                    headers = [(b"content-type", content_type.encode()), (b"cache-control", b"no-cache")]
+                    await send({"type": "http.response.start", "status": 200, "headers": headers})
+                    started = True
+                events = [e for e in batch if not isinstance(e, BelayerRouterError)]
+                body = render(events) + (b"" if error is None else render_error(error))
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+        if not started:
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        group.cancel_scope.cancel()

@@ -1,0 +1,214 @@
+"""`RouterClient`: the async client for workers (registration) and trainers (generation, ``L_k``)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from types import TracebackType
+from typing import Any, Self
+
+import anyio
+import attrs
+import httpx
+
+from belayer_router._errors import RouterClientError
+from belayer_router._protocol import FinishEvent, TokenEvent
+
+__all__ = ["Completion", "RouterClient"]
+
+
+@attrs.frozen
+class Completion:
+    """A finished generation."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    num_prompt_tokens: int
+    num_resumes: int
+
+
+def _raise_for_status(response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = response.text
+    raise RouterClientError(response.status_code, message)
+
+
+@attrs.define
+class RouterClient:
+    """Talks to one router over HTTP.  Use as ``async with RouterClient(url) as client:``.
+
+    ``reconnect_timeout``: how long a streaming generation keeps reconnecting (with the same
+    request id and the number of tokens already received) when the router itself goes away, e.g.
+    while it restarts from its persisted journal.
+    """
+
+    base_url: str
+    admin_token: str | None = None
+    reconnect_timeout: float = 30.0
+    timeout: float = 600.0
+    _http: httpx.AsyncClient = attrs.field(init=False, alias="_http")
+
+    def __attrs_post_init__(self) -> None:
+        headers = {} if self.admin_token is None else {"authorization": f"Bearer {self.admin_token}"}
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url.rstrip("/"), headers=headers, timeout=self.timeout, limits=limits
+        )
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connections."""
+        await self._http.aclose()
+
+    async def _call(self, method: str, path: str, body: Any = None) -> Any:
+        response = await self._http.request(method, path, json=body)
+        _raise_for_status(response)
+        return response.json()
+
+    # -- workers -------------------------------------------------------------------------------
+
+    async def register(self, slot: str, url: str, epoch: int) -> None:
+        """Make the worker at ``url`` the active one of ``slot`` at ``epoch`` (must exceed older ones)."""
+        await self._call("POST", "/workers/register", {"slot": slot, "url": url, "epoch": epoch})
+
+    async def unregister(self, slot: str, epoch: int) -> None:
+        """Remove the slot's worker of ``epoch``; its in-flight requests are resumed elsewhere."""
+        await self._call("POST", "/workers/unregister", {"slot": slot, "epoch": epoch})
+
+    async def mark_unhealthy(self, slot: str) -> None:
+        """Take ``slot`` out of service for good; its requests spread over the healthy slots."""
+        await self._call("POST", f"/slots/{slot}/unhealthy")
+
+    async def workers(self) -> list[dict[str, Any]]:
+        """The slots with their worker, epoch, health and outstanding requests."""
+        return list((await self._call("GET", "/workers"))["slots"])
+
+    # -- trainers ------------------------------------------------------------------------------
+
+    async def generate_stream(
+        self,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop_token_ids: Sequence[int] = (),
+        request_id: str | None = None,
+        trajectory_id: str | None = None,
+        turn: int | None = None,
+    ) -> AsyncIterator[TokenEvent | FinishEvent]:
+        """Yield each `TokenEvent` as it is generated, then the `FinishEvent`."""
+        body: dict[str, Any] = {
+            "prompt_token_ids": list(prompt_token_ids),
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "seed": seed,
+            "stop_token_ids": list(stop_token_ids),
+            "request_id": request_id or uuid.uuid4().hex,
+            "trajectory_id": trajectory_id,
+            "turn": turn,
+        }
+        num_received = 0
+        deadline = anyio.current_time() + self.reconnect_timeout
+        while True:
+            body["num_received_tokens"] = num_received
+            try:
+                async for event in self._stream_once(body):
+                    if isinstance(event, TokenEvent):
+                        num_received += 1
+                    yield event
+                    if isinstance(event, FinishEvent):
+                        return
+                raise httpx.RemoteProtocolError("router stream ended without a finish event")
+            except (httpx.TransportError, OSError):
+                if anyio.current_time() >= deadline:
+                    raise
+                await anyio.sleep(0.05)
+
+    async def _stream_once(self, body: dict[str, Any]) -> AsyncIterator[TokenEvent | FinishEvent]:
+        async with self._http.stream("POST", "/generate", json=body) as response:
+            if response.status_code >= 400:
+                await response.aread()
+                _raise_for_status(response)
+            async for line in response.aiter_lines():
+                if not line:
+                    continue
+                event = json.loads(line)
+                kind = event.pop("type")
+                if kind == "token":
+                    yield TokenEvent(**event)
+                elif kind == "finish":
+                    yield FinishEvent(**event)
+                else:
+                    raise RouterClientError(int(event.get("status", 500)), str(event.get("message")))
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        **options: Any,
+    ) -> Completion:
+        """Generate to completion (streamed underneath, so it survives router restarts).
+
+        ``options`` are those of `generate_stream`.
+        """
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        async for event in self.generate_stream(prompt_token_ids, max_tokens, **options):
+            if isinstance(event, TokenEvent):
+                token_ids.append(event.token_id)
+                logprobs.append(event.logprob)
+            else:
+                return Completion(
+                    event.request_id,
+                    token_ids,
+                    logprobs,
+                    event.finish_reason,
+                    event.num_prompt_tokens,
+                    event.num_resumes,
+                )
+        raise RouterClientError(502, "router stream ended without a finish event")
+
+    async def put_context(self, trajectory_id: str, turn: int, token_ids: Sequence[int]) -> None:
+        """Record ``L_turn`` of a trajectory (the full token context after that turn)."""
+        await self._call("PUT", f"/contexts/{trajectory_id}/{turn}", {"token_ids": list(token_ids)})
+
+    async def get_context(self, trajectory_id: str, turn: int | None = None) -> tuple[int, list[int]]:
+        """``(turn, L_turn)``; ``turn=None`` gives the latest turn recorded."""
+        path = f"/contexts/{trajectory_id}" + ("" if turn is None else f"/{turn}")
+        answer = await self._call("GET", path)
+        return int(answer["turn"]), list(answer["token_ids"])
+
+    async def drop_trajectory(self, trajectory_id: str) -> None:
+        """Forget every context of a finished trajectory."""
+        await self._call("DELETE", f"/contexts/{trajectory_id}")
+
+    async def request_record(self, request_id: str) -> dict[str, Any]:
+        """The journal record of a request: tokens, logprobs, ``num_preserved``, finish reason."""
+        return dict(await self._call("GET", f"/requests/{request_id}"))
+
+    async def health(self) -> dict[str, Any]:
+        """``GET /health``."""
+        return dict(await self._call("GET", "/health"))
+
+    async def metrics(self) -> str:
+        """``GET /metrics`` as Prometheus text."""
+        response = await self._http.get("/metrics")
+        _raise_for_status(response)
+        return response.text

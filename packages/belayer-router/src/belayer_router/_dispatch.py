@@ -1,0 +1,175 @@
+"""The resume loop: stream a request from a worker and, when the stream breaks, continue it.
+
+On a break (connection error, malformed event, stale epoch, retired worker) the request waits up
+to ``resume_wait`` seconds for its slot's replacement and resumes there with prompt + every
+token generated so far; if the slot is unhealthy or the wait runs out, it goes to the healthy
+slot with the fewest outstanding requests.  Tokens reach the client through ``emit``, which is
+synchronous, so fencing check, journal append and emit happen with no await in between.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+import attrs
+import httpx
+
+from belayer_router._errors import NoHealthyWorkerError, WorkerStreamError
+from belayer_router._journal import Journal, RequestRecord
+from belayer_router._metrics import Metrics
+from belayer_router._protocol import (
+    FinishEvent,
+    TokenEvent,
+    WorkerFinish,
+    parse_worker_event,
+    worker_request_body,
+)
+from belayer_router._registry import Registry, Worker
+
+__all__ = ["Dispatcher", "Emit", "new_seed"]
+
+_T = TypeVar("_T")
+Emit = Callable[[TokenEvent | FinishEvent], None]
+
+
+def new_seed() -> int:
+    """A seed for a request that came without one, so that a resume stays deterministic."""
+    return secrets.randbits(63)
+
+
+@attrs.define
+class Dispatcher:
+    """Runs requests against the registry's workers, journaling and resuming them."""
+
+    registry: Registry
+    journal: Journal
+    metrics: Metrics
+    client: httpx.AsyncClient
+    resume_wait: float = 5.0
+    max_attempts: int = 32
+
+    async def run(self, record: RequestRecord, emit: Emit, num_received: int = 0) -> None:
+        """Drive ``record`` to completion, emitting every token with index >= ``num_received``."""
+        for index in range(num_received, len(record.token_ids)):
+            emit(TokenEvent(index, record.token_ids[index], record.logprobs[index]))
+        self.metrics.num_tokens += max(0, len(record.token_ids) - num_received)
+        try:
+            if record.finish_reason is None:
+                await self._generate(record, emit, num_received)
+            else:
+                record.in_flight = False
+        finally:
+            if record.in_flight:
+                self.journal.release(record)
+        emit(
+            FinishEvent(
+                request_id=record.request_id,
+                finish_reason=record.finish_reason or "length",
+                num_prompt_tokens=len(record.request.prompt_token_ids),
+                num_generated_tokens=len(record.token_ids),
+                num_resumes=record.num_resumes,
+            )
+        )
+
+    def _natural_finish(self, record: RequestRecord) -> str | None:
+        request = record.request
+        if record.token_ids and record.token_ids[-1] in request.stop_token_ids:
+            return "stop"
+        if len(record.token_ids) >= request.max_tokens:
+            return "length"
+        return None
+
+    async def _generate(self, record: RequestRecord, emit: Emit, num_received: int) -> None:
+        excluded: set[tuple[str, int]] = set()
+        worker = await self._wait(self.registry.wait_for_any(frozenset(), self.resume_wait))
+        for _ in range(self.max_attempts):
+            if worker is None:
+                break
+            reason = self._natural_finish(record)
+            if reason is None:
+                try:
+                    reason = await self._attempt(worker, record, emit, num_received)
+                except WorkerStreamError:
+                    record.num_resumes += 1
+                    self.metrics.num_resumes += 1
+                    excluded.add(worker.key)
+                    worker = await self._next_worker(worker, frozenset(excluded))
+                    continue
+            self.journal.finish(record, reason)
+            return
+        raise NoHealthyWorkerError(
+            f"request {record.request_id!r}: no healthy worker within {self.resume_wait:g} s "
+            f"after {record.num_resumes} resumes; register workers and retry with the same request_id"
+        )
+
+    async def _next_worker(self, failed: Worker, excluded: frozenset[tuple[str, int]]) -> Worker | None:
+        replacement = await self._wait(
+            self.registry.wait_for_replacement(failed.slot, failed.epoch, self.resume_wait)
+        )
+        if replacement is not None:
+            return replacement
+        return await self._wait(self.registry.wait_for_any(excluded, self.resume_wait))
+
+    async def _wait(self, waiting: Coroutine[Any, Any, _T]) -> _T:
+        self.metrics.num_waiting += 1
+        try:
+            return await waiting
+        finally:
+            self.metrics.num_waiting -= 1
+
+    async def _attempt(self, worker: Worker, record: RequestRecord, emit: Emit, num_received: int) -> str:
+        body = worker_request_body(
+            record.request, record.request_id, record.seed, record.token_ids, worker.epoch
+        )
+        finish: str | None = None
+        with self.registry.attempt(worker) as scope:
+            try:
+                finish = await self._stream(worker, body, record, emit, num_received)
+            except (httpx.HTTPError, OSError) as error:
+                raise WorkerStreamError(f"stream from {worker.url} broke: {error!r}") from error
+        if scope.cancelled_caught or finish is None:
+            raise WorkerStreamError(f"worker {worker.url} (slot {worker.slot}) was retired mid-stream")
+        return finish
+
+    async def _stream(
+        self, worker: Worker, body: dict[str, object], record: RequestRecord, emit: Emit, num_received: int
+    ) -> str:
+        async with self.client.stream("POST", f"{worker.url}/generate", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                raise WorkerStreamError(
+                    f"worker {worker.url} answered {response.status_code}: {response.text}"
+                )
+            pending = b""
+            async for chunk in response.aiter_raw():
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    finish = self._handle(worker, line, record, emit, num_received)
+                    if finish is not None:
+                        return finish
+        raise WorkerStreamError(f"worker {worker.url} ended its stream without a finish event")
+
+    def _handle(
+        self, worker: Worker, line: bytes, record: RequestRecord, emit: Emit, num_received: int
+    ) -> str | None:
+        event = parse_worker_event(line)
+        if worker.retired or event.epoch != worker.epoch:
+            self.metrics.num_stale_events += 1
+            raise WorkerStreamError(
+                f"event of epoch {event.epoch} from {worker.url}; slot {worker.slot} expects epoch "
+                f"{worker.epoch}{' (retired)' if worker.retired else ''}"
+            )
+        if isinstance(event, WorkerFinish):
+            return event.finish_reason
+        index = len(record.token_ids)
+        if event.index != index or index >= record.request.max_tokens:
+            raise WorkerStreamError(f"worker {worker.url} sent token index {event.index}, expected {index}")
+        self.journal.append(record, event.token_id, event.logprob)
+        if index >= num_received:
+            self.metrics.num_tokens += 1
+            emit(TokenEvent(index, event.token_id, event.logprob))
+        else:
+            self.metrics.num_tokens_regenerated += 1
+        return None

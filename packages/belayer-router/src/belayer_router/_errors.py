@@ -1,0 +1,84 @@
+"""The error hierarchy of belayer-router: one root, one subclass per way a caller can go wrong."""
+
+from __future__ import annotations
+
+__all__ = [
+    "BelayerRouterError",
+    "InvalidRequestError",
+    "JournalError",
+    "NoHealthyWorkerError",
+    "NotFoundError",
+    "RequestConflictError",
+    "RouterClientError",
+    "StaleEpochError",
+    "UnauthorizedError",
+    "WorkerStreamError",
+]
+
+
+class BelayerRouterError(Exception):
+    """Root of every error raised by belayer-router.
+
+    ``status`` is the HTTP status the router answers with when this error reaches a client.
+    """
+
+    status = 500
+
+
+class InvalidRequestError(BelayerRouterError):
+    """A request body or parameter is malformed; the message names the field and what to send."""
+
+    status = 400
+
+
+class UnauthorizedError(BelayerRouterError):
+    """An admin call came without the right bearer token."""
+
+    status = 401
+
+
+class NotFoundError(BelayerRouterError):
+    """An unknown route, slot, request or trajectory context."""
+
+    status = 404
+
+
+class StaleEpochError(BelayerRouterError):
+    """A registration, unregistration or stream from an older epoch than the slot's (fencing)."""
+
+    status = 409
+
+
+class RequestConflictError(BelayerRouterError):
+    """A request id is reused with a different prompt, or is still in flight."""
+
+    status = 409
+
+
+class NoHealthyWorkerError(BelayerRouterError):
+    """No healthy worker became available within the configured wait."""
+
+    status = 503
+
+
+class JournalError(BelayerRouterError):
+    """The persisted journal cannot be read or written."""
+
+
+class WorkerStreamError(BelayerRouterError):
+    """A worker's stream broke (connection error, bad event, stale epoch, retired worker).
+
+    The router handles this internally by resuming the request; it reaches callers only through
+    ``RouterClient`` when a worker-side call fails.
+    """
+
+    status = 502
+
+
+class RouterClientError(BelayerRouterError):
+    """The router answered a ``RouterClient`` call with an error status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"router answered {status}: {message}")
+        self.status = status
+        self.message = message

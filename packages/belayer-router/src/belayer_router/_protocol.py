@@ -1,0 +1,220 @@
+"""Wire formats: the client request, the router -> worker request and the NDJSON events.
+
+Both the router's ``/generate`` and every worker's ``/generate`` stream newline-delimited JSON
+(``application/x-ndjson``): one object per line, ``{"type": "token", ...}`` per token and a final
+``{"type": "finish", ...}`` (or ``{"type": "error", ...}``).  The README defines every field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from belayer_router._errors import InvalidRequestError, WorkerStreamError
+
+__all__ = [
+    "FINISH_REASONS",
+    "FinishEvent",
+    "GenerateRequest",
+    "TokenEvent",
+    "WorkerFinish",
+    "WorkerToken",
+    "encode_event",
+    "parse_generate_request",
+    "parse_worker_event",
+    "worker_request_body",
+]
+
+FINISH_REASONS = ("stop", "length")
+_MAX_SEED = 2**63 - 1
+
+
+@attrs.frozen
+class GenerateRequest:
+    """One generation request as the router's ``/generate`` accepts it (already validated)."""
+
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    request_id: str | None = None
+    trajectory_id: str | None = None
+    turn: int | None = None
+    num_received_tokens: int = 0
+    stream: bool = True
+
+
+@attrs.frozen
+class TokenEvent:
+    """A token as the router streams it to its client; ``index`` counts from 0 in the completion."""
+
+    index: int
+    token_id: int
+    logprob: float
+
+
+@attrs.frozen
+class FinishEvent:
+    """The last event of a router stream."""
+
+    request_id: str
+    finish_reason: str
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    num_resumes: int
+
+
+@attrs.frozen
+class WorkerToken:
+    """A token event from a worker, with the worker's epoch."""
+
+    epoch: int
+    index: int
+    token_id: int
+    logprob: float
+
+
+@attrs.frozen
+class WorkerFinish:
+    """The final event from a worker, with the worker's epoch."""
+
+    epoch: int
+    finish_reason: str
+
+
+def _field(body: Mapping[str, Any], name: str, default: Any) -> Any:
+    return body[name] if name in body and body[name] is not None else default
+
+
+def _int(name: str, value: Any, *, minimum: int, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"field {name!r} must be an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise InvalidRequestError(f"field {name!r} must be {bound}, got {value}")
+    return value
+
+
+def _float(name: str, value: Any, *, low: float, high: float, low_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidRequestError(f"field {name!r} must be a finite number, got {value!r}")
+    if value < low or value > high or (low_open and value == low):
+        raise InvalidRequestError(f"field {name!r} must be in {'(' if low_open else '['}{low}, {high}]")
+    return float(value)
+
+
+def _token_ids(name: str, value: Any, *, allow_empty: bool) -> tuple[int, ...]:
+    if not isinstance(value, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in value):
+        raise InvalidRequestError(f"field {name!r} must be a list of integer token ids")
+    if any(t < 0 for t in value):
+        raise InvalidRequestError(f"field {name!r} must hold non-negative token ids")
+    if not value and not allow_empty:
+        raise InvalidRequestError(f"field {name!r} must not be empty")
+    return tuple(value)
+
+
+def _optional_str(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > 256 or "/" in value:
+        raise InvalidRequestError(f"field {name!r} must be a non-empty string of <= 256 chars without '/'")
+    return value
+
+
+def parse_generate_request(body: Any) -> GenerateRequest:
+    """Validate a decoded JSON body of ``POST /generate``; raise `InvalidRequestError` if bad."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("request body must be a JSON object")
+    if "prompt_token_ids" not in body:
+        raise InvalidRequestError("field 'prompt_token_ids' is required (a list of token ids)")
+    if "max_tokens" not in body:
+        raise InvalidRequestError("field 'max_tokens' is required (a positive integer)")
+    seed = _field(body, "seed", None)
+    turn = _field(body, "turn", None)
+    stream = _field(body, "stream", True)
+    if not isinstance(stream, bool):
+        raise InvalidRequestError(f"field 'stream' must be true or false, got {stream!r}")
+    request = GenerateRequest(
+        prompt_token_ids=_token_ids("prompt_token_ids", body["prompt_token_ids"], allow_empty=False),
+        max_tokens=_int("max_tokens", body["max_tokens"], minimum=1),
+        temperature=_float("temperature", _field(body, "temperature", 1.0), low=0.0, high=100.0),
+        top_p=_float("top_p", _field(body, "top_p", 1.0), low=0.0, high=1.0, low_open=True),
+        seed=None if seed is None else _int("seed", seed, minimum=0, maximum=_MAX_SEED),
+        stop_token_ids=_token_ids("stop_token_ids", _field(body, "stop_token_ids", []), allow_empty=True),
+        request_id=_optional_str("request_id", _field(body, "request_id", None)),
+        trajectory_id=_optional_str("trajectory_id", _field(body, "trajectory_id", None)),
+        turn=None if turn is None else _int("turn", turn, minimum=0),
+        num_received_tokens=_int("num_received_tokens", _field(body, "num_received_tokens", 0), minimum=0),
+        stream=stream,
+    )
+    if (request.trajectory_id is None) != (request.turn is None):
+        raise InvalidRequestError("fields 'trajectory_id' and 'turn' must be given together")
+    if request.num_received_tokens and request.request_id is None:
+        raise InvalidRequestError("field 'num_received_tokens' needs the 'request_id' being resumed")
+    return request
+
+
+def worker_request_body(
+    request: GenerateRequest,
+    request_id: str,
+    seed: int,
+    generated_token_ids: list[int],
+    epoch: int,
+) -> dict[str, Any]:
+    """The body the router POSTs to a worker's ``/generate`` to start or continue a request.
+
+    The worker's context is ``prompt_token_ids + generated_token_ids``; it samples at most
+    ``max_tokens`` more, the first at completion index ``len(generated_token_ids)``, keying its
+    random stream by ``(seed, index)`` so a resumed request continues exactly as it would have.
+    """
+    return {
+        "request_id": request_id,
+        "prompt_token_ids": list(request.prompt_token_ids),
+        "generated_token_ids": generated_token_ids,
+        "max_tokens": request.max_tokens - len(generated_token_ids),
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "seed": seed,
+        "stop_token_ids": list(request.stop_token_ids),
+        "epoch": epoch,
+    }
+
+
+def parse_worker_event(line: bytes) -> WorkerToken | WorkerFinish:
+    """Decode one NDJSON line from a worker; raise `WorkerStreamError` on anything malformed."""
+    try:
+        event = json.loads(line)
+        kind = event["type"]
+        epoch = event["epoch"]
+        if kind == "token":
+            return WorkerToken(epoch, event["index"], event["token_id"], float(event["logprob"]))
+        if kind == "finish":
+            reason = event["finish_reason"]
+            if reason not in FINISH_REASONS:
+                raise WorkerStreamError(f"worker sent unknown finish_reason {reason!r}")
+            return WorkerFinish(epoch, reason)
+        if kind == "error":
+            raise WorkerStreamError(f"worker reported an error: {event.get('message')!r}")
+    except (ValueError, KeyError, TypeError) as error:
+        raise WorkerStreamError(f"worker sent a malformed event {line[:200]!r}: {error}") from error
+    raise WorkerStreamError(f"worker sent an unknown event type {kind!r}")
+
+
+def encode_event(event: TokenEvent | FinishEvent) -> bytes:
+    """One NDJSON line of the router's client stream."""
+    if isinstance(event, TokenEvent):
+        payload: dict[str, Any] = {
+            "type": "token",
+            "index": event.index,
+            "token_id": event.token_id,
+            "logprob": event.logprob,
+        }
+    else:
+        payload = {"type": "finish", **attrs.asdict(event)}
+    return json.dumps(payload, separators=(",", ":")).encode() + b"\n"

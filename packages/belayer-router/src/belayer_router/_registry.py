@@ -1,0 +1,217 @@
+"""Engine slots, worker epochs (fencing), slot health and least-outstanding routing.
+
+Pure bookkeeping on the event loop: no I/O.  A worker is *retired* the moment a newer epoch
+registers for its slot, it is unregistered, or its slot is marked unhealthy; retiring cancels
+every stream the router is reading from it, so nothing it sends afterwards reaches a client.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import anyio
+import attrs
+
+from belayer_router._errors import InvalidRequestError, NotFoundError, StaleEpochError
+
+__all__ = ["Registry", "Slot", "Worker"]
+
+
+@attrs.define(eq=False)
+class Worker:
+    """One registered worker: the process serving a slot at one epoch."""
+
+    slot: str
+    url: str
+    epoch: int
+    retired: bool = False
+    scopes: set[anyio.CancelScope] = attrs.field(factory=set, repr=False)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """``(slot, epoch)``: identifies this worker for exclusion after a failure."""
+        return (self.slot, self.epoch)
+
+
+@attrs.define
+class Slot:
+    """An engine slot: at most one active worker, the highest epoch ever seen, its health."""
+
+    name: str
+    max_epoch: int = -1
+    worker: Worker | None = None
+    healthy: bool = True
+    num_outstanding: int = 0
+    num_assigned: int = 0
+
+
+_SLOT_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+
+
+def _check_slot_name(slot: str) -> str:
+    if not isinstance(slot, str) or not _SLOT_NAME.fullmatch(slot):
+        raise InvalidRequestError(f"slot name must match [A-Za-z0-9_.:-]{{1,128}}, got {slot!r}")
+    return slot
+
+
+@attrs.define
+class Registry:
+    """All slots of one router; methods are called from the router's event loop only."""
+
+    slots: dict[str, Slot] = attrs.field(factory=dict)
+    num_handovers: int = 0
+    _changed: anyio.Event | None = attrs.field(default=None, alias="_changed")
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    def _retire(self, worker: Worker) -> None:
+        worker.retired = True
+        for scope in worker.scopes:
+            scope.cancel()
+
+    def register(self, slot: str, url: str, epoch: int) -> Worker:
+        """Make ``url`` the slot's worker at ``epoch``; a lower-epoch worker is retired.
+
+        Re-registering the same ``(slot, url, epoch)`` is a no-op.  Raise `StaleEpochError` for an
+        epoch at or below the slot's highest one, and for an unhealthy slot.
+        """
+        state = self.slots.get(_check_slot_name(slot))
+        if state is None:
+            state = self.slots[slot] = Slot(slot)
+        current = state.worker
+        if current is not None and current.epoch == epoch and current.url == url:
+            return current
+        if not state.healthy:
+            raise StaleEpochError(f"slot {slot!r} is marked unhealthy; register the worker on a new slot")
+        if epoch <= state.max_epoch:
+            raise StaleEpochError(
+                f"slot {slot!r} has already seen epoch {state.max_epoch}; register with epoch "
+                f">= {state.max_epoch + 1} (got {epoch})"
+            )
+        if current is not None:
+            self._retire(current)
+            self.num_handovers += 1
+        state.worker = Worker(slot, url, epoch)
+        state.max_epoch = epoch
+        self._notify()
+        return state.worker
+
+    def unregister(self, slot: str, epoch: int) -> None:
+        """Remove the slot's worker of ``epoch``; older epochs are refused, repeats are no-ops."""
+        state = self._slot(slot)
+        if epoch < state.max_epoch:
+            raise StaleEpochError(f"slot {slot!r} is at epoch {state.max_epoch}; epoch {epoch} is stale")
+        if epoch > state.max_epoch:
+            raise NotFoundError(f"slot {slot!r} has no worker of epoch {epoch} (latest {state.max_epoch})")
+        if state.worker is not None:
+            self._retire(state.worker)
+            state.worker = None
+            self._notify()
+
+    def mark_unhealthy(self, slot: str) -> None:
+        """Take the slot out of service for good: its worker is retired and its requests move."""
+        state = self._slot(slot)
+        state.healthy = False
+        if state.worker is not None:
+            self._retire(state.worker)
+            state.worker = None
+        self._notify()
+
+    def _slot(self, slot: str) -> Slot:
+        state = self.slots.get(slot)
+        if state is None:
+            raise NotFoundError(f"unknown slot {slot!r}; GET /workers lists the slots")
+        return state
+
+    def is_current(self, worker: Worker) -> bool:
+        """Whether ``worker`` is still its slot's active worker (the fencing check)."""
+        return not worker.retired
+
+    def slot_available(self, slot: str) -> bool:
+        """Whether the slot is healthy (it may be waiting for a replacement worker)."""
+        state = self.slots.get(slot)
+        return state is not None and state.healthy
+
+    def pick(self, exclude: frozenset[tuple[str, int]] = frozenset()) -> Worker | None:
+        """The active worker of the healthy slot with the fewest outstanding requests."""
+        best: Slot | None = None
+        for state in self.slots.values():
+            worker = state.worker
+            if worker is None or not state.healthy or worker.key in exclude:
+                continue
+            if best is None or (state.num_outstanding, state.num_assigned) < (
+                best.num_outstanding,
+                best.num_assigned,
+            ):
+                best = state
+        return None if best is None else best.worker
+
+    async def _wait_change(self, deadline: float) -> bool:
+        remaining = deadline - anyio.current_time()
+        if remaining <= 0:
+            return False
+        if self._changed is None:
+            self._changed = anyio.Event()
+        with anyio.move_on_after(remaining):
+            await self._changed.wait()
+            return True
+        return False
+
+    async def wait_for_replacement(self, slot: str, after_epoch: int, max_wait: float) -> Worker | None:
+        """Wait up to ``max_wait`` s for ``slot`` to get a worker newer than ``after_epoch``.
+
+        Return None at once when the slot is unhealthy, or when the wait runs out.
+        """
+        deadline = anyio.current_time() + max_wait
+        while True:
+            state = self.slots.get(slot)
+            if state is None or not state.healthy:
+                return None
+            if state.worker is not None and state.worker.epoch > after_epoch:
+                return state.worker
+            if not await self._wait_change(deadline):
+                return None
+
+    async def wait_for_any(self, exclude: frozenset[tuple[str, int]], max_wait: float) -> Worker | None:
+        """Like `pick`, waiting up to ``max_wait`` s for a worker to register if none is usable."""
+        deadline = anyio.current_time() + max_wait
+        while True:
+            worker = self.pick(exclude)
+            if worker is not None or not await self._wait_change(deadline):
+                return worker
+
+    @contextmanager
+    def attempt(self, worker: Worker) -> Iterator[anyio.CancelScope]:
+        """Count one outstanding stream on ``worker``; the scope is cancelled if it is retired."""
+        state = self.slots[worker.slot]
+        scope = anyio.CancelScope()
+        if worker.retired:
+            scope.cancel()
+        worker.scopes.add(scope)
+        state.num_outstanding += 1
+        state.num_assigned += 1
+        try:
+            yield scope
+        finally:
+            worker.scopes.discard(scope)
+            state.num_outstanding -= 1
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """The slots as JSON-ready dicts, for ``GET /workers``."""
+        return [
+            {
+                "slot": s.name,
+                "url": None if s.worker is None else s.worker.url,
+                "epoch": None if s.worker is None else s.worker.epoch,
+                "max_epoch": s.max_epoch,
+                "healthy": s.healthy,
+                "num_outstanding": s.num_outstanding,
+            }
+            for s in self.slots.values()
+        ]

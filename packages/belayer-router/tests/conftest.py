@@ -1,0 +1,14 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    # uvicorn serves on asyncio only.
+    return "asyncio"
