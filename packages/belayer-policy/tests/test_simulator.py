@@ -128,7 +128,7 @@ trajectories = st.integers(min_value=1, max_value=8).flatmap(
     st.one_of(st.none(), st.floats(0.5, 5.0)),
     st.integers(0, 2**32),
 )
-def test_rollout_time_is_failure_free_plus_lost_plus_visible(  # noqa: PLR0913
+def test_rollout_time_is_failure_free_plus_lost_plus_visible(
     trajectory: Trajectory,
     name: str,
     fail_prob: float,
@@ -136,7 +136,9 @@ def test_rollout_time_is_failure_free_plus_lost_plus_visible(  # noqa: PLR0913
     timeout: float | None,
     seed: int,
 ) -> None:
-    config = SimulationConfig(fail_prob=fail_prob, restore_seconds=restore, checkpoint_timeout_seconds=timeout)
+    config = SimulationConfig(
+        fail_prob=fail_prob, restore_seconds=restore, checkpoint_timeout_seconds=timeout
+    )
     outcome = simulate_trajectory(trajectory, PolicySpec.parse(name).build(), config, random.Random(seed))
     total = outcome.failure_free_time + outcome.lost_time + outcome.visible_checkpoint_time
     assert outcome.rollout_time == pytest.approx(total, abs=1e-6)
@@ -155,7 +157,13 @@ def test_adaptive_with_zero_failure_probability_never_checkpoints() -> None:
 def test_seeded_comparison_is_reproducible_and_fair() -> None:
     specs = [PolicySpec.parse(n) for n in ("adaptive", "never")]
     config = SimulationConfig(fail_prob=0.05)
-    kwargs = {"config": config, "runs": 3, "seed": 7, "workload": Workload(num_steps=6), "num_trajectories": 4}
+    kwargs = {
+        "config": config,
+        "runs": 3,
+        "seed": 7,
+        "workload": Workload(num_steps=6),
+        "num_trajectories": 4,
+    }
     first = compare_policies(specs, **kwargs)  # type: ignore[arg-type]
     second = compare_policies(specs, **kwargs)  # type: ignore[arg-type]
     assert [s.to_dict() for s in first] == [s.to_dict() for s in second]

@@ -110,10 +110,13 @@ def test_trace_checkpoint_costs_are_optional(tmp_path: Path) -> None:
         ("", "empty"),
         ("\n  \n", "empty"),
         ("{not json}\n", "line 1: not JSON"),
-        ('[1, 2]\n', "line 1: each line must be a JSON object"),
+        ("[1, 2]\n", "line 1: each line must be a JSON object"),
         ('{"response_seconds": [1]}\n', "line 1: action_seconds"),
-        ('{"response_seconds": [1], "action_seconds": [1]}\n{"response_seconds": [1], "action_seconds": [-1]}\n',
-         "line 2: action_seconds[0]"),
+        (
+            '{"response_seconds": [1], "action_seconds": [1]}\n'
+            '{"response_seconds": [1], "action_seconds": [-1]}\n',
+            "line 2: action_seconds[0]",
+        ),
         ('{"response_seconds": [1], "action_seconds": [1], "colour": 1}\n', "unknown keys"),
         ('{"response_seconds": [1], "action_seconds": [1], "failures": [{"at": 0.5}]}\n', "failure"),
         ('{"response_seconds": ["a"], "action_seconds": [1]}\n', "response_seconds[0]"),

@@ -27,7 +27,14 @@ from belayer_policy._simulator import (
     simulate_trajectory,
 )
 from belayer_policy._spec import PolicySpec, SharedEstimators
-from belayer_policy._workload import ScheduledFailure, Trajectory, UniformRange, Workload, load_trace, save_trace
+from belayer_policy._workload import (
+    ScheduledFailure,
+    Trajectory,
+    UniformRange,
+    Workload,
+    load_trace,
+    save_trace,
+)
 
 __version__ = "0.1.0"
 

@@ -12,7 +12,7 @@ from belayer_policy._validate import non_negative, positive_int
 __all__ = ["Decision", "Reason", "StepObservation"]
 
 
-def _optional_non_negative(instance: object, attribute: Any, value: object) -> None:
+def _optional_non_negative(instance: object, attribute: Any, value: Any) -> None:
     if value is not None:
         non_negative(instance, attribute, value)
 

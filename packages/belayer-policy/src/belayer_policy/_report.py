@@ -147,4 +147,3 @@ def format_table(summaries: Sequence[PolicySummary]) -> str:
             f"| {m['failures'].mean:.2f} |"
         )
     return "\n".join(lines)
-

@@ -7,7 +7,14 @@ import attrs
 from belayer_policy._errors import PolicyArgumentError
 from belayer_policy._estimators import CheckpointCostModel, ResponseTimeModel
 from belayer_policy._hazard import FailureModel, OnlineHazard
-from belayer_policy._policy import AdaptiveRule, AlwaysRule, CheckpointPolicy, DecisionRule, EveryKRule, NeverRule
+from belayer_policy._policy import (
+    AdaptiveRule,
+    AlwaysRule,
+    CheckpointPolicy,
+    DecisionRule,
+    EveryKRule,
+    NeverRule,
+)
 from belayer_policy._validate import non_negative
 
 __all__ = ["PolicySpec", "SharedEstimators"]

@@ -57,28 +57,28 @@ def require_probability(name: str, value: object) -> float:
 
 
 # attrs validators: same checks, named after the attribute.
-def non_negative(_instance: object, attribute: Any, value: object) -> None:
+def non_negative(_instance: object, attribute: Any, value: Any) -> None:
     """attrs validator: finite and >= 0."""
     require_non_negative(attribute.name, value)
 
 
-def positive(_instance: object, attribute: Any, value: object) -> None:
+def positive(_instance: object, attribute: Any, value: Any) -> None:
     """attrs validator: finite and > 0."""
     require_positive(attribute.name, value)
 
 
-def probability(_instance: object, attribute: Any, value: object) -> None:
+def probability(_instance: object, attribute: Any, value: Any) -> None:
     """attrs validator: in [0, 1]."""
     require_probability(attribute.name, value)
 
 
-def positive_int(_instance: object, attribute: Any, value: object) -> None:
+def positive_int(_instance: object, attribute: Any, value: Any) -> None:
     """attrs validator: an int >= 1."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise PolicyArgumentError(f"{attribute.name} must be an integer >= 1, got {value!r}")
 
 
-def unit_fraction(_instance: object, attribute: Any, value: object) -> None:
+def unit_fraction(_instance: object, attribute: Any, value: Any) -> None:
     """attrs validator: in (0, 1]."""
     number = _require_number(attribute.name, value)
     if not 0.0 < number <= 1.0:

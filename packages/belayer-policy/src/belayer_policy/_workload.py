@@ -36,13 +36,13 @@ __all__ = [
 DEFAULT_TRACE_CHECKPOINT_SECONDS = 0.5
 
 
-def _fraction(_instance: object, attribute: Any, value: object) -> None:
+def _fraction(_instance: object, attribute: Any, value: Any) -> None:
     number = require_non_negative(attribute.name, value)
     if number >= 1.0:
         raise PolicyArgumentError(f"{attribute.name} must be in [0, 1), got {value!r}")
 
 
-def _step(_instance: object, attribute: Any, value: object) -> None:
+def _step(_instance: object, attribute: Any, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise PolicyArgumentError(f"{attribute.name} must be an integer >= 0, got {value!r}")
 
@@ -59,14 +59,22 @@ class ScheduledFailure:
     at: float = attrs.field(default=0.5, validator=_fraction)
 
 
+def _floats(values: Iterable[float]) -> tuple[float, ...]:
+    return tuple(values)
+
+
+def _failures(values: Iterable[ScheduledFailure]) -> tuple[ScheduledFailure, ...]:
+    return tuple(values)
+
+
 @attrs.frozen
 class Trajectory:
     """Alternating LLM responses and environment actions, one pair per step."""
 
-    response_seconds: tuple[float, ...] = attrs.field(converter=tuple)
-    action_seconds: tuple[float, ...] = attrs.field(converter=tuple)
-    checkpoint_seconds: tuple[float, ...] = attrs.field(converter=tuple)
-    failures: tuple[ScheduledFailure, ...] = attrs.field(default=(), converter=tuple)
+    response_seconds: tuple[float, ...] = attrs.field(converter=_floats)
+    action_seconds: tuple[float, ...] = attrs.field(converter=_floats)
+    checkpoint_seconds: tuple[float, ...] = attrs.field(converter=_floats)
+    failures: tuple[ScheduledFailure, ...] = attrs.field(default=(), converter=_failures)
 
     def __attrs_post_init__(self) -> None:
         n = len(self.response_seconds)
@@ -121,7 +129,11 @@ class Workload:
     def draw(self, rng: random.Random) -> Trajectory:
         """One trajectory."""
         steps = [
-            (self.response_seconds.draw(rng), self.action_seconds.draw(rng), self.checkpoint_seconds.draw(rng))
+            (
+                self.response_seconds.draw(rng),
+                self.action_seconds.draw(rng),
+                self.checkpoint_seconds.draw(rng),
+            )
             for _ in range(self.num_steps)
         ]
         return Trajectory(
