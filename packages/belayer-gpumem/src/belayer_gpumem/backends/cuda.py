@@ -1,0 +1,245 @@
+"""The cuda backend: CUDA VMM allocations exported as POSIX file descriptors.
+
+Server: cuMemCreate (requesting a POSIX fd handle) -> cuMemExportToShareableHandle -> its own
+cuMemAddressReserve + cuMemMap + cuMemSetAccess mapping (for loading, copying and zeroing).
+Client: cuMemImportFromShareableHandle on the received fd -> reserve + map + set access -> a torch
+tensor over the device pointer through ``__cuda_array_interface__``. The physical memory lives as
+long as any process holds a handle or a mapping, so it outlives whichever process dies first.
+
+Everything here imports cuda-bindings lazily; only the cuda backend needs it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from belayer_gpumem.errors import BackendUnavailableError, BelayerGpumemError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["CudaRegion", "CudaVmm", "load_driver", "map_cuda_fd"]
+
+
+class CudaDriverError(BelayerGpumemError):
+    """A CUDA driver call failed."""
+
+
+def load_driver() -> Any:
+    """The cuda-bindings driver module (``cuda.bindings.driver``, or ``cuda.cuda`` on old releases)."""
+    try:
+        from cuda.bindings import driver
+
+        return driver
+    except ImportError:
+        pass
+    try:
+        from cuda import cuda as driver_legacy  # type: ignore[attr-defined]
+
+        return driver_legacy
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            "the cuda backend needs cuda-bindings: pip install 'belayer-gpumem[cuda]'"
+        ) from exc
+
+
+def _call(driver: Any, name: str, *args: Any) -> Any:
+    """Call a driver function and unwrap its (CUresult, *values) tuple, raising on failure."""
+    result = getattr(driver, name)(*args)
+    err, values = result[0], result[1:]
+    if int(err) != 0:
+        _, text = driver.cuGetErrorString(err)
+        detail = text.decode() if isinstance(text, bytes) else str(text)
+        raise CudaDriverError(f"{name} failed: {err!r} ({detail})")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else values
+
+
+@attrs.define
+class CudaVmm:
+    """The VMM calls of one device, with the device's primary context made current."""
+
+    driver: Any
+    device: int
+
+    @classmethod
+    def open(cls, device: int = 0) -> CudaVmm:
+        """Initialise the driver and make the device's primary context (torch's too) current."""
+        driver = load_driver()
+        _call(driver, "cuInit", 0)
+        dev = _call(driver, "cuDeviceGet", device)
+        supported = _call(
+            driver,
+            "cuDeviceGetAttribute",
+            driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+            dev,
+        )
+        if not supported:
+            raise BackendUnavailableError(f"GPU {device} does not support CUDA virtual memory management")
+        ctx = _call(driver, "cuDevicePrimaryCtxRetain", dev)
+        _call(driver, "cuCtxSetCurrent", ctx)
+        return cls(driver=driver, device=device)
+
+    def _prop(self) -> Any:
+        d = self.driver
+        prop = d.CUmemAllocationProp()
+        prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = self.device
+        prop.requestedHandleTypes = d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        return prop
+
+    def granularity(self) -> int:
+        """The minimum allocation granularity (sizes and offsets must be multiples of it)."""
+        flag = self.driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+        return int(_call(self.driver, "cuMemGetAllocationGranularity", self._prop(), flag))
+
+    def create(self, nbytes: int) -> Any:
+        """cuMemCreate: physical memory that can be exported as a POSIX fd."""
+        return _call(self.driver, "cuMemCreate", nbytes, self._prop(), 0)
+
+    def export_fd(self, handle: Any) -> int:
+        """cuMemExportToShareableHandle as a POSIX fd (owned by the caller)."""
+        kind = self.driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        return int(_call(self.driver, "cuMemExportToShareableHandle", handle, kind, 0))
+
+    def import_fd(self, fd: int) -> Any:
+        """cuMemImportFromShareableHandle; the fd stays the caller's to close."""
+        kind = self.driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        return _call(self.driver, "cuMemImportFromShareableHandle", fd, kind)
+
+    def reserve(self, nbytes: int) -> int:
+        """cuMemAddressReserve: a virtual address range, not yet backed."""
+        return int(_call(self.driver, "cuMemAddressReserve", nbytes, self.granularity(), 0, 0))
+
+    def map(self, ptr: int, nbytes: int, handle: Any) -> None:
+        """cuMemMap + cuMemSetAccess (read-write from this device)."""
+        d = self.driver
+        _call(d, "cuMemMap", ptr, nbytes, 0, handle, 0)
+        access = d.CUmemAccessDesc()
+        access.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = self.device
+        access.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        _call(d, "cuMemSetAccess", ptr, nbytes, [access], 1)
+
+    def unmap(self, ptr: int, nbytes: int) -> None:
+        """cuMemUnmap: the address range stays reserved, the backing goes."""
+        _call(self.driver, "cuMemUnmap", ptr, nbytes)
+
+    def release(self, handle: Any) -> None:
+        """cuMemRelease: drop this process's handle on the physical memory."""
+        _call(self.driver, "cuMemRelease", handle)
+
+    def free_address(self, ptr: int, nbytes: int) -> None:
+        """cuMemAddressFree."""
+        _call(self.driver, "cuMemAddressFree", ptr, nbytes)
+
+    def synchronize(self) -> None:
+        """cuCtxSynchronize: wait for every copy and memset issued so far."""
+        _call(self.driver, "cuCtxSynchronize")
+
+
+@attrs.define
+class CudaRegion:
+    """Server-owned VMM memory: the allocation handle, its exported fd and a server-side mapping."""
+
+    nbytes: int
+    vmm: CudaVmm
+    handle: Any
+    fd: int
+    ptr: int
+
+    @classmethod
+    def create(cls, nbytes: int, *, device: int = 0) -> CudaRegion:
+        """Allocate `nbytes` (rounded up to the granularity), export it, map it here, zero it."""
+        vmm = CudaVmm.open(device)
+        granularity = vmm.granularity()
+        nbytes = -(-nbytes // granularity) * granularity
+        handle = vmm.create(nbytes)
+        fd = vmm.export_fd(handle)
+        ptr = vmm.reserve(nbytes)
+        vmm.map(ptr, nbytes, handle)
+        region = cls(nbytes=nbytes, vmm=vmm, handle=handle, fd=fd, ptr=ptr)
+        region.zero(0, nbytes)
+        return region
+
+    def export_fd(self) -> int:
+        """The exported POSIX fd."""
+        return self.fd
+
+    def write(self, offset: int, data: memoryview) -> None:
+        """cuMemcpyHtoD from a host buffer."""
+        staging = (ctypes.c_char * len(data)).from_buffer_copy(data)
+        _call(self.vmm.driver, "cuMemcpyHtoD", self.ptr + offset, ctypes.addressof(staging), len(data))
+
+    def copy(self, src: int, dst: int, nbytes: int) -> None:
+        """cuMemcpyDtoD within the region."""
+        _call(self.vmm.driver, "cuMemcpyDtoD", self.ptr + dst, self.ptr + src, nbytes)
+        self.vmm.synchronize()
+
+    def zero(self, offset: int, nbytes: int) -> None:
+        """cuMemsetD8, then wait for it."""
+        _call(self.vmm.driver, "cuMemsetD8", self.ptr + offset, 0, nbytes)
+        self.vmm.synchronize()
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """cuMemcpyDtoH into a host buffer."""
+        staging = (ctypes.c_char * nbytes)()
+        _call(self.vmm.driver, "cuMemcpyDtoH", ctypes.addressof(staging), self.ptr + offset, nbytes)
+        return bytes(staging)
+
+    def close(self) -> None:
+        """Unmap, free the address range, release the handle, close the fd."""
+        if self.fd < 0:
+            return
+        self.vmm.synchronize()
+        self.vmm.unmap(self.ptr, self.nbytes)
+        self.vmm.free_address(self.ptr, self.nbytes)
+        self.vmm.release(self.handle)
+        os.close(self.fd)
+        self.fd = -1
+
+
+class _DeviceMemory:
+    """Holds one client mapping; torch keeps it alive through ``__cuda_array_interface__``."""
+
+    def __init__(self, vmm: CudaVmm, handle: Any, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "strides": None,
+            "version": 3,
+            "stream": None,
+        }
+        # Unmap only when the last tensor over this memory is gone: never leave a dangling view.
+        weakref.finalize(self, _unmap_client, vmm, handle, ptr, nbytes)
+
+
+def _unmap_client(vmm: CudaVmm, handle: Any, ptr: int, nbytes: int) -> None:
+    vmm.unmap(ptr, nbytes)
+    vmm.free_address(ptr, nbytes)
+    vmm.release(handle)
+
+
+def map_cuda_fd(fd: int, nbytes: int, *, device: int = 0) -> torch.Tensor:
+    """Import a VMM fd and map it as a flat uint8 CUDA tensor; closes `fd`."""
+    import torch
+
+    torch.cuda.set_device(device)
+    torch.cuda.init()
+    vmm = CudaVmm.open(device)
+    try:
+        handle = vmm.import_fd(fd)
+    finally:
+        os.close(fd)
+    ptr = vmm.reserve(nbytes)
+    vmm.map(ptr, nbytes, handle)
+    memory = _DeviceMemory(vmm, handle, ptr, nbytes)
+    return torch.as_tensor(memory, device=f"cuda:{device}")
