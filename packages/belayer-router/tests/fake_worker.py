@@ -8,7 +8,7 @@ exactly the tokens an uninterrupted one would have produced.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -89,7 +89,11 @@ class FakeWorker:
             await self._reply(send, 409, b'{"error":"stale epoch"}')
             return
         await send(
-            {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/x-ndjson")]}
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/x-ndjson")],
+            }
         )
         await self._stream(request, send)
 
@@ -113,7 +117,9 @@ class FakeWorker:
             token = POISON if poisoned else token_at(request["seed"], index)
             event = {"type": "token", "epoch": epoch, "index": index, "token_id": token}
             event["logprob"] = logprob_of(token)
-            await send({"type": "http.response.body", "body": json.dumps(event).encode() + b"\n", "more_body": True})
+            await send(
+                {"type": "http.response.body", "body": json.dumps(event).encode() + b"\n", "more_body": True}
+            )
             self.num_tokens_sent += 1
             if token in request["stop_token_ids"]:
                 reason = "stop"
@@ -129,3 +135,10 @@ async def running_worker(epoch: int = 1, **options: Any) -> AsyncIterator[tuple[
     worker = FakeWorker(epoch, **options)
     async with serving(worker, log_level="critical") as url:
         yield url, worker
+
+
+async def wait_until(predicate: Callable[[], bool], limit: float = 30.0) -> None:
+    """Poll ``predicate`` (a test-side condition on worker counters) for at most ``limit`` s."""
+    with anyio.fail_after(limit):
+        while not predicate():  # noqa: ASYNC110  (the counters have no event to wait on)
+            await anyio.sleep(0.01)

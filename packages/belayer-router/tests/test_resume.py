@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import anyio
 import pytest
-from fake_worker import POISON, expected_tokens, running_worker
+from fake_worker import POISON, expected_tokens, running_worker, wait_until
 
 from belayer_router import FinishEvent, RouterClient, RouterConfig, TokenEvent, running_router
 
@@ -15,7 +16,9 @@ pytestmark = pytest.mark.anyio
 PROMPT = [5, 6, 7]
 
 
-async def collect(client: RouterClient, seed: int, max_tokens: int, **options: Any) -> tuple[list[int], FinishEvent]:
+async def collect(
+    client: RouterClient, seed: int, max_tokens: int, **options: Any
+) -> tuple[list[int], FinishEvent]:
     tokens: list[int] = []
     indices: list[int] = []
     async for event in client.generate_stream(PROMPT, max_tokens, seed=seed, **options):
@@ -110,9 +113,9 @@ async def test_unhealthy_slot_spreads_its_requests_evenly() -> None:
         async with anyio.create_task_group() as group:
             for seed in range(30):
                 group.start_soon(run, seed)
-            with anyio.fail_after(30):
-                while worker_a.num_paused + worker_b.num_paused + worker_c.num_paused < 30:
-                    await anyio.sleep(0.01)
+            await wait_until(
+                lambda: not (worker_a.num_paused + worker_b.num_paused + worker_c.num_paused < 30)
+            )
             assert (worker_a.num_paused, worker_b.num_paused, worker_c.num_paused) == (10, 10, 10)
             await client.mark_unhealthy("a")
             for worker in (worker_a, worker_b, worker_c):
@@ -140,9 +143,7 @@ async def test_replaced_worker_that_keeps_streaming_reaches_no_client() -> None:
 
         async with anyio.create_task_group() as group:
             group.start_soon(run)
-            with anyio.fail_after(30):
-                while zombie.num_paused < 1:
-                    await anyio.sleep(0.01)
+            await wait_until(lambda: zombie.num_paused >= 1)
             await client.register("s0", url_b, 2)  # handover without unregistering the old one
             zombie.resume()  # the zombie now streams POISON tokens with epoch 1
         tokens, _ = result[0]
@@ -180,13 +181,13 @@ async def test_journal_preserves_a_prefix_every_k_tokens_and_at_completion(tmp_p
         result: list[Any] = []
 
         async def run() -> None:
-            result.append(await client.generate(PROMPT, 21, seed=1, request_id="r1", trajectory_id="t", turn=0))
+            result.append(
+                await client.generate(PROMPT, 21, seed=1, request_id="r1", trajectory_id="t", turn=0)
+            )
 
         async with anyio.create_task_group() as group:
             group.start_soon(run)
-            with anyio.fail_after(30):
-                while worker.num_paused < 1:
-                    await anyio.sleep(0.01)
+            await wait_until(lambda: worker.num_paused >= 1)
             mid = await client.request_record("r1")
             worker.resume()
         done = await client.request_record("r1")
@@ -194,7 +195,8 @@ async def test_journal_preserves_a_prefix_every_k_tokens_and_at_completion(tmp_p
         assert (done["num_preserved"], done["finish_reason"]) == (21, "length")
         assert done["token_ids"] == result[0].token_ids == expected_tokens(1, 21)
         assert await client.get_context("t") == (0, PROMPT + expected_tokens(1, 21))
-    import json
 
-    prefix_starts = [op["start"] for op in map(json.loads, journal.read_text().splitlines()) if op["op"] == "prefix"]
+    prefix_starts = [
+        op["start"] for op in map(json.loads, journal.read_text().splitlines()) if op["op"] == "prefix"
+    ]
     assert prefix_starts == [0, 8, 16]

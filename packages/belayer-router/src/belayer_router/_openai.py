@@ -157,7 +157,13 @@ class CompletionRenderer:
                 }
                 out.append(_sse(self._object(choice, None)))
                 continue
-            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": event.finish_reason}
+            choice = {
+                "index": 0,
+                "text": "",
+                "logprobs": None,
+                "finish_reason": event.finish_reason,
+                "token_ids": [],
+            }
             out.append(_sse(self._object(choice, None)))
             if self.options.include_usage:
                 out.append(_sse(self._object({}, self._usage(event))))

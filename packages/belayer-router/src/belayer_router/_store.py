@@ -55,9 +55,8 @@ class JournalStore:
         if self._file is None:
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._drop_torn_tail()
                 self._file = self.path.open("ab")
-                if self._file.tell() and not self._ends_with_newline():
-                    self._file.write(b"\n")  # seal a torn last line before appending
             except OSError as error:
                 raise JournalError(f"cannot open journal {self.path} for appending: {error}") from error
         try:
@@ -68,10 +67,15 @@ class JournalStore:
         except OSError as error:
             raise JournalError(f"cannot append to journal {self.path}: {error}") from error
 
-    def _ends_with_newline(self) -> bool:
-        with self.path.open("rb") as file:
-            file.seek(-1, os.SEEK_END)
-            return file.read(1) == b"\n"
+    def _drop_torn_tail(self) -> None:
+        """Cut a last line left half-written by a crash, so new lines start on a clean line."""
+        if not self.path.exists():
+            return
+        data = self.path.read_bytes()
+        end = data.rfind(b"\n") + 1
+        if end != len(data):
+            with self.path.open("r+b") as file:
+                file.truncate(end)
 
     def close(self) -> None:
         """Close the file (appending again reopens it)."""

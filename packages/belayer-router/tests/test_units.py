@@ -1,0 +1,159 @@
+"""Pure bookkeeping: registry epochs and routing, journal prefixes and persistence, wire parsing."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+from belayer_router import (
+    GenerateRequest,
+    InvalidRequestError,
+    Journal,
+    JournalError,
+    JournalStore,
+    NotFoundError,
+    Registry,
+    StaleEpochError,
+    WorkerFinish,
+    WorkerStreamError,
+    WorkerToken,
+    parse_worker_event,
+    worker_request_body,
+)
+
+pytestmark = pytest.mark.anyio
+
+
+def test_registration_replaces_lower_epochs_and_fences_older_ones() -> None:
+    registry = Registry()
+    first = registry.register("s", "http://a", 1)
+    second = registry.register("s", "http://b", 2)
+    assert first.retired
+    assert not second.retired
+    assert registry.num_handovers == 1
+    with pytest.raises(StaleEpochError, match="epoch >= 3"):
+        registry.register("s", "http://a", 2)
+    with pytest.raises(StaleEpochError):
+        registry.unregister("s", 1)
+    with pytest.raises(NotFoundError):
+        registry.unregister("s", 5)
+    with pytest.raises(NotFoundError):
+        registry.mark_unhealthy("nope")
+    registry.unregister("s", 2)
+    registry.unregister("s", 2)
+    assert second.retired
+    assert registry.slots["s"].worker is None
+
+
+def test_unhealthy_slots_are_never_picked_nor_reregistered() -> None:
+    registry = Registry()
+    registry.register("a", "http://a", 1)
+    registry.register("b", "http://b", 1)
+    registry.mark_unhealthy("a")
+    assert registry.pick() is registry.slots["b"].worker
+    with pytest.raises(StaleEpochError, match="unhealthy"):
+        registry.register("a", "http://a2", 2)
+
+
+async def test_least_outstanding_routing_and_exclusion() -> None:
+    registry = Registry()
+    for slot in ("a", "b", "c"):
+        registry.register(slot, f"http://{slot}", 1)
+    picked = []
+    with ExitStack() as attempts:
+        for _ in range(6):
+            worker = registry.pick()
+            assert worker is not None
+            picked.append(worker.slot)
+            attempts.enter_context(registry.attempt(worker))
+        assert [s.num_outstanding for s in registry.slots.values()] == [2, 2, 2]
+    assert picked == ["a", "b", "c", "a", "b", "c"]
+    assert [s.num_outstanding for s in registry.slots.values()] == [0, 0, 0]
+    assert registry.pick(frozenset({("a", 1), ("b", 1), ("c", 1)})) is None
+
+
+async def test_waiting_for_a_replacement_returns_the_newer_worker_or_none() -> None:
+    registry = Registry()
+    registry.register("s", "http://a", 1)
+    assert await registry.wait_for_replacement("s", 1, 0.01) is None
+    registry.register("s", "http://b", 2)
+    replacement = await registry.wait_for_replacement("s", 1, 0.01)
+    assert replacement is not None
+    assert replacement.epoch == 2
+    registry.mark_unhealthy("s")
+    assert await registry.wait_for_replacement("s", 2, 10.0) is None  # at once
+
+
+def request(max_tokens: int = 10, **fields: object) -> GenerateRequest:
+    return GenerateRequest(prompt_token_ids=(1, 2), max_tokens=max_tokens, **fields)  # type: ignore[arg-type]
+
+
+def test_journal_prefix_advances_every_k_and_persists(tmp_path: Path) -> None:
+    store = JournalStore(tmp_path / "j.jsonl")
+    journal = Journal(store, prefix_interval=3)
+    record = journal.begin("r", request(7, trajectory_id="t", turn=2), seed=5)
+    for token in range(7):
+        journal.append(record, token, -0.5)
+        assert record.num_preserved == (token + 1) // 3 * 3
+    reopened = Journal(JournalStore(tmp_path / "j.jsonl"), prefix_interval=3)
+    reopened.load()
+    assert reopened.records["r"].token_ids == [0, 1, 2, 3, 4, 5]  # the unpreserved 7th is lost
+    journal.finish(record, "length")
+    store.close()
+    final = Journal(JournalStore(tmp_path / "j.jsonl"))
+    final.load()
+    assert final.records["r"].token_ids == list(range(7))
+    assert final.records["r"].finish_reason == "length"
+    assert final.get_context("t") == (2, [1, 2, *range(7)])
+
+
+def test_journal_ignores_a_torn_last_line_and_rejects_corruption(tmp_path: Path) -> None:
+    path = tmp_path / "j.jsonl"
+    journal = Journal(JournalStore(path))
+    journal.put_context("t", 0, [1, 2])
+    assert journal.store is not None
+    journal.store.close()
+    with path.open("ab") as file:
+        file.write(b'{"op":"context","traj')
+    reloaded = Journal(JournalStore(path))
+    reloaded.load()
+    assert reloaded.get_context("t") == (0, [1, 2])
+    reloaded.put_context("t", 1, [3])  # appending drops the torn line first
+    again = Journal(JournalStore(path))
+    again.load()
+    assert again.get_context("t") == (1, [3])
+    path.write_bytes(b"garbage\n{}\n")
+    with pytest.raises(JournalError, match="line 1 is corrupt"):
+        Journal(JournalStore(path)).load()
+
+
+def test_worker_events_parse_and_reject_garbage() -> None:
+    assert parse_worker_event(
+        b'{"type":"token","epoch":3,"index":0,"token_id":7,"logprob":-1}'
+    ) == WorkerToken(3, 0, 7, -1.0)
+    assert parse_worker_event(b'{"type":"finish","epoch":3,"finish_reason":"stop"}') == WorkerFinish(
+        3, "stop"
+    )
+    for bad in (
+        b"{",
+        b'{"type":"token"}',
+        b'{"type":"finish","epoch":1,"finish_reason":"x"}',
+        b'{"type":"error","epoch":1,"message":"oom"}',
+    ):
+        with pytest.raises(WorkerStreamError):
+            parse_worker_event(bad)
+
+
+def test_worker_request_continues_from_the_generated_tokens() -> None:
+    body = worker_request_body(request(10, stop_token_ids=(9,)), "r", 42, [4, 5, 6], epoch=2)
+    assert body["prompt_token_ids"] == [1, 2]
+    assert body["generated_token_ids"] == [4, 5, 6]
+    assert body["max_tokens"] == 7
+    assert (body["seed"], body["epoch"], body["stop_token_ids"]) == (42, 2, [9])
+
+
+def test_put_context_rejects_bad_turns() -> None:
+    with pytest.raises(InvalidRequestError):
+        Journal().put_context("t", -1, [])
