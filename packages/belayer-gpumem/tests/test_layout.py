@@ -1,0 +1,134 @@
+"""Pure layout, protocol and slot bookkeeping: fast, no processes."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from belayer_gpumem import KVLayout, LayoutError, ProtocolError, WeightLayout
+from belayer_gpumem.layout import DTYPE_SIZES, REGION_ALIGNMENT, TENSOR_ALIGNMENT
+from belayer_gpumem.protocol import decode_body, encode_frame, validate_request
+from belayer_gpumem.slots import SlotConflictError, WeightSlots
+
+entries = st.lists(
+    st.tuples(
+        st.sampled_from(sorted(DTYPE_SIZES)), st.lists(st.integers(min_value=0, max_value=40), max_size=3)
+    ),
+    max_size=12,
+)
+
+
+@given(entries)
+def test_pack_aligns_and_never_overlaps(raw: list[tuple[str, list[int]]]) -> None:
+    layout = WeightLayout.pack((f"t{i}", dtype, shape) for i, (dtype, shape) in enumerate(raw))
+    assert layout.slot_bytes % REGION_ALIGNMENT == 0
+    spans = sorted((t.offset, t.offset + t.nbytes) for t in layout.tensors)
+    for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+        assert end <= start
+    for spec in layout.tensors:
+        assert spec.offset % TENSOR_ALIGNMENT == 0
+        assert spec.offset + spec.nbytes <= layout.slot_bytes
+    assert WeightLayout.from_json(layout.to_json()) == layout
+
+
+def test_layout_file_without_offsets_is_packed() -> None:
+    layout = WeightLayout.from_json({"tensors": [{"name": "w", "dtype": "float16", "shape": [3, 5]}]})
+    assert layout.by_name["w"].nbytes == 30
+    assert layout.region_bytes == 2 * REGION_ALIGNMENT
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"tensors": [{"name": "w", "dtype": "complex64", "shape": [1]}]},
+        {"tensors": [{"name": "w", "dtype": "float32", "shape": [-1]}]},
+        {"tensors": [{"name": "w", "dtype": "float32"}]},
+        {"tensors": [{"name": "w", "dtype": "float32", "shape": [4], "offset": 0}] * 2, "slot_bytes": REGION_ALIGNMENT},
+        {"tensors": [{"name": "w", "dtype": "float32", "shape": [4], "offset": 100}], "slot_bytes": REGION_ALIGNMENT},
+        {"tables": []},
+    ],
+)
+def test_bad_weight_layouts_raise_layout_error(bad: object) -> None:
+    with pytest.raises(LayoutError):
+        WeightLayout.from_json(bad)
+
+
+def test_kv_layout_shape_and_sizes() -> None:
+    kv = KVLayout(num_blocks=10, num_layers=3, block_size=16, num_kv_heads=2, head_dim=64, dtype="bfloat16")
+    assert kv.shape == (3, 2, 10, 16, 2, 64)
+    assert kv.block_bytes == 3 * 2 * 16 * 2 * 64 * 2
+    assert kv.nbytes == 10 * kv.block_bytes
+    assert kv.region_bytes % REGION_ALIGNMENT == 0
+    assert KVLayout.from_json(kv.to_json()) == kv
+    with pytest.raises(LayoutError):
+        KVLayout(num_blocks=0, num_layers=1, block_size=1, num_kv_heads=1, head_dim=1)
+
+
+@pytest.mark.parametrize(
+    ("message", "error"),
+    [
+        ({}, "needs a string field 'op'"),
+        ({"op": 3}, "needs a string field 'op'"),
+        ({"op": "explode"}, "unknown op"),
+        ({"op": "ping", "extra": 1}, "takes no field"),
+        ({"op": "update_begin", "copy_current": "yes"}, "wrong type"),
+        ({"op": "update_begin", "timeout_s": True}, "wrong type"),
+    ],
+)
+def test_schema_refuses_bad_requests(message: dict[str, object], error: str) -> None:
+    with pytest.raises(ProtocolError, match=error):
+        validate_request(message)
+
+
+def test_frames_round_trip_and_reject_non_objects() -> None:
+    frame = encode_frame({"op": "update_begin", "copy_current": True, "timeout_s": 1.5})
+    assert validate_request(decode_body(frame[4:])) == "update_begin"
+    for body in (b"[1, 2]", b"\xff\xfe", b"{nope"):
+        with pytest.raises(ProtocolError):
+            decode_body(body)
+
+
+def test_slots_writer_never_gets_a_pinned_slot() -> None:
+    slots = WeightSlots()
+    assert slots.pin(1) == (0, 0)
+    slot = slots.begin(2)
+    assert slot == 1
+    with pytest.raises(SlotConflictError, match="already updating"):
+        slots.begin(3)
+    assert slots.pin(3) == (0, 0)  # new readers keep getting the live slot during an update
+    assert slots.commit(2) == 1
+    assert slots.active_slot == 1
+    with pytest.raises(SlotConflictError, match="must call refresh"):
+        slots.begin(2)  # readers 1 and 3 still pin slot 0
+    slots.pin(1)
+    slots.disconnect(3)
+    assert slots.begin(2) == 0
+    slots.disconnect(2)  # a dead writer's update is dropped, never published
+    assert (slots.version, slots.active_slot, slots.writer) == (1, 1, None)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["pin", "unpin", "begin", "commit", "abort", "gone"]), st.integers(0, 3))))
+def test_slots_invariants_hold_under_any_sequence(ops: list[tuple[str, int]]) -> None:
+    slots = WeightSlots()
+    last_version = 0
+    for op, conn in ops:
+        try:
+            if op == "pin":
+                slots.pin(conn)
+            elif op == "unpin":
+                slots.unpin(conn)
+            elif op == "begin":
+                slots.begin(conn)
+            elif op == "commit":
+                slots.commit(conn)
+            elif op == "abort":
+                slots.abort(conn)
+            else:
+                slots.disconnect(conn)
+        except SlotConflictError:
+            pass
+        if slots.writer is not None:
+            assert slots.readers_of(slots.inactive_slot) == 0
+        assert slots.version >= last_version
+        last_version = slots.version

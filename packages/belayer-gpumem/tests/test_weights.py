@@ -1,0 +1,121 @@
+"""Weight server with the host backend: real server process, real client processes."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_worker, start_worker, wait_line
+from safetensors.torch import load_file
+
+from belayer_gpumem import ServerConfig, ServerProcess, UpdateBusyError, WeightClient
+
+
+def test_attach_views_match_the_safetensors_file(weights_server: ServerProcess, weights_file: Path) -> None:
+    expected = load_file(str(weights_file))
+    with WeightClient.attach(weights_server.config.socket) as client:
+        assert client.version == 1
+        tensors = client.tensors()
+        assert set(tensors) == set(expected)
+        for name, tensor in tensors.items():
+            assert tensor.dtype == expected[name].dtype
+            assert torch.equal(tensor, expected[name])
+        # Zero copy: every view lies inside this process's one mapping of the region.
+        base = client.region.data_ptr()
+        for tensor in tensors.values():
+            assert base <= tensor.data_ptr() < base + client.region.numel()
+
+
+def test_a_write_by_one_process_is_seen_by_another(weights_server: ServerProcess) -> None:
+    socket = str(weights_server.config.socket)
+    run_worker("weights-fill", socket, "3.5")
+    out = run_worker("weights-checksum", socket)
+    assert "VERSION 2" in out
+    with WeightClient.attach(socket) as client:
+        q = client.tensors()["layers.0.attn.q_proj.weight"]
+        assert bool((q == 3.5).all())
+        assert f"layers.0.attn.q_proj.weight:{float(q.double().sum()):.6f}" in out
+
+
+def test_sigkill_of_a_client_leaves_the_region_intact(weights_server: ServerProcess) -> None:
+    socket = str(weights_server.config.socket)
+    holder = start_worker("weights-write-hold", socket, "2.25")
+    assert wait_line(holder, "HOLDING") == "HOLDING 2"
+    with WeightClient.attach(socket) as survivor:
+        before = {name: t.clone() for name, t in survivor.tensors().items()}
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        assert survivor.ping()["ok"]
+        for name, tensor in survivor.tensors().items():
+            assert torch.equal(tensor, before[name])
+    out = run_worker("weights-checksum", socket)  # a fresh client attaches after the death
+    assert "VERSION 2" in out
+    assert f"layers.0.attn.q_proj.weight:{2.25 * 32 * 32:.6f}" in out
+
+
+def test_a_writer_that_dies_mid_update_publishes_nothing(weights_server: ServerProcess) -> None:
+    socket = str(weights_server.config.socket)
+    with WeightClient.attach(socket) as reader:
+        before = {name: t.clone() for name, t in reader.tensors().items()}
+        dying = start_worker("weights-begin-die", socket)
+        wait_line(dying, "DYING")
+        dying.wait()
+        assert reader.latest_version() == 1
+        assert not reader.refresh()
+        for name, tensor in reader.tensors().items():
+            assert torch.equal(tensor, before[name])
+        with reader.update(timeout_s=10) as update:  # the dead writer's lock is gone
+            update.tensors()["step"].fill_(8)
+        assert reader.version == 2
+
+
+def test_partial_update_with_copy_current_keeps_the_rest(weights_server: ServerProcess) -> None:
+    with WeightClient.attach(weights_server.config.socket) as client:
+        before = {name: t.clone() for name, t in client.tensors().items()}
+        with client.update(copy_current=True) as update:
+            update.tensors()["step"].fill_(99)
+        after = client.tensors()
+        assert int(after["step"]) == 99
+        for name in before:
+            if name != "step":
+                assert torch.equal(after[name], before[name])
+
+
+def test_readers_keep_their_version_until_refresh(weights_server: ServerProcess) -> None:
+    socket = weights_server.config.socket
+    with WeightClient.attach(socket) as reader, WeightClient.attach(socket) as writer:
+        old = reader.tensors()["layers.0.norm.weight"].clone()
+        with writer.update() as update:
+            for tensor in update.tensors().values():
+                tensor.fill_(1)
+        assert reader.version == 1 and reader.latest_version() == 2
+        assert torch.equal(reader.tensors()["layers.0.norm.weight"], old)
+        # The old slot is pinned by the reader, so the next update has to wait for it.
+        with pytest.raises(UpdateBusyError, match="refresh"):
+            writer.update(timeout_s=0.2)
+        assert reader.refresh()
+        assert bool((reader.tensors()["layers.0.norm.weight"] == 1).all())
+        writer.update(timeout_s=5).abort()
+        assert writer.latest_version() == 2
+
+
+def test_update_atomicity_hammer(run_dir: Path, tmp_path: Path) -> None:
+    layout = tmp_path / "layout.json"
+    tensors = [{"name": f"w{i}", "dtype": "float32", "shape": [64, 256]} for i in range(8)]
+    layout.write_text(json.dumps({"tensors": tensors}))
+    rounds = 40
+    config = ServerConfig(kind="weights", socket=run_dir / "hammer.sock", layout_file=layout)
+    with ServerProcess.start(config) as server:
+        socket = str(server.config.socket)
+        readers = [start_worker("weights-hammer-read", socket, str(rounds)) for _ in range(2)]
+        run_worker("weights-hammer-write", socket, str(rounds))
+        for reader in readers:
+            line = wait_line(reader, "READS")
+            assert reader.wait() == 0
+            fields = line.split()
+            assert fields[3] == "0", f"a reader saw a torn update: {line}"
+            assert fields[7] == str(rounds)
+            assert int(fields[1]) >= 1
