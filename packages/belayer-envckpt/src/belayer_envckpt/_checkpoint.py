@@ -14,6 +14,8 @@ from ._engine import Engine
 from ._errors import (
     BelayerEnvckptError,
     CheckpointFailedError,
+    CommandError,
+    EngineError,
     InjectedCrash,
     RestoreFailedError,
 )
@@ -109,8 +111,8 @@ def full_checkpoint(
     except Exception as exc:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, CheckpointFailedError | ValueError):
-            raise
+        if isinstance(exc, BelayerEnvckptError | ValueError) and not isinstance(exc, EngineError | CommandError):
+            raise  # refused before anything was captured: the error already says what to do
         raise CheckpointFailedError(
             f"checkpoint of sandbox {sandbox.id[:12]} failed ({exc}); the partial checkpoint was "
             "removed and the previous ready checkpoint is still in effect"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -102,8 +103,11 @@ class Engine:
         """Start a created container from CRIU images.
 
         The engine refuses a custom checkpoint directory on start, so the images go into the
-        container's own checkpoint folder first.
+        container's own checkpoint folder first, under a name unique to this restore: containerd
+        keeps uploaded checkpoints as content and refuses a second upload of the same one
+        ("already exists") when one checkpoint is restored into two containers.
         """
+        name = f"{name}-r{uuid.uuid4().hex[:8]}"
         target = self.root_dir() / "containers" / container.id / "checkpoints" / name
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copytree(images, target)
@@ -132,8 +136,10 @@ class Engine:
 
 
 def check_criu() -> str:
-    """Run `criu check`; return its output or raise `CriuUnavailableError`."""
-    criu = shutil.which("criu", path=os.environ.get("PATH", "") + ":/usr/local/bin:/usr/sbin:/sbin")
+    """Run `criu check` (``$BELAYER_CRIU`` or ``criu`` on PATH); raise `CriuUnavailableError` if it fails."""
+    override = os.environ.get("BELAYER_CRIU")
+    search = os.environ.get("PATH", "") + ":/usr/local/bin:/usr/sbin:/sbin"
+    criu = shutil.which(override) if override else shutil.which("criu", path=search)
     if criu is None:
         raise CriuUnavailableError(f"criu is not installed. {SETUP_HINT}")
     result = run_command([criu, "check"], timeout=60, check=False)

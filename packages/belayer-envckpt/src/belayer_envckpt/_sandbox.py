@@ -20,6 +20,7 @@ from ._engine import LABEL, Engine
 from ._errors import EngineError, OutsideGuaranteeError
 from ._ids import validate_id
 
+TRAJECTORY_LABEL = "belayer.trajectory"
 KEEPALIVE = ("/bin/sh", "-c", "trap 'exit 0' TERM; while :; do sleep 3600 & wait $!; done")
 
 
@@ -46,8 +47,8 @@ class SandboxConfig:
             raise ValueError("image: give a local image name such as belayer/busybox")
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready form."""
-        return attrs.asdict(self)
+        """A JSON-ready form (the command as a list, as it reads back from JSON)."""
+        return attrs.asdict(self) | {"command": list(self.command)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SandboxConfig:
@@ -134,7 +135,7 @@ class Sandbox:
             validate_id(trajectory, "trajectory")
         labels = {**config.labels, LABEL: "1"}
         if trajectory:
-            labels["belayer.trajectory"] = trajectory
+            labels[TRAJECTORY_LABEL] = trajectory
         name = f"belayer-{trajectory or 'sandbox'}-{uuid.uuid4().hex[:8]}"
         try:
             container = engine.client.containers.create(
@@ -176,7 +177,7 @@ class Sandbox:
             env=env,
             user=cfg.get("User") or "",
             hostname=cfg.get("Hostname") or "sandbox",
-            labels={k: v for k, v in (cfg.get("Labels") or {}).items() if not k.startswith("belayer.")},
+            labels={k: v for k, v in (cfg.get("Labels") or {}).items() if k not in (LABEL, TRAJECTORY_LABEL)},
         )
         return cls(engine, container, config, trajectory, prefix)
 

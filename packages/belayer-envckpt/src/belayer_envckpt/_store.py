@@ -140,7 +140,7 @@ class CheckpointStore:
 
     def list(self, trajectory: str | None = None) -> list[Checkpoint]:
         """Ready checkpoints (published, manifest readable), oldest first."""
-        dirs = [self.trajectory_dir(trajectory)] if trajectory else self._trajectory_dirs()
+        dirs = [self.trajectory_dir(trajectory)] if trajectory is not None else self._trajectory_dirs()
         found = []
         for tdir in dirs:
             if not tdir.is_dir():

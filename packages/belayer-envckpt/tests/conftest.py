@@ -1,0 +1,79 @@
+"""Fixtures over the real Docker engine and CRIU (installed by scripts/setup-system)."""
+
+from __future__ import annotations
+
+import tarfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from belayer_envckpt import BelayerEnvckptError, Engine, Sandbox, SandboxConfig
+
+BUSYBOX = "belayer/busybox:latest"
+DEBIAN = "belayer/debian-python:latest"
+TEST_LABEL = "belayer.test"
+
+
+@pytest.fixture(scope="session")
+def engine() -> Iterator[Engine]:
+    try:
+        eng = Engine.connect()
+        eng.require_checkpoint_support()
+    except BelayerEnvckptError as exc:
+        pytest.fail(f"the envckpt tests need Docker (experimental) and CRIU: {exc}", pytrace=False)
+    before = {c.id for c in eng.client.containers.list(all=True)}
+    yield eng
+    # No leaks: every container the suite created is gone.
+    leaked = [
+        c.name for c in eng.client.containers.list(all=True, filters={"label": TEST_LABEL}) if c.id not in before
+    ]
+    eng.close()
+    assert not leaked, f"test containers leaked: {leaked}"
+
+
+@pytest.fixture
+def make_sandbox(engine: Engine) -> Iterator[Callable[..., Sandbox]]:
+    """Create sandboxes that are removed after the test, whatever happens."""
+    created: list[Sandbox] = []
+
+    def make(image: str = BUSYBOX, trajectory: str = "t", **config: object) -> Sandbox:
+        labels = {TEST_LABEL: "1"}
+        sandbox = Sandbox.create(engine, SandboxConfig(image=image, labels=labels, **config), trajectory=trajectory)
+        created.append(sandbox)
+        return sandbox
+
+    yield make
+    for sandbox in created:
+        sandbox.remove()
+
+
+@pytest.fixture
+def track(engine: Engine) -> Iterator[Callable[[Sandbox], Sandbox]]:
+    """Register restored sandboxes for removal."""
+    tracked: list[Sandbox] = []
+
+    def add(sandbox: Sandbox) -> Sandbox:
+        tracked.append(sandbox)
+        return sandbox
+
+    yield add
+    for sandbox in tracked:
+        sandbox.remove()
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.05)
+
+
+def read_from_layer(layer: Path, member: str) -> bytes:
+    """A file's bytes as the checkpoint captured them."""
+    with tarfile.open(layer) as tar:
+        extracted = tar.extractfile(f"./{member}")
+        assert extracted is not None
+        return extracted.read()

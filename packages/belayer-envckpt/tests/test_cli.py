@@ -1,0 +1,72 @@
+"""The `belayer-envckpt` command line, run as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import TEST_LABEL
+
+
+def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "belayer_envckpt._cli", *args], capture_output=True, text=True, timeout=120
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_doctor_reports_ready():
+    out = json.loads(cli("doctor", "--json").stdout)
+    assert out["ready"] is True
+    assert {"engine", "experimental", "criu"} <= set(out["checks"])
+
+
+def test_doctor_says_what_is_missing():
+    proc = cli("doctor", "--image", "belayer/absent:1", check=False)
+    assert proc.returncode == 1
+    assert "scripts/setup-system" in proc.stdout
+
+
+def test_checkpoint_ls_restore_gc(make_sandbox, engine, tmp_path):
+    sandbox = make_sandbox(trajectory="cli")
+    sandbox.exec("echo cli > /work/c")
+    store = str(tmp_path / "store")
+    made = json.loads(
+        cli("checkpoint", sandbox.id, "--store", store, "--trajectory", "cli", "--prefix", "1",
+            "--context-ref", "ctx/1", "--json").stdout
+    )
+    assert made["checkpoint_id"].startswith("k00001-") and 0 < made["freeze_ms"] <= made["total_ms"]
+    listed = json.loads(cli("ls", "--store", store, "--json").stdout)
+    assert [c["checkpoint_id"] for c in listed["checkpoints"]] == [made["checkpoint_id"]]
+    assert json.loads(cli("verify", "--store", store, "--trajectory", "cli", "--json").stdout)["ok"]
+
+    restored = json.loads(cli("restore", "--store", store, "--trajectory", "cli", "--json").stdout)
+    new = engine.client.containers.get(restored["container_id"])
+    try:
+        assert new.labels.get(TEST_LABEL) == "1"
+        assert new.exec_run("cat /work/c").output == b"cli\n"
+        assert (restored["prefix"], restored["context_ref"]) == (1, "ctx/1")
+    finally:
+        new.remove(force=True)
+    removed = json.loads(cli("gc", "--store", store, "--trajectory", "cli", "--json").stdout)["removed"]
+    assert len(removed) == 1
+    assert json.loads(cli("ls", "--store", store, "--json").stdout)["checkpoints"] == []
+
+
+def test_errors_are_typed_and_exit_2(tmp_path):
+    proc = cli("checkpoint", "no-such-ctr", "--store", str(tmp_path), "--trajectory", "t", "--prefix", "0",
+               "--json", check=False)
+    assert proc.returncode == 2
+    assert json.loads(proc.stdout)["error"] == "ContainerNotFoundError"
+    proc = cli("restore", "--store", str(tmp_path), "--trajectory", "../x", check=False)
+    assert proc.returncode == 2 and "InvalidIdError" in proc.stderr
+    proc = cli("restore", "--store", str(tmp_path), "--trajectory", "none", check=False)
+    assert proc.returncode == 2 and "CheckpointNotFoundError" in proc.stderr
+
+
+def test_demo_runs_end_to_end():
+    out = json.loads(cli("demo", "--json").stdout)
+    assert out["state_matches_prefix"] is True and out["process_resumed"] is True

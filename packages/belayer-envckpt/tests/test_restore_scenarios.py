@@ -1,0 +1,54 @@
+"""Restore after a failure, twice from one checkpoint, and back to the state at prefix k."""
+
+from __future__ import annotations
+
+from belayer_envckpt import CheckpointStore, full_checkpoint, full_restore
+
+SNAPSHOT = "find /work -exec ls -ld {} + | awk '{print $1, $3, $4, $5, $NF}' | sort; find /work -type f | sort | xargs md5sum"
+
+
+def test_same_checkpoint_restores_twice(make_sandbox, track, engine, tmp_path):
+    sandbox = make_sandbox(trajectory="twice")
+    sandbox.exec("echo one > /work/f")
+    state = sandbox.exec(SNAPSHOT).stdout
+    ckpt = full_checkpoint(sandbox, "twice", store=CheckpointStore(tmp_path))
+    sandbox.kill()
+    first = track(full_restore(ckpt, engine=engine))
+    second = track(full_restore(ckpt, engine=engine, remove_failed=False))
+    assert first.id != second.id
+    assert first.exec(SNAPSHOT).stdout == state == second.exec(SNAPSHOT).stdout
+    first.exec("echo changed > /work/f")  # the two restored containers are independent
+    assert second.exec("cat /work/f").stdout == "one\n"
+
+
+def test_failure_after_more_actions_returns_to_prefix_k(make_sandbox, track, engine, tmp_path):
+    store = CheckpointStore(tmp_path)
+    sandbox = make_sandbox(trajectory="prefix")
+    for i in range(3):
+        sandbox.exec(f"echo step{i} > /work/s{i}")
+    state_at_k = sandbox.exec(SNAPSHOT).stdout
+    ckpt = full_checkpoint(sandbox, "prefix", context_ref="ctx/turn-4", store=store)
+    assert ckpt.prefix == 4
+    sandbox.exec("rm /work/s0; echo later > /work/s3; mkdir /work/d")
+    sandbox.kill()
+
+    restored = track(full_restore(store.latest_ready("prefix"), engine=engine))
+    assert (restored.prefix, restored.context_ref, restored.trajectory) == (4, "ctx/turn-4", "prefix")
+    assert restored.exec(SNAPSHOT).stdout == state_at_k
+    # Work continues and checkpoints again from the restored sandbox.
+    restored.exec("echo again > /work/s5")
+    newer = full_checkpoint(restored, "prefix", store=store)
+    assert store.latest_ready("prefix") == newer
+    assert [c.prefix for c in store.list("prefix")] == [4, 6]
+
+
+def test_restore_of_stopped_and_paused_containers(make_sandbox, track, engine, tmp_path):
+    store = CheckpointStore(tmp_path)
+    for how in ("stop", "pause"):
+        sandbox = make_sandbox(trajectory=f"fail-{how}")
+        sandbox.exec(f"echo {how} > /work/x")
+        ckpt = full_checkpoint(sandbox, f"fail-{how}", store=store)
+        getattr(sandbox, how)()
+        restored = track(full_restore(ckpt, engine=engine))
+        assert restored.exec("cat /work/x").stdout == f"{how}\n"
+        assert sandbox.status() == "removed"
