@@ -27,7 +27,9 @@ def engine() -> Iterator[Engine]:
     yield eng
     # No leaks: every container the suite created is gone.
     leaked = [
-        c.name for c in eng.client.containers.list(all=True, filters={"label": TEST_LABEL}) if c.id not in before
+        c.name
+        for c in eng.client.containers.list(all=True, filters={"label": TEST_LABEL})
+        if c.id not in before
     ]
     eng.close()
     assert not leaked, f"test containers leaked: {leaked}"
@@ -40,7 +42,9 @@ def make_sandbox(engine: Engine) -> Iterator[Callable[..., Sandbox]]:
 
     def make(image: str = BUSYBOX, trajectory: str = "t", **config: object) -> Sandbox:
         labels = {TEST_LABEL: "1"}
-        sandbox = Sandbox.create(engine, SandboxConfig(image=image, labels=labels, **config), trajectory=trajectory)
+        sandbox = Sandbox.create(
+            engine, SandboxConfig(image=image, labels=labels, **config), trajectory=trajectory
+        )
         created.append(sandbox)
         return sandbox
 

@@ -43,9 +43,7 @@ def test_unknown_container(engine):
     ids=["network", "bind-mount", "volume", "tmpfs"],
 )
 def test_container_outside_the_guarantee_is_refused(kwargs, engine, tmp_path):
-    container = engine.client.containers.create(
-        BUSYBOX, ["sleep", "60"], labels={TEST_LABEL: "1"}, **kwargs
-    )
+    container = engine.client.containers.create(BUSYBOX, ["sleep", "60"], labels={TEST_LABEL: "1"}, **kwargs)
     try:
         container.start()
         with pytest.raises(OutsideGuaranteeError, match="outside the checkpoint guarantee"):
@@ -122,7 +120,7 @@ def test_publish_never_overwrites(saved):
 
 def test_engine_without_experimental_features():
     engine = Engine(FakeDockerClient(experimental=False))
-    with pytest.raises(ExperimentalDisabledError, match="daemon.json"):
+    with pytest.raises(ExperimentalDisabledError, match=r"daemon\.json"):
         engine.require_checkpoint_support()
 
 

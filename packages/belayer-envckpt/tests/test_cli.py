@@ -35,10 +35,22 @@ def test_checkpoint_ls_restore_gc(make_sandbox, engine, tmp_path):
     sandbox.exec("echo cli > /work/c")
     store = str(tmp_path / "store")
     made = json.loads(
-        cli("checkpoint", sandbox.id, "--store", store, "--trajectory", "cli", "--prefix", "1",
-            "--context-ref", "ctx/1", "--json").stdout
+        cli(
+            "checkpoint",
+            sandbox.id,
+            "--store",
+            store,
+            "--trajectory",
+            "cli",
+            "--prefix",
+            "1",
+            "--context-ref",
+            "ctx/1",
+            "--json",
+        ).stdout
     )
-    assert made["checkpoint_id"].startswith("k00001-") and 0 < made["freeze_ms"] <= made["total_ms"]
+    assert made["checkpoint_id"].startswith("k00001-")
+    assert 0 < made["freeze_ms"] <= made["total_ms"]
     listed = json.loads(cli("ls", "--store", store, "--json").stdout)
     assert [c["checkpoint_id"] for c in listed["checkpoints"]] == [made["checkpoint_id"]]
     assert json.loads(cli("verify", "--store", store, "--trajectory", "cli", "--json").stdout)["ok"]
@@ -57,16 +69,29 @@ def test_checkpoint_ls_restore_gc(make_sandbox, engine, tmp_path):
 
 
 def test_errors_are_typed_and_exit_2(tmp_path):
-    proc = cli("checkpoint", "no-such-ctr", "--store", str(tmp_path), "--trajectory", "t", "--prefix", "0",
-               "--json", check=False)
+    proc = cli(
+        "checkpoint",
+        "no-such-ctr",
+        "--store",
+        str(tmp_path),
+        "--trajectory",
+        "t",
+        "--prefix",
+        "0",
+        "--json",
+        check=False,
+    )
     assert proc.returncode == 2
     assert json.loads(proc.stdout)["error"] == "ContainerNotFoundError"
     proc = cli("restore", "--store", str(tmp_path), "--trajectory", "../x", check=False)
-    assert proc.returncode == 2 and "InvalidIdError" in proc.stderr
+    assert proc.returncode == 2
+    assert "InvalidIdError" in proc.stderr
     proc = cli("restore", "--store", str(tmp_path), "--trajectory", "none", check=False)
-    assert proc.returncode == 2 and "CheckpointNotFoundError" in proc.stderr
+    assert proc.returncode == 2
+    assert "CheckpointNotFoundError" in proc.stderr
 
 
 def test_demo_runs_end_to_end():
     out = json.loads(cli("demo", "--json").stdout)
-    assert out["state_matches_prefix"] is True and out["process_resumed"] is True
+    assert out["state_matches_prefix"] is True
+    assert out["process_resumed"] is True

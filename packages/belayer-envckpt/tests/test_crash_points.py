@@ -29,9 +29,11 @@ def test_crash_of_the_checkpointing_process(point, make_sandbox, track, engine, 
     assert store.latest_ready("crash") == first
     assert store.list("crash") == [first]
     leftovers = store.leftovers()
-    assert len(leftovers) == 1 and leftovers[0].name.startswith(".partial-")
+    assert len(leftovers) == 1
+    assert leftovers[0].name.startswith(".partial-")
     assert store.gc() == leftovers
-    assert store.leftovers() == [] and store.list("crash") == [first]
+    assert store.leftovers() == []
+    assert store.list("crash") == [first]
     sandbox.kill()
     restored = track(full_restore(store.latest_ready("crash"), engine=engine))
     assert restored.exec("cat /work/v").stdout == "v1\n"
@@ -57,4 +59,5 @@ def test_checkpoint_of_a_dead_container_is_refused(make_sandbox, tmp_path):
     sandbox.kill()
     with pytest.raises(CheckpointFailedError, match="not running"):
         full_checkpoint(sandbox, "dead", store=store)
-    assert store.list() == [] and store.leftovers() == []
+    assert store.list() == []
+    assert store.leftovers() == []

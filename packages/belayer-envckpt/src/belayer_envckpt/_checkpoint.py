@@ -111,7 +111,9 @@ def full_checkpoint(
     except Exception as exc:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, BelayerEnvckptError | ValueError) and not isinstance(exc, EngineError | CommandError):
+        if isinstance(exc, BelayerEnvckptError | ValueError) and not isinstance(
+            exc, EngineError | CommandError
+        ):
             raise  # refused before anything was captured: the error already says what to do
         raise CheckpointFailedError(
             f"checkpoint of sandbox {sandbox.id[:12]} failed ({exc}); the partial checkpoint was "

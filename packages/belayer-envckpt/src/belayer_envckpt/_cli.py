@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import docker.errors
 
@@ -17,6 +17,7 @@ from ._errors import BelayerEnvckptError
 from ._sandbox import Sandbox
 from ._store import Checkpoint, CheckpointStore
 
+Command = Callable[[argparse.Namespace], tuple[dict[str, Any], int]]
 DEFAULT_IMAGES = ("belayer/busybox:latest", "belayer/debian-python:latest")
 
 
@@ -46,7 +47,9 @@ def _doctor(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
         ok = engine.experimental()
         checks["experimental"] = {
             "ok": ok,
-            "detail": "on" if ok else 'off: put {"experimental": true} in /etc/docker/daemon.json, restart dockerd',
+            "detail": "on"
+            if ok
+            else 'off: put {"experimental": true} in /etc/docker/daemon.json, restart dockerd',
         }
     try:
         checks["criu"] = {"ok": True, "detail": check_criu().splitlines()[-1]}
@@ -106,7 +109,9 @@ def _ls(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     leftovers = [str(p) for p in store.leftovers()]
     if not args.json:
         for c in ready:
-            print(f"{c['trajectory']}\t{c['prefix']}\t{c['checkpoint_id']}\t{c['bytes']} B\t{c['context_ref']}")
+            print(
+                f"{c['trajectory']}\t{c['prefix']}\t{c['checkpoint_id']}\t{c['bytes']} B\t{c['context_ref']}"
+            )
         for p in leftovers:
             print(f"leftover (not ready): {p}")
     return {"checkpoints": ready, "leftovers": leftovers}, 0
@@ -176,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; typed errors become one line on stderr (and a JSON error with --json)."""
     args = build_parser().parse_args(argv)
     try:
-        out, code = args.func(args)
+        out, code = cast(Command, args.func)(args)
     except (BelayerEnvckptError, ValueError) as exc:
         if args.json:
             print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))

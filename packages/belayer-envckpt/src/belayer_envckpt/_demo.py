@@ -6,7 +6,6 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from ._checkpoint import full_checkpoint, full_restore
@@ -31,7 +30,10 @@ def _state(sandbox: Sandbox) -> str:
 
 
 def run_demo(
-    *, image: str = "belayer/debian-python:latest", store_root: str = "", say: Callable[[str], Any] | None = print
+    *,
+    image: str = "belayer/debian-python:latest",
+    store_root: str = "",
+    say: Callable[[str], Any] | None = print,
 ) -> dict[str, Any]:
     """Run the demo; returns what it measured.  Cleans up its container and temporary store."""
     from ._store import CheckpointStore
@@ -59,7 +61,9 @@ def run_demo(
         )
         sandbox.exec("rm /repo/NOTES && echo 'garbage' >> /repo/calc.py")
         ticks_before = int(sandbox.exec("tail -n1 /tmp/ticks.log").stdout or 0)
-        tell(f"two more actions ran (k={sandbox.prefix}); the counter is at {ticks_before}; killing the container")
+        tell(
+            f"two more actions ran (k={sandbox.prefix}); the counter is at {ticks_before}; killing the container"
+        )
         sandbox.kill()
         latest = store.latest_ready("demo")
         assert latest is not None

@@ -70,7 +70,7 @@ class ActionTimeoutError(BelayerEnvckptError):
     """Raised only by callers that ask `exec` to treat a timeout as an error."""
 
 
-class InjectedCrash(BaseException):  # noqa: N818 - it is a simulated crash, not an error to handle
+class InjectedCrash(BaseException):
     """A fault injected at a named crash point: simulates the checkpointing process dying there.
 
     It derives from BaseException so that ordinary cleanup (which a dead process could not run)

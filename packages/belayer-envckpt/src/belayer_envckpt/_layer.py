@@ -21,7 +21,17 @@ _TAR_FLAGS = ("--xattrs", "--xattrs-include=*", "--numeric-owner", "--acls")
 def capture_layer(upper_dir: Path, archive: Path) -> None:
     """Archive ``upper_dir`` (the container must be frozen) into ``archive``."""
     run_command(
-        ["tar", "--create", "--file", str(archive), "--directory", str(upper_dir), "--sparse", *_TAR_FLAGS, "."],
+        [
+            "tar",
+            "--create",
+            "--file",
+            str(archive),
+            "--directory",
+            str(upper_dir),
+            "--sparse",
+            *_TAR_FLAGS,
+            ".",
+        ],
         hint="the container's overlay upper directory could not be archived",
     )
 
@@ -50,7 +60,9 @@ def check_layer_archive(archive: Path) -> int:
     for member in members:
         name = member.name
         if posixpath.isabs(name) or not _inside(name) or ".." in name.split("/"):
-            raise UnsafeArchiveError(f"layer archive member {name!r} escapes the root; refusing to install it")
+            raise UnsafeArchiveError(
+                f"layer archive member {name!r} escapes the root; refusing to install it"
+            )
         norm = posixpath.normpath(name)
         parts = norm.split("/")
         for depth in range(1, len(parts)):
@@ -80,8 +92,15 @@ def install_layer(archive: Path, upper_dir: Path) -> None:
     check_layer_archive(archive)
     run_command(
         [
-            "tar", "--extract", "--file", str(archive), "--directory", str(upper_dir),
-            "--same-permissions", "--same-owner", *_TAR_FLAGS,
+            "tar",
+            "--extract",
+            "--file",
+            str(archive),
+            "--directory",
+            str(upper_dir),
+            "--same-permissions",
+            "--same-owner",
+            *_TAR_FLAGS,
         ],
         hint="installing the checkpoint's layer into the new container failed",
     )

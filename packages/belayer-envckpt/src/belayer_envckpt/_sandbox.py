@@ -8,7 +8,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,10 @@ TRAJECTORY_LABEL = "belayer.trajectory"
 KEEPALIVE = ("/bin/sh", "-c", "trap 'exit 0' TERM; while :; do sleep 3600 & wait $!; done")
 
 
+def _str_tuple(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(str(v) for v in value)
+
+
 def _str_dict(value: Mapping[str, str]) -> dict[str, str]:
     return {str(k): str(v) for k, v in value.items()}
 
@@ -33,7 +37,7 @@ class SandboxConfig:
     """How a sandbox container is created; stored in every checkpoint to recreate it exactly."""
 
     image: str = attrs.field()
-    command: tuple[str, ...] = attrs.field(default=KEEPALIVE, converter=tuple)
+    command: tuple[str, ...] = attrs.field(default=KEEPALIVE, converter=_str_tuple)
     working_dir: str = "/"
     env: dict[str, str] = attrs.field(factory=dict, converter=_str_dict)
     user: str = ""
@@ -79,7 +83,7 @@ def check_guarantee(attrs_: Mapping[str, Any]) -> None:
         problems.append(f"network mode {host.get('NetworkMode')!r} (needs 'none')")
     for mount in attrs_.get("Mounts", []) or []:
         problems.append(f"{mount.get('Type')} mount at {mount.get('Destination')}")
-    for tmpfs in (host.get("Tmpfs") or {}).keys():
+    for tmpfs in host.get("Tmpfs") or {}:
         problems.append(f"tmpfs mount at {tmpfs}")
     if host.get("Privileged"):
         problems.append("privileged mode")

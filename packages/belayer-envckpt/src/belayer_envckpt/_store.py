@@ -7,6 +7,7 @@ directory without the ``.partial-`` prefix is always complete: that rename is th
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import shutil
@@ -92,7 +93,9 @@ def verify_checkpoint(path: Path) -> Checkpoint:
     """Load and fully check a checkpoint: manifest, every file's presence, size and sha256."""
     checkpoint = Checkpoint.load(path)
     if LAYER not in checkpoint.files or not any(k.startswith(CRIU_DIR + "/") for k in checkpoint.files):
-        raise CheckpointCorruptError(f"checkpoint {path} lacks its layer archive or CRIU images; it is partial")
+        raise CheckpointCorruptError(
+            f"checkpoint {path} lacks its layer archive or CRIU images; it is partial"
+        )
     for rel, record in checkpoint.files.items():
         file = path / rel
         if not file.is_file():
@@ -104,7 +107,9 @@ def verify_checkpoint(path: Path) -> Checkpoint:
             )
     extra = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()} - set(checkpoint.files)
     if extra - {MANIFEST}:
-        raise CheckpointCorruptError(f"checkpoint {path} holds files its manifest does not list: {sorted(extra)}")
+        raise CheckpointCorruptError(
+            f"checkpoint {path} holds files its manifest does not list: {sorted(extra)}"
+        )
     return checkpoint
 
 
@@ -138,10 +143,10 @@ class CheckpointStore:
         fsync_path(final.parent)
         return attrs.evolve(checkpoint, path=final)
 
-    def list(self, trajectory: str | None = None) -> list[Checkpoint]:
+    def list(self, trajectory: str | None = None) -> builtins.list[Checkpoint]:
         """Ready checkpoints (published, manifest readable), oldest first."""
         dirs = [self.trajectory_dir(trajectory)] if trajectory is not None else self._trajectory_dirs()
-        found = []
+        found: builtins.list[Checkpoint] = []
         for tdir in dirs:
             if not tdir.is_dir():
                 continue
@@ -153,9 +158,9 @@ class CheckpointStore:
                         continue
         return sorted(found, key=lambda c: (c.created_ns, c.checkpoint_id))
 
-    def leftovers(self) -> list[Path]:
+    def leftovers(self) -> builtins.list[Path]:
         """Partial checkpoints and published directories without a readable manifest."""
-        bad = []
+        bad: builtins.list[Path] = []
         for tdir in self._trajectory_dirs():
             for entry in tdir.iterdir():
                 if entry.name.startswith(PARTIAL):
@@ -187,7 +192,7 @@ class CheckpointStore:
         """Check a checkpoint's manifest and every file's size and sha256."""
         return verify_checkpoint(checkpoint.path if isinstance(checkpoint, Checkpoint) else Path(checkpoint))
 
-    def gc(self, trajectory: str | None = None, *, keep: int | None = None) -> list[Path]:
+    def gc(self, trajectory: str | None = None, *, keep: int | None = None) -> builtins.list[Path]:
         """Remove leftovers; with ``trajectory``, also its checkpoints (all, or all but ``keep``)."""
         removed = list(self.leftovers())
         if trajectory is not None:
@@ -204,7 +209,7 @@ class CheckpointStore:
                 tdir.rmdir()
         return removed
 
-    def _trajectory_dirs(self) -> list[Path]:
+    def _trajectory_dirs(self) -> builtins.list[Path]:
         if not self.root.is_dir():
             return []
         return sorted(p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
