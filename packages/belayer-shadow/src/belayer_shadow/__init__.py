@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     # Engine (engine half).
     from belayer_shadow._config import ModelConfig, kv_layout, weight_layout
-    from belayer_shadow._engine import LLMEngine
+    from belayer_shadow._engine import LLMEngine, allocate_kv_arena
     from belayer_shadow._errors import (
         BelayerShadowError,
         ConfigError,
@@ -22,7 +22,13 @@ if TYPE_CHECKING:
         RequestError,
         WeightsError,
     )
-    from belayer_shadow._loader import fill_weight_server, init_weights, load_safetensors
+    from belayer_shadow._loader import (
+        fill_weight_server,
+        init_weights,
+        load_safetensors,
+        load_tokenizer,
+        save_safetensors,
+    )
     from belayer_shadow._sequence import SamplingParams, StepOutput
 
 # name -> module; lazy so that `import belayer_shadow` stays cheap (no torch) for the CLI's parser.
@@ -38,10 +44,13 @@ _EXPORTS = {
     "SamplingParams": "belayer_shadow._sequence",
     "StepOutput": "belayer_shadow._sequence",
     "WeightsError": "belayer_shadow._errors",
+    "allocate_kv_arena": "belayer_shadow._engine",
     "fill_weight_server": "belayer_shadow._loader",
     "init_weights": "belayer_shadow._loader",
     "kv_layout": "belayer_shadow._config",
     "load_safetensors": "belayer_shadow._loader",
+    "load_tokenizer": "belayer_shadow._loader",
+    "save_safetensors": "belayer_shadow._loader",
     "weight_layout": "belayer_shadow._config",
     # Workers, shadow worker and handover (worker half).
 }
@@ -57,10 +66,13 @@ __all__ = [
     "SamplingParams",
     "StepOutput",
     "WeightsError",
+    "allocate_kv_arena",
     "fill_weight_server",
     "init_weights",
     "kv_layout",
     "load_safetensors",
+    "load_tokenizer",
+    "save_safetensors",
     "weight_layout",
 ]
 
