@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import struct
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -46,7 +48,9 @@ def wait_line(proc: subprocess.Popen[str], expected: str) -> str:
     for line in proc.stdout:
         if line.startswith(expected):
             return line.strip()
-    raise AssertionError(f"worker exited before printing {expected!r}: {proc.stderr.read() if proc.stderr else ''}")
+    raise AssertionError(
+        f"worker exited before printing {expected!r}: {proc.stderr.read() if proc.stderr else ''}"
+    )
 
 
 @pytest.fixture
@@ -55,21 +59,47 @@ def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
 
 
-@pytest.fixture
-def weights_file(tmp_path: Path) -> Path:
-    """A small safetensors checkpoint with mixed dtypes and shapes."""
-    from safetensors.torch import save_file
-
+def sample_weights() -> dict[str, torch.Tensor]:
+    """The tensors of `weights_file`: mixed dtypes and shapes, a 0-d one included."""
     gen = torch.Generator().manual_seed(0)
-    tensors = {
+    return {
         "embed.weight": torch.randn(64, 32, generator=gen).to(torch.bfloat16),
         "layers.0.attn.q_proj.weight": torch.randn(32, 32, generator=gen),
         "layers.0.norm.weight": torch.randn(32, generator=gen).half(),
         "step": torch.tensor(7, dtype=torch.int64),
     }
+
+
+@pytest.fixture
+def weights_file(tmp_path: Path) -> Path:
+    """A small safetensors checkpoint holding `sample_weights()`."""
+    tensors = sample_weights()
     path = tmp_path / "model.safetensors"
-    save_file(tensors, str(path))
+    try:
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(path))
+    except ImportError:  # a GPU machine without safetensors/numpy: write the (simple) format ourselves
+        _write_safetensors(path, tensors)
     return path
+
+
+def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    codes = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64"}
+    header: dict[str, object] = {}
+    blobs: list[bytes] = []
+    offset = 0
+    for name, tensor in tensors.items():
+        blob = bytes(tensor.contiguous().reshape(-1).view(torch.uint8).tolist())
+        header[name] = {
+            "dtype": codes[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + len(blob)],
+        }
+        blobs.append(blob)
+        offset += len(blob)
+    encoded = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + b"".join(blobs))
 
 
 @pytest.fixture

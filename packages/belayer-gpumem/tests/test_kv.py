@@ -15,7 +15,8 @@ def test_arena_layout_and_cross_process_writes(kv_server: ServerProcess) -> None
         assert str(kv.arena.dtype) == "torch.float16"
         k_cache, v_cache = kv.layer(1)
         assert k_cache.shape == (KV_LAYOUT.num_blocks, KV_LAYOUT.block_size, KV_LAYOUT.num_kv_heads, 8)
-        assert k_cache.is_contiguous() and v_cache.is_contiguous()
+        assert k_cache.is_contiguous()
+        assert v_cache.is_contiguous()
         assert float(kv.arena.abs().sum()) == 0
         run_worker("kv-write", socket, "3", "2.0")
         per_block = KV_LAYOUT.block_bytes // 2  # float16 elements per block

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,7 +18,6 @@ from conftest import KV_LAYOUT, start_worker, wait_line
 
 from belayer_gpumem import (
     KVClient,
-    PermissionDeniedError,
     ServerConfig,
     ServerGoneError,
     ServerProcess,
@@ -31,7 +31,9 @@ from belayer_gpumem.protocol import HEADER, MAX_REQUEST_BYTES, encode_frame
 
 def test_ready_file_pid_file_private_socket_and_clean_sigterm(run_dir: Path, tmp_path: Path) -> None:
     ready, pid = tmp_path / "ready.json", tmp_path / "server.pid"
-    config = ServerConfig(kind="kv", socket=run_dir / "kv.sock", kv_layout=KV_LAYOUT, ready_file=ready, pid_file=pid)
+    config = ServerConfig(
+        kind="kv", socket=run_dir / "kv.sock", kv_layout=KV_LAYOUT, ready_file=ready, pid_file=pid
+    )
     server = ServerProcess.start(config)
     assert json.loads(ready.read_text())["pid"] == server.pid == int(pid.read_text())
     assert server.ready_info["socket"] == str(config.socket)
@@ -40,7 +42,9 @@ def test_ready_file_pid_file_private_socket_and_clean_sigterm(run_dir: Path, tmp
     assert ping(config.socket)["pid"] == server.pid
     assert any("memfd:" in link for link in _fd_links(server.pid))
     assert server.stop() == 0
-    assert not config.socket.exists() and not ready.exists() and not pid.exists()
+    assert not config.socket.exists()
+    assert not ready.exists()
+    assert not pid.exists()
 
 
 def test_server_killed_gives_a_typed_error_and_the_mapping_survives(weights_server: ServerProcess) -> None:
@@ -79,10 +83,8 @@ def test_a_shared_socket_directory_is_refused(tmp_path: Path) -> None:
 def _fd_links(pid: int) -> list[str]:
     links = []
     for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
+        with contextlib.suppress(FileNotFoundError):  # closed meanwhile
             links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
-        except FileNotFoundError:  # closed meanwhile
-            pass
     return links
 
 
@@ -110,7 +112,8 @@ def test_malformed_requests_get_error_replies_and_the_connection_lives_on(
 ) -> None:
     conn = Connection.connect(weights_server.config.socket)
     reply, _ = conn.exchange(HEADER.pack(len(body)) + body)
-    assert reply["ok"] is False and reply["error"]["code"] == code
+    assert reply["ok"] is False
+    assert reply["error"]["code"] == code
     again, _ = conn.exchange(encode_frame({"op": "ping"}))
     assert again["ok"] is True
     conn.close()
@@ -146,7 +149,9 @@ except PermissionDeniedError as exc:
 else:
     print("ATTACHED")
 """
-_CAPSET = _PREAMBLE + """
+_CAPSET = (
+    _PREAMBLE
+    + """
 libc = ctypes.CDLL(None, use_errno=True)
 PR_SET_KEEPCAPS = 8
 assert libc.prctl(PR_SET_KEEPCAPS, 1, 0, 0, 0) == 0
@@ -158,7 +163,9 @@ header = (ctypes.c_uint32 * 2)(0x20080522, 0)
 data = (ctypes.c_uint32 * 6)(0b110, 0b110, 0, 0, 0, 0)
 if libc.syscall(126, header, data) != 0:  # capset
     print("NOCAPS"); sys.exit(0)
-""" + _ATTACH
+"""
+    + _ATTACH
+)
 
 
 def _as_nobody(code: str, *args: str) -> str:
@@ -181,7 +188,8 @@ def test_another_uid_is_refused_by_the_peer_credential_check(weights_server: Ser
     out = _as_nobody(_CAPSET, str(weights_server.config.socket))
     if out.startswith("NOCAPS"):
         pytest.skip("this container cannot keep CAP_DAC_OVERRIDE across setuid")
-    assert out.startswith("REFUSED") and "peer uid 65534" in out, out
+    assert out.startswith("REFUSED"), out
+    assert "peer uid 65534" in out
     assert ping(weights_server.config.socket)["ok"]
 
 

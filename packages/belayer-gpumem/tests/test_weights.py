@@ -8,14 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_worker, start_worker, wait_line
-from safetensors.torch import load_file
+from conftest import run_worker, sample_weights, start_worker, wait_line
 
 from belayer_gpumem import ServerConfig, ServerProcess, UpdateBusyError, WeightClient
 
 
 def test_attach_views_match_the_safetensors_file(weights_server: ServerProcess, weights_file: Path) -> None:
-    expected = load_file(str(weights_file))
+    expected = sample_weights()
     with WeightClient.attach(weights_server.config.socket) as client:
         assert client.version == 1
         tensors = client.tensors()
@@ -27,6 +26,17 @@ def test_attach_views_match_the_safetensors_file(weights_server: ServerProcess, 
         base = client.region.data_ptr()
         for tensor in tensors.values():
             assert base <= tensor.data_ptr() < base + client.region.numel()
+
+
+def test_our_reader_agrees_with_the_safetensors_library(weights_file: Path) -> None:
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from belayer_gpumem.safetensors_io import read_safetensors
+
+    loaded = safetensors_torch.load_file(str(weights_file))
+    parsed = read_safetensors(weights_file)
+    assert {
+        t.name: (str(loaded[t.name].dtype), tuple(loaded[t.name].shape)) for t in parsed.layout.tensors
+    } == {name: (str(t.dtype), tuple(t.shape)) for name, t in loaded.items()}
 
 
 def test_a_write_by_one_process_is_seen_by_another(weights_server: ServerProcess) -> None:
@@ -91,7 +101,8 @@ def test_readers_keep_their_version_until_refresh(weights_server: ServerProcess)
         with writer.update() as update:
             for tensor in update.tensors().values():
                 tensor.fill_(1)
-        assert reader.version == 1 and reader.latest_version() == 2
+        assert reader.version == 1
+        assert reader.latest_version() == 2
         assert torch.equal(reader.tensors()["layers.0.norm.weight"], old)
         # The old slot is pinned by the reader, so the next update has to wait for it.
         with pytest.raises(UpdateBusyError, match="refresh"):

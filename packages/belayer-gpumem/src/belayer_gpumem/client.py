@@ -66,7 +66,9 @@ class _Attachment:
             reply, fds = conn.request("open")
             if len(fds) != 1:
                 raise BelayerGpumemError(f"expected one region fd from the server, got {len(fds)}")
-            flat = map_region(reply["backend"], fds[0], int(reply["region_bytes"]), device=int(reply["device"]))
+            flat = map_region(
+                reply["backend"], fds[0], int(reply["region_bytes"]), device=int(reply["device"])
+            )
         except BaseException:
             conn.close()
             raise
@@ -176,7 +178,10 @@ class WeightClient(_ClientBase):
 
     def _views(self, slot_offset: int) -> dict[str, torch.Tensor]:
         flat = self.region
-        return {t.name: _view(flat, slot_offset + t.offset, t.nbytes, t.dtype, t.shape) for t in self.layout.tensors}
+        return {
+            t.name: _view(flat, slot_offset + t.offset, t.nbytes, t.dtype, t.shape)
+            for t in self.layout.tensors
+        }
 
     def update(self, *, copy_current: bool = False, timeout_s: float = 30.0) -> WeightUpdate:
         """Open a weight update (waits up to `timeout_s` for readers of the old slot to refresh).
@@ -186,7 +191,9 @@ class WeightClient(_ClientBase):
         Raises UpdateBusyError if the update cannot begin in time.
         """
         reply, _ = self._att.conn.request("update_begin", copy_current=copy_current, timeout_s=timeout_s)
-        return WeightUpdate(client=self, slot_offset=int(reply["slot_offset"]), views=self._views(reply["slot_offset"]))
+        return WeightUpdate(
+            client=self, slot_offset=int(reply["slot_offset"]), views=self._views(reply["slot_offset"])
+        )
 
     def _commit(self) -> int:
         if self.backend == "cuda":

@@ -57,7 +57,9 @@ class Connection:
             ) from exc
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             sock.close()
-            raise ServerGoneError(f"no memory server listens on {path} ({exc.strerror}); start it first") from exc
+            raise ServerGoneError(
+                f"no memory server listens on {path} ({exc.strerror}); start it first"
+            ) from exc
         return cls(path=path, sock=sock)
 
     def close(self) -> None:

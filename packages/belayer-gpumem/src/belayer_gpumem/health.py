@@ -36,18 +36,20 @@ def check_gpu_health(device: int = 0, *, timeout_s: float = 5.0) -> HealthReport
     start = time.monotonic()
     try:
         with torch.cuda.device(device):
-            stream = torch.cuda.Stream()
+            stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
             with torch.cuda.stream(stream):
                 index = torch.arange(_N, device=f"cuda:{device}", dtype=torch.float32)
                 total = (index * 2 + 1).sum()
                 pattern = torch.arange(_N, device=f"cuda:{device}", dtype=torch.int32) ^ 0x5A5A5A5A
                 echoed = pattern.clone()
                 mismatches = (echoed != pattern).sum()
-                done = torch.cuda.Event()
+                done = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 done.record(stream)
-            while not done.query():
+            while not done.query():  # type: ignore[no-untyped-call]
                 if time.monotonic() - start > timeout_s:
-                    raise GpuUnhealthyError(f"GPU {device}: the health-check kernels did not finish in {timeout_s} s")
+                    raise GpuUnhealthyError(
+                        f"GPU {device}: the health-check kernels did not finish in {timeout_s} s"
+                    )
                 time.sleep(0.001)
             got_total, got_mismatches = float(total.item()), int(mismatches.item())
     except RuntimeError as exc:  # CUDA errors surface as RuntimeError from torch

@@ -11,6 +11,7 @@ graphs stay valid); its contents are zero after `restore()`, and it must not be 
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 from typing import Any
 
@@ -18,7 +19,7 @@ import attrs
 import torch
 
 from belayer_gpumem.backends import BACKENDS
-from belayer_gpumem.errors import BackendUnavailableError
+from belayer_gpumem.errors import BackendUnavailableError, BelayerGpumemError
 from belayer_gpumem.layout import round_up
 
 __all__ = ["IdleBuffer"]
@@ -55,9 +56,10 @@ class _VirtualRange:
         self.handle = None
 
     def __del__(self) -> None:
-        if getattr(self, "handle", None) is not None:
-            self.unback()
-        if getattr(self, "ptr", None):
+        # torch drops its reference when the last view is gone, possibly at interpreter exit.
+        with contextlib.suppress(BelayerGpumemError):
+            if self.handle is not None:
+                self.unback()
             self.vmm.free_address(self.ptr, self.nbytes)
 
 

@@ -60,13 +60,21 @@ def _check_shape(_inst: object, _attr: object, value: tuple[int, ...]) -> None:
         raise LayoutError(f"shape {value!r} must be a tuple of non-negative ints")
 
 
+def _to_shape(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(value)
+
+
+def _to_specs(value: Iterable[TensorSpec]) -> tuple[TensorSpec, ...]:
+    return tuple(value)
+
+
 @attrs.frozen
 class TensorSpec:
     """One named tensor in a weight slot: `nbytes` bytes at `offset` from the slot's start."""
 
     name: str
     dtype: str = attrs.field(validator=_check_dtype)
-    shape: tuple[int, ...] = attrs.field(converter=tuple, validator=_check_shape)
+    shape: tuple[int, ...] = attrs.field(converter=_to_shape, validator=_check_shape)
     offset: int = 0
 
     @property
@@ -88,7 +96,7 @@ class TensorSpec:
 class WeightLayout:
     """The weight table of one slot; the weight region holds two slots (a double buffer)."""
 
-    tensors: tuple[TensorSpec, ...] = attrs.field(converter=tuple)
+    tensors: tuple[TensorSpec, ...] = attrs.field(converter=_to_specs)
     slot_bytes: int
 
     def __attrs_post_init__(self) -> None:
@@ -98,7 +106,11 @@ class WeightLayout:
         if self.slot_bytes <= 0 or self.slot_bytes % REGION_ALIGNMENT:
             raise LayoutError(f"slot_bytes must be a positive multiple of {REGION_ALIGNMENT}")
         for spec in self.tensors:
-            if spec.offset % TENSOR_ALIGNMENT or spec.offset < 0 or spec.offset + spec.nbytes > self.slot_bytes:
+            if (
+                spec.offset % TENSOR_ALIGNMENT
+                or spec.offset < 0
+                or spec.offset + spec.nbytes > self.slot_bytes
+            ):
                 raise LayoutError(f"tensor {spec.name!r} at offset {spec.offset} does not fit the slot")
 
     @classmethod
@@ -131,7 +143,9 @@ class WeightLayout:
         """Parse the wire (or layout-file) form; raises LayoutError on anything malformed."""
         try:
             tensors = [
-                TensorSpec(name=str(t["name"]), dtype=t["dtype"], shape=tuple(t["shape"]), offset=t.get("offset", -1))
+                TensorSpec(
+                    name=str(t["name"]), dtype=t["dtype"], shape=tuple(t["shape"]), offset=t.get("offset", -1)
+                )
                 for t in data["tensors"]
             ]
             slot_bytes = data.get("slot_bytes")
@@ -171,7 +185,14 @@ class KVLayout:
     @property
     def block_bytes(self) -> int:
         """Bytes one block takes across all layers, K and V."""
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * DTYPE_SIZES[self.dtype]
+        return (
+            self.num_layers
+            * 2
+            * self.block_size
+            * self.num_kv_heads
+            * self.head_dim
+            * DTYPE_SIZES[self.dtype]
+        )
 
     @property
     def nbytes(self) -> int:

@@ -85,7 +85,8 @@ class ServerProcess:
 
 
 def _wait_ready(popen: subprocess.Popen[str], argv: list[str], timeout_s: float) -> dict[str, Any]:
-    assert popen.stdout is not None and popen.stderr is not None
+    assert popen.stdout is not None
+    assert popen.stderr is not None
     deadline = time.monotonic() + timeout_s
     buffered = ""
     fd = popen.stdout.fileno()
@@ -100,7 +101,9 @@ def _wait_ready(popen: subprocess.Popen[str], argv: list[str], timeout_s: float)
         if not chunk:  # stdout closed: the server exited
             popen.wait()
             stderr = popen.stderr.read().strip()
-            raise ServerStartError(f"memory server exited with code {popen.returncode}: {stderr or '(no output)'}")
+            raise ServerStartError(
+                f"memory server exited with code {popen.returncode}: {stderr or '(no output)'}"
+            )
         buffered += chunk
         for line in buffered.splitlines():
             if line.startswith(READY_PREFIX):

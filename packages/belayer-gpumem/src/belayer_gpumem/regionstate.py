@@ -81,7 +81,9 @@ class RegionState:
 
     def _need(self, kind: str, op: str) -> None:
         if self.config.kind != kind:
-            raise RemoteError("wrong_kind", f"op {op!r} is for a {kind} server; this is a {self.config.kind} server")
+            raise RemoteError(
+                "wrong_kind", f"op {op!r} is for a {kind} server; this is a {self.config.kind} server"
+            )
 
     async def handle(self, conn: int, op: str, request: dict[str, Any]) -> Reply:
         """Run one validated request; raises RemoteError for refusals."""
@@ -112,7 +114,11 @@ class RegionState:
 
     async def _op_open(self, conn: int, request: dict[str, Any]) -> Reply:
         # The connection layer attaches the region fd to this reply.
-        return {"region_bytes": self.region.nbytes, "backend": self.config.backend, "device": self.config.device}
+        return {
+            "region_bytes": self.region.nbytes,
+            "backend": self.config.backend,
+            "device": self.config.device,
+        }
 
     async def _op_health(self, conn: int, request: dict[str, Any]) -> Reply:
         if self.config.backend == "cuda":

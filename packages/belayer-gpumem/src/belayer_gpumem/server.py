@@ -71,7 +71,12 @@ class MemoryServer:
 
     def _announce_ready(self) -> None:
         config = self.config
-        info = {"socket": str(config.socket), "pid": os.getpid(), "kind": config.kind, "backend": config.backend}
+        info = {
+            "socket": str(config.socket),
+            "pid": os.getpid(),
+            "kind": config.kind,
+            "backend": config.backend,
+        }
         if config.ready_file is not None:
             write_file_atomically(config.ready_file, json.dumps(info) + "\n")
         print(f"{READY_PREFIX} {json.dumps(info)}", flush=True)

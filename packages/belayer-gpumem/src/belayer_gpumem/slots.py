@@ -56,7 +56,9 @@ class WeightSlots:
     def begin(self, conn: int) -> int:
         """Make `conn` the writer of the inactive slot; returns that slot."""
         if self.writer is not None:
-            raise SlotConflictError(f"another client (connection {self.writer}) is already updating the weights")
+            raise SlotConflictError(
+                f"another client (connection {self.writer}) is already updating the weights"
+            )
         waiting = self.readers_of(self.inactive_slot)
         if waiting:
             raise SlotConflictError(

@@ -54,7 +54,9 @@ def _check_backend(backend: str) -> None:
         raise BackendUnavailableError(f"unknown backend {backend!r}; use one of {BACKENDS}")
 
 
-def create_region(backend: str, nbytes: int, *, device: int = 0, name: str = "belayer-gpumem") -> ServerRegion:
+def create_region(
+    backend: str, nbytes: int, *, device: int = 0, name: str = "belayer-gpumem"
+) -> ServerRegion:
     """Allocate a new exportable region of `nbytes` (zero-filled) with the chosen backend."""
     _check_backend(backend)
     if backend == "host":

@@ -11,6 +11,7 @@ Everything here imports cuda-bindings lazily; only the cuda backend needs it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import weakref
@@ -223,9 +224,11 @@ class _DeviceMemory:
 
 
 def _unmap_client(vmm: CudaVmm, handle: Any, ptr: int, nbytes: int) -> None:
-    vmm.unmap(ptr, nbytes)
-    vmm.free_address(ptr, nbytes)
-    vmm.release(handle)
+    # Runs from a finalizer, possibly at interpreter exit when the driver is already torn down.
+    with contextlib.suppress(BelayerGpumemError):
+        vmm.unmap(ptr, nbytes)
+        vmm.free_address(ptr, nbytes)
+        vmm.release(handle)
 
 
 def map_cuda_fd(fd: int, nbytes: int, *, device: int = 0) -> torch.Tensor:
@@ -233,7 +236,7 @@ def map_cuda_fd(fd: int, nbytes: int, *, device: int = 0) -> torch.Tensor:
     import torch
 
     torch.cuda.set_device(device)
-    torch.cuda.init()
+    torch.cuda.init()  # type: ignore[no-untyped-call]
     vmm = CudaVmm.open(device)
     try:
         handle = vmm.import_fd(fd)
