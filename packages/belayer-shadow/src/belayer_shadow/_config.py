@@ -94,8 +94,13 @@ class ModelConfig:
             values["dtype"] = values["torch_dtype"]
         if values.get("dtype") is None:
             values.pop("dtype", None)
-        if "rope_theta" not in values and isinstance(values.get("rope_parameters"), Mapping):
-            values["rope_theta"] = values["rope_parameters"].get("rope_theta", 1_000_000.0)
+        rope = values.get("rope_parameters") or values.get("rope_scaling")
+        if isinstance(rope, Mapping):
+            if rope.get("rope_type", rope.get("type", "default")) != "default":
+                raise ConfigError(f"only plain rotary embeddings are supported, not rope scaling {rope!r}")
+            values.setdefault("rope_theta", rope.get("rope_theta", 1_000_000.0))
+        if values.get("use_sliding_window"):
+            raise ConfigError("sliding-window attention is not supported; set use_sliding_window to false")
         if "head_dim" not in values and "hidden_size" in values and "num_attention_heads" in values:
             values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
         if "num_key_value_heads" not in values and "num_attention_heads" in values:

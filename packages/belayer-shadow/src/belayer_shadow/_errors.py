@@ -6,9 +6,12 @@ __all__ = [
     "BelayerShadowError",
     "ConfigError",
     "EngineError",
+    "HandoverError",
     "InvalidSamplingParamsError",
     "RequestError",
+    "SupervisorError",
     "WeightsError",
+    "WorkerError",
 ]
 
 
@@ -34,3 +37,18 @@ class RequestError(EngineError, ValueError):
 
 class InvalidSamplingParamsError(RequestError):
     """`SamplingParams` got a value outside its domain."""
+
+
+# Workers, shadow worker and handover (worker half).
+
+
+class WorkerError(BelayerShadowError):
+    """A worker could not start, register or serve (bad arguments, router refused it)."""
+
+
+class HandoverError(BelayerShadowError):
+    """A handover step failed: the GPU health check, or a memory server is gone; the slot is not served."""
+
+
+class SupervisorError(BelayerShadowError):
+    """The slot supervisor could not start or keep its processes (a child failed to come up in time)."""
