@@ -1,0 +1,265 @@
+"""`EngineService`: the router's worker protocol over one `LLMEngine`, and the scheduling loop.
+
+The loop owns the engine: HTTP handlers only queue additions and aborts, which the loop applies
+between steps; `step()` runs in a worker thread so the event loop keeps streaming. Every loop
+iteration touches the heartbeat, also when idle (at least every `idle_tick_s`). Every event a
+worker streams carries its epoch, so the router can fence a stale worker.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
+
+import anyio
+import anyio.abc
+import attrs
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from belayer_shadow._engine import LLMEngine
+from belayer_shadow._errors import RequestError
+from belayer_shadow._events import EventLog
+from belayer_shadow._heartbeat import Heartbeat
+from belayer_shadow._sequence import SamplingParams, StepOutput
+
+__all__ = ["EngineService", "ResumeMode"]
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+ResumeMode = Literal["continue", "regenerate"]
+_MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+def _line(payload: dict[str, Any]) -> bytes:
+    return json.dumps(payload, separators=(",", ":")).encode() + b"\n"
+
+
+@attrs.define(eq=False)
+class _Job:
+    """One request being served: where its events go, and how many leading tokens to hide."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    events: MemoryObjectSendStream[bytes]
+    num_hidden: int = 0  # regenerate mode: tokens the client already has, generated again
+    expected: tuple[int, ...] = ()
+    finished: bool = False
+
+
+def _parse_job(body: Any, mode: ResumeMode, events: MemoryObjectSendStream[bytes]) -> _Job:
+    """Validate a router -> worker body (see belayer_router.worker_request_body)."""
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+    try:
+        request_id = body["request_id"]
+        prompt = list(body["prompt_token_ids"])
+        generated = tuple(body.get("generated_token_ids") or ())
+        max_tokens = body["max_tokens"]
+    except (KeyError, TypeError) as exc:
+        raise RequestError(f"missing or malformed field {exc}; send belayer_router.worker_request_body") from exc
+    if not isinstance(request_id, str) or not request_id:
+        raise RequestError("field 'request_id' must be a non-empty string")
+    common = {
+        "temperature": body.get("temperature", 1.0),
+        "top_p": body.get("top_p", 1.0),
+        "seed": body.get("seed"),
+        "stop_token_ids": tuple(body.get("stop_token_ids") or ()),
+    }
+    if mode == "regenerate" and generated:
+        # The conventional baseline: start over from the prompt, hide what the client already has.
+        params = SamplingParams(max_tokens=max_tokens + len(generated), **common)
+        return _Job(request_id, prompt, params, events, num_hidden=len(generated), expected=generated)
+    params = SamplingParams(max_tokens=max_tokens, generated_token_ids=generated, **common)
+    return _Job(request_id, prompt, params, events)
+
+
+async def _read_body(receive: Receive) -> Any:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise RequestError("client disconnected before sending the whole body")
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if size > _MAX_BODY_BYTES:
+            raise RequestError(f"request body exceeds {_MAX_BODY_BYTES} bytes")
+        if not message.get("more_body", False):
+            break
+    try:
+        return json.loads(b"".join(chunks))
+    except ValueError as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}") from exc
+
+
+async def _send_json(send: Send, status: int, payload: Any) -> None:
+    body = json.dumps(payload).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+@attrs.define(eq=False)
+class EngineService:
+    """Serves one engine at one epoch: an ASGI app plus the scheduling loop (`run_loop`)."""
+
+    engine: LLMEngine
+    heartbeat: Heartbeat
+    log: EventLog
+    epoch: int = 0
+    resume_mode: ResumeMode = "continue"
+    idle_tick_s: float = 0.05
+    weight_refresh_s: float = 0.2
+    num_steps: int = 0
+    num_tokens: int = 0
+    num_tokens_regenerated: int = 0
+    _jobs: dict[str, _Job] = attrs.field(factory=dict)
+    _adds: list[_Job] = attrs.field(factory=list)
+    _aborts: list[str] = attrs.field(factory=list)
+    _wake: anyio.Event = attrs.field(factory=anyio.Event)
+    _last_refresh: float = 0.0
+
+    # The scheduling loop.
+
+    async def run_loop(self) -> None:
+        """Step the engine forever (until cancelled), touching the heartbeat every iteration."""
+        while True:
+            self.heartbeat.touch()
+            was_idle = not self.engine.has_unfinished()
+            if was_idle and (self._adds or time.monotonic() - self._last_refresh > self.weight_refresh_s):
+                self._refresh_weights()  # new weights take effect before the next batch starts
+            self._apply_pending()
+            if self.engine.has_unfinished():
+                outputs = await anyio.to_thread.run_sync(self.engine.step)
+                self.num_steps += 1
+                self._dispatch(outputs)
+                continue
+            with anyio.move_on_after(self.idle_tick_s):
+                await self._wake.wait()
+            self._wake = anyio.Event()
+
+    def _refresh_weights(self) -> None:
+        self._last_refresh = time.monotonic()
+        if self.engine.refresh_weights():
+            self.log.emit("weights.refreshed")
+
+    def _apply_pending(self) -> None:
+        for request_id in self._aborts:
+            self.engine.abort(request_id)
+        self._aborts.clear()
+        for job in self._adds:
+            if job.finished:
+                continue
+            try:
+                self.engine.add_request(job.request_id, job.prompt, job.params)
+            except RequestError as exc:
+                self._finish(job, _line({"type": "error", "epoch": self.epoch, "message": str(exc)}))
+        self._adds.clear()
+
+    def _dispatch(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            job = self._jobs.get(out.request_id)
+            if job is None or job.finished:
+                continue
+            if out.index < job.num_hidden:
+                self.num_tokens_regenerated += 1
+                if out.finish_reason is None:
+                    continue
+            else:
+                self.num_tokens += 1
+                token = {"type": "token", "epoch": self.epoch, "index": out.index, "token_id": out.token_id}
+                job.events.send_nowait(_line({**token, "logprob": out.logprob}))
+            if out.finish_reason is not None:
+                self._finish(job, _line({"type": "finish", "epoch": self.epoch, "finish_reason": out.finish_reason}))
+
+    def _finish(self, job: _Job, last: bytes) -> None:
+        job.finished = True
+        job.events.send_nowait(last)
+        job.events.close()
+
+    # HTTP.
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        """ASGI entry point: `POST /generate`, `GET /health`, `GET /metrics`."""
+        if scope["type"] == "lifespan":
+            while (message := await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["type"] != "http":
+            return
+        route = (scope["method"], scope["path"].rstrip("/"))
+        if route == ("POST", "/generate"):
+            await self._generate(receive, send)
+        elif route == ("GET", "/health"):
+            payload = {"status": "ok", "epoch": self.epoch, "num_running": len(self._jobs)}
+            await _send_json(send, 200, {**payload, "num_steps": self.num_steps})
+        elif route == ("GET", "/metrics"):
+            text = self._metrics().encode()
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+            await send({"type": "http.response.body", "body": text})
+        else:
+            await _send_json(send, 404, {"error": f"no route {route[0]} {route[1]}; see the belayer-shadow README"})
+
+    def _metrics(self) -> str:
+        counters = {
+            "steps_total": self.num_steps,
+            "tokens_total": self.num_tokens,
+            "tokens_regenerated_total": self.num_tokens_regenerated,
+            "epoch": self.epoch,
+        }
+        lines = [f"belayer_shadow_{name} {value}" for name, value in counters.items()]
+        return "\n".join(lines) + "\n" + self.log.render_metrics()
+
+    async def _generate(self, receive: Receive, send: Send) -> None:
+        events, stream = anyio.create_memory_object_stream[bytes](math.inf)
+        try:
+            body = await _read_body(receive)
+            job = _parse_job(body, self.resume_mode, events)
+        except RequestError as exc:
+            await _send_json(send, 400, {"error": str(exc)})
+            return
+        if body.get("epoch") != self.epoch:
+            await _send_json(send, 409, {"error": f"this worker serves epoch {self.epoch}, not {body.get('epoch')}"})
+            return
+        if job.request_id in self._jobs:
+            await _send_json(send, 409, {"error": f"request {job.request_id!r} is already running here"})
+            return
+        self._jobs[job.request_id] = job
+        self._adds.append(job)
+        self._wake.set()
+        try:
+            await send(
+                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/x-ndjson")]}
+            )
+            async with anyio.create_task_group() as group:
+                group.start_soon(self._watch_disconnect, receive, group.cancel_scope)
+                await self._stream(stream, send)
+                group.cancel_scope.cancel()
+        finally:
+            self._jobs.pop(job.request_id, None)
+            if not job.finished:
+                job.finished = True
+                self._aborts.append(job.request_id)
+            events.close()
+            stream.close()
+
+    async def _stream(self, stream: MemoryObjectReceiveStream[bytes], send: Send) -> None:
+        async for first in stream:
+            chunk = [first]
+            while True:  # one body chunk per wake-up: whatever the loop queued meanwhile
+                try:
+                    chunk.append(stream.receive_nowait())
+                except (anyio.WouldBlock, anyio.EndOfStream):
+                    break
+            await send({"type": "http.response.body", "body": b"".join(chunk), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _watch_disconnect(self, receive: Receive, scope: anyio.CancelScope) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        scope.cancel()

@@ -1,0 +1,157 @@
+"""The shadow worker: stand by beside the main worker, then take its slot over in well under a second.
+
+Standby: the engine is built on the same memory regions and warmed up, the private scratch
+buffer is released (gpumem's `IdleBuffer`), and the process only polls the heartbeat's mtime and
+the handover flag, sleeping in between (no CPU to speak of). Handover, each step timed and logged:
+detect -> fence (SIGKILL a hung main, so it cannot write the shared KV arena again) -> health check
+(device, memory servers alive) -> flush the KV pool -> remap the scratch buffer -> warm up ->
+register at epoch + 1 (the router retires the failed worker and resumes its requests here) -> serve.
+If the health check or a memory server fails, the shadow does not serve from that memory: it
+marks the slot unhealthy at the router and exits with `EXIT_UNHEALTHY`.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import attrs
+import torch
+from belayer_gpumem import BelayerGpumemError, IdleBuffer, check_gpu_health, ping
+from belayer_router import RouterClient, RouterClientError
+
+from belayer_shadow._engine import LLMEngine
+from belayer_shadow._errors import HandoverError
+from belayer_shadow._events import EventLog, write_state
+from belayer_shadow._heartbeat import HandoverFlag, Heartbeat
+from belayer_shadow._service import EngineService
+from belayer_shadow._worker import WorkerConfig, build_engine, serve_service
+
+__all__ = ["EXIT_UNHEALTHY", "ShadowConfig", "check_device_health", "run_shadow"]
+
+EXIT_UNHEALTHY = 3
+
+
+@attrs.frozen
+class ShadowConfig:
+    """A shadow worker: the worker configuration plus how it watches the main and what it holds idle."""
+
+    worker: WorkerConfig
+    handover_flag: Path = attrs.field(converter=Path)
+    poll_s: float = attrs.field(default=0.05, validator=attrs.validators.gt(0))
+    stale_s: float = attrs.field(default=0.5, validator=attrs.validators.gt(0))
+    scratch_bytes: int = attrs.field(default=32 * 1024 * 1024, validator=attrs.validators.ge(0))
+    weight_refresh_s: float = attrs.field(default=1.0, validator=attrs.validators.gt(0))
+
+
+def check_device_health(device: torch.device) -> str:
+    """The device check of a handover: gpumem's kernel check on cuda, an exact tensor op on the host."""
+    if device.type == "cuda":
+        return check_gpu_health(device.index or 0, timeout_s=2.0).detail
+    n = 4096
+    total = (torch.arange(n, dtype=torch.float32) * 2 + 1).sum().item()  # = n**2, exact in float32
+    eye = torch.eye(64) @ torch.full((64, 64), 3.0)
+    if total != float(n * n) or not bool((eye == 3.0).all()):
+        raise HandoverError(f"host tensor check gave wrong results (sum {total}, expected {n * n})")
+    return "host tensor ops correct"
+
+
+def _fence(pid: int | None) -> str:
+    """SIGKILL the process that wrote the heartbeat (a hung main) and wait until it is gone."""
+    if pid is None or pid == os.getpid():
+        return "no main to fence"
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return f"main {pid} already gone"
+    try:
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+        select.select([fd], [], [], 5.0)  # a pidfd turns readable when the process exits
+    except ProcessLookupError:
+        pass
+    finally:
+        os.close(fd)
+    return f"killed main {pid}"
+
+
+def _stand_by(config: ShadowConfig, engine: LLMEngine, heartbeat: Heartbeat, flag: HandoverFlag) -> dict[str, Any]:
+    """Sleep-poll until the flag is raised or the heartbeat goes stale; returns what triggered it."""
+    next_refresh = time.monotonic() + config.weight_refresh_s
+    while True:
+        if flag.is_raised():
+            return {"trigger": "flag", **(flag.read() or {})}
+        age = heartbeat.age_s()
+        if age is not None and age > config.stale_s:
+            return {"trigger": "stale_heartbeat", "age_s": age}
+        if time.monotonic() >= next_refresh:
+            # Unpinning the old weight version lets the trainer's updates proceed.
+            engine.refresh_weights()
+            next_refresh = time.monotonic() + config.weight_refresh_s
+        time.sleep(config.poll_s)
+
+
+def _take_over(config: ShadowConfig, engine: LLMEngine, scratch: IdleBuffer, log: EventLog, pid: int | None) -> None:
+    with log.step("handover.fence"):
+        log.emit("handover.fenced", detail=_fence(pid))
+    with log.step("handover.health_check"):
+        detail = check_device_health(engine.device)
+        for socket_path in (config.worker.weights_socket, config.worker.kv_socket):
+            try:
+                ping(socket_path, timeout_s=1.0)
+            except (BelayerGpumemError, OSError) as exc:
+                raise HandoverError(f"memory server at {socket_path} is gone: {exc}") from exc
+        log.emit("handover.healthy", detail=detail)
+    with log.step("handover.flush"):
+        engine.flush_kv()
+        engine.refresh_weights()
+    with log.step("handover.remap", nbytes=scratch.nbytes):
+        scratch.restore()
+    with log.step("handover.warmup"):
+        engine.warmup()
+
+
+async def _mark_unhealthy(config: WorkerConfig) -> None:
+    async with RouterClient(config.router_url, config.admin_token, timeout=10.0) as router:
+        await router.mark_unhealthy(config.slot)
+
+
+def run_shadow(config: ShadowConfig) -> int:
+    """Stand by, take over, serve until SIGTERM/SIGINT; returns the process exit code."""
+    worker = config.worker
+    log = EventLog(worker.event_log, f"shadow:{os.getpid()}")
+    with log.step("shadow.attach"):
+        engine = build_engine(worker)
+    try:
+        with log.step("shadow.warmup"):
+            engine.warmup()
+        backend = "cuda" if engine.device.type == "cuda" else "host"
+        scratch = IdleBuffer.allocate(config.scratch_bytes, backend=backend, device=engine.device.index or 0)
+        scratch.release()
+        heartbeat, flag = Heartbeat(worker.heartbeat), HandoverFlag(config.handover_flag)
+        write_state(worker.state_file, "standby")
+        log.emit("standby", scratch_bytes=scratch.nbytes)
+        trigger = _stand_by(config, engine, heartbeat, flag)
+        main_pid = heartbeat.writer_pid()
+        write_state(worker.state_file, "handover", **trigger)
+        log.emit("handover.detect", **trigger)
+        try:
+            _take_over(config, engine, scratch, log, main_pid)
+        except (HandoverError, BelayerGpumemError) as exc:
+            log.emit("handover.failed", error=str(exc))
+            write_state(worker.state_file, "failed", error=str(exc))
+            try:
+                anyio.run(_mark_unhealthy, worker)
+                log.emit("slot.unhealthy", slot=worker.slot, reason=str(exc))
+            except (RouterClientError, OSError) as router_exc:
+                log.emit("slot.unhealthy_failed", error=str(router_exc))
+            return EXIT_UNHEALTHY
+        service = EngineService(engine, heartbeat, log, idle_tick_s=worker.idle_tick_s)
+        anyio.run(lambda: serve_service(service, worker, timed_registration=True))
+        return 0
+    finally:
+        engine.close()

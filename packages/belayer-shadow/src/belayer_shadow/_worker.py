@@ -1,0 +1,146 @@
+"""The main worker: attach to the memory servers, build and warm the engine, serve, register.
+
+`serve_service` is shared with the shadow worker, which calls it once it has taken over.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import anyio
+import attrs
+from belayer_router import RouterClient, RouterClientError, serving
+
+from belayer_shadow._config import ModelConfig
+from belayer_shadow._engine import LLMEngine
+from belayer_shadow._errors import WorkerError
+from belayer_shadow._events import EventLog, write_state
+from belayer_shadow._heartbeat import Heartbeat
+from belayer_shadow._service import EngineService, ResumeMode
+
+__all__ = ["WorkerConfig", "build_engine", "register_worker", "run_worker", "serve_service"]
+
+
+def _optional_path(value: str | Path | None) -> Path | None:
+    return None if value is None else Path(value)
+
+
+@attrs.frozen
+class WorkerConfig:
+    """Everything a main or shadow worker is started with; the CLI flags map one to one.
+
+    `epoch=None` registers at the slot's highest epoch + 1 (read from the router). `state_file`
+    receives the worker's state (`standby`, `handover`, `serving`, `failed`) for a supervisor.
+    """
+
+    slot: str
+    router_url: str
+    weights_socket: Path = attrs.field(converter=Path)
+    kv_socket: Path = attrs.field(converter=Path)
+    heartbeat: Path = attrs.field(converter=Path)
+    admin_token: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    model: Path | None = attrs.field(default=None, converter=_optional_path)
+    epoch: int | None = None
+    event_log: Path | None = attrs.field(default=None, converter=_optional_path)
+    state_file: Path | None = attrs.field(default=None, converter=_optional_path)
+    resume_mode: ResumeMode = attrs.field(default="continue", validator=attrs.validators.in_(("continue", "regenerate")))
+    max_num_seqs: int = attrs.field(default=64, validator=attrs.validators.ge(1))
+    max_num_batched_tokens: int = attrs.field(default=8192, validator=attrs.validators.ge(1))
+    idle_tick_s: float = attrs.field(default=0.05, validator=attrs.validators.gt(0))
+
+    def model_config(self) -> ModelConfig:
+        """The model configuration: `model` (a JSON file or HF folder) or the built-in default."""
+        return ModelConfig.default() if self.model is None else ModelConfig.from_json_file(self.model)
+
+
+def build_engine(config: WorkerConfig) -> LLMEngine:
+    """An engine attached to the slot's memory servers (zero copy)."""
+    return LLMEngine.attach(
+        config.model_config(),
+        config.weights_socket,
+        config.kv_socket,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+    )
+
+
+async def register_worker(
+    router: RouterClient, slot: str, url: str, service: EngineService, epoch: int | None = None
+) -> int:
+    """Register `url` for `slot` at `epoch` (default: the slot's highest epoch + 1); returns the epoch.
+
+    The service serves the epoch before the router learns of it, so the first request matches.
+    Raises WorkerError when the slot is unhealthy or the router refuses.
+    """
+    for _ in range(20):
+        if epoch is None:
+            slots = {s["slot"]: s for s in await router.workers()}
+            state: dict[str, Any] = slots.get(slot, {"max_epoch": 0, "healthy": True})
+            if not state["healthy"]:
+                raise WorkerError(f"slot {slot!r} is marked unhealthy at the router; use another slot")
+            service.epoch = max(int(state["max_epoch"]), 0) + 1
+        else:
+            service.epoch = epoch
+        try:
+            await router.register(slot, url, service.epoch)
+            return service.epoch
+        except RouterClientError as exc:
+            if exc.status != 409 or epoch is not None:
+                raise WorkerError(f"the router refused to register {url} for slot {slot!r}: {exc}") from exc
+    raise WorkerError(f"could not register for slot {slot!r}: other workers keep taking the next epoch")
+
+
+async def _until_signal(scope: anyio.CancelScope) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            scope.cancel()
+            return
+
+
+async def serve_service(service: EngineService, config: WorkerConfig, *, timed_registration: bool = False) -> None:
+    """Serve `service` over HTTP, run its loop, register with the router; until SIGTERM/SIGINT.
+
+    With `timed_registration` the registration is a timed handover step (`handover.register`).
+    """
+    log = service.log
+    async with (
+        RouterClient(config.router_url, config.admin_token, timeout=30.0) as router,
+        serving(service, config.host, config.port, log_level="warning") as url,
+        anyio.create_task_group() as group,
+    ):
+        group.start_soon(service.run_loop)
+        if timed_registration:
+            with log.step("handover.register", url=url):
+                epoch = await register_worker(router, config.slot, url, service, config.epoch)
+        else:
+            epoch = await register_worker(router, config.slot, url, service, config.epoch)
+        log.emit("registered", slot=config.slot, url=url, epoch=epoch)
+        write_state(config.state_file, "serving", url=url, epoch=epoch)
+        await _until_signal(group.cancel_scope)
+        with anyio.move_on_after(2, shield=True):
+            try:
+                await router.unregister(config.slot, epoch)
+            except (RouterClientError, OSError):
+                pass  # a newer epoch took the slot over, or the router is gone: nothing to undo
+    log.emit("stopped")
+
+
+def run_worker(config: WorkerConfig) -> None:
+    """The main worker: attach, warm up, serve and register; blocks until SIGTERM/SIGINT."""
+    log = EventLog(config.event_log, f"worker:{os.getpid()}")
+    with log.step("worker.attach"):
+        engine = build_engine(config)
+    try:
+        with log.step("worker.warmup"):
+            engine.warmup()
+        service = EngineService(
+            engine, Heartbeat(config.heartbeat), log, resume_mode=config.resume_mode, idle_tick_s=config.idle_tick_s
+        )
+        anyio.run(serve_service, service, config)
+    finally:
+        engine.close()
