@@ -49,7 +49,9 @@ def test_paged_decode_equals_full_recompute() -> None:
         generated: list[int] = []
         for k in range(12):
             fresh = make_engine(block_size=4)
-            fresh.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0, generated_token_ids=generated))
+            fresh.add_request(
+                rid, prompt, SamplingParams(max_tokens=1, temperature=0.0, generated_token_ids=generated)
+            )
             (out,) = fresh.step()
             assert out.index == k
             assert out.token_id == paged[rid][k].token_id
@@ -73,7 +75,11 @@ def test_preemption_keeps_outputs_identical() -> None:
     tight = make_engine(num_blocks=24, block_size=4)
     for engine in (roomy, tight):
         for i, (rid, prompt) in enumerate(PROMPTS.items()):
-            params = sampled(seed=100 + i, max_tokens=30) if i % 2 else SamplingParams(max_tokens=30, temperature=0)
+            params = (
+                sampled(seed=100 + i, max_tokens=30)
+                if i % 2
+                else SamplingParams(max_tokens=30, temperature=0)
+            )
             engine.add_request(rid, prompt, params)
     expected, got = run(roomy), run(tight)
     assert roomy.num_preemptions == 0
@@ -134,7 +140,9 @@ def test_stop_token_ends_the_request_and_is_returned() -> None:
     free_run = tokens(run(engine))["g"]
     stop = free_run[4]
     first = free_run.index(stop)
-    engine.add_request("s", PROMPTS["r1"], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=(stop,)))
+    engine.add_request(
+        "s", PROMPTS["r1"], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=(stop,))
+    )
     outs = run(engine)["s"]
     assert [o.token_id for o in outs] == free_run[: first + 1]
     assert [o.finish_reason for o in outs] == [None] * first + ["stop"]
@@ -147,7 +155,8 @@ def test_max_tokens_and_max_model_len_end_with_length() -> None:
     engine.add_request("capped", [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=100, temperature=0))
     outs = run(engine)
     assert [o.finish_reason for o in outs["short"]] == [None] * 3 + ["length"]
-    assert len(outs["capped"]) == 4 and outs["capped"][-1].finish_reason == "length"
+    assert len(outs["capped"]) == 4
+    assert outs["capped"][-1].finish_reason == "length"
 
 
 def test_abort_frees_blocks_and_forgets_the_request() -> None:
@@ -166,7 +175,9 @@ def test_abort_frees_blocks_and_forgets_the_request() -> None:
 def test_greedy_and_top_p_edge_cases_sample_the_argmax() -> None:
     engine = make_engine()
     engine.add_request("greedy", PROMPTS["r2"], SamplingParams(max_tokens=8, temperature=0))
-    engine.add_request("tiny-top-p", PROMPTS["r2"], SamplingParams(max_tokens=8, temperature=1.0, top_p=1e-9, seed=1))
+    engine.add_request(
+        "tiny-top-p", PROMPTS["r2"], SamplingParams(max_tokens=8, temperature=1.0, top_p=1e-9, seed=1)
+    )
     outs = tokens(run(engine))
     assert outs["greedy"] == outs["tiny-top-p"]
 

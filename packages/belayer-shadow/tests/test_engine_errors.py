@@ -47,12 +47,14 @@ WEIGHTS = init_weights(CONFIG, seed=0)
 def test_bad_sampling_params_raise_a_typed_error(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidSamplingParamsError, match=message) as info:
         SamplingParams(**kwargs)
-    assert isinstance(info.value, BelayerShadowError) and isinstance(info.value, ValueError)
+    assert isinstance(info.value, BelayerShadowError)
+    assert isinstance(info.value, ValueError)
 
 
 def test_sampling_params_normalise_token_id_lists() -> None:
     params = SamplingParams(max_tokens=3, stop_token_ids=[1, 2], generated_token_ids=[4])  # type: ignore[arg-type]
-    assert params.stop_token_ids == (1, 2) and params.generated_token_ids == (4,)
+    assert params.stop_token_ids == (1, 2)
+    assert params.generated_token_ids == (4,)
     assert SamplingParams(max_tokens=1, temperature=0).greedy
 
 
@@ -73,7 +75,9 @@ def engine(num_blocks: int = 8, block_size: int = 4, **kwargs: int) -> LLMEngine
         ("a", [1] * 70, SamplingParams(max_tokens=1), "max_model_len"),
     ],
 )
-def test_bad_requests_raise_request_error(request_id: str, prompt: list[int], params: Any, message: str) -> None:
+def test_bad_requests_raise_request_error(
+    request_id: str, prompt: list[int], params: Any, message: str
+) -> None:
     e = engine(max_model_len=64)
     with pytest.raises(RequestError, match=message):
         e.add_request(request_id, prompt, params)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from belayer_gpumem import KVClient, ServerConfig, ServerProcess, WeightClient
 
+from belayer_gpumem import KVClient, ServerConfig, ServerProcess, WeightClient
 from belayer_shadow import (
     LLMEngine,
     ModelConfig,
@@ -39,7 +39,9 @@ def servers(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     )
     try:
         kv = ServerProcess.start(
-            ServerConfig(kind="kv", socket=run_dir / "kv.sock", kv_layout=kv_layout(CONFIG, NUM_BLOCKS, BLOCK_SIZE))
+            ServerConfig(
+                kind="kv", socket=run_dir / "kv.sock", kv_layout=kv_layout(CONFIG, NUM_BLOCKS, BLOCK_SIZE)
+            )
         )
     except BaseException:
         weights.stop()
@@ -52,8 +54,10 @@ def servers(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
 def add_requests(engine: LLMEngine) -> None:
     for i in range(6):
         prompt = [(11 * i + 5 * j) % 256 for j in range(4 + 2 * i)]
-        params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, seed=i) if i % 2 else (
-            SamplingParams(max_tokens=16, temperature=0)
+        params = (
+            SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, seed=i)
+            if i % 2
+            else (SamplingParams(max_tokens=16, temperature=0))
         )
         engine.add_request(f"r{i}", prompt, params)
 
@@ -78,11 +82,13 @@ def test_engine_on_memory_servers_matches_the_plain_dict_engine(servers: tuple[P
     engine = LLMEngine.attach(CONFIG, weights_socket, kv_socket)
     try:
         # Zero copy: every parameter and the KV cache lie inside the mapped regions.
-        assert engine.weight_client is not None and engine.kv_client is not None
+        assert engine.weight_client is not None
+        assert engine.kv_client is not None
         region = engine.weight_client.region
         lo, hi = region.data_ptr(), region.data_ptr() + region.numel()
         assert all(lo <= t.data_ptr() < hi for t in engine.weight_client.tensors().values())
-        assert engine.model.embed.data_ptr() >= lo and engine.model.embed.data_ptr() < hi
+        assert engine.model.embed.data_ptr() >= lo
+        assert engine.model.embed.data_ptr() < hi
         k_cache = engine.runner.kv_caches[0][0]
         assert k_cache.data_ptr() == engine.kv_client.region.data_ptr()
 
@@ -168,7 +174,9 @@ def test_weight_server_started_from_a_safetensors_checkpoint(tmp_path: Path) -> 
     with (
         ServerProcess.start(ServerConfig(kind="weights", socket=run_dir / "w.sock", safetensors=path)),
         ServerProcess.start(
-            ServerConfig(kind="kv", socket=run_dir / "kv.sock", kv_layout=kv_layout(CONFIG, NUM_BLOCKS, BLOCK_SIZE))
+            ServerConfig(
+                kind="kv", socket=run_dir / "kv.sock", kv_layout=kv_layout(CONFIG, NUM_BLOCKS, BLOCK_SIZE)
+            )
         ),
     ):
         engine = LLMEngine.attach(CONFIG, run_dir / "w.sock", run_dir / "kv.sock")

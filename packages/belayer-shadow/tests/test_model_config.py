@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from belayer_router import ByteTokenizer
 
+from belayer_router import ByteTokenizer
 from belayer_shadow import (
     ConfigError,
     ModelConfig,
@@ -73,7 +73,8 @@ def test_layouts_cover_every_parameter_and_the_kv_arena() -> None:
     assert "lm_head.weight" not in layout.by_name  # tied
     assert all(t.dtype == "float32" for t in layout.tensors)
     kv = kv_layout(config, num_blocks=10, block_size=16)
-    assert kv.shape == (4, 2, 10, 16, 2, 32) and kv.dtype == "float32"
+    assert kv.shape == (4, 2, 10, 16, 2, 32)
+    assert kv.dtype == "float32"
 
 
 def test_init_weights_is_seeded_and_safetensors_round_trip(tmp_path: Path) -> None:
@@ -83,14 +84,16 @@ def test_init_weights_is_seeded_and_safetensors_round_trip(tmp_path: Path) -> No
     assert not torch.equal(a["model.norm.weight"], c["model.norm.weight"])
     save_safetensors(a, tmp_path / "m.safetensors")
     loaded = load_safetensors(tmp_path)
-    assert loaded.keys() == a.keys() and all(torch.equal(a[k], loaded[k]) for k in a)
+    assert loaded.keys() == a.keys()
+    assert all(torch.equal(a[k], loaded[k]) for k in a)
 
 
 def test_tokenizer_default_is_bytes_and_bad_specs_are_config_errors(tmp_path: Path) -> None:
     tokenizer = load_tokenizer()
     assert isinstance(tokenizer, ByteTokenizer)
     ids = tokenizer.encode("héllo")
-    assert max(ids) < ModelConfig.default().vocab_size and tokenizer.decode(ids) == "héllo"
+    assert max(ids) < ModelConfig.default().vocab_size
+    assert tokenizer.decode(ids) == "héllo"
     with pytest.raises(ConfigError, match="tokenizer"):
         load_tokenizer(tmp_path / "nowhere")
 

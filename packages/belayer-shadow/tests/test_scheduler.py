@@ -29,12 +29,14 @@ def test_prefill_first_then_decode_of_everyone() -> None:
     s.add(seq("a", 5))
     s.add(seq("b", 3))
     batch = s.schedule()
-    assert batch is not None and batch.is_prefill
+    assert batch is not None
+    assert batch.is_prefill
     assert [q.request_id for q in batch.seqs] == ["a", "b"]
     assert [len(t) for t in batch.block_tables] == [2, 1]
     s.postprocess(batch, [7, 7], [0.0, 0.0])
     batch = s.schedule()
-    assert batch is not None and not batch.is_prefill
+    assert batch is not None
+    assert not batch.is_prefill
     assert [q.request_id for q in batch.seqs] == ["a", "b"]
     # b grew to 4 tokens: still one block; a to 6: two blocks.
     assert [len(t) for t in batch.block_tables] == [2, 1]
@@ -45,11 +47,14 @@ def test_batched_token_and_sequence_limits() -> None:
     for name in "abc":
         s.add(seq(name, 6))
     first = s.schedule()
-    assert first is not None and [q.request_id for q in first.seqs] == ["a"]  # 6 + 6 > 10
+    assert first is not None
+    assert [q.request_id for q in first.seqs] == ["a"]
     second = s.schedule()
-    assert second is not None and [q.request_id for q in second.seqs] == ["b"]
+    assert second is not None
+    assert [q.request_id for q in second.seqs] == ["b"]
     third = s.schedule()  # two running: c must wait; the step is a decode
-    assert third is not None and not third.is_prefill
+    assert third is not None
+    assert not third.is_prefill
     assert [q.request_id for q in s.waiting] == ["c"]
 
 
@@ -57,7 +62,8 @@ def test_a_sequence_longer_than_the_token_budget_still_runs_alone() -> None:
     s = scheduler(max_num_batched_tokens=4)
     s.add(seq("long", 9))
     batch = s.schedule()
-    assert batch is not None and [q.request_id for q in batch.seqs] == ["long"]
+    assert batch is not None
+    assert [q.request_id for q in batch.seqs] == ["long"]
 
 
 def test_preemption_takes_the_newest_running_sequence() -> None:
@@ -68,7 +74,8 @@ def test_preemption_takes_the_newest_running_sequence() -> None:
     assert batch is not None
     s.postprocess(batch, [1, 1], [0.0, 0.0])  # both now 3 tokens: need 2 blocks each, 3 exist
     batch = s.schedule()
-    assert batch is not None and [q.request_id for q in batch.seqs] == ["old"]
+    assert batch is not None
+    assert [q.request_id for q in batch.seqs] == ["old"]
     assert s.num_preemptions == 1
     assert [q.request_id for q in s.waiting] == ["new"]
     assert s.waiting[0].status is SequenceStatus.WAITING
@@ -83,7 +90,8 @@ def test_a_lone_sequence_that_cannot_grow_preempts_itself() -> None:
     assert batch is not None
     s.postprocess(batch, [1], [0.0])
     assert s.schedule() is None
-    assert s.num_preemptions == 1 and s.block_manager.num_free_blocks == 1
+    assert s.num_preemptions == 1
+    assert s.block_manager.num_free_blocks == 1
 
 
 def test_finish_on_stop_length_and_model_len_frees_blocks() -> None:
@@ -110,7 +118,8 @@ def test_reset_kv_requeues_running_sequences_in_order_before_waiting_ones() -> N
     assert s.schedule() is not None
     s.reset_kv()
     assert [q.request_id for q in s.waiting] == ["a", "b", "c"]
-    assert not s.running and s.block_manager.num_free_blocks == 16
+    assert not s.running
+    assert s.block_manager.num_free_blocks == 16
 
 
 def test_abort_anywhere() -> None:
@@ -118,6 +127,8 @@ def test_abort_anywhere() -> None:
     s.add(seq("run", 3))
     s.add(seq("wait", 3))
     s.schedule()
-    assert s.abort("wait") and s.abort("run")
+    assert s.abort("wait")
+    assert s.abort("run")
     assert not s.abort("run")
-    assert not s.has_unfinished() and s.block_manager.num_free_blocks == 16
+    assert not s.has_unfinished()
+    assert s.block_manager.num_free_blocks == 16

@@ -74,6 +74,7 @@ def spawn_worker(
     argv: list[str],
     run_dir: Path,
     on_exit: Callable[[Child], None],
+    env: dict[str, str],
 ) -> Child:
     """Start `python -m belayer_shadow <argv>` with its output in the run dir; `on_exit` runs when it is reaped."""
     workers = run_dir / "workers"
@@ -83,7 +84,7 @@ def spawn_worker(
     state_file.unlink(missing_ok=True)
     command = [sys.executable, "-m", "belayer_shadow", *argv, "--state-file", str(state_file)]
     with log_file.open("ab") as output:
-        popen = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        popen = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     child = Child(role, generation, popen, state_file, log_file)
 
     def reap() -> None:

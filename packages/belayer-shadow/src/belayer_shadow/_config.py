@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
-from belayer_gpumem.layout import KVLayout, WeightLayout
 
+from belayer_gpumem.layout import KVLayout, WeightLayout
 from belayer_shadow._errors import ConfigError
 
 if TYPE_CHECKING:
@@ -192,4 +192,3 @@ def kv_layout(config: ModelConfig, num_blocks: int, block_size: int) -> KVLayout
         head_dim=config.head_dim,
         dtype=config.dtype,
     )
-

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from belayer_gpumem.client import KVClient, WeightClient
 
+from belayer_gpumem.client import KVClient, WeightClient
 from belayer_shadow._block_manager import BlockManager, num_blocks_for
 from belayer_shadow._config import ModelConfig
 from belayer_shadow._errors import EngineError, RequestError, WeightsError
@@ -66,7 +66,9 @@ class LLMEngine:
             raise EngineError(f"KV arena is {kv.dtype} on {kv.device}; want {config.dtype} on {self.device}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise EngineError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        self.max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+        self.max_model_len = min(
+            max_model_len or config.max_position_embeddings, config.max_position_embeddings
+        )
         self.max_num_batched_tokens = max_num_batched_tokens
         self.model = Qwen3Model(config, params, self.device)
         self.runner = ModelRunner(self.model, kv)

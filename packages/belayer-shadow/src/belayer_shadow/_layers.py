@@ -76,7 +76,8 @@ def paged_attention(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     if meta.is_prefill:
         return _prefill_attention(q, k, v, meta.seq_lens)
-    assert meta.block_tables is not None and meta.context_lens is not None
+    assert meta.block_tables is not None
+    assert meta.context_lens is not None
     return _decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens)
 
 

@@ -6,10 +6,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+
 from belayer_gpumem.client import WeightClient
 from belayer_router import Tokenizer
 from belayer_router import load_tokenizer as _router_load_tokenizer
-
 from belayer_shadow._config import ModelConfig, parameter_shapes
 from belayer_shadow._errors import ConfigError, WeightsError
 from belayer_shadow._model import torch_dtype
@@ -47,7 +47,9 @@ def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
     if not files or not all(f.is_file() for f in files):
-        raise WeightsError(f"no safetensors file at {str(path)!r}; give a .safetensors file or a folder of them")
+        raise WeightsError(
+            f"no safetensors file at {str(path)!r}; give a .safetensors file or a folder of them"
+        )
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         try:
@@ -81,7 +83,9 @@ def fill_weight_server(weights_socket: str | Path, tensors: Mapping[str, torch.T
             )
         for name, spec in table.items():
             if tuple(tensors[name].shape) != spec.shape:
-                raise WeightsError(f"{name} has shape {tuple(tensors[name].shape)}, the server's table {spec.shape}")
+                raise WeightsError(
+                    f"{name} has shape {tuple(tensors[name].shape)}, the server's table {spec.shape}"
+                )
         with client.update() as update:
             for name, view in update.tensors().items():
                 view.copy_(tensors[name])
@@ -98,4 +102,3 @@ def load_tokenizer(spec: str | Path | None = None) -> Tokenizer:
         return _router_load_tokenizer(text)
     except Exception as exc:  # the tokenizers library raises its own bare Exception on bad files
         raise ConfigError(f"cannot load tokenizer {text!r}: {exc}") from exc
-

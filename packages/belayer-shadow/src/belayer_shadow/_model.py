@@ -27,7 +27,9 @@ def check_params(config: ModelConfig, params: Mapping[str, torch.Tensor]) -> Non
     expected = parameter_shapes(config)
     missing = sorted(set(expected) - set(params))
     if missing:
-        raise WeightsError(f"{len(missing)} parameters missing, e.g. {missing[:3]}; do the weights fit the config?")
+        raise WeightsError(
+            f"{len(missing)} parameters missing, e.g. {missing[:3]}; do the weights fit the config?"
+        )
     allowed = set(expected) | {"lm_head.weight"}
     extra = sorted(set(params) - allowed)
     if extra:

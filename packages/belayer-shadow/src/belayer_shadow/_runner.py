@@ -27,10 +27,7 @@ class ModelRunner:
 
     def run(self, batch: SchedulerBatch) -> tuple[list[int], list[float]]:
         """The next token and its logprob for every sequence of `batch`."""
-        if batch.is_prefill:
-            inputs = self._prepare_prefill(batch)
-        else:
-            inputs = self._prepare_decode(batch)
+        inputs = self._prepare_prefill(batch) if batch.is_prefill else self._prepare_decode(batch)
         logits = self.model.forward(*inputs)
         temperatures = [s.params.temperature for s in batch.seqs]
         top_ps = [s.params.top_p for s in batch.seqs]
@@ -42,7 +39,9 @@ class ModelRunner:
 
     def _prepare_prefill(
         self, batch: SchedulerBatch
-    ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], AttentionMetadata, torch.Tensor]:
+    ) -> tuple[
+        torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], AttentionMetadata, torch.Tensor
+    ]:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -63,7 +62,9 @@ class ModelRunner:
 
     def _prepare_decode(
         self, batch: SchedulerBatch
-    ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], AttentionMetadata, torch.Tensor]:
+    ) -> tuple[
+        torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], AttentionMetadata, torch.Tensor
+    ]:
         bs = self.block_size
         positions = [len(s) - 1 for s in batch.seqs]
         slots = [table[p // bs] * bs + p % bs for p, table in zip(positions, batch.block_tables, strict=True)]
@@ -77,4 +78,10 @@ class ModelRunner:
             context_lens=self._tensor([p + 1 for p in positions]),
         )
         input_ids = self._tensor([s.last_token_id for s in batch.seqs])
-        return input_ids, self._tensor(positions), self.kv_caches, meta, self._tensor(list(range(len(positions))))
+        return (
+            input_ids,
+            self._tensor(positions),
+            self.kv_caches,
+            meta,
+            self._tensor(list(range(len(positions)))),
+        )

@@ -1,0 +1,337 @@
+"""`SlotSupervisor`: one engine slot's memory servers, main worker and shadow, kept serving.
+
+Shadow recovery: the supervisor reaps the main worker (a blocking `waitpid` in a thread) and
+raises the handover flag the moment it exits; the shadow takes over; then the supervisor kills
+any residual main and starts a fresh shadow. A second failure within `failure_window_s` of a
+handover marks the slot unhealthy at the router (its requests move to healthy slots) and keeps
+it out. Conventional recovery (the baseline, `_baseline.py`) runs behind the same supervisor.
+
+The API is synchronous (threads); from async code call `start`/`stop` via `anyio.to_thread`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+import attrs
+from belayer_gpumem import ServerConfig, ServerProcess
+from belayer_router import RouterClient
+
+from belayer_shadow._baseline import ConventionalRecovery
+from belayer_shadow._children import Child, spawn_worker
+from belayer_shadow._config import ModelConfig, kv_layout
+from belayer_shadow._events import EventLog, read_events
+from belayer_shadow._heartbeat import HandoverFlag
+from belayer_shadow._loader import init_weights, save_safetensors
+
+__all__ = ["SlotConfig", "SlotSupervisor"]
+
+Recovery = Literal["shadow", "conventional"]
+
+
+def _optional_path(value: str | Path | None) -> Path | None:
+    return None if value is None else Path(value)
+
+
+@attrs.frozen
+class SlotConfig:
+    """One slot. `weights=None` writes a seeded init of the model to `run_dir/init.safetensors`.
+
+    `health_interval_s` x `health_misses` is the conventional baseline's detection (remote
+    health checks, defaults like common trainers: 10 s x 3).
+    """
+
+    slot: str
+    router_url: str
+    run_dir: Path = attrs.field(converter=Path)
+    admin_token: str | None = None
+    model: Path | None = attrs.field(default=None, converter=_optional_path)
+    weights: Path | None = attrs.field(default=None, converter=_optional_path)
+    seed: int = 0
+    recovery: Recovery = attrs.field(default="shadow", validator=attrs.validators.in_(("shadow", "conventional")))
+    num_kv_blocks: int = attrs.field(default=512, validator=attrs.validators.ge(1))
+    block_size: int = attrs.field(default=16, validator=attrs.validators.ge(1))
+    max_num_seqs: int = attrs.field(default=64, validator=attrs.validators.ge(1))
+    failure_window_s: float = attrs.field(default=60.0, validator=attrs.validators.ge(0))
+    poll_s: float = attrs.field(default=0.05, validator=attrs.validators.gt(0))
+    stale_s: float = attrs.field(default=0.5, validator=attrs.validators.gt(0))
+    health_interval_s: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
+    health_misses: int = attrs.field(default=3, validator=attrs.validators.ge(1))
+    host: str = "127.0.0.1"
+    start_timeout_s: float = attrs.field(default=120.0, validator=attrs.validators.gt(0))
+
+
+@attrs.define(eq=False)
+class SlotSupervisor:
+    """Starts, watches and recovers one slot; `stop()` leaves no process, socket or memory segment."""
+
+    config: SlotConfig
+    log: EventLog = attrs.field(init=False)
+    main: Child | None = None
+    shadow: Child | None = None
+    healthy: bool = True
+    num_handovers: int = 0
+    last_handover: float | None = None  # monotonic time the latest handover began
+    weights_server: ServerProcess | None = None
+    kv_server: ServerProcess | None = None
+    _generation: int = 0
+    _lock: threading.RLock = attrs.field(factory=threading.RLock)
+    _stopping: threading.Event = attrs.field(factory=threading.Event)
+    _monitor: threading.Thread | None = None
+    _conventional: ConventionalRecovery | None = None
+    _handover_generation: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        self.log = EventLog(self.config.run_dir / "events.jsonl", "supervisor")
+
+    # Paths.
+
+    @property
+    def weights_socket(self) -> Path:
+        """The weight server's socket: push new weights here with gpumem's `WeightClient`."""
+        return self.config.run_dir / "mem" / "weights.sock"
+
+    @property
+    def kv_socket(self) -> Path:
+        """The KV server's socket."""
+        return self.config.run_dir / "mem" / "kv.sock"
+
+    @property
+    def checkpoint(self) -> Path:
+        """The safetensors file the weight server (and a conventional restart) loads."""
+        return self.config.weights or self.config.run_dir / "init.safetensors"
+
+    @property
+    def heartbeat(self) -> Path:
+        """The slot's heartbeat file."""
+        return self.config.run_dir / "heartbeat"
+
+    @property
+    def flag(self) -> HandoverFlag:
+        """The slot's handover flag."""
+        return HandoverFlag(self.config.run_dir / "handover.flag")
+
+    @property
+    def main_url(self) -> str | None:
+        """The URL the current main worker registered."""
+        state = None if self.main is None else self.main.state()
+        return None if state is None else state.get("url")
+
+    @property
+    def epoch(self) -> int | None:
+        """The epoch of the current main worker."""
+        state = None if self.main is None else self.main.state()
+        return None if state is None else state.get("epoch")
+
+    def events(self) -> list[dict[str, Any]]:
+        """The slot's JSON event log (supervisor, workers and shadows), oldest first."""
+        return read_events(self.config.run_dir / "events.jsonl")
+
+    # Life cycle.
+
+    def start(self) -> None:
+        """Start memory servers, main worker (and shadow); returns once the main is registered."""
+        config = self.config
+        config.run_dir.mkdir(parents=True, exist_ok=True)
+        for stale in (self.heartbeat, self.flag.path):
+            stale.unlink(missing_ok=True)
+        try:
+            self.start_memory_servers()
+            self.main = self._spawn("main", resume_mode="continue")
+            if config.recovery == "shadow":
+                self.shadow = self._spawn("shadow")
+            state = self.main.wait_state({"serving"}, config.start_timeout_s)
+            self.log.emit("main.serving", pid=self.main.pid, url=state["url"], epoch=state["epoch"])
+        except BaseException:
+            self.stop()
+            raise
+        if config.recovery == "conventional":
+            self._conventional = ConventionalRecovery(self)
+        self._monitor = threading.Thread(target=self._watch, name=f"slot-{config.slot}", daemon=True)
+        self._monitor.start()
+
+    def wait_protected(self, timeout_s: float = 120.0) -> None:
+        """Block until a shadow stands by (shadow recovery) or the main serves (conventional)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                shadow, main = self.shadow, self.main
+            if self.config.recovery == "conventional" and main is not None and main.state():
+                return
+            if shadow is not None and (shadow.state() or {}).get("state") == "standby":
+                return
+            time.sleep(0.02)
+        raise TimeoutError(f"slot {self.config.slot!r} not protected within {timeout_s} s; see {self.config.run_dir}")
+
+    def wait_handovers(self, count: int, timeout_s: float = 60.0) -> None:
+        """Block until `count` handovers (or conventional restarts) have completed."""
+        deadline = time.monotonic() + timeout_s
+        while self.num_handovers < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {self.num_handovers} of {count} handovers within {timeout_s} s")
+            time.sleep(0.01)
+
+    def kill_main(self, sig: int = signal.SIGKILL) -> float:
+        """Chaos: send `sig` to the main worker; returns the wall-clock time it was sent."""
+        assert self.main is not None, "start() the supervisor first"
+        sent = time.time()
+        os.kill(self.main.pid, sig)
+        self.log.emit("chaos.signal", pid=self.main.pid, signal=int(sig))
+        return sent
+
+    def stop(self) -> None:
+        """Stop every child and memory server, remove sockets and files it made; idempotent."""
+        self._stopping.set()
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(timeout=10)
+        with self._lock:
+            for child in (self.shadow, self.main):
+                if child is not None:
+                    child.kill(graceful_s=3.0)
+            self.stop_memory_servers()
+        shutil.rmtree(self.config.run_dir / "mem", ignore_errors=True)
+        for path in (self.heartbeat, self.flag.path):
+            path.unlink(missing_ok=True)
+
+    # Memory servers.
+
+    def start_memory_servers(self) -> None:
+        """Allocate the weight region (loaded from the checkpoint) and the KV arena."""
+        config = self.config
+        model = ModelConfig.default() if config.model is None else ModelConfig.from_json_file(config.model)
+        if config.weights is None and not self.checkpoint.exists():
+            save_safetensors(init_weights(model, config.seed), self.checkpoint)
+        with self.log.step("memory.start"):
+            self.weights_server = ServerProcess.start(
+                ServerConfig(kind="weights", socket=self.weights_socket, safetensors=self.checkpoint)
+            )
+            layout = kv_layout(model, config.num_kv_blocks, config.block_size)
+            self.kv_server = ServerProcess.start(ServerConfig(kind="kv", socket=self.kv_socket, kv_layout=layout))
+
+    def stop_memory_servers(self) -> None:
+        """SIGTERM both memory servers (they remove their sockets and release their regions)."""
+        for server in (self.weights_server, self.kv_server):
+            if server is not None:
+                server.stop(timeout_s=10)
+        self.weights_server = self.kv_server = None
+
+    # Workers.
+
+    def _spawn(self, role: str, *, resume_mode: str = "continue") -> Child:
+        config = self.config
+        self._generation += 1
+        argv = [
+            "worker" if role == "main" else "shadow",
+            *("--slot", config.slot, "--router", config.router_url, "--host", config.host),
+            *("--weights-socket", str(self.weights_socket), "--kv-socket", str(self.kv_socket)),
+            *("--heartbeat", str(self.heartbeat), "--event-log", str(config.run_dir / "events.jsonl")),
+            *("--max-num-seqs", str(config.max_num_seqs), "--resume-mode", resume_mode),
+        ]
+        if config.model is not None:
+            argv += ["--model", str(config.model)]
+        if role == "shadow":
+            argv += ["--handover-flag", str(self.flag.path), "--poll-s", str(config.poll_s)]
+            argv += ["--stale-s", str(config.stale_s)]
+        env = dict(os.environ)
+        if config.admin_token is not None:  # by environment, not argv, so `ps` does not show it
+            env["BELAYER_ROUTER_ADMIN_TOKEN"] = config.admin_token
+        child = spawn_worker(role, self._generation, argv, config.run_dir, self._on_exit, env)
+        self.log.emit(f"{role}.spawned", pid=child.pid, generation=child.generation)
+        return child
+
+    def spawn_main(self, *, resume_mode: str = "continue") -> Child:
+        """Start a new main worker (the conventional restart); it becomes `main` at once."""
+        with self._lock:
+            self.main = self._spawn("main", resume_mode=resume_mode)
+            return self.main
+
+    def _on_exit(self, child: Child) -> None:
+        """Reaper callback: a main that dies unexpectedly raises the handover flag at once."""
+        with self._lock:
+            self.log.emit(f"{child.role}.exited", pid=child.pid, exit_code=child.exit_code)
+            if self._stopping.is_set() or child is not self.main or self.config.recovery != "shadow":
+                return
+            shadow_state = None if self.shadow is None else (self.shadow.state() or {}).get("state")
+            if shadow_state in ("handover", "serving"):
+                return  # the shadow fenced it during a handover
+            if self._second_failure():
+                return
+            self.flag.raise_("main exited", pid=child.pid, exit_code=child.exit_code, exit_time=child.exit_time)
+            self.log.emit("handover.flag", pid=child.pid)
+
+    def _second_failure(self) -> bool:
+        """If a handover happened within the window, take the slot out for good; True if so."""
+        if self.last_handover is None or time.monotonic() - self.last_handover > self.config.failure_window_s:
+            return False
+        self.healthy = False
+        for child in (self.shadow, self.main):
+            if child is not None:
+                child.kill()
+        self.log.emit("slot.second_failure", window_s=self.config.failure_window_s)
+        threading.Thread(target=self.mark_unhealthy, daemon=True).start()
+        return True
+
+    def mark_unhealthy(self) -> None:
+        """Tell the router to keep this slot out (its requests move to healthy slots)."""
+        self.healthy = False
+
+        async def call() -> None:
+            async with RouterClient(self.config.router_url, self.config.admin_token, timeout=10.0) as router:
+                await router.mark_unhealthy(self.config.slot)
+
+        anyio.run(call)
+        self.log.emit("slot.unhealthy", slot=self.config.slot)
+
+    # The monitor thread.
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(0.01):
+            if not self.healthy:
+                continue
+            if self._conventional is not None:
+                self._conventional.poll()
+            else:
+                with contextlib.suppress(Exception):
+                    self._check_shadow()
+
+    def _check_shadow(self) -> None:
+        with self._lock:
+            shadow = self.shadow
+            if shadow is None or self._stopping.is_set():
+                return
+            state = (shadow.state() or {}).get("state")
+            if state == "handover" and shadow.generation != self._handover_generation:
+                self._handover_generation = shadow.generation
+                if self._second_failure():
+                    return
+                self.last_handover = time.monotonic()
+            elif state == "serving":
+                self._promote(shadow)
+            elif state == "failed" or not shadow.alive():
+                self.log.emit("shadow.lost", pid=shadow.pid, state=state, exit_code=shadow.exit_code)
+                if state == "failed":
+                    self.healthy = False  # the shadow marked the slot unhealthy at the router
+                    self.shadow = None
+                else:
+                    self.shadow = self._spawn("shadow")
+
+    def _promote(self, shadow: Child) -> None:
+        residual = self.main
+        if residual is not None and residual.alive():
+            residual.kill()
+            self.log.emit("residual.killed", pid=residual.pid)
+        if self.last_handover is None or self._handover_generation != shadow.generation:
+            self.last_handover = time.monotonic()
+        self.main = shadow
+        self.num_handovers += 1
+        self.flag.clear()
+        self.log.emit("handover.complete", pid=shadow.pid, epoch=(shadow.state() or {}).get("epoch"))
+        self.shadow = self._spawn("shadow")
