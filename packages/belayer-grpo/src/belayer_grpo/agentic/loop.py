@@ -67,6 +67,7 @@ class AgentLoop:
     recoveries: list[RecoveryRecord] = attrs.field(factory=list)
     num_responses: int = 0
     num_checkpoint_failures: int = 0
+    num_resumed_responses: int = 0
     _base: CheckpointRecord | None = None
     _pending: CheckpointRecord | None = None
     _response_tokens: dict[int, int] = attrs.field(factory=dict)
@@ -163,6 +164,7 @@ class AgentLoop:
             )
             seconds = time.monotonic() - started
         self.num_responses += 1
+        self.num_resumed_responses += completion.num_resumes > 0
         return completion, seconds
 
     async def _checkpoint(self, pending: CheckpointRecord) -> None:
@@ -291,6 +293,7 @@ class AgentLoop:
             checkpoints=list(self.checkpoints),
             recoveries=list(self.recoveries),
             num_checkpoint_failures=self.num_checkpoint_failures,
+            num_resumed_responses=self.num_resumed_responses,
         )
 
 

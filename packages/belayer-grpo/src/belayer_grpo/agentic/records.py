@@ -101,6 +101,7 @@ class AgenticTrajectory:
     checkpoints: list[CheckpointRecord]
     recoveries: list[RecoveryRecord]
     num_checkpoint_failures: int = 0
+    num_resumed_responses: int = 0
 
     @property
     def num_failures(self) -> int:
@@ -130,6 +131,7 @@ class AgenticTrajectory:
             "num_failures": self.num_failures,
             "num_checkpoints": len(self.checkpoints),
             "num_checkpoint_failures": self.num_checkpoint_failures,
+            "num_resumed_responses": self.num_resumed_responses,
             "tokens_regenerated": self.tokens_regenerated,
             "prefix_consistent": self.prefix_consistent,
             "policy": self.policy,
@@ -155,5 +157,6 @@ def summarize(trajectories: list[AgenticTrajectory]) -> dict[str, Any]:
         "restore_seconds_mean": sum(restore) / len(restore) if restore else 0.0,
         "restore_seconds_max": max(restore, default=0.0),
         "tokens_regenerated": sum(r.tokens_regenerated for r in recoveries),
+        "num_resumed_responses": sum(t.num_resumed_responses for t in trajectories),
         "all_prefix_consistent": all(t.prefix_consistent for t in trajectories),
     }

@@ -1,0 +1,62 @@
+"""Shared pieces of the agentic tests: the Docker engine, a real router with a scripted worker."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from belayer_envckpt import BelayerEnvckptError, Engine
+from belayer_router import RouterClient, RouterConfig, running_router
+from fake_policy_worker import STOP, FakePolicyWorker, running_policy_worker
+
+from belayer_grpo.agentic import AgenticConfig
+from belayer_grpo.agentic.pool import POOL_LABEL
+
+ADMIN = "agentic-test-token"
+
+
+def connect_engine() -> Iterator[Engine]:
+    """The real engine with CRIU; afterwards no container of any pool may be left."""
+    try:
+        engine = Engine.connect()
+        engine.require_checkpoint_support()
+    except BelayerEnvckptError as error:
+        pytest.fail(f"the agentic tests need Docker (experimental) and CRIU: {error}", pytrace=False)
+    before = {c.id for c in engine.client.containers.list(all=True)}
+    yield engine
+    leaked = [
+        c.name
+        for c in engine.client.containers.list(all=True, filters={"label": POOL_LABEL})
+        if c.id not in before
+    ]
+    engine.close()
+    assert not leaked, f"sandbox containers leaked: {leaked}"
+
+
+@asynccontextmanager
+async def router_with_worker(**worker_options: Any) -> AsyncIterator[tuple[RouterClient, FakePolicyWorker, str]]:
+    """A real router (in this process) with one `FakePolicyWorker` registered in slot ``s0``."""
+    async with (
+        running_router(RouterConfig(admin_token=ADMIN, resume_wait=10.0)) as (url, _app),
+        running_policy_worker(epoch=1, **worker_options) as (worker_url, worker),
+        RouterClient(url, admin_token=ADMIN) as client,
+    ):
+        await client.register("s0", worker_url, 1)
+        yield client, worker, url
+
+
+def agentic_config(checkpoint_root: Path, **overrides: Any) -> AgenticConfig:
+    """Small rollouts: few rounds, byte tokens with the worker's stop token."""
+    settings: dict[str, Any] = {
+        "checkpoint_root": checkpoint_root,
+        "max_rounds": 8,
+        "max_response_tokens": 200,
+        "stop_token_ids": (STOP,),
+        "max_concurrency": 3,
+        "action_timeout": 30.0,
+        "test_timeout": 60.0,
+    }
+    return AgenticConfig(**(settings | overrides))
