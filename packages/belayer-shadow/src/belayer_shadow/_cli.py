@@ -1,0 +1,146 @@
+"""`belayer-shadow worker | shadow | slot`: the main worker, the shadow worker and the slot supervisor."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _worker_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--slot", required=True, help="the engine slot this worker serves")
+    parser.add_argument("--router", required=True, help="the router's base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument(
+        "--admin-token",
+        default=os.environ.get("BELAYER_ROUTER_ADMIN_TOKEN"),
+        help="the router's admin token (default: $BELAYER_ROUTER_ADMIN_TOKEN)",
+    )
+    parser.add_argument("--weights-socket", type=Path, required=True, help="the weight server's socket")
+    parser.add_argument("--kv-socket", type=Path, required=True, help="the KV server's socket")
+    parser.add_argument("--heartbeat", type=Path, required=True, help="the slot's heartbeat file")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--model", type=Path, help="model config.json (or HF folder); default: the built-in model")
+    parser.add_argument("--epoch", type=int, help="epoch to register (default: the slot's highest + 1)")
+    parser.add_argument("--event-log", type=Path, help="JSON-lines event log to append to")
+    parser.add_argument("--state-file", type=Path, help="where to publish standby/handover/serving/failed")
+    parser.add_argument("--resume-mode", choices=("continue", "regenerate"), default="continue")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="belayer-shadow", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    worker = commands.add_parser("worker", help="serve the engine as the slot's main worker")
+    _worker_flags(worker)
+    shadow = commands.add_parser("shadow", help="stand by beside the main worker, take over when it fails")
+    _worker_flags(shadow)
+    shadow.add_argument("--handover-flag", type=Path, required=True, help="file whose creation means: take over")
+    shadow.add_argument("--poll-s", type=float, default=0.05, help="heartbeat / flag poll interval")
+    shadow.add_argument("--stale-s", type=float, default=0.5, help="heartbeat age that counts as a hang")
+    shadow.add_argument("--scratch-bytes", type=int, default=32 * 1024 * 1024)
+    slot = commands.add_parser("slot", help="run one slot: memory servers, main worker, shadow, recovery")
+    slot.add_argument("--slot", required=True)
+    slot.add_argument("--router", required=True)
+    slot.add_argument("--admin-token", default=os.environ.get("BELAYER_ROUTER_ADMIN_TOKEN"))
+    slot.add_argument("--run-dir", type=Path, required=True, help="sockets, heartbeat, logs and events.jsonl")
+    slot.add_argument("--model", type=Path, help="model config.json; default: the built-in model")
+    slot.add_argument("--weights", type=Path, help="safetensors checkpoint; default: a seeded init")
+    slot.add_argument("--seed", type=int, default=0, help="seed of the init when --weights is not given")
+    slot.add_argument("--recovery", choices=("shadow", "conventional"), default="shadow")
+    slot.add_argument("--num-kv-blocks", type=int, default=512)
+    slot.add_argument("--block-size", type=int, default=16)
+    slot.add_argument("--failure-window-s", type=float, default=60.0)
+    slot.add_argument("--health-interval-s", type=float, default=10.0, help="conventional: probe interval")
+    slot.add_argument("--health-misses", type=int, default=3, help="conventional: misses before a restart")
+    return parser
+
+
+def _worker_config(args: argparse.Namespace) -> object:
+    from belayer_shadow._worker import WorkerConfig
+
+    return WorkerConfig(
+        slot=args.slot,
+        router_url=args.router,
+        admin_token=args.admin_token,
+        weights_socket=args.weights_socket,
+        kv_socket=args.kv_socket,
+        heartbeat=args.heartbeat,
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        epoch=args.epoch,
+        event_log=args.event_log,
+        state_file=args.state_file,
+        resume_mode=args.resume_mode,
+        max_num_seqs=args.max_num_seqs,
+    )
+
+
+def _run_slot(args: argparse.Namespace) -> int:
+    from belayer_shadow._slot import SlotConfig, SlotSupervisor
+
+    config = SlotConfig(
+        slot=args.slot,
+        router_url=args.router,
+        run_dir=args.run_dir,
+        admin_token=args.admin_token,
+        model=args.model,
+        weights=args.weights,
+        seed=args.seed,
+        recovery=args.recovery,
+        num_kv_blocks=args.num_kv_blocks,
+        block_size=args.block_size,
+        failure_window_s=args.failure_window_s,
+        health_interval_s=args.health_interval_s,
+        health_misses=args.health_misses,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    supervisor = SlotSupervisor(config)
+    supervisor.start()
+    print(f"belayer-shadow slot {config.slot} serving at {supervisor.main_url}", flush=True)
+    try:
+        stop.wait()
+    finally:
+        supervisor.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `belayer-shadow` command."""
+    args = _parser().parse_args(argv)
+    from belayer_shadow._errors import BelayerShadowError
+
+    try:
+        if args.command == "slot":
+            return _run_slot(args)
+        from belayer_shadow._shadow import ShadowConfig, run_shadow
+        from belayer_shadow._worker import WorkerConfig, run_worker
+
+        worker = _worker_config(args)
+        assert isinstance(worker, WorkerConfig)
+        if args.command == "worker":
+            run_worker(worker)
+            return 0
+        shadow = ShadowConfig(
+            worker=worker,
+            handover_flag=args.handover_flag,
+            poll_s=args.poll_s,
+            stale_s=args.stale_s,
+            scratch_bytes=args.scratch_bytes,
+        )
+        return run_shadow(shadow)
+    except (BelayerShadowError, ValueError, OSError) as exc:
+        print(f"belayer-shadow: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
