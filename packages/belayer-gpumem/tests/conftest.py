@@ -38,7 +38,11 @@ def run_worker(*args: str, timeout: float = 120.0) -> str:
 def start_worker(*args: str) -> subprocess.Popen[str]:
     """Start tests/worker.py without waiting."""
     return subprocess.Popen(
-        [sys.executable, str(WORKER), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, str(WORKER), *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 

@@ -29,7 +29,7 @@ def test_arena_layout_and_cross_process_writes(kv_server: ServerProcess) -> None
 def test_flush_zeroes_the_arena_for_everyone_and_bumps_the_generation(kv_server: ServerProcess) -> None:
     socket = str(kv_server.config.socket)
     run_worker("kv-write", socket, "0", "5.0")
-    with KVClient.attach(socket) as a, KVClient.attach(socket) as b:
+    with KVClient.attach(socket) as a, KVClient.attach(socket, populate=True) as b:
         assert float(b.arena.double().sum()) > 0
         assert a.flush() == 1
         assert float(b.arena.double().sum()) == 0

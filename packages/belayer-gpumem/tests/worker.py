@@ -64,7 +64,8 @@ def main(command: str, socket: str, *args: str) -> None:
     elif command == "ping-after-server-death":
         client = WeightClient.attach(socket)
         print("ATTACHED", flush=True)
-        sys.stdin.readline()  # the test kills the server, then writes a line
+        if not sys.stdin.readline():  # the test kills the server, then writes a line
+            raise SystemExit("stdin closed before the go line")
         before = _checksum(client.tensors())
         try:
             client.ping()

@@ -57,7 +57,7 @@ class _Attachment:
     flat: torch.Tensor | None
 
     @classmethod
-    def open(cls, socket_path: str | Path, kind: str, timeout_s: float) -> _Attachment:
+    def open(cls, socket_path: str | Path, kind: str, timeout_s: float, populate: bool) -> _Attachment:
         conn = Connection.connect(socket_path, timeout_s=timeout_s)
         try:
             info, _ = conn.request("describe")
@@ -137,9 +137,15 @@ class WeightClient(_ClientBase):
         self._tensors: dict[str, torch.Tensor] | None = None
 
     @classmethod
-    def attach(cls, socket_path: str | Path, *, timeout_s: float = 30.0) -> WeightClient:
-        """Connect, map the region and pin the live version."""
-        client = cls(_Attachment.open(socket_path, "weights", timeout_s))
+    def attach(
+        cls, socket_path: str | Path, *, timeout_s: float = 30.0, populate: bool = False
+    ) -> WeightClient:
+        """Connect, map the region and pin the live version.
+
+        `populate` pays for mapping every page now (host backend), e.g. while a shadow stands by,
+        so that the first forward pass after a handover does not.
+        """
+        client = cls(_Attachment.open(socket_path, "weights", timeout_s, populate))
         try:
             client.refresh()
         except BaseException:
@@ -256,9 +262,9 @@ class KVClient(_ClientBase):
         self._arena: torch.Tensor | None = None
 
     @classmethod
-    def attach(cls, socket_path: str | Path, *, timeout_s: float = 30.0) -> KVClient:
-        """Connect and map the arena."""
-        return cls(_Attachment.open(socket_path, "kv", timeout_s))
+    def attach(cls, socket_path: str | Path, *, timeout_s: float = 30.0, populate: bool = False) -> KVClient:
+        """Connect and map the arena (`populate`: as for WeightClient.attach)."""
+        return cls(_Attachment.open(socket_path, "kv", timeout_s, populate))
 
     @property
     def arena(self) -> torch.Tensor:

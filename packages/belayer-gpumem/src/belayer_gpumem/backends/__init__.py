@@ -68,16 +68,19 @@ def create_region(
     return CudaRegion.create(nbytes, device=device)
 
 
-def map_region(backend: str, fd: int, nbytes: int, *, device: int = 0) -> torch.Tensor:
+def map_region(
+    backend: str, fd: int, nbytes: int, *, device: int = 0, populate: bool = False
+) -> torch.Tensor:
     """Map an exported region fd into this process as a flat uint8 tensor (zero copy).
 
     The fd is consumed (closed). The mapping lives as long as any view of the returned tensor.
+    `populate` (host) fills the page tables now instead of at first touch (cuda maps eagerly anyway).
     """
     _check_backend(backend)
     if backend == "host":
         from belayer_gpumem.backends.host import map_host_fd
 
-        return map_host_fd(fd, nbytes)
+        return map_host_fd(fd, nbytes, populate=populate)
     from belayer_gpumem.backends.cuda import map_cuda_fd
 
     return map_cuda_fd(fd, nbytes, device=device)

@@ -78,14 +78,18 @@ class HostRegion:
             self.fd = -1
 
 
-def map_host_fd(fd: int, nbytes: int) -> torch.Tensor:
-    """Map a received memfd as a flat uint8 tensor; closes `fd` (the mapping keeps the memory)."""
+def map_host_fd(fd: int, nbytes: int, *, populate: bool = False) -> torch.Tensor:
+    """Map a received memfd as a flat uint8 tensor; closes `fd` (the mapping keeps the memory).
+
+    With `populate` (MAP_POPULATE) the first touch of each page is paid now, not on first use.
+    """
     import torch
 
     try:
         if os.fstat(fd).st_size < nbytes:
             raise BackendUnavailableError(f"received region fd is smaller than the announced {nbytes} bytes")
-        region = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+        region = mmap.mmap(fd, nbytes, flags, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
     # frombuffer holds a reference to the mmap: it is unmapped when the last view is gone.
