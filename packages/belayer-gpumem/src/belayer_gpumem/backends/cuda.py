@@ -68,6 +68,7 @@ class CudaVmm:
 
     driver: Any
     device: int
+    context: Any
 
     @classmethod
     def open(cls, device: int = 0) -> CudaVmm:
@@ -85,7 +86,16 @@ class CudaVmm:
             raise BackendUnavailableError(f"GPU {device} does not support CUDA virtual memory management")
         ctx = _call(driver, "cuDevicePrimaryCtxRetain", dev)
         _call(driver, "cuCtxSetCurrent", ctx)
-        return cls(driver=driver, device=device)
+        return cls(driver=driver, device=device, context=ctx)
+
+    def call(self, name: str, *args: Any) -> Any:
+        """A driver call with this device's context current on the calling thread.
+
+        Servers run copies and memsets in worker threads, and finalizers run on any thread: a
+        CUDA context is current per thread, so every call makes sure of it.
+        """
+        _call(self.driver, "cuCtxSetCurrent", self.context)
+        return _call(self.driver, name, *args)
 
     def _prop(self) -> Any:
         d = self.driver
@@ -99,51 +109,51 @@ class CudaVmm:
     def granularity(self) -> int:
         """The minimum allocation granularity (sizes and offsets must be multiples of it)."""
         flag = self.driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-        return int(_call(self.driver, "cuMemGetAllocationGranularity", self._prop(), flag))
+        return int(self.call("cuMemGetAllocationGranularity", self._prop(), flag))
 
     def create(self, nbytes: int) -> Any:
         """cuMemCreate: physical memory that can be exported as a POSIX fd."""
-        return _call(self.driver, "cuMemCreate", nbytes, self._prop(), 0)
+        return self.call("cuMemCreate", nbytes, self._prop(), 0)
 
     def export_fd(self, handle: Any) -> int:
         """cuMemExportToShareableHandle as a POSIX fd (owned by the caller)."""
         kind = self.driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        return int(_call(self.driver, "cuMemExportToShareableHandle", handle, kind, 0))
+        return int(self.call("cuMemExportToShareableHandle", handle, kind, 0))
 
     def import_fd(self, fd: int) -> Any:
         """cuMemImportFromShareableHandle; the fd stays the caller's to close."""
         kind = self.driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        return _call(self.driver, "cuMemImportFromShareableHandle", fd, kind)
+        return self.call("cuMemImportFromShareableHandle", fd, kind)
 
     def reserve(self, nbytes: int) -> int:
         """cuMemAddressReserve: a virtual address range, not yet backed."""
-        return int(_call(self.driver, "cuMemAddressReserve", nbytes, self.granularity(), 0, 0))
+        return int(self.call("cuMemAddressReserve", nbytes, self.granularity(), 0, 0))
 
     def map(self, ptr: int, nbytes: int, handle: Any) -> None:
         """cuMemMap + cuMemSetAccess (read-write from this device)."""
         d = self.driver
-        _call(d, "cuMemMap", ptr, nbytes, 0, handle, 0)
+        self.call("cuMemMap", ptr, nbytes, 0, handle, 0)
         access = d.CUmemAccessDesc()
         access.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         access.location.id = self.device
         access.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        _call(d, "cuMemSetAccess", ptr, nbytes, [access], 1)
+        self.call("cuMemSetAccess", ptr, nbytes, [access], 1)
 
     def unmap(self, ptr: int, nbytes: int) -> None:
         """cuMemUnmap: the address range stays reserved, the backing goes."""
-        _call(self.driver, "cuMemUnmap", ptr, nbytes)
+        self.call("cuMemUnmap", ptr, nbytes)
 
     def release(self, handle: Any) -> None:
         """cuMemRelease: drop this process's handle on the physical memory."""
-        _call(self.driver, "cuMemRelease", handle)
+        self.call("cuMemRelease", handle)
 
     def free_address(self, ptr: int, nbytes: int) -> None:
         """cuMemAddressFree."""
-        _call(self.driver, "cuMemAddressFree", ptr, nbytes)
+        self.call("cuMemAddressFree", ptr, nbytes)
 
     def synchronize(self) -> None:
         """cuCtxSynchronize: wait for every copy and memset issued so far."""
-        _call(self.driver, "cuCtxSynchronize")
+        self.call("cuCtxSynchronize")
 
 
 @attrs.define
@@ -177,22 +187,22 @@ class CudaRegion:
     def write(self, offset: int, data: memoryview) -> None:
         """cuMemcpyHtoD from a host buffer."""
         staging = (ctypes.c_char * len(data)).from_buffer_copy(data)
-        _call(self.vmm.driver, "cuMemcpyHtoD", self.ptr + offset, ctypes.addressof(staging), len(data))
+        self.vmm.call("cuMemcpyHtoD", self.ptr + offset, ctypes.addressof(staging), len(data))
 
     def copy(self, src: int, dst: int, nbytes: int) -> None:
         """cuMemcpyDtoD within the region."""
-        _call(self.vmm.driver, "cuMemcpyDtoD", self.ptr + dst, self.ptr + src, nbytes)
+        self.vmm.call("cuMemcpyDtoD", self.ptr + dst, self.ptr + src, nbytes)
         self.vmm.synchronize()
 
     def zero(self, offset: int, nbytes: int) -> None:
         """cuMemsetD8, then wait for it."""
-        _call(self.vmm.driver, "cuMemsetD8", self.ptr + offset, 0, nbytes)
+        self.vmm.call("cuMemsetD8", self.ptr + offset, 0, nbytes)
         self.vmm.synchronize()
 
     def read(self, offset: int, nbytes: int) -> bytes:
         """cuMemcpyDtoH into a host buffer."""
         staging = (ctypes.c_char * nbytes)()
-        _call(self.vmm.driver, "cuMemcpyDtoH", ctypes.addressof(staging), self.ptr + offset, nbytes)
+        self.vmm.call("cuMemcpyDtoH", ctypes.addressof(staging), self.ptr + offset, nbytes)
         return bytes(staging)
 
     def close(self) -> None:
