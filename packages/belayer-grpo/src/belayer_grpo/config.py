@@ -163,7 +163,7 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (tuples as lists), e.g. to save next to a run."""
-        return attrs.asdict(self, retain_collection_types=False)
+        return attrs.asdict(self)
 
 
 def default_config_text() -> str:

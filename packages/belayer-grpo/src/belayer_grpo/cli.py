@@ -1,0 +1,106 @@
+"""``belayer-grpo``: train with GRPO on the Belayer system, or print the effective configuration.
+
+    belayer-grpo train [--config FILE] [section.key=value ...]
+    belayer-grpo config [--config FILE] [section.key=value ...]
+
+Ctrl-C (SIGINT) or SIGTERM stops training cleanly: every worker, memory server and socket of the
+run is removed before the command exits (with status 130).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from typing import Any
+
+import anyio
+
+from belayer_grpo.config import Config, load_config
+from belayer_grpo.errors import BelayerGrpoError
+
+__all__ = ["main"]
+
+EXIT_INTERRUPTED = 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="belayer-grpo", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, text in (("train", "run GRPO training"), ("config", "print the effective configuration as JSON")):
+        command = commands.add_parser(name, help=text)
+        command.add_argument("--config", help="a TOML or YAML file with sections (default: the embedded one)")
+        command.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. algorithm.steps=10")
+    return parser
+
+
+async def _train_until_signalled(config: Config) -> tuple[dict[str, Any] | None, bool]:
+    from belayer_grpo.run import run_training
+
+    interrupted = False
+    result: dict[str, Any] | None = None
+    async with anyio.create_task_group() as group:
+
+        async def watch_signals() -> None:
+            nonlocal interrupted
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for signum in signals:
+                    interrupted = True
+                    print(f"\nbelayer-grpo: {signal.Signals(signum).name}: shutting down", file=sys.stderr, flush=True)
+                    group.cancel_scope.cancel()
+                    return
+
+        async def train() -> None:
+            nonlocal result
+            result = await run_training(config, stream=sys.stderr)
+            group.cancel_scope.cancel()
+
+        group.start_soon(watch_signals)
+        group.start_soon(train)
+    return result, interrupted
+
+
+def _our_errors(error: BaseException) -> list[BelayerGrpoError]:
+    if isinstance(error, BelayerGrpoError):
+        return [error]
+    if isinstance(error, BaseExceptionGroup):
+        found = [e for inner in error.exceptions for e in _our_errors(inner)]
+        return found if len(found) == len(error.exceptions) else []
+    return []
+
+
+class _QuietLifespanCancel(logging.Filter):
+    """uvicorn logs the in-process router's lifespan task being cancelled at shutdown as an error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        cancelled = record.exc_info is not None and record.exc_info[0] is not None
+        cancelled = cancelled and record.exc_info[0].__name__ == "CancelledError"  # type: ignore[index]
+        return not (cancelled and "lifespan" in record.getMessage())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``belayer-grpo`` command."""
+    args = _parser().parse_args(argv)
+    logging.getLogger("uvicorn.error").addFilter(_QuietLifespanCancel())
+    try:
+        config = load_config(args.config, args.overrides)
+    except BelayerGrpoError as error:
+        print(f"belayer-grpo: {error}", file=sys.stderr)
+        return 2
+    if args.command == "config":
+        print(json.dumps(config.to_dict(), indent=2))
+        return 0
+    try:
+        result, interrupted = anyio.run(_train_until_signalled, config)
+    except (BelayerGrpoError, BaseExceptionGroup) as error:
+        ours = _our_errors(error)
+        if not ours:
+            raise
+        for each in ours:
+            print(f"belayer-grpo: {each}", file=sys.stderr)
+        return 1
+    if interrupted:
+        return EXIT_INTERRUPTED
+    return 0 if result is not None and result.get("status") == "completed" else 1
