@@ -64,7 +64,7 @@ class ConventionalRecovery:
             health_interval_s=config.health_interval_s,
             health_misses=config.health_misses,
         )
-        if supervisor._second_failure():
+        if supervisor.second_failure():
             return
         supervisor.last_handover = time.monotonic()
         with log.step("conventional.restart"):

@@ -29,6 +29,7 @@ class Child:
     log_file: Path
     exit_code: int | None = None
     exit_time: float | None = None
+    reaper: threading.Thread | None = None
 
     @property
     def pid(self) -> int:
@@ -93,5 +94,6 @@ def spawn_worker(
         child.exit_time = time.time()
         on_exit(child)
 
-    threading.Thread(target=reap, name=f"reap-{role}-{generation}", daemon=True).start()
+    child.reaper = threading.Thread(target=reap, name=f"reap-{role}-{generation}", daemon=True)
+    child.reaper.start()
     return child

@@ -31,6 +31,7 @@ def _worker_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-file", type=Path, help="where to publish standby/handover/serving/failed")
     parser.add_argument("--resume-mode", choices=("continue", "regenerate"), default="continue")
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     shadow.add_argument("--handover-flag", type=Path, required=True, help="file whose creation means: take over")
     shadow.add_argument("--poll-s", type=float, default=0.05, help="heartbeat / flag poll interval")
     shadow.add_argument("--stale-s", type=float, default=0.5, help="heartbeat age that counts as a hang")
-    shadow.add_argument("--scratch-bytes", type=int, default=32 * 1024 * 1024)
+    shadow.add_argument("--scratch-bytes", type=int, default=16 * 1024 * 1024)
     slot = commands.add_parser("slot", help="run one slot: memory servers, main worker, shadow, recovery")
     slot.add_argument("--slot", required=True)
     slot.add_argument("--router", required=True)
@@ -79,6 +80,7 @@ def _worker_config(args: argparse.Namespace) -> object:
         state_file=args.state_file,
         resume_mode=args.resume_mode,
         max_num_seqs=args.max_num_seqs,
+        num_threads=args.num_threads,
     )
 
 

@@ -196,7 +196,8 @@ class EngineService:
         if route == ("POST", "/generate"):
             await self._generate(receive, send)
         elif route == ("GET", "/health"):
-            payload = {"status": "ok", "epoch": self.epoch, "num_running": len(self._jobs)}
+            status = "ok" if self.epoch > 0 else "standby"
+            payload = {"status": status, "epoch": self.epoch, "num_running": len(self._jobs)}
             await _send_json(send, 200, {**payload, "num_steps": self.num_steps})
         elif route == ("GET", "/metrics"):
             text = self._metrics().encode()

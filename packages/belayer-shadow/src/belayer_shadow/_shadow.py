@@ -30,7 +30,7 @@ from belayer_shadow._errors import HandoverError
 from belayer_shadow._events import EventLog, write_state
 from belayer_shadow._heartbeat import HandoverFlag, Heartbeat
 from belayer_shadow._service import EngineService
-from belayer_shadow._worker import WorkerConfig, build_engine, serve_service
+from belayer_shadow._worker import NUM_WARMUPS, WorkerConfig, build_engine, serve_service
 
 __all__ = ["EXIT_UNHEALTHY", "ShadowConfig", "check_device_health", "run_shadow"]
 
@@ -45,7 +45,7 @@ class ShadowConfig:
     handover_flag: Path = attrs.field(converter=Path)
     poll_s: float = attrs.field(default=0.05, validator=attrs.validators.gt(0))
     stale_s: float = attrs.field(default=0.5, validator=attrs.validators.gt(0))
-    scratch_bytes: int = attrs.field(default=32 * 1024 * 1024, validator=attrs.validators.ge(0))
+    scratch_bytes: int = attrs.field(default=16 * 1024 * 1024, validator=attrs.validators.ge(0))
     weight_refresh_s: float = attrs.field(default=1.0, validator=attrs.validators.gt(0))
 
 
@@ -79,7 +79,9 @@ def _fence(pid: int | None) -> str:
     return f"killed main {pid}"
 
 
-def _stand_by(config: ShadowConfig, engine: LLMEngine, heartbeat: Heartbeat, flag: HandoverFlag) -> dict[str, Any]:
+async def _stand_by(
+    config: ShadowConfig, engine: LLMEngine, heartbeat: Heartbeat, flag: HandoverFlag
+) -> dict[str, Any]:
     """Sleep-poll until the flag is raised or the heartbeat goes stale; returns what triggered it."""
     next_refresh = time.monotonic() + config.weight_refresh_s
     while True:
@@ -92,7 +94,7 @@ def _stand_by(config: ShadowConfig, engine: LLMEngine, heartbeat: Heartbeat, fla
             # Unpinning the old weight version lets the trainer's updates proceed.
             engine.refresh_weights()
             next_refresh = time.monotonic() + config.weight_refresh_s
-        time.sleep(config.poll_s)
+        await anyio.sleep(config.poll_s)
 
 
 def _take_over(config: ShadowConfig, engine: LLMEngine, scratch: IdleBuffer, log: EventLog, pid: int | None) -> None:
@@ -115,11 +117,6 @@ def _take_over(config: ShadowConfig, engine: LLMEngine, scratch: IdleBuffer, log
         engine.warmup()
 
 
-async def _mark_unhealthy(config: WorkerConfig) -> None:
-    async with RouterClient(config.router_url, config.admin_token, timeout=10.0) as router:
-        await router.mark_unhealthy(config.slot)
-
-
 def run_shadow(config: ShadowConfig) -> int:
     """Stand by, take over, serve until SIGTERM/SIGINT; returns the process exit code."""
     worker = config.worker
@@ -128,30 +125,39 @@ def run_shadow(config: ShadowConfig) -> int:
         engine = build_engine(worker)
     try:
         with log.step("shadow.warmup"):
-            engine.warmup()
+            for _ in range(NUM_WARMUPS):  # the first runs of each shape are slow; pay for them now
+                engine.warmup()
         backend = "cuda" if engine.device.type == "cuda" else "host"
         scratch = IdleBuffer.allocate(config.scratch_bytes, backend=backend, device=engine.device.index or 0)
         scratch.release()
         heartbeat, flag = Heartbeat(worker.heartbeat), HandoverFlag(config.handover_flag)
-        write_state(worker.state_file, "standby")
-        log.emit("standby", scratch_bytes=scratch.nbytes)
-        trigger = _stand_by(config, engine, heartbeat, flag)
-        main_pid = heartbeat.writer_pid()
-        write_state(worker.state_file, "handover", **trigger)
-        log.emit("handover.detect", **trigger)
-        try:
-            _take_over(config, engine, scratch, log, main_pid)
-        except (HandoverError, BelayerGpumemError) as exc:
-            log.emit("handover.failed", error=str(exc))
-            write_state(worker.state_file, "failed", error=str(exc))
-            try:
-                anyio.run(_mark_unhealthy, worker)
-                log.emit("slot.unhealthy", slot=worker.slot, reason=str(exc))
-            except (RouterClientError, OSError) as router_exc:
-                log.emit("slot.unhealthy_failed", error=str(router_exc))
-            return EXIT_UNHEALTHY
+        # Epoch 0 until the handover: the router never sends it requests of that epoch.
         service = EngineService(engine, heartbeat, log, idle_tick_s=worker.idle_tick_s)
-        anyio.run(lambda: serve_service(service, worker, timed_registration=True))
-        return 0
+        failed = False
+
+        async def prepare(router: RouterClient, url: str) -> bool:
+            nonlocal failed
+            write_state(worker.state_file, "standby", url=url)
+            log.emit("standby", url=url, scratch_bytes=scratch.nbytes)
+            trigger = await _stand_by(config, engine, heartbeat, flag)
+            main_pid = heartbeat.writer_pid()
+            write_state(worker.state_file, "handover", **trigger)
+            log.emit("handover.detect", **trigger)
+            try:
+                _take_over(config, engine, scratch, log, main_pid)
+            except (HandoverError, BelayerGpumemError) as exc:
+                failed = True
+                log.emit("handover.failed", error=str(exc))
+                write_state(worker.state_file, "failed", error=str(exc))
+                try:
+                    await router.mark_unhealthy(worker.slot)
+                    log.emit("slot.unhealthy", slot=worker.slot, reason=str(exc))
+                except (RouterClientError, OSError) as router_exc:
+                    log.emit("slot.unhealthy_failed", error=str(router_exc))
+                return False
+            return True
+
+        anyio.run(lambda: serve_service(service, worker, prepare=prepare))
+        return EXIT_UNHEALTHY if failed else 0
     finally:
         engine.close()

@@ -88,6 +88,7 @@ class SlotSupervisor:
     _monitor: threading.Thread | None = None
     _conventional: ConventionalRecovery | None = None
     _handover_generation: int | None = None
+    _children: list[Child] = attrs.field(factory=list)
 
     def __attrs_post_init__(self) -> None:
         self.log = EventLog(self.config.run_dir / "events.jsonl", "supervisor")
@@ -197,6 +198,13 @@ class SlotSupervisor:
                 if child is not None:
                     child.kill(graceful_s=3.0)
             self.stop_memory_servers()
+            children = list(self._children)
+        for child in children:  # outside the lock: a reaper's callback takes it
+            child.kill()
+            if child.reaper is not None:
+                child.reaper.join(timeout=10)
+        if self._conventional is not None:
+            self._conventional.close()
         shutil.rmtree(self.config.run_dir / "mem", ignore_errors=True)
         for path in (self.heartbeat, self.flag.path):
             path.unlink(missing_ok=True)
@@ -244,6 +252,7 @@ class SlotSupervisor:
         if config.admin_token is not None:  # by environment, not argv, so `ps` does not show it
             env["BELAYER_ROUTER_ADMIN_TOKEN"] = config.admin_token
         child = spawn_worker(role, self._generation, argv, config.run_dir, self._on_exit, env)
+        self._children.append(child)
         self.log.emit(f"{role}.spawned", pid=child.pid, generation=child.generation)
         return child
 
@@ -262,12 +271,12 @@ class SlotSupervisor:
             shadow_state = None if self.shadow is None else (self.shadow.state() or {}).get("state")
             if shadow_state in ("handover", "serving"):
                 return  # the shadow fenced it during a handover
-            if self._second_failure():
+            if self.second_failure():
                 return
             self.flag.raise_("main exited", pid=child.pid, exit_code=child.exit_code, exit_time=child.exit_time)
             self.log.emit("handover.flag", pid=child.pid)
 
-    def _second_failure(self) -> bool:
+    def second_failure(self) -> bool:
         """If a handover happened within the window, take the slot out for good; True if so."""
         if self.last_handover is None or time.monotonic() - self.last_handover > self.config.failure_window_s:
             return False
@@ -310,7 +319,7 @@ class SlotSupervisor:
             state = (shadow.state() or {}).get("state")
             if state == "handover" and shadow.generation != self._handover_generation:
                 self._handover_generation = shadow.generation
-                if self._second_failure():
+                if self.second_failure():
                     return
                 self.last_handover = time.monotonic()
             elif state == "serving":
@@ -318,8 +327,11 @@ class SlotSupervisor:
             elif state == "failed" or not shadow.alive():
                 self.log.emit("shadow.lost", pid=shadow.pid, state=state, exit_code=shadow.exit_code)
                 if state == "failed":
-                    self.healthy = False  # the shadow marked the slot unhealthy at the router
+                    # The shadow found the memory or the device bad and marked the slot unhealthy;
+                    # marking it again here covers a shadow that could not reach the router.
+                    self.healthy = False
                     self.shadow = None
+                    threading.Thread(target=self.mark_unhealthy, daemon=True).start()
                 else:
                     self.shadow = self._spawn("shadow")
 

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
 import attrs
+import torch
 from belayer_router import RouterClient, RouterClientError, serving
 
 from belayer_shadow._config import ModelConfig
@@ -21,7 +23,9 @@ from belayer_shadow._events import EventLog, write_state
 from belayer_shadow._heartbeat import Heartbeat
 from belayer_shadow._service import EngineService, ResumeMode
 
-__all__ = ["WorkerConfig", "build_engine", "register_worker", "run_worker", "serve_service"]
+__all__ = ["NUM_WARMUPS", "WorkerConfig", "build_engine", "register_worker", "run_worker", "serve_service"]
+
+NUM_WARMUPS = 3
 
 
 def _optional_path(value: str | Path | None) -> Path | None:
@@ -52,6 +56,9 @@ class WorkerConfig:
     max_num_seqs: int = attrs.field(default=64, validator=attrs.validators.ge(1))
     max_num_batched_tokens: int = attrs.field(default=8192, validator=attrs.validators.ge(1))
     idle_tick_s: float = attrs.field(default=0.05, validator=attrs.validators.gt(0))
+    # One intra-op thread by default: on a shared, busy CPU a second thread that is not scheduled
+    # stalls every parallel op at its barrier (warm-ups of 3 ms became 1 s under load).
+    num_threads: int = attrs.field(default=1, validator=attrs.validators.ge(1))
 
     def model_config(self) -> ModelConfig:
         """The model configuration: `model` (a JSON file or HF folder) or the built-in default."""
@@ -59,7 +66,8 @@ class WorkerConfig:
 
 
 def build_engine(config: WorkerConfig) -> LLMEngine:
-    """An engine attached to the slot's memory servers (zero copy)."""
+    """An engine attached to the slot's memory servers (zero copy), on `num_threads` CPU threads."""
+    torch.set_num_threads(config.num_threads)
     return LLMEngine.attach(
         config.model_config(),
         config.weights_socket,
@@ -102,10 +110,15 @@ async def _until_signal(scope: anyio.CancelScope) -> None:
             return
 
 
-async def serve_service(service: EngineService, config: WorkerConfig, *, timed_registration: bool = False) -> None:
+# Runs after the HTTP server is up and before the loop starts and the worker registers; False: do not serve.
+Prepare = Callable[[RouterClient, str], Awaitable[bool]]
+
+
+async def serve_service(service: EngineService, config: WorkerConfig, *, prepare: Prepare | None = None) -> None:
     """Serve `service` over HTTP, run its loop, register with the router; until SIGTERM/SIGINT.
 
-    With `timed_registration` the registration is a timed handover step (`handover.register`).
+    The shadow worker passes `prepare` (stand by, then take over): its HTTP server is already up
+    while it stands by, and registration becomes the timed handover step `handover.register`.
     """
     log = service.log
     async with (
@@ -113,21 +126,27 @@ async def serve_service(service: EngineService, config: WorkerConfig, *, timed_r
         serving(service, config.host, config.port, log_level="warning") as url,
         anyio.create_task_group() as group,
     ):
+        group.start_soon(_until_signal, group.cancel_scope)
+        if prepare is not None and not await prepare(router, url):
+            group.cancel_scope.cancel()
+            return
         group.start_soon(service.run_loop)
-        if timed_registration:
+        if prepare is not None:
             with log.step("handover.register", url=url):
                 epoch = await register_worker(router, config.slot, url, service, config.epoch)
         else:
             epoch = await register_worker(router, config.slot, url, service, config.epoch)
         log.emit("registered", slot=config.slot, url=url, epoch=epoch)
         write_state(config.state_file, "serving", url=url, epoch=epoch)
-        await _until_signal(group.cancel_scope)
-        with anyio.move_on_after(2, shield=True):
-            try:
-                await router.unregister(config.slot, epoch)
-            except (RouterClientError, OSError):
-                pass  # a newer epoch took the slot over, or the router is gone: nothing to undo
-    log.emit("stopped")
+        try:
+            await anyio.sleep_forever()
+        finally:
+            with anyio.move_on_after(2, shield=True):
+                try:
+                    await router.unregister(config.slot, epoch)
+                except (RouterClientError, OSError):
+                    pass  # a newer epoch took the slot over, or the router is gone: nothing to undo
+            log.emit("stopped")
 
 
 def run_worker(config: WorkerConfig) -> None:
@@ -137,7 +156,8 @@ def run_worker(config: WorkerConfig) -> None:
         engine = build_engine(config)
     try:
         with log.step("worker.warmup"):
-            engine.warmup()
+            for _ in range(NUM_WARMUPS):  # the first runs of each shape are slow; pay for them now
+                engine.warmup()
         service = EngineService(
             engine, Heartbeat(config.heartbeat), log, resume_mode=config.resume_mode, idle_tick_s=config.idle_tick_s
         )

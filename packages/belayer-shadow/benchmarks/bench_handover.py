@@ -1,0 +1,248 @@
+"""Handover benchmark: SIGKILL of the main worker -> first resumed token, shadow vs conventional recovery.
+
+    python benchmarks/bench_handover.py                      # conventional at its defaults (10 s x 3)
+    python benchmarks/bench_handover.py --health-interval-s 1  # a quicker baseline
+
+One router on loopback, the default model on CPU. A slot with a shadow worker serves several
+concurrent greedy requests; once every stream has tokens, the main worker is SIGKILLed. The time
+to the first resumed token is split with the slot's event log into detection, fence + health check
++ flush, remap, warm-up, registration and resume (the KV refill by prefill, up to the first new
+token). The conventional baseline (remote health checks, restart from scratch, regeneration)
+runs the same workload in the same run. Every output must equal the failure-free output, and the
+shadow must regenerate no token. Last, the throughput of the main worker with and without an
+idle shadow beside it (32 concurrent requests, phases interleaved). Prints a markdown table and
+saves JSON to benchmarks/results/bench_handover.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+from belayer_router import RouterClient, RouterConfig, TokenEvent, running_router
+
+from belayer_shadow._slot import SlotConfig, SlotSupervisor
+
+RESULTS = Path(__file__).parent / "results" / "bench_handover.json"
+TOKEN = "bench-admin-token"
+
+
+class Streams:
+    """Concurrent greedy streams that record every token's arrival time."""
+
+    def __init__(self, url: str, prompts: list[list[int]], max_tokens: int) -> None:
+        self.url, self.prompts, self.max_tokens = url, prompts, max_tokens
+        self.tokens: list[list[int]] = [[] for _ in prompts]
+        self.arrivals: list[list[float]] = [[] for _ in prompts]
+
+    async def run(self) -> None:
+        async with RouterClient(self.url, timeout=600) as client, anyio.create_task_group() as group:
+            for i in range(len(self.prompts)):
+                group.start_soon(self._one, client, i)
+
+    async def _one(self, client: RouterClient, i: int) -> None:
+        async for event in client.generate_stream(self.prompts[i], self.max_tokens, temperature=0.0, seed=i):
+            if isinstance(event, TokenEvent):
+                self.tokens[i].append(event.token_id)
+                self.arrivals[i].append(time.time())
+
+    async def wait_tokens(self, count: int) -> None:
+        with anyio.fail_after(120):
+            while min(len(t) for t in self.tokens) < count:  # noqa: ASYNC110
+                await anyio.sleep(0.002)
+
+    def first_after(self, moment: float) -> list[float]:
+        """Per stream, the arrival of its first token after `moment`."""
+        return [next(t for t in times if t > moment) for times in self.arrivals]
+
+
+def _event(events: list[dict[str, Any]], name: str, after: float) -> dict[str, Any]:
+    return next(e for e in events if e["event"] == name and e["time"] >= after)
+
+
+def _worker_regenerated(url: str | None) -> int:
+    if url is None:
+        return -1
+    text = httpx.get(f"{url}/metrics").text
+    line = next(x for x in text.splitlines() if x.startswith("belayer_shadow_tokens_regenerated_total"))
+    return int(line.split()[1])
+
+
+async def _reference(url: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    streams = Streams(url, prompts, max_tokens)
+    await streams.run()
+    return streams.tokens
+
+
+async def _kill_during(slot: SlotSupervisor, streams: Streams, after_tokens: int) -> float:
+    async with anyio.create_task_group() as group:
+        group.start_soon(streams.run)
+        await streams.wait_tokens(after_tokens)
+        killed = slot.kill_main()
+    return killed
+
+
+async def shadow_trial(slot: SlotSupervisor, url: str, args: argparse.Namespace, reference: list[list[int]]) -> dict[str, Any]:
+    await anyio.to_thread.run_sync(slot.wait_protected)
+    done = slot.num_handovers
+    streams = Streams(url, args.prompts, args.max_tokens)
+    killed = await _kill_during(slot, streams, args.kill_after)
+    await anyio.to_thread.run_sync(slot.wait_handovers, done + 1)
+    events = slot.events()
+    step = {name: _event(events, f"handover.{name}", killed) for name in ("detect", "fence", "health_check", "flush", "remap", "warmup", "register")}
+    registered = step["register"]["time"]
+    first = streams.first_after(registered)
+    return {
+        "detection_s": step["detect"]["time"] - killed,
+        "reaped_s": _event(events, "handover.flag", killed)["time"] - killed,
+        "health_flush_s": sum(step[n]["duration_s"] for n in ("fence", "health_check", "flush")),
+        "remap_s": step["remap"]["duration_s"],
+        "warmup_s": step["warmup"]["duration_s"],
+        "registration_s": registered - step["warmup"]["time"],
+        "resume_s": min(first) - registered,
+        "first_resumed_token_s": min(first) - killed,
+        "all_resumed_s": max(first) - killed,
+        "outputs_equal": streams.tokens == reference,
+        "tokens_regenerated": _worker_regenerated(slot.main_url),
+    }
+
+
+async def conventional_trial(slot: SlotSupervisor, url: str, args: argparse.Namespace, reference: list[list[int]]) -> dict[str, Any]:
+    streams = Streams(url, args.prompts, args.max_tokens)
+    killed = await _kill_during(slot, streams, args.kill_after)
+    await anyio.to_thread.run_sync(slot.wait_handovers, 1)
+    events = slot.events()
+    detect = _event(events, "conventional.detect", killed)
+    restart = _event(events, "conventional.restart", killed)
+    first = streams.first_after(restart["time"])
+    return {
+        "detection_s": detect["time"] - killed,
+        "restart_s": restart["duration_s"],
+        "reallocate_s": _event(events, "conventional.reallocate", killed)["duration_s"],
+        "resume_s": min(first) - restart["time"],
+        "first_resumed_token_s": min(first) - killed,
+        "all_resumed_s": max(first) - killed,
+        "outputs_equal": streams.tokens == reference,
+        "tokens_regenerated": _worker_regenerated(slot.main_url),
+    }
+
+
+async def throughput(url: str, num_requests: int, max_tokens: int) -> float:
+    prompts = [[(7 * i + j) % 256 for j in range(16)] for i in range(num_requests)]
+    streams = Streams(url, prompts, max_tokens)
+    start = time.monotonic()
+    await streams.run()
+    return sum(len(t) for t in streams.tokens) / (time.monotonic() - start)
+
+
+def _slot_config(url: str, run_dir: Path, slot: str, **options: Any) -> SlotConfig:
+    return SlotConfig(slot=slot, router_url=url, run_dir=run_dir, admin_token=TOKEN, **options)
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    results: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "prompts"}}
+    config = RouterConfig(admin_token=TOKEN, resume_wait=300)
+    with tempfile.TemporaryDirectory(prefix="bench-handover-") as tmp:
+        root = Path(tmp)
+        async with running_router(config) as (url, _app):
+            slot = SlotSupervisor(_slot_config(url, root / "shadow", "shadow", failure_window_s=0))
+            await anyio.to_thread.run_sync(slot.start)
+            try:
+                reference = await _reference(url, args.prompts, args.max_tokens)
+                results["shadow"] = [await shadow_trial(slot, url, args, reference) for _ in range(args.trials)]
+            finally:
+                await anyio.to_thread.run_sync(slot.stop)
+        async with running_router(config) as (url, _app):
+            options = {"recovery": "conventional", "health_interval_s": args.health_interval_s, "health_misses": args.health_misses}
+            slot = SlotSupervisor(_slot_config(url, root / "conventional", "conventional", **options))
+            await anyio.to_thread.run_sync(slot.start)
+            try:
+                results["conventional"] = await conventional_trial(slot, url, args, reference)
+            finally:
+                await anyio.to_thread.run_sync(slot.stop)
+        results["throughput"] = await throughput_phases(root, args)
+    return results
+
+
+async def throughput_phases(root: Path, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Tokens/s of one main worker, alone (no shadow) and with an idle shadow, phases interleaved."""
+    measured: dict[str, list[float]] = {"alone": [], "with_shadow": []}
+    for round_index in range(args.throughput_rounds):
+        for name, recovery in (("alone", "conventional"), ("with_shadow", "shadow")):
+            async with running_router(RouterConfig(admin_token=TOKEN)) as (url, _app):
+                run_dir = root / f"tp-{name}-{round_index}"
+                slot = SlotSupervisor(_slot_config(url, run_dir, "tp", recovery=recovery, health_interval_s=3600))
+                await anyio.to_thread.run_sync(slot.start)
+                try:
+                    await anyio.to_thread.run_sync(slot.wait_protected)
+                    await throughput(url, 8, 16)  # warm the router and worker connections
+                    measured[name].append(await throughput(url, 32, args.throughput_tokens))
+                finally:
+                    await anyio.to_thread.run_sync(slot.stop)
+    return measured
+
+
+def render(results: dict[str, Any]) -> str:
+    shadow, conv = results["shadow"], results["conventional"]
+    med = {k: statistics.median(t[k] for t in shadow) for k in shadow[0] if k.endswith("_s")}
+    ms = lambda s: f"{s * 1000:.0f} ms"  # noqa: E731
+    cfg = results["config"]
+    lines = [
+        f"Shadow handover (median of {len(shadow)} SIGKILLs, {cfg['num_requests']} concurrent greedy requests, default model, CPU):",
+        "",
+        "| step | shadow worker | conventional |",
+        "|---|---|---|",
+        f"| detection | {ms(med['detection_s'])} (reaped in {ms(med['reaped_s'])}) | {conv['detection_s']:.1f} s (health checks {cfg['health_interval_s']:g} s x {cfg['health_misses']}) |",
+        f"| fence + health check + flush | {ms(med['health_flush_s'])} | - |",
+        f"| remap (scratch buffer {32} MiB) | {ms(med['remap_s'])} | reallocate + reload weights {ms(conv['reallocate_s'])} |",
+        f"| warm-up | {ms(med['warmup_s'])} | new process, attach, warm-up, register: {conv['restart_s']:.2f} s in all |",
+        f"| registration (epoch + 1) | {ms(med['registration_s'])} | (in the restart) |",
+        f"| resume (KV refill by prefill -> first token) | {ms(med['resume_s'])} | {ms(conv['resume_s'])} (regenerates from the start) |",
+        f"| **failure -> first resumed token** | **{ms(med['first_resumed_token_s'])}** | **{conv['first_resumed_token_s']:.1f} s** |",
+        f"| failure -> every request resumed | {ms(med['all_resumed_s'])} | {conv['all_resumed_s']:.1f} s |",
+        f"| speed-up | {conv['first_resumed_token_s'] / med['first_resumed_token_s']:.0f}x | 1x |",
+        f"| outputs equal the failure-free run | {all(t['outputs_equal'] for t in shadow)} | {conv['outputs_equal']} |",
+        f"| tokens regenerated | {sum(t['tokens_regenerated'] for t in shadow)} | {conv['tokens_regenerated']} |",
+    ]
+    tp = results["throughput"]
+    alone, with_shadow = statistics.median(tp["alone"]), statistics.median(tp["with_shadow"])
+    lines += [
+        "",
+        f"Throughput through the router, 32 concurrent requests x {cfg['throughput_tokens']} tokens (median of {len(tp['alone'])} interleaved rounds):",
+        "",
+        "| main worker | tokens/s |",
+        "|---|---|",
+        f"| alone | {alone:.0f} |",
+        f"| with an idle shadow beside it | {with_shadow:.0f} ({(with_shadow / alone - 1) * 100:+.1f}%) |",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trials", type=int, default=3, help="SIGKILLs of the shadow-protected slot")
+    parser.add_argument("--num-requests", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--kill-after", type=int, default=16, help="tokens every stream has before the kill")
+    parser.add_argument("--health-interval-s", type=float, default=10.0, help="conventional probe interval")
+    parser.add_argument("--health-misses", type=int, default=3, help="conventional misses before restart")
+    parser.add_argument("--throughput-rounds", type=int, default=3)
+    parser.add_argument("--throughput-tokens", type=int, default=64)
+    args = parser.parse_args()
+    args.prompts = [[(13 * i + 5 * j) % 256 for j in range(24)] for i in range(args.num_requests)]
+    results = anyio.run(run, args)
+    table = render(results)
+    print(table)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({**results, "table": table}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
