@@ -200,3 +200,28 @@ async def test_journal_preserves_a_prefix_every_k_tokens_and_at_completion(tmp_p
         op["start"] for op in map(json.loads, journal.read_text().splitlines()) if op["op"] == "prefix"
     ]
     assert prefix_starts == [0, 8, 16]
+
+
+async def test_hung_worker_is_cut_off_by_the_handover_registration() -> None:
+    async with (
+        running_router() as (url, app),
+        running_worker(1, pause_at=6) as (url_a, hung),
+        running_worker(2) as (url_b, _),
+        RouterClient(url) as client,
+    ):
+        await client.register("s0", url_a, 1)
+        result: list[Any] = []
+
+        async def run() -> None:
+            with anyio.fail_after(30):  # without the cut-off this would wait forever
+                result.append(await collect(client, seed=13, max_tokens=20))
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(run)
+            await wait_until(lambda: hung.num_paused >= 1)
+            await client.register("s0", url_b, 2)  # the hung worker never sends another byte
+        tokens, finish = result[0]
+        assert tokens == expected_tokens(13, 20)
+        assert finish.num_resumes == 1
+        assert app.metrics.num_stale_events == 0  # cut off by cancellation, not by a late event
+        hung.resume()

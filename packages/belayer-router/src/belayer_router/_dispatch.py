@@ -124,7 +124,7 @@ class Dispatcher:
             record.request, record.request_id, record.seed, record.token_ids, worker.epoch
         )
         finish: str | None = None
-        with self.registry.attempt(worker) as scope:
+        with self.registry.attempt(worker) as scope, scope:
             try:
                 finish = await self._stream(worker, body, record, emit, num_received)
             except (httpx.HTTPError, OSError) as error:
