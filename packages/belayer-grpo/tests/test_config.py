@@ -1,0 +1,95 @@
+"""Configuration: layering, overrides, and errors that name the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from belayer_grpo.config import load_config, parse_override
+from belayer_grpo.errors import ConfigError
+
+
+def test_embedded_default_loads() -> None:
+    config = load_config()
+    assert config.rollout.samples_per_prompt >= 2
+    assert config.chaos.kill_worker_at_steps  # the main job injects one worker failure
+    assert config.data.workload == "math"
+
+
+def test_file_then_overrides(tmp_path: Path) -> None:
+    toml = tmp_path / "run.toml"
+    toml.write_text("[algorithm]\nsteps = 7\nbeta = 0.05\n[chaos]\nkill_worker_at_s = [1, 2.5]\n")
+    config = load_config(toml, ["algorithm.steps=9", "system.run_dir=out"])
+    assert config.algorithm.steps == 9
+    assert config.algorithm.beta == 0.05
+    assert config.chaos.kill_worker_at_s == (1.0, 2.5)
+    assert config.system.run_dir == "out"
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("rollout:\n  batch_size: 4\n  samples_per_prompt: 4\n")
+    assert load_config(yaml_file).rollout.batch_size == 4
+
+
+def test_override_values_are_toml_literals_or_strings() -> None:
+    assert parse_override("data.operations=['+', '*']") == ("data.operations", ["+", "*"])
+    assert parse_override("system.recovery=conventional") == ("system.recovery", "conventional")
+    assert parse_override("logging.progress=false") == ("logging.progress", False)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["algorithm.epsilon=2"], "algorithm.epsilon"),
+        (["algorithm.epsilonn=0.1"], "algorithm.epsilonn"),
+        (["bogus.x=1"], "bogus.x"),
+        (["model.hidden_size=abc"], "model.hidden_size"),
+        (["model.hidden_size=1.5"], "model.hidden_size"),
+        (["logging.progress=1"], "logging.progress"),
+        (["data.min_operand=5", "data.max_operand=3"], "data.max_operand"),
+        (["algorithm.loss_aggregation=mean"], "algorithm.loss_aggregation"),
+        (["data.operations=['/']"], "data.operations"),
+        (["algorithm.epsilon_high=0.1"], "algorithm.epsilon_high"),
+        (["algorithm.num_minibatches=3"], "algorithm.num_minibatches"),
+        (["chaos.sandbox_kill_p=1.5"], "chaos.sandbox_kill_p"),
+        (["rollout.samples_per_prompt=1"], "rollout.samples_per_prompt"),
+        (["steps=3"], "steps"),
+    ],
+)
+def test_errors_name_the_key(overrides: list[str], key: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, overrides)
+    assert caught.value.key == key
+    assert repr(key) in str(caught.value)
+
+
+def test_bad_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[algorithm\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("[rollouts]\nbatch_size = 2\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(unknown)
+    assert caught.value.key == "rollouts"
+    other = tmp_path / "run.ini"
+    other.write_text("x")
+    with pytest.raises(ConfigError, match=r"\.toml, \.yaml or \.yml"):
+        load_config(other)
+
+
+def test_cli_reports_config_errors_with_exit_status_2() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "belayer_grpo", "train", "algorithm.steps=0"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2
+    assert "'algorithm.steps'" in done.stderr
+    shown = subprocess.run(
+        [sys.executable, "-m", "belayer_grpo", "config", "rollout.batch_size=3"], capture_output=True, text=True, timeout=120
+    )
+    assert shown.returncode == 0
+    assert '"batch_size": 3' in shown.stdout
