@@ -26,8 +26,8 @@ from typing import Any
 
 import anyio
 import httpx
-from belayer_router import RouterClient, RouterConfig, TokenEvent, running_router
 
+from belayer_router import RouterClient, RouterConfig, TokenEvent, running_router
 from belayer_shadow._slot import SlotConfig, SlotSupervisor
 
 RESULTS = Path(__file__).parent / "results" / "bench_handover.json"
@@ -89,14 +89,19 @@ async def _kill_during(slot: SlotSupervisor, streams: Streams, after_tokens: int
     return killed
 
 
-async def shadow_trial(slot: SlotSupervisor, url: str, args: argparse.Namespace, reference: list[list[int]]) -> dict[str, Any]:
+async def shadow_trial(
+    slot: SlotSupervisor, url: str, args: argparse.Namespace, reference: list[list[int]]
+) -> dict[str, Any]:
     await anyio.to_thread.run_sync(slot.wait_protected)
     done = slot.num_handovers
     streams = Streams(url, args.prompts, args.max_tokens)
     killed = await _kill_during(slot, streams, args.kill_after)
     await anyio.to_thread.run_sync(slot.wait_handovers, done + 1)
     events = slot.events()
-    step = {name: _event(events, f"handover.{name}", killed) for name in ("detect", "fence", "health_check", "flush", "remap", "warmup", "register")}
+    step = {
+        name: _event(events, f"handover.{name}", killed)
+        for name in ("detect", "fence", "health_check", "flush", "remap", "warmup", "register")
+    }
     registered = step["register"]["time"]
     first = streams.first_after(registered)
     return {
@@ -114,7 +119,9 @@ async def shadow_trial(slot: SlotSupervisor, url: str, args: argparse.Namespace,
     }
 
 
-async def conventional_trial(slot: SlotSupervisor, url: str, args: argparse.Namespace, reference: list[list[int]]) -> dict[str, Any]:
+async def conventional_trial(
+    slot: SlotSupervisor, url: str, args: argparse.Namespace, reference: list[list[int]]
+) -> dict[str, Any]:
     streams = Streams(url, args.prompts, args.max_tokens)
     killed = await _kill_during(slot, streams, args.kill_after)
     await anyio.to_thread.run_sync(slot.wait_handovers, 1)
@@ -156,11 +163,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await anyio.to_thread.run_sync(slot.start)
             try:
                 reference = await _reference(url, args.prompts, args.max_tokens)
-                results["shadow"] = [await shadow_trial(slot, url, args, reference) for _ in range(args.trials)]
+                results["shadow"] = [
+                    await shadow_trial(slot, url, args, reference) for _ in range(args.trials)
+                ]
             finally:
                 await anyio.to_thread.run_sync(slot.stop)
         async with running_router(config) as (url, _app):
-            options = {"recovery": "conventional", "health_interval_s": args.health_interval_s, "health_misses": args.health_misses}
+            options = {
+                "recovery": "conventional",
+                "health_interval_s": args.health_interval_s,
+                "health_misses": args.health_misses,
+            }
             slot = SlotSupervisor(_slot_config(url, root / "conventional", "conventional", **options))
             await anyio.to_thread.run_sync(slot.start)
             try:
@@ -178,7 +191,9 @@ async def throughput_phases(root: Path, args: argparse.Namespace) -> dict[str, l
         for name, recovery in (("alone", "conventional"), ("with_shadow", "shadow")):
             async with running_router(RouterConfig(admin_token=TOKEN)) as (url, _app):
                 run_dir = root / f"tp-{name}-{round_index}"
-                slot = SlotSupervisor(_slot_config(url, run_dir, "tp", recovery=recovery, health_interval_s=3600))
+                slot = SlotSupervisor(
+                    _slot_config(url, run_dir, "tp", recovery=recovery, health_interval_s=3600)
+                )
                 await anyio.to_thread.run_sync(slot.start)
                 try:
                     await anyio.to_thread.run_sync(slot.wait_protected)
@@ -226,7 +241,9 @@ def render(results: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--trials", type=int, default=3, help="SIGKILLs of the shadow-protected slot")
     parser.add_argument("--num-requests", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=256)

@@ -7,8 +7,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
-from belayer_router import FinishEvent, RouterApp, RouterClient, RouterConfig, TokenEvent, running_router
 
+from belayer_router import FinishEvent, RouterApp, RouterClient, RouterConfig, TokenEvent, running_router
 from belayer_shadow._slot import SlotConfig, SlotSupervisor
 
 TOKEN = "test-admin-token"
@@ -27,7 +27,9 @@ async def supervised(
     url: str, run_dir: Path, slot: str = "s0", *, protected: bool = True, **options: object
 ) -> AsyncIterator[SlotSupervisor]:
     """A started slot (waiting for its shadow to stand by when `protected`); stopped at the end."""
-    config = SlotConfig(slot=slot, router_url=url, run_dir=run_dir, admin_token=TOKEN, num_kv_blocks=256, **options)  # type: ignore[arg-type]
+    config = SlotConfig(
+        slot=slot, router_url=url, run_dir=run_dir, admin_token=TOKEN, num_kv_blocks=256, **options
+    )  # type: ignore[arg-type]
     supervisor = SlotSupervisor(config)
     await anyio.to_thread.run_sync(supervisor.start)
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -54,7 +55,8 @@ async def test_sigkill_mid_generation_shadow_resumes_every_request_exactly(tmp_p
         assert app.registry.slots["s0"].max_epoch == 2
         # A fresh shadow protects the slot again.
         await anyio.to_thread.run_sync(slot.wait_protected)
-        assert slot.shadow is not None and slot.shadow.alive()
+        assert slot.shadow is not None
+        assert slot.shadow.alive()
 
 
 async def test_stale_main_is_fenced_and_never_reaches_a_client(tmp_path: Path) -> None:
@@ -68,10 +70,8 @@ async def test_stale_main_is_fenced_and_never_reaches_a_client(tmp_path: Path) -
             await streams.wait_tokens(4)
             slot.kill_main(signal.SIGSTOP)  # a hang: nobody reaps it, the heartbeat goes stale
             await anyio.to_thread.run_sync(slot.wait_handovers, 1)
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(stale_pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
         assert streams.tokens == reference
         for indices in streams.indices:
             assert indices == list(range(MAX_TOKENS))

@@ -48,8 +48,10 @@ def _refused(url: str) -> bool:
 async def test_idle_shadow_uses_about_no_cpu_and_stop_leaves_nothing(tmp_path: Path) -> None:
     async with router() as (url, _app):
         async with supervised(url, tmp_path / "slot") as slot:
-            assert slot.shadow is not None and slot.main is not None
-            assert slot.weights_server is not None and slot.kv_server is not None
+            assert slot.shadow is not None
+            assert slot.main is not None
+            assert slot.weights_server is not None
+            assert slot.kv_server is not None
             shadow_pid = slot.shadow.pid
             before = _cpu_seconds(shadow_pid)
             await anyio.sleep(3.0)
@@ -63,9 +65,9 @@ async def test_idle_shadow_uses_about_no_cpu_and_stop_leaves_nothing(tmp_path: P
         assert all(_gone(pid) for pid in pids)
         assert not any(path.exists() for path in sockets)
         assert not (tmp_path / "slot" / "mem").exists()
-        assert main_url is not None and _refused(main_url)
-        with open("/proc/self/maps") as maps:
-            assert "belayer-gpumem" not in maps.read()
+        assert main_url is not None
+        assert _refused(main_url)
+        assert "belayer-gpumem" not in Path("/proc/self/maps").read_text()  # noqa: ASYNC240
         for fd in os.listdir("/proc/self/fd"):
             try:
                 assert "belayer-gpumem" not in os.readlink(f"/proc/self/fd/{fd}")
@@ -105,8 +107,11 @@ async def test_conventional_recovery_restarts_and_regenerates(tmp_path: Path) ->
         for step in ("conventional.detect", "conventional.reallocate", "conventional.restart"):
             assert step in events
         assert slot.main_url is not None
-        metrics = httpx.get(f"{slot.main_url}/metrics").text
-        regenerated = next(line for line in metrics.splitlines() if line.startswith("belayer_shadow_tokens_regenerated"))
+        async with httpx.AsyncClient() as client:
+            metrics = (await client.get(f"{slot.main_url}/metrics")).text
+        regenerated = next(
+            line for line in metrics.splitlines() if line.startswith("belayer_shadow_tokens_regenerated")
+        )
         assert int(regenerated.split()[1]) >= 4 * len(PROMPTS)
 
 

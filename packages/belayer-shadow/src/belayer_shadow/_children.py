@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
@@ -52,18 +53,20 @@ class Child:
             if state is not None and state["state"] in wanted:
                 return state
             if not self.alive():
-                raise SupervisorError(f"{self.role} worker exited with code {self.popen.poll()}; see {self.log_file}")
+                raise SupervisorError(
+                    f"{self.role} worker exited with code {self.popen.poll()}; see {self.log_file}"
+                )
             time.sleep(0.01)
-        raise SupervisorError(f"{self.role} worker not {sorted(wanted)} within {timeout_s} s; see {self.log_file}")
+        raise SupervisorError(
+            f"{self.role} worker not {sorted(wanted)} within {timeout_s} s; see {self.log_file}"
+        )
 
     def kill(self, *, graceful_s: float = 0.0) -> None:
         """SIGTERM (when `graceful_s` > 0, waiting that long) then SIGKILL; reaps the process."""
         if self.popen.poll() is None and graceful_s > 0:
             self.popen.terminate()
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.popen.wait(timeout=graceful_s)
-            except subprocess.TimeoutExpired:
-                pass
         if self.popen.poll() is None:
             self.popen.kill()
         self.popen.wait()
@@ -85,7 +88,9 @@ def spawn_worker(
     state_file.unlink(missing_ok=True)
     command = [sys.executable, "-m", "belayer_shadow", *argv, "--state-file", str(state_file)]
     with log_file.open("ab") as output:
-        popen = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        popen = subprocess.Popen(
+            command, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+        )
     child = Child(role, generation, popen, state_file, log_file)
 
     def reap() -> None:

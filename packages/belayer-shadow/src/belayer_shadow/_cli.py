@@ -25,7 +25,9 @@ def _worker_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heartbeat", type=Path, required=True, help="the slot's heartbeat file")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    parser.add_argument("--model", type=Path, help="model config.json (or HF folder); default: the built-in model")
+    parser.add_argument(
+        "--model", type=Path, help="model config.json (or HF folder); default: the built-in model"
+    )
     parser.add_argument("--epoch", type=int, help="epoch to register (default: the slot's highest + 1)")
     parser.add_argument("--event-log", type=Path, help="JSON-lines event log to append to")
     parser.add_argument("--state-file", type=Path, help="where to publish standby/handover/serving/failed")
@@ -41,7 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     _worker_flags(worker)
     shadow = commands.add_parser("shadow", help="stand by beside the main worker, take over when it fails")
     _worker_flags(shadow)
-    shadow.add_argument("--handover-flag", type=Path, required=True, help="file whose creation means: take over")
+    shadow.add_argument(
+        "--handover-flag", type=Path, required=True, help="file whose creation means: take over"
+    )
     shadow.add_argument("--poll-s", type=float, default=0.05, help="heartbeat / flag poll interval")
     shadow.add_argument("--stale-s", type=float, default=0.5, help="heartbeat age that counts as a hang")
     shadow.add_argument("--scratch-bytes", type=int, default=16 * 1024 * 1024)

@@ -60,7 +60,9 @@ def _parse_job(body: Any, mode: ResumeMode, events: MemoryObjectSendStream[bytes
         generated = tuple(body.get("generated_token_ids") or ())
         max_tokens = body["max_tokens"]
     except (KeyError, TypeError) as exc:
-        raise RequestError(f"missing or malformed field {exc}; send belayer_router.worker_request_body") from exc
+        raise RequestError(
+            f"missing or malformed field {exc}; send belayer_router.worker_request_body"
+        ) from exc
     if not isinstance(request_id, str) or not request_id:
         raise RequestError("field 'request_id' must be a non-empty string")
     common = {
@@ -174,7 +176,9 @@ class EngineService:
                 token = {"type": "token", "epoch": self.epoch, "index": out.index, "token_id": out.token_id}
                 job.events.send_nowait(_line({**token, "logprob": out.logprob}))
             if out.finish_reason is not None:
-                self._finish(job, _line({"type": "finish", "epoch": self.epoch, "finish_reason": out.finish_reason}))
+                self._finish(
+                    job, _line({"type": "finish", "epoch": self.epoch, "finish_reason": out.finish_reason})
+                )
 
     def _finish(self, job: _Job, last: bytes) -> None:
         job.finished = True
@@ -186,7 +190,7 @@ class EngineService:
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         """ASGI entry point: `POST /generate`, `GET /health`, `GET /metrics`."""
         if scope["type"] == "lifespan":
-            while (message := await receive())["type"] != "lifespan.shutdown":
+            while (await receive())["type"] != "lifespan.shutdown":
                 await send({"type": "lifespan.startup.complete"})
             await send({"type": "lifespan.shutdown.complete"})
             return
@@ -201,10 +205,14 @@ class EngineService:
             await _send_json(send, 200, {**payload, "num_steps": self.num_steps})
         elif route == ("GET", "/metrics"):
             text = self._metrics().encode()
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+            await send(
+                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]}
+            )
             await send({"type": "http.response.body", "body": text})
         else:
-            await _send_json(send, 404, {"error": f"no route {route[0]} {route[1]}; see the belayer-shadow README"})
+            await _send_json(
+                send, 404, {"error": f"no route {route[0]} {route[1]}; see the belayer-shadow README"}
+            )
 
     def _metrics(self) -> str:
         counters = {
@@ -225,7 +233,9 @@ class EngineService:
             await _send_json(send, 400, {"error": str(exc)})
             return
         if body.get("epoch") != self.epoch:
-            await _send_json(send, 409, {"error": f"this worker serves epoch {self.epoch}, not {body.get('epoch')}"})
+            await _send_json(
+                send, 409, {"error": f"this worker serves epoch {self.epoch}, not {body.get('epoch')}"}
+            )
             return
         if job.request_id in self._jobs:
             await _send_json(send, 409, {"error": f"request {job.request_id!r} is already running here"})
@@ -235,7 +245,11 @@ class EngineService:
         self._wake.set()
         try:
             await send(
-                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/x-ndjson")]}
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"application/x-ndjson")],
+                }
             )
             async with anyio.create_task_group() as group:
                 group.start_soon(self._watch_disconnect, receive, group.cancel_scope)

@@ -22,9 +22,9 @@ from typing import Any
 import anyio
 import attrs
 import torch
+
 from belayer_gpumem import BelayerGpumemError, IdleBuffer, check_gpu_health, ping
 from belayer_router import RouterClient, RouterClientError
-
 from belayer_shadow._engine import LLMEngine
 from belayer_shadow._errors import HandoverError
 from belayer_shadow._events import EventLog, write_state
@@ -97,7 +97,9 @@ async def _stand_by(
         await anyio.sleep(config.poll_s)
 
 
-def _take_over(config: ShadowConfig, engine: LLMEngine, scratch: IdleBuffer, log: EventLog, pid: int | None) -> None:
+def _take_over(
+    config: ShadowConfig, engine: LLMEngine, scratch: IdleBuffer, log: EventLog, pid: int | None
+) -> None:
     with log.step("handover.fence"):
         log.emit("handover.fenced", detail=_fence(pid))
     with log.step("handover.health_check"):

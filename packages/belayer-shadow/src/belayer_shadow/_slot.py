@@ -22,9 +22,9 @@ from typing import Any, Literal
 
 import anyio
 import attrs
+
 from belayer_gpumem import ServerConfig, ServerProcess
 from belayer_router import RouterClient
-
 from belayer_shadow._baseline import ConventionalRecovery
 from belayer_shadow._children import Child, spawn_worker
 from belayer_shadow._config import ModelConfig, kv_layout
@@ -56,7 +56,9 @@ class SlotConfig:
     model: Path | None = attrs.field(default=None, converter=_optional_path)
     weights: Path | None = attrs.field(default=None, converter=_optional_path)
     seed: int = 0
-    recovery: Recovery = attrs.field(default="shadow", validator=attrs.validators.in_(("shadow", "conventional")))
+    recovery: Recovery = attrs.field(
+        default="shadow", validator=attrs.validators.in_(("shadow", "conventional"))
+    )
     num_kv_blocks: int = attrs.field(default=512, validator=attrs.validators.ge(1))
     block_size: int = attrs.field(default=16, validator=attrs.validators.ge(1))
     max_num_seqs: int = attrs.field(default=64, validator=attrs.validators.ge(1))
@@ -170,7 +172,9 @@ class SlotSupervisor:
             if shadow is not None and (shadow.state() or {}).get("state") == "standby":
                 return
             time.sleep(0.02)
-        raise TimeoutError(f"slot {self.config.slot!r} not protected within {timeout_s} s; see {self.config.run_dir}")
+        raise TimeoutError(
+            f"slot {self.config.slot!r} not protected within {timeout_s} s; see {self.config.run_dir}"
+        )
 
     def wait_handovers(self, count: int, timeout_s: float = 60.0) -> None:
         """Block until `count` handovers (or conventional restarts) have completed."""
@@ -222,7 +226,9 @@ class SlotSupervisor:
                 ServerConfig(kind="weights", socket=self.weights_socket, safetensors=self.checkpoint)
             )
             layout = kv_layout(model, config.num_kv_blocks, config.block_size)
-            self.kv_server = ServerProcess.start(ServerConfig(kind="kv", socket=self.kv_socket, kv_layout=layout))
+            self.kv_server = ServerProcess.start(
+                ServerConfig(kind="kv", socket=self.kv_socket, kv_layout=layout)
+            )
 
     def stop_memory_servers(self) -> None:
         """SIGTERM both memory servers (they remove their sockets and release their regions)."""
@@ -273,7 +279,9 @@ class SlotSupervisor:
                 return  # the shadow fenced it during a handover
             if self.second_failure():
                 return
-            self.flag.raise_("main exited", pid=child.pid, exit_code=child.exit_code, exit_time=child.exit_time)
+            self.flag.raise_(
+                "main exited", pid=child.pid, exit_code=child.exit_code, exit_time=child.exit_time
+            )
             self.log.emit("handover.flag", pid=child.pid)
 
     def second_failure(self) -> bool:

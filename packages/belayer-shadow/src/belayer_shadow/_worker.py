@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from collections.abc import Awaitable, Callable
@@ -14,8 +15,8 @@ from typing import Any
 import anyio
 import attrs
 import torch
-from belayer_router import RouterClient, RouterClientError, serving
 
+from belayer_router import RouterClient, RouterClientError, serving
 from belayer_shadow._config import ModelConfig
 from belayer_shadow._engine import LLMEngine
 from belayer_shadow._errors import WorkerError
@@ -52,7 +53,9 @@ class WorkerConfig:
     epoch: int | None = None
     event_log: Path | None = attrs.field(default=None, converter=_optional_path)
     state_file: Path | None = attrs.field(default=None, converter=_optional_path)
-    resume_mode: ResumeMode = attrs.field(default="continue", validator=attrs.validators.in_(("continue", "regenerate")))
+    resume_mode: ResumeMode = attrs.field(
+        default="continue", validator=attrs.validators.in_(("continue", "regenerate"))
+    )
     max_num_seqs: int = attrs.field(default=64, validator=attrs.validators.ge(1))
     max_num_batched_tokens: int = attrs.field(default=8192, validator=attrs.validators.ge(1))
     idle_tick_s: float = attrs.field(default=0.05, validator=attrs.validators.gt(0))
@@ -114,7 +117,9 @@ async def _until_signal(scope: anyio.CancelScope) -> None:
 Prepare = Callable[[RouterClient, str], Awaitable[bool]]
 
 
-async def serve_service(service: EngineService, config: WorkerConfig, *, prepare: Prepare | None = None) -> None:
+async def serve_service(
+    service: EngineService, config: WorkerConfig, *, prepare: Prepare | None = None
+) -> None:
     """Serve `service` over HTTP, run its loop, register with the router; until SIGTERM/SIGINT.
 
     The shadow worker passes `prepare` (stand by, then take over): its HTTP server is already up
@@ -141,11 +146,9 @@ async def serve_service(service: EngineService, config: WorkerConfig, *, prepare
         try:
             await anyio.sleep_forever()
         finally:
-            with anyio.move_on_after(2, shield=True):
-                try:
-                    await router.unregister(config.slot, epoch)
-                except (RouterClientError, OSError):
-                    pass  # a newer epoch took the slot over, or the router is gone: nothing to undo
+            # A newer epoch may own the slot, or the router may be gone: nothing to undo then.
+            with anyio.move_on_after(2, shield=True), contextlib.suppress(RouterClientError, OSError):
+                await router.unregister(config.slot, epoch)
             log.emit("stopped")
 
 
@@ -159,7 +162,11 @@ def run_worker(config: WorkerConfig) -> None:
             for _ in range(NUM_WARMUPS):  # the first runs of each shape are slow; pay for them now
                 engine.warmup()
         service = EngineService(
-            engine, Heartbeat(config.heartbeat), log, resume_mode=config.resume_mode, idle_tick_s=config.idle_tick_s
+            engine,
+            Heartbeat(config.heartbeat),
+            log,
+            resume_mode=config.resume_mode,
+            idle_tick_s=config.idle_tick_s,
         )
         anyio.run(serve_service, service, config)
     finally:

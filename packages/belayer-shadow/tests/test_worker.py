@@ -1,0 +1,204 @@
+"""The worker protocol against a real router, heartbeat, handover flag and event log."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+from handover_helpers import router
+
+from belayer_router import GenerateRequest, RouterClient, worker_request_body
+from belayer_shadow import LLMEngine, ModelConfig, SamplingParams, allocate_kv_arena, init_weights
+from belayer_shadow._events import EventLog, read_events, read_state, write_state
+from belayer_shadow._heartbeat import HandoverFlag, Heartbeat
+from belayer_shadow._service import EngineService
+from belayer_shadow._shadow import check_device_health
+from belayer_shadow._worker import register_worker
+
+PROMPT = [5, 17, 99, 3, 250, 8]
+MAX_TOKENS = 24
+
+
+def _engine() -> LLMEngine:
+    config = ModelConfig.default()
+    return LLMEngine(config, init_weights(config, 0), allocate_kv_arena(config, 64, 16))
+
+
+def _greedy(prompt: list[int], max_tokens: int) -> list[int]:
+    engine = _engine()
+    engine.add_request("ref", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        tokens += [out.token_id for out in engine.step()]
+    return tokens
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def served(tmp_path: Path) -> AsyncIterator[tuple[str, str, EngineService]]:
+    """(router URL, worker URL, service): one in-process worker registered for slot `w` at epoch 1."""
+    from belayer_router import serving
+
+    service = EngineService(
+        _engine(), Heartbeat(tmp_path / "hb"), EventLog(tmp_path / "events.jsonl", "test")
+    )
+    async with (
+        router() as (router_url, _app),
+        serving(service, log_level="critical") as url,
+        anyio.create_task_group() as group,
+    ):
+        group.start_soon(service.run_loop)
+        async with RouterClient(router_url, "test-admin-token") as admin:
+            assert await register_worker(admin, "w", url, service) == 1
+        yield router_url, url, service
+        group.cancel_scope.cancel()
+
+
+def _body(generated: list[int], epoch: int = 1, request_id: str = "r1") -> dict[str, object]:
+    request = GenerateRequest(prompt_token_ids=tuple(PROMPT), max_tokens=MAX_TOKENS, temperature=0.0)
+    return worker_request_body(request, request_id, 7, generated, epoch)
+
+
+async def _post_lines(url: str, body: dict[str, object]) -> list[dict[str, object]]:
+    async with httpx.AsyncClient() as client:
+        response = await client.post(f"{url}/generate", json=body)
+    assert response.status_code == 200, response.text
+    return [json.loads(line) for line in response.text.splitlines()]
+
+
+@pytest.mark.anyio
+async def test_router_generation_equals_engine_and_events_carry_epoch(
+    served: tuple[str, str, EngineService],
+) -> None:
+    router_url, url, service = served
+    reference = _greedy(PROMPT, MAX_TOKENS)
+    async with RouterClient(router_url) as client:
+        completion = await client.generate(PROMPT, MAX_TOKENS, temperature=0.0)
+    assert completion.token_ids == reference
+    events = await _post_lines(url, _body([]))
+    assert all(e["epoch"] == 1 for e in events)
+    assert [e["index"] for e in events[:-1]] == list(range(MAX_TOKENS))
+    assert events[-1] == {"type": "finish", "epoch": 1, "finish_reason": "length"}
+    age = service.heartbeat.age_s()
+    assert age is not None
+    assert age < 5
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", ["continue", "regenerate"])
+async def test_resume_continues_exactly(served: tuple[str, str, EngineService], mode: str) -> None:
+    _router_url, url, service = served
+    service.resume_mode = mode  # type: ignore[assignment]
+    reference = _greedy(PROMPT, MAX_TOKENS)
+    events = await _post_lines(url, _body(reference[:5]))
+    tokens = [e for e in events if e["type"] == "token"]
+    assert [e["index"] for e in tokens] == list(range(5, MAX_TOKENS))
+    assert [e["token_id"] for e in tokens] == reference[5:]
+    assert service.num_tokens_regenerated == (5 if mode == "regenerate" else 0)
+
+
+@pytest.mark.anyio
+async def test_bad_requests_get_clear_errors(served: tuple[str, str, EngineService]) -> None:
+    _router_url, url, _service = served
+    async with httpx.AsyncClient() as client:
+        stale = await client.post(f"{url}/generate", json=_body([], epoch=3))
+        assert stale.status_code == 409
+        assert "epoch 1" in stale.json()["error"]
+        missing = await client.post(f"{url}/generate", json={"epoch": 1})
+        assert missing.status_code == 400
+        assert "request_id" in missing.json()["error"]
+        garbage = await client.post(f"{url}/generate", content=b"{not json")
+        assert garbage.status_code == 400
+        assert (await client.get(f"{url}/nope")).status_code == 404
+        health = (await client.get(f"{url}/health")).json()
+        assert health["status"] == "ok"
+        assert health["epoch"] == 1
+    lines = await _post_lines(url, {**_body([]), "prompt_token_ids": [100_000]})
+    assert lines == [{"type": "error", "epoch": 1, "message": lines[0]["message"]}]
+    assert "vocabulary" in str(lines[0]["message"]) or "token ids" in str(lines[0]["message"])
+
+
+@pytest.mark.anyio
+async def test_client_disconnect_aborts_the_request(served: tuple[str, str, EngineService]) -> None:
+    _router_url, url, service = served
+    body = {**_body([], request_id="gone"), "max_tokens": 2000}
+    async with httpx.AsyncClient() as client, client.stream("POST", f"{url}/generate", json=body) as response:
+        async for _line in response.aiter_lines():
+            break
+    with anyio.fail_after(30):
+        while service.engine.has_unfinished():  # noqa: ASYNC110
+            await anyio.sleep(0.01)
+    assert service.num_tokens < 2000
+
+
+def test_heartbeat_records_writer_and_age(tmp_path: Path) -> None:
+    heartbeat = Heartbeat(tmp_path / "hb")
+    assert heartbeat.age_s() is None
+    assert heartbeat.writer_pid() is None
+    heartbeat.touch()
+    assert heartbeat.writer_pid() == os.getpid()
+    age = heartbeat.age_s()
+    assert age is not None
+    assert age < 5
+    past = time.time() - 100
+    os.utime(heartbeat.path, (past, past))
+    stale = heartbeat.age_s()
+    assert stale is not None
+    assert stale > 50
+    heartbeat.touch()
+    fresh = heartbeat.age_s()
+    assert fresh is not None
+    assert fresh < 5
+
+
+def test_handover_flag_and_state_files(tmp_path: Path) -> None:
+    flag = HandoverFlag(tmp_path / "flag")
+    assert not flag.is_raised()
+    assert flag.read() is None
+    flag.raise_("main exited", exit_code=-9)
+    assert flag.is_raised()
+    assert flag.read() == {
+        "reason": "main exited",
+        "exit_code": -9,
+        "time": pytest.approx(time.time(), abs=60),
+    }
+    flag.clear()
+    assert not flag.is_raised()
+    assert read_state(tmp_path / "state") is None
+    write_state(tmp_path / "state", "serving", url="http://x", epoch=2)
+    state = read_state(tmp_path / "state")
+    assert state is not None
+    assert state["state"] == "serving"
+    assert state["epoch"] == 2
+
+
+def test_event_log_times_steps_and_skips_torn_lines(tmp_path: Path) -> None:
+    log = EventLog(tmp_path / "events.jsonl", "unit")
+    with log.step("fast"):
+        pass
+    with pytest.raises(RuntimeError), log.step("broken"):
+        raise RuntimeError("boom")
+    with (tmp_path / "events.jsonl").open("a") as handle:
+        handle.write('{"torn": ')
+    events = read_events(tmp_path / "events.jsonl")
+    assert [e["event"] for e in events] == ["fast", "broken"]
+    assert events[1]["error"] == "RuntimeError: boom"
+    assert all(e["source"] == "unit" and e["duration_s"] >= 0 for e in events)
+    assert 'step="broken"' in log.render_metrics()
+    assert read_events(tmp_path / "missing.jsonl") == []
+
+
+def test_host_health_check_passes() -> None:
+    import torch
+
+    assert check_device_health(torch.device("cpu")) == "host tensor ops correct"
