@@ -1,9 +1,15 @@
-"""Shared test configuration: `gpu`-marked tests skip where CUDA is missing."""
+"""Shared test configuration: one torch thread; `gpu`-marked tests skip where CUDA is missing."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The machines running this suite have two shared cores: more torch threads than that only
+    # spin against each other (the engine's ops are tiny), slowing the suite down many times.
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

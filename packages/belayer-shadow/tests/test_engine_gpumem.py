@@ -89,6 +89,11 @@ def test_engine_on_memory_servers_matches_the_plain_dict_engine(servers: tuple[P
         assert all(lo <= t.data_ptr() < hi for t in engine.weight_client.tensors().values())
         assert engine.model.embed.data_ptr() >= lo
         assert engine.model.embed.data_ptr() < hi
+        # The server's layout packs q/k/v and gate/up back to back: stacked views, still zero copy.
+        layer = engine.model.layers[0]
+        assert layer.qkv_proj is not None
+        assert layer.gate_up_proj is not None
+        assert layer.qkv_proj.data_ptr() == layer.q_proj.data_ptr()
         k_cache = engine.runner.kv_caches[0][0]
         assert k_cache.data_ptr() == engine.kv_client.region.data_ptr()
 

@@ -18,10 +18,17 @@ if TYPE_CHECKING:
         BelayerShadowError,
         ConfigError,
         EngineError,
+        HandoverError,
         InvalidSamplingParamsError,
         RequestError,
+        SupervisorError,
         WeightsError,
+        WorkerError,
     )
+
+    # Workers, shadow worker and handover (worker half): _events, _heartbeat, _service, _shadow, _slot, _worker.
+    from belayer_shadow._events import EventLog, read_events
+    from belayer_shadow._heartbeat import HandoverFlag, Heartbeat
     from belayer_shadow._loader import (
         fill_weight_server,
         init_weights,
@@ -30,6 +37,10 @@ if TYPE_CHECKING:
         save_safetensors,
     )
     from belayer_shadow._sequence import SamplingParams, StepOutput
+    from belayer_shadow._service import EngineService
+    from belayer_shadow._shadow import ShadowConfig, check_device_health, run_shadow
+    from belayer_shadow._slot import SlotConfig, SlotSupervisor
+    from belayer_shadow._worker import WorkerConfig, run_worker
 
 # name -> module; lazy so that `import belayer_shadow` stays cheap (no torch) for the CLI's parser.
 _EXPORTS = {
@@ -53,25 +64,55 @@ _EXPORTS = {
     "save_safetensors": "belayer_shadow._loader",
     "weight_layout": "belayer_shadow._config",
     # Workers, shadow worker and handover (worker half).
+    "EngineService": "belayer_shadow._service",
+    "EventLog": "belayer_shadow._events",
+    "HandoverError": "belayer_shadow._errors",
+    "HandoverFlag": "belayer_shadow._heartbeat",
+    "Heartbeat": "belayer_shadow._heartbeat",
+    "ShadowConfig": "belayer_shadow._shadow",
+    "SlotConfig": "belayer_shadow._slot",
+    "SlotSupervisor": "belayer_shadow._slot",
+    "SupervisorError": "belayer_shadow._errors",
+    "WorkerConfig": "belayer_shadow._worker",
+    "WorkerError": "belayer_shadow._errors",
+    "check_device_health": "belayer_shadow._shadow",
+    "read_events": "belayer_shadow._events",
+    "run_shadow": "belayer_shadow._shadow",
+    "run_worker": "belayer_shadow._worker",
 }
 
 __all__ = [
     "BelayerShadowError",
     "ConfigError",
     "EngineError",
+    "EngineService",
+    "EventLog",
+    "HandoverError",
+    "HandoverFlag",
+    "Heartbeat",
     "InvalidSamplingParamsError",
     "LLMEngine",
     "ModelConfig",
     "RequestError",
     "SamplingParams",
+    "ShadowConfig",
+    "SlotConfig",
+    "SlotSupervisor",
     "StepOutput",
+    "SupervisorError",
     "WeightsError",
+    "WorkerConfig",
+    "WorkerError",
     "allocate_kv_arena",
+    "check_device_health",
     "fill_weight_server",
     "init_weights",
     "kv_layout",
     "load_safetensors",
     "load_tokenizer",
+    "read_events",
+    "run_shadow",
+    "run_worker",
     "save_safetensors",
     "weight_layout",
 ]

@@ -134,6 +134,9 @@ class ModelConfig:
         """A `transformers.Qwen3Config` with the same shape (sliding window off, no attention bias)."""
         from transformers import Qwen3Config
 
+        # Passed as a dict: transformers 5 renamed these two (rope_parameters, dtype) but still
+        # accepts the names that 4.51 knows.
+        legacy: dict[str, Any] = {"rope_theta": self.rope_theta, "torch_dtype": self.dtype}
         return Qwen3Config(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
@@ -143,13 +146,12 @@ class ModelConfig:
             num_key_value_heads=self.num_key_value_heads,
             head_dim=self.head_dim,
             rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta,
             max_position_embeddings=self.max_position_embeddings,
             tie_word_embeddings=self.tie_word_embeddings,
             attention_bias=False,
             use_sliding_window=False,
             hidden_act="silu",
-            torch_dtype=self.dtype,
+            **legacy,
         )
 
 

@@ -11,15 +11,17 @@ __all__ = ["AttentionMetadata", "RotaryEmbedding", "paged_attention", "rms_norm"
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension, computed in float32 (as transformers' Qwen3RMSNorm)."""
-    dtype = x.dtype
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # one fused op
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
+    return weight * h.to(x.dtype)
 
 
-def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """The SwiGLU MLP: down(silu(gate(x)) * up(x))."""
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU MLP: down(silu(gate(x)) * up(x)), with gate and up stacked in `gate_up`."""
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)
 
 
 class RotaryEmbedding:
@@ -31,15 +33,25 @@ class RotaryEmbedding:
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
+        # rotate_half(x) * sin == roll(x, half) * signed_sin, with the first half's sign flipped.
+        sin = emb.sin()
+        self.signed_sin = torch.cat((-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]), dim=-1).to(dtype)
         self.half = head_dim // 2
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate `x` (tokens, heads, head_dim) by each token's position."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        rotated = torch.cat((-x[..., self.half :], x[..., : self.half]), dim=-1)
-        return x * cos + rotated * sin
+    def to(self, device: torch.device) -> RotaryEmbedding:
+        """Move the tables to `device`."""
+        self.cos = self.cos.to(device)
+        self.signed_sin = self.signed_sin.to(device)
+        return self
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed_sin) rows of `positions`, shaped to broadcast over heads; once per forward."""
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
+
+    def apply(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rotate `x` (tokens, heads, head_dim) by its tokens' positions."""
+        cos, signed_sin = tables
+        return torch.addcmul(x * cos, torch.roll(x, self.half, dims=-1), signed_sin)
 
 
 @attrs.frozen
@@ -48,14 +60,15 @@ class AttentionMetadata:
 
     `slot_mapping[t]` is token t's flat cache slot (block * block_size + offset). A prefill
     computes whole sequences of `seq_lens` tokens, laid out back to back. A decode computes one
-    token per sequence over `context_lens` cached positions named by padded `block_tables`.
+    token per sequence over the cached positions named by padded `block_tables` (B, max_blocks);
+    `decode_mask` (B, 1, 1, max_blocks * block_size) is 0 at each sequence's real positions, -inf after.
     """
 
     is_prefill: bool
     slot_mapping: torch.Tensor
     seq_lens: tuple[int, ...] = ()
     block_tables: torch.Tensor | None = None
-    context_lens: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
 
 
 def paged_attention(
@@ -77,8 +90,8 @@ def paged_attention(
     if meta.is_prefill:
         return _prefill_attention(q, k, v, meta.seq_lens)
     assert meta.block_tables is not None
-    assert meta.context_lens is not None
-    return _decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens)
+    assert meta.decode_mask is not None
+    return _decode_attention(q, k_cache, v_cache, meta.block_tables, meta.decode_mask)
 
 
 def _prefill_attention(
@@ -103,17 +116,14 @@ def _decode_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
+    mask: torch.Tensor,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    groups = num_heads // num_kv_heads
     # Gather each sequence's blocks: (B, max_blocks, block_size, KV, D) -> (B, KV, L, D).
-    keys = k_cache[block_tables].flatten(1, 2).permute(0, 2, 1, 3)
-    values = v_cache[block_tables].flatten(1, 2).permute(0, 2, 1, 3)
+    keys = k_cache[block_tables].flatten(1, 2).transpose(1, 2)
+    values = v_cache[block_tables].flatten(1, 2).transpose(1, 2)
     # The query heads sharing a KV head become that head's query rows: no K/V replication.
-    queries = q.view(num_seqs, num_kv_heads, groups, head_dim)
-    length = keys.shape[2]
-    mask = torch.arange(length, device=context_lens.device).unsqueeze(0) < context_lens.unsqueeze(1)
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None, None, :])
+    queries = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
     return out.reshape(num_seqs, num_heads * head_dim)

@@ -24,6 +24,7 @@ class ModelRunner:
         self.block_size = int(arena.shape[3])
         self.kv_caches = [(arena[i, 0], arena[i, 1]) for i in range(arena.shape[0])]
         self.device = model.device
+        self.dtype = arena.dtype
 
     def run(self, batch: SchedulerBatch) -> tuple[list[int], list[float]]:
         """The next token and its logprob for every sequence of `batch`."""
@@ -71,11 +72,18 @@ class ModelRunner:
         width = max(len(t) for t in batch.block_tables)
         # Padding points at block 0; the context-length mask keeps it out of the attention.
         tables = [list(t) + [0] * (width - len(t)) for t in batch.block_tables]
+        block_tables = torch.tensor(tables, dtype=torch.int64, device=self.device)
+        cached = torch.arange(width * bs, device=self.device).unsqueeze(0)
+        beyond = cached > self._tensor(positions).unsqueeze(1)
+        # An additive float mask: CPU SDPA is several times faster with it than with a bool mask.
+        mask = torch.zeros(beyond.shape, dtype=self.dtype, device=self.device).masked_fill_(
+            beyond, float("-inf")
+        )
         meta = AttentionMetadata(
             is_prefill=False,
             slot_mapping=self._tensor(slots),
-            block_tables=torch.tensor(tables, dtype=torch.int64, device=self.device),
-            context_lens=self._tensor([p + 1 for p in positions]),
+            block_tables=block_tables,
+            decode_mask=mask[:, None, None, :],
         )
         input_ids = self._tensor([s.last_token_id for s in batch.seqs])
         return (
