@@ -91,4 +91,6 @@ def test_shape_errors_name_the_tensors() -> None:
     with pytest.raises(BelayerGrpoError, match="mask"):
         grpo_loss(torch.zeros((2, 3)), torch.zeros((2, 3)), torch.zeros(2), torch.ones((2, 2)))
     with pytest.raises(BelayerGrpoError, match="aggregation"):
-        grpo_loss(torch.zeros((1, 1)), torch.zeros((1, 1)), torch.zeros(1), torch.ones((1, 1)), aggregation="x")
+        grpo_loss(
+            torch.zeros((1, 1)), torch.zeros((1, 1)), torch.zeros(1), torch.ones((1, 1)), aggregation="x"
+        )

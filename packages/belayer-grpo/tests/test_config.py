@@ -84,12 +84,18 @@ def test_bad_files(tmp_path: Path) -> None:
 
 def test_cli_reports_config_errors_with_exit_status_2() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "belayer_grpo", "train", "algorithm.steps=0"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "belayer_grpo", "train", "algorithm.steps=0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 2
     assert "'algorithm.steps'" in done.stderr
     shown = subprocess.run(
-        [sys.executable, "-m", "belayer_grpo", "config", "rollout.batch_size=3"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "belayer_grpo", "config", "rollout.batch_size=3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert shown.returncode == 0
     assert '"batch_size": 3' in shown.stdout

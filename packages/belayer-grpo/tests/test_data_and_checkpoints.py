@@ -29,7 +29,8 @@ def test_arithmetic_problems_are_complete_and_correct() -> None:
     assert len(problems) == 200
     assert len({p.problem_id for p in problems}) == 200
     by_id = {p.problem_id: p for p in problems}
-    assert by_id["7+8"].prompt == "7+8=" and by_id["7+8"].answer == "15"
+    assert by_id["7+8"].prompt == "7+8="
+    assert by_id["7+8"].answer == "15"
     assert by_id["6*7"].answer == "42"
     assert generate_arithmetic(["+"], 0, 9, seed=3) == generate_arithmetic(["+"], 0, 9, seed=3)
 
@@ -98,7 +99,11 @@ def _samples() -> list[Sample]:
         for answer in answers:
             ids = [*tok.encode(answer), tok.eos_token_id]
             reward = 1.0 if answer in ("2", "4") else 0.0
-            out.append(Sample(group, tok.encode_prompt(prompt), ids, [0.0] * len(ids), [1] * len(ids), reward, "stop"))
+            out.append(
+                Sample(
+                    group, tok.encode_prompt(prompt), ids, [0.0] * len(ids), [1] * len(ids), reward, "stop"
+                )
+            )
     return out
 
 
@@ -112,8 +117,10 @@ def test_update_raises_the_likelihood_of_rewarded_samples_and_checkpoints_resume
     after = trainer._logprobs(trainer.model, samples)[0].sum(dim=1)
     assert result.num_tokens == 8
     assert result.num_zero_signal_groups == 0
-    assert bool(after[0] > before[0]) and bool(after[2] > before[2])  # rewarded
-    assert bool(after[1] < before[1]) and bool(after[3] < before[3])  # not rewarded
+    assert bool(after[0] > before[0])
+    assert bool(after[2] > before[2])
+    assert bool(after[1] < before[1])
+    assert bool(after[3] < before[3])
     # Checkpoint, then resume into a fresh trainer: the same next update.
     path = save_checkpoint(tmp_path, 1, {**trainer.state_dict(), "sampler": {}})
     assert find_latest(tmp_path) == path
@@ -121,7 +128,9 @@ def test_update_raises_the_likelihood_of_rewarded_samples_and_checkpoints_resume
     resumed.load_state_dict(load_checkpoint(path))
     trainer.update(samples)
     resumed.update(samples)
-    for (name, a), b in zip(trainer.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
+    for (name, a), b in zip(
+        trainer.model.state_dict().items(), resumed.model.state_dict().values(), strict=True
+    ):
         assert torch.allclose(a, b, atol=1e-6), name
     (tmp_path / "step_000009.pt").write_bytes(b"torn")
     with pytest.raises(CheckpointError, match="cannot read"):

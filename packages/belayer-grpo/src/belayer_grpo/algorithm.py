@@ -97,7 +97,9 @@ def grpo_loss(
             f"{tuple(mask.shape)} must all be (B, T)"
         )
     if advantages.shape != logprobs.shape[:1]:
-        raise BelayerGrpoError(f"advantages must be (B,) = {tuple(logprobs.shape[:1])}, got {tuple(advantages.shape)}")
+        raise BelayerGrpoError(
+            f"advantages must be (B,) = {tuple(logprobs.shape[:1])}, got {tuple(advantages.shape)}"
+        )
     if beta > 0 and ref_logprobs is None:
         raise BelayerGrpoError("beta > 0 needs ref_logprobs (the reference model's logprobs)")
     high = epsilon if epsilon_high is None else epsilon_high

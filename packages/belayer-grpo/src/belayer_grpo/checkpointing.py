@@ -55,5 +55,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     except Exception as error:  # torch raises many kinds on a torn or foreign file
         raise CheckpointError(f"cannot read checkpoint {path}: {error}") from error
     if not isinstance(state, dict) or not {"step", "model", "optimizer", "sampler"} <= set(state):
-        raise CheckpointError(f"{path} is not a belayer-grpo checkpoint (needs step, model, optimizer, sampler)")
+        raise CheckpointError(
+            f"{path} is not a belayer-grpo checkpoint (needs step, model, optimizer, sampler)"
+        )
     return state

@@ -29,7 +29,10 @@ EXIT_INTERRUPTED = 130
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="belayer-grpo", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    for name, text in (("train", "run GRPO training"), ("config", "print the effective configuration as JSON")):
+    for name, text in (
+        ("train", "run GRPO training"),
+        ("config", "print the effective configuration as JSON"),
+    ):
         command = commands.add_parser(name, help=text)
         command.add_argument("--config", help="a TOML or YAML file with sections (default: the embedded one)")
         command.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. algorithm.steps=10")
@@ -48,7 +51,11 @@ async def _train_until_signalled(config: Config) -> tuple[dict[str, Any] | None,
             with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for signum in signals:
                     interrupted = True
-                    print(f"\nbelayer-grpo: {signal.Signals(signum).name}: shutting down", file=sys.stderr, flush=True)
+                    print(
+                        f"\nbelayer-grpo: {signal.Signals(signum).name}: shutting down",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     group.cancel_scope.cancel()
                     return
 
@@ -75,8 +82,8 @@ class _QuietLifespanCancel(logging.Filter):
     """uvicorn logs the in-process router's lifespan task being cancelled at shutdown as an error."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        cancelled = record.exc_info is not None and record.exc_info[0] is not None
-        cancelled = cancelled and record.exc_info[0].__name__ == "CancelledError"  # type: ignore[index]
+        kind = record.exc_info[0] if record.exc_info else None
+        cancelled = kind is not None and kind.__name__ == "CancelledError"
         return not (cancelled and "lifespan" in record.getMessage())
 
 

@@ -37,6 +37,8 @@ __all__ = [
 
 _positive = v.gt(0)
 _non_negative = v.ge(0)
+_positive_float = v.gt(0.0)
+_non_negative_float = v.ge(0.0)
 _probability = [v.ge(0.0), v.le(1.0)]
 
 
@@ -51,11 +53,11 @@ class ModelConfigSection:
     num_attention_heads: int = attrs.field(default=4, validator=_positive)
     num_key_value_heads: int = attrs.field(default=2, validator=_positive)
     head_dim: int = attrs.field(default=16, validator=_positive)
-    rope_theta: float = attrs.field(default=10000.0, validator=_positive)
+    rope_theta: float = attrs.field(default=10000.0, validator=_positive_float)
     seed: int = 0
-    warmup_steps: int = attrs.field(default=120, validator=_non_negative)
-    warmup_fraction: float = attrs.field(default=0.5, validator=[v.gt(0.0), v.le(1.0)])
-    warmup_learning_rate: float = attrs.field(default=3e-3, validator=_positive)
+    warmup_steps: int = attrs.field(default=30, validator=_non_negative)
+    warmup_fraction: float = attrs.field(default=1.0, validator=[v.gt(0.0), v.le(1.0)])
+    warmup_learning_rate: float = attrs.field(default=3e-3, validator=_positive_float)
     warmup_batch_size: int = attrs.field(default=32, validator=_positive)
 
 
@@ -83,7 +85,7 @@ class DataConfig:
 class RolloutConfig:
     """How many samples each step draws and how."""
 
-    batch_size: int = attrs.field(default=8, validator=_positive)
+    batch_size: int = attrs.field(default=16, validator=_positive)
     samples_per_prompt: int = attrs.field(default=8, validator=v.ge(2))
     max_tokens: int = attrs.field(default=4, validator=_positive)
     temperature: float = attrs.field(default=1.0, validator=v.gt(0.0))
@@ -96,20 +98,20 @@ class RolloutConfig:
 class AlgorithmConfig:
     """GRPO and the optimizer."""
 
-    steps: int = attrs.field(default=30, validator=_positive)
-    learning_rate: float = attrs.field(default=2e-3, validator=_positive)
-    weight_decay: float = attrs.field(default=0.0, validator=_non_negative)
+    steps: int = attrs.field(default=40, validator=_positive)
+    learning_rate: float = attrs.field(default=7e-4, validator=_positive_float)
+    weight_decay: float = attrs.field(default=0.0, validator=_non_negative_float)
     adam_beta1: float = attrs.field(default=0.9, validator=[v.ge(0.0), v.lt(1.0)])
     adam_beta2: float = attrs.field(default=0.99, validator=[v.ge(0.0), v.lt(1.0)])
-    max_grad_norm: float = attrs.field(default=1.0, validator=_positive)
+    max_grad_norm: float = attrs.field(default=1.0, validator=_positive_float)
     epsilon: float = attrs.field(default=0.2, validator=[v.gt(0.0), v.lt(1.0)])
-    epsilon_high: float = attrs.field(default=0.2, validator=v.gt(0.0))
-    beta: float = attrs.field(default=0.0, validator=_non_negative)
+    epsilon_high: float = attrs.field(default=0.28, validator=v.gt(0.0))
+    beta: float = attrs.field(default=0.0, validator=_non_negative_float)
     loss_aggregation: str = attrs.field(
         default="token_mean", validator=v.in_(("token_mean", "sequence_mean", "sequence_sum_norm"))
     )
     normalize_std: bool = True
-    num_minibatches: int = attrs.field(default=1, validator=_positive)
+    num_minibatches: int = attrs.field(default=4, validator=_positive)
     recompute_logprobs: bool = True
 
 
@@ -122,7 +124,7 @@ class SystemConfig:
     recovery: str = attrs.field(default="shadow", validator=v.in_(("shadow", "conventional")))
     kv_num_blocks: int = attrs.field(default=256, validator=_positive)
     kv_block_size: int = attrs.field(default=16, validator=_positive)
-    start_timeout_s: float = attrs.field(default=120.0, validator=_positive)
+    start_timeout_s: float = attrs.field(default=120.0, validator=_positive_float)
     checkpoint_every: int = attrs.field(default=10, validator=_non_negative)
     resume: str = ""
 
@@ -131,11 +133,11 @@ class SystemConfig:
 class ChaosConfig:
     """Injected failures: worker kills and sandbox kills."""
 
-    kill_worker_at_steps: tuple[int, ...] = attrs.field(
-        default=(), validator=v.deep_iterable(_non_negative)
+    kill_worker_at_steps: tuple[int, ...] = attrs.field(default=(), validator=v.deep_iterable(_non_negative))
+    kill_worker_at_s: tuple[float, ...] = attrs.field(
+        default=(), validator=v.deep_iterable(_non_negative_float)
     )
-    kill_worker_at_s: tuple[float, ...] = attrs.field(default=(), validator=v.deep_iterable(_non_negative))
-    kill_worker_rate_per_min: float = attrs.field(default=0.0, validator=_non_negative)
+    kill_worker_rate_per_min: float = attrs.field(default=0.0, validator=_non_negative_float)
     sandbox_kill_p: float = attrs.field(default=0.0, validator=_probability)
     seed: int = 0
 
@@ -266,7 +268,7 @@ def _build(cls: type[_T], data: Any, prefix: str) -> _T:
     if not isinstance(data, Mapping):
         raise ConfigError(prefix.rstrip("."), f"must be a table, got {data!r}")
     hints = typing.get_type_hints(cls)
-    fields = {field.name for field in attrs.fields(cls)}  # type: ignore[misc]
+    fields = {field.name for field in attrs.fields(cls)}  # type: ignore[arg-type,misc]
     unknown = sorted(set(data) - fields)
     if unknown:
         raise ConfigError(f"{prefix}{unknown[0]}", f"unknown key (known: {', '.join(sorted(fields))})")

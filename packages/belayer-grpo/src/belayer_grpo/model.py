@@ -19,8 +19,9 @@ from belayer_grpo.data import CharTokenizer, HuggingFacePolicyTokenizer, PolicyT
 from belayer_grpo.errors import ConfigError
 
 if TYPE_CHECKING:
-    from belayer_shadow import ModelConfig
     from transformers import Qwen3ForCausalLM
+
+    from belayer_shadow import ModelConfig
 
 __all__ = [
     "PackedBatch",
@@ -68,14 +69,15 @@ def engine_model_config(section: ModelConfigSection, tokenizer: PolicyTokenizer)
 
 def build_policy(model_config: ModelConfig, *, seed: int, path: str = "") -> Qwen3ForCausalLM:
     """A float32 `Qwen3ForCausalLM`: from ``path`` (local files only) or belayer-shadow's seeded init."""
-    from belayer_shadow import init_weights
     from transformers import Qwen3ForCausalLM
+
+    from belayer_shadow import init_weights
 
     if path:
         model = Qwen3ForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     else:
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(model_config.to_hf()).float()
+        model = Qwen3ForCausalLM(model_config.to_hf())  # float32: torch's default dtype
         weights = init_weights(model_config, seed)
         if model_config.tie_word_embeddings:
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
@@ -95,13 +97,17 @@ def policy_weights(model: torch.nn.Module, names: Sequence[str] | None = None) -
 class PackedBatch:
     """Prompt + completion sequences, right-padded into one (B, L) tensor for a forward pass."""
 
-    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lengths: list[int]) -> None:
+    def __init__(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lengths: list[int]
+    ) -> None:
         self.input_ids = input_ids
         self.attention_mask = attention_mask
         self.prompt_lengths = prompt_lengths
 
 
-def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int = 0) -> PackedBatch:
+def pack(
+    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int = 0
+) -> PackedBatch:
     """Concatenate each prompt with its completion and right-pad to the longest."""
     sequences = [list(p) + list(c) for p, c in zip(prompts, completions, strict=True)]
     length = max(len(s) for s in sequences)
@@ -161,7 +167,7 @@ def supervised_warmup(
         logprobs, mask = completion_logprobs(model, batch, [len(a) for a in answers])
         loss = -(logprobs * mask).sum() / mask.sum()
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         losses.append(float(loss.detach()))
     model.eval()

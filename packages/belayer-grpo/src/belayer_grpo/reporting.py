@@ -127,8 +127,14 @@ class Reporter:
         lines.append(f"{'worker failures':>22}: {len(failures)}")
         for failure in failures:
             recovery = failure.get("recovery_s")
-            done = "not recovered" if recovery is None else f"recovered by {failure['recovery']} in {recovery:.2f}s"
-            lines.append(f"{'':>22}  {failure['slot']} killed at step {failure['step']} ({failure['trigger']}): {done}")
+            done = (
+                "not recovered"
+                if recovery is None
+                else f"recovered by {failure['recovery']} in {recovery:.2f}s"
+            )
+            lines.append(
+                f"{'':>22}  {failure['slot']} killed at step {failure['step']} ({failure['trigger']}): {done}"
+            )
         lines.append(f"{'resumed requests':>22}: {summary.get('num_resumed', 0)}")
         lines.append(f"{'run folder':>22}: {self.run_dir}")
         lines.append("=" * 72)

@@ -6,11 +6,11 @@ from collections.abc import Callable, Sequence
 
 import anyio
 import attrs
-from belayer_router import RouterClient
 
 from belayer_grpo.config import RolloutConfig
 from belayer_grpo.data import PolicyTokenizer, Problem, math_reward
 from belayer_grpo.errors import RolloutError
+from belayer_router import RouterClient
 
 __all__ = ["Sample", "run_math_rollouts"]
 
@@ -68,7 +68,9 @@ async def run_math_rollouts(
                     stop_token_ids=stop,
                 )
             except Exception as error:
-                raise RolloutError(f"generation for problem {problem.problem_id!r} failed: {error}") from error
+                raise RolloutError(
+                    f"generation for problem {problem.problem_id!r} failed: {error}"
+                ) from error
         text = tokenizer.decode(completion.token_ids)
         sample = Sample(
             group=index // n,

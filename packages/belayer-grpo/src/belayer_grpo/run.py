@@ -34,7 +34,11 @@ __all__ = ["RunState", "load_problems", "resolve_run_dir", "run_training"]
 
 def resolve_run_dir(config: Config) -> Path:
     """``system.run_dir``, or ``runs/<timestamp>`` under the current directory."""
-    path = Path(config.system.run_dir) if config.system.run_dir else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    path = (
+        Path(config.system.run_dir)
+        if config.system.run_dir
+        else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    )
     path.mkdir(parents=True, exist_ok=True)
     return path.resolve()
 
@@ -43,7 +47,9 @@ def load_problems(config: Config) -> list[Problem]:
     """The math problems of ``data.source``."""
     data = config.data
     if data.workload != "math":
-        raise ConfigError("data.workload", "`belayer-grpo train` runs the math workload; use workload = 'math'")
+        raise ConfigError(
+            "data.workload", "`belayer-grpo train` runs the math workload; use workload = 'math'"
+        )
     if data.source == "arithmetic":
         return generate_arithmetic(data.operations, data.min_operand, data.max_operand, seed=data.seed)
     return load_math_file(data.source)
@@ -81,7 +87,11 @@ def _prepare(config: Config, run_dir: Path, stream: TextIO) -> tuple[RunState, A
     sampler = PromptSampler(problems, seed=config.data.seed)
     state = None
     if config.system.resume:
-        path = find_latest(run_dir / "checkpoints") if config.system.resume == "latest" else Path(config.system.resume)
+        path = (
+            find_latest(run_dir / "checkpoints")
+            if config.system.resume == "latest"
+            else Path(config.system.resume)
+        )
         if path is None:
             raise ConfigError("system.resume", f"no checkpoint in {run_dir / 'checkpoints'} to resume from")
         state = load_checkpoint(path)
@@ -106,8 +116,9 @@ def _prepare(config: Config, run_dir: Path, stream: TextIO) -> tuple[RunState, A
 
 
 def _save_weights(model: torch.nn.Module, model_config: Any, path: Path) -> None:
-    from belayer_shadow import weight_layout
     from safetensors.torch import save_file
+
+    from belayer_shadow import weight_layout
 
     names = [spec.name for spec in weight_layout(model_config).tensors]
     state = model.state_dict()
@@ -126,7 +137,9 @@ async def _evaluate(run: RunState, router: Any) -> float:
     async def one(index: int) -> None:
         async with limiter:
             prompt = run.tokenizer.encode_prompt(problems[index].prompt)
-            done = await router.generate(prompt, run.config.rollout.max_tokens, temperature=0.0, stop_token_ids=eos)
+            done = await router.generate(
+                prompt, run.config.rollout.max_tokens, temperature=0.0, stop_token_ids=eos
+            )
         rewards[index] = math_reward(run.tokenizer.decode(done.token_ids), problems[index].answer)
 
     async with anyio.create_task_group() as group:
@@ -135,7 +148,9 @@ async def _evaluate(run: RunState, router: Any) -> float:
     return sum(rewards) / len(rewards)
 
 
-async def _step(run: RunState, step: int, system: RolloutSystem, router: Any, chaos: WorkerChaos, sync: WeightSync) -> dict[str, Any]:
+async def _step(
+    run: RunState, step: int, system: RolloutSystem, router: Any, chaos: WorkerChaos, sync: WeightSync
+) -> dict[str, Any]:
     config = run.config
     problems = run.sampler.next_batch(config.rollout.batch_size)
     total = len(problems) * config.rollout.samples_per_prompt
@@ -154,7 +169,9 @@ async def _step(run: RunState, step: int, system: RolloutSystem, router: Any, ch
                 kill_pending = False  # mid-rollout: the rest of the batch is in flight on that worker
                 group.start_soon(anyio.to_thread.run_sync, chaos.kill_now, "step")
 
-        samples = await run_math_rollouts(problems, router, run.tokenizer, config.rollout, seed=step, on_sample=on_sample)
+        samples = await run_math_rollouts(
+            problems, router, run.tokenizer, config.rollout, seed=step, on_sample=on_sample
+        )
     rollout_s = time.monotonic() - started
     run.reporter.advance("reward")
     rewards = [s.reward for s in samples]
@@ -184,7 +201,9 @@ async def _step(run: RunState, step: int, system: RolloutSystem, router: Any, ch
 
 
 def _checkpoint(run: RunState, step: int) -> Path:
-    return save_checkpoint(run.run_dir / "checkpoints", step, {**run.trainer.state_dict(), "sampler": run.sampler.state_dict()})
+    return save_checkpoint(
+        run.run_dir / "checkpoints", step, {**run.trainer.state_dict(), "sampler": run.sampler.state_dict()}
+    )
 
 
 def _new_failures(run: RunState, failures: Sequence[FailureRecord]) -> list[FailureRecord]:
@@ -210,12 +229,23 @@ async def run_training(config: Config, *, stream: TextIO, run_dir: Path | None =
     await anyio.to_thread.run_sync(_save_weights, run.trainer.model, model_config, weights_file)
     summary: dict[str, Any] = {"status": "interrupted", "run_dir": str(run_dir), "warmup_s": run.warmup_s}
     try:
-        run.reporter.message(f"belayer-grpo: starting the router and {config.system.num_slots} engine slot(s)")
-        async with RolloutSystem.start(config, run_dir, model_config, weights_file) as system, system.client() as router:
-            chaos = WorkerChaos(config.chaos, kill=lambda i: (system.slots[i].config.slot, system.slots[i].kill_main()), num_slots=len(system.slots))
+        run.reporter.message(
+            f"belayer-grpo: starting the router and {config.system.num_slots} engine slot(s)"
+        )
+        async with (
+            RolloutSystem.start(config, run_dir, model_config, weights_file) as system,
+            system.client() as router,
+        ):
+            chaos = WorkerChaos(
+                config.chaos,
+                kill=lambda i: (system.slots[i].config.slot, system.slots[i].kill_main()),
+                num_slots=len(system.slots),
+            )
             sync = WeightSync(system.weight_sockets)
             summary["eval_accuracy_before"] = await _evaluate(run, router)
-            run.reporter.message(f"belayer-grpo: greedy accuracy before GRPO {summary['eval_accuracy_before']:.1%}")
+            run.reporter.message(
+                f"belayer-grpo: greedy accuracy before GRPO {summary['eval_accuracy_before']:.1%}"
+            )
             async with anyio.create_task_group() as background:
                 background.start_soon(chaos.run_timed, time.time())
                 for step in range(run.start_step + 1, config.algorithm.steps + 1):
@@ -242,7 +272,6 @@ async def run_training(config: Config, *, stream: TextIO, run_dir: Path | None =
             "wall_s": time.monotonic() - wall_start, "num_samples": run.num_samples, "num_resumed": run.num_resumed,
             "tokens_per_s": run.num_tokens / max(run.rollout_s, 1e-9),
         }  # fmt: skip
-        with anyio.CancelScope(shield=True):
-            run.reporter.message(run.reporter.final_report(summary))
-            run.reporter.close()
+        run.reporter.message(run.reporter.final_report(summary))
+        run.reporter.close()
     return summary

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import attrs
-from belayer_router import RouterClient, RouterConfig, running_router
 
 from belayer_grpo.config import Config
 from belayer_grpo.errors import SystemStartError
+from belayer_router import RouterClient, RouterConfig, running_router
 
 if TYPE_CHECKING:
     from belayer_shadow import ModelConfig

@@ -77,7 +77,9 @@ class GRPOTrainer:
                 parameter.requires_grad_(False)
         self._rng = random.Random(self.seed)
 
-    def _logprobs(self, model: torch.nn.Module, samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logprobs(
+        self, model: torch.nn.Module, samples: Sequence[Sample]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         batch = pack([s.prompt_ids for s in samples], [s.completion_ids for s in samples])
         logprobs, _ = completion_logprobs(model, batch, [len(s.completion_ids) for s in samples])
         return logprobs, _mask_matrix(samples, logprobs.shape[1])
@@ -118,7 +120,7 @@ class GRPOTrainer:
                 aggregation=self.config.loss_aggregation,
             )
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
             self.optimizer.step()
             totals["loss"] += stats.loss
@@ -143,7 +145,11 @@ class GRPOTrainer:
 
     def state_dict(self) -> dict[str, Any]:
         """Model and optimizer state, for a checkpoint."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "rng": self._rng.getstate()}
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": self._rng.getstate(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore model and optimizer from a checkpoint."""

@@ -58,7 +58,9 @@ def _answer_text(record: Mapping[str, Any], where: str) -> str:
     for key in ("answer", "ground_truth", "solution"):
         if record.get(key) is not None:
             return str(record[key])
-    raise DataError(f"{where}: no answer (looked for reward_model.ground_truth, answer, ground_truth, solution)")
+    raise DataError(
+        f"{where}: no answer (looked for reward_model.ground_truth, answer, ground_truth, solution)"
+    )
 
 
 def _records(path: Path) -> Iterable[tuple[str, Any]]:
@@ -91,14 +93,16 @@ def load_math_file(path: str | Path) -> list[Problem]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"no such data file {str(path)!r}")
-    problems = []
+    problems: list[Problem] = []
     for where, record in _records(path):
         if not isinstance(record, Mapping):
             raise DataError(f"{where}: each record must be an object")
         extra = record.get("extra_info")
         index = extra.get("index") if isinstance(extra, Mapping) else None
         problem_id = str(record.get("id", index if index is not None else len(problems)))
-        problems.append(Problem(problem_id, _prompt_text(record.get("prompt"), where), _answer_text(record, where)))
+        problems.append(
+            Problem(problem_id, _prompt_text(record.get("prompt"), where), _answer_text(record, where))
+        )
     if not problems:
         raise DataError(f"{path} holds no problems")
     return problems

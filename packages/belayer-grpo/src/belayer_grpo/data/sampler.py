@@ -40,7 +40,7 @@ class PromptSampler:
 
     def next_batch(self, batch_size: int) -> list[Problem]:
         """The next ``batch_size`` problems, moving on to the next epoch as needed."""
-        batch = []
+        batch: list[Problem] = []
         while len(batch) < batch_size:
             if self.index >= len(self._order):
                 self.epoch += 1
@@ -52,7 +52,12 @@ class PromptSampler:
 
     def state_dict(self) -> dict[str, Any]:
         """The position, for a checkpoint."""
-        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "num_problems": len(self.problems)}
+        return {
+            "epoch": self.epoch,
+            "index": self.index,
+            "seed": self.seed,
+            "num_problems": len(self.problems),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's position (the data set must be the same)."""

@@ -77,7 +77,9 @@ class CharTokenizer:
             return [len(_SPECIALS) + self.alphabet.index(char) for char in text]
         except ValueError:
             bad = sorted(set(text) - set(self.alphabet))
-            raise DataError(f"characters {bad} are not in the tokenizer's alphabet {self.alphabet!r}") from None
+            raise DataError(
+                f"characters {bad} are not in the tokenizer's alphabet {self.alphabet!r}"
+            ) from None
 
     def encode_prompt(self, text: str) -> list[int]:
         """``<bos>`` then the characters."""
