@@ -1,9 +1,12 @@
 """Engine throughput against transformers `generate` on the same model, in the same run.
 
-32 concurrent requests (byte-tokenised prompts of 12..76 tokens), greedy, a fixed number of new
-tokens each, on the default small model. Rows: belayer-shadow's engine on a private KV arena,
-the same engine attached to real belayer-gpumem host memory servers (weights and KV in other
-processes, zero copy), and transformers' batched `generate` (left padding, KV cache).
+32 concurrent requests (byte-tokenised prompts of 12..76 tokens), greedy, on the default small
+model, in two workloads: every request wants the same number of new tokens ("uniform"), and
+the lengths vary as in RL rollouts ("mixed", 16..256). Systems: belayer-shadow's engine on a
+private KV arena; the same engine attached to real belayer-gpumem host memory servers (weights
+and KV cache owned by other processes, zero copy); transformers' `generate` on one static,
+left-padded batch of all 32 (it runs until the longest request is done); and transformers'
+`generate` serving the requests one at a time. Throughput counts only the tokens requested.
 
     python benchmarks/bench_engine.py [--requests 32] [--max-tokens 128] [--repeats 3] [--threads 1]
 """
@@ -16,7 +19,9 @@ import platform
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -37,6 +42,7 @@ from belayer_shadow import (
 
 RESULTS = Path(__file__).parent / "results" / "bench_engine.json"
 BLOCK_SIZE = 16
+Outputs = list[list[int]]
 
 
 def prompts(num: int) -> list[list[int]]:
@@ -45,10 +51,9 @@ def prompts(num: int) -> list[list[int]]:
     return [tokenizer.encode(text[: 12 + (i * 7) % 65]) for i in range(num)]
 
 
-def run_engine(engine: LLMEngine, batch: list[list[int]], max_tokens: int) -> list[list[int]]:
-    for i, prompt in enumerate(batch):
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        engine.add_request(f"r{i}", prompt, params)
+def run_engine(engine: LLMEngine, batch: list[list[int]], lengths: list[int]) -> Outputs:
+    for i, (prompt, n) in enumerate(zip(batch, lengths, strict=True)):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0))
     out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(batch))}
     while engine.has_unfinished():
         for step in engine.step():
@@ -56,7 +61,7 @@ def run_engine(engine: LLMEngine, batch: list[list[int]], max_tokens: int) -> li
     return [out[f"r{i}"] for i in range(len(batch))]
 
 
-def run_hf(model: Qwen3ForCausalLM, batch: list[list[int]], max_tokens: int) -> list[list[int]]:
+def hf_generate(model: Qwen3ForCausalLM, batch: list[list[int]], max_tokens: int) -> Outputs:
     width = max(len(p) for p in batch)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
@@ -70,13 +75,24 @@ def run_hf(model: Qwen3ForCausalLM, batch: list[list[int]], max_tokens: int) -> 
             eos_token_id=None,
             pad_token_id=0,
         )
-    return generated[:, width:].tolist()
+    rows: Outputs = generated[:, width:].tolist()
+    return rows
 
 
-def measure(fn: Callable[[], list[list[int]]], repeats: int) -> tuple[float, list[list[int]]]:
+def run_hf_batched(model: Qwen3ForCausalLM, batch: list[list[int]], lengths: list[int]) -> Outputs:
+    # One static batch: every row runs until the longest request is done; keep what each asked.
+    rows = hf_generate(model, batch, max(lengths))
+    return [row[:n] for row, n in zip(rows, lengths, strict=True)]
+
+
+def run_hf_one_by_one(model: Qwen3ForCausalLM, batch: list[list[int]], lengths: list[int]) -> Outputs:
+    return [hf_generate(model, [p], n)[0] for p, n in zip(batch, lengths, strict=True)]
+
+
+def measure(fn: Callable[[], Outputs], repeats: int) -> tuple[float, Outputs]:
     fn()  # warm-up
     times = []
-    result: list[list[int]] = []
+    result: Outputs = []
     for _ in range(repeats):
         start = time.perf_counter()
         result = fn()
@@ -84,10 +100,28 @@ def measure(fn: Callable[[], list[list[int]]], repeats: int) -> tuple[float, lis
     return statistics.median(times), result
 
 
+@contextmanager
+def memory_servers(
+    config: ModelConfig, num_blocks: int, weights: dict[str, torch.Tensor]
+) -> Iterator[tuple[Path, Path]]:
+    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
+        run = Path(tmp)
+        (run / "layout.json").write_text(json.dumps(weight_layout(config).to_json()))
+        kv = kv_layout(config, num_blocks, BLOCK_SIZE)
+        with (
+            ServerProcess.start(
+                ServerConfig(kind="weights", socket=run / "w.sock", layout_file=run / "layout.json")
+            ),
+            ServerProcess.start(ServerConfig(kind="kv", socket=run / "kv.sock", kv_layout=kv)),
+        ):
+            fill_weight_server(run / "w.sock", weights)
+            yield run / "w.sock", run / "kv.sock"
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (uniform)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads, the same for every system")
     args = parser.parse_args()
@@ -96,83 +130,110 @@ def main() -> None:
     config = ModelConfig.default()
     weights = init_weights(config, seed=0)
     batch = prompts(args.requests)
-    longest = max(len(p) for p in batch) + args.max_tokens
-    num_blocks = args.requests * -(-longest // BLOCK_SIZE)
-    new_tokens = args.requests * args.max_tokens
-    rows: list[dict[str, object]] = []
-
-    def engine_factory(params: dict[str, torch.Tensor], arena: torch.Tensor) -> Callable[[], list[list[int]]]:
-        engine = LLMEngine(config, params, arena, max_num_seqs=args.requests)
-        return lambda: run_engine(engine, batch, args.max_tokens)
-
-    local_s, local_out = measure(
-        engine_factory(weights, allocate_kv_arena(config, num_blocks, BLOCK_SIZE)), args.repeats
-    )
-    rows.append({"system": "belayer-shadow engine (private arena)", "seconds": local_s})
-
-    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
-        layout_file = Path(tmp) / "layout.json"
-        layout_file.write_text(json.dumps(weight_layout(config).to_json()))
-        with (
-            ServerProcess.start(
-                ServerConfig(kind="weights", socket=Path(tmp) / "w.sock", layout_file=layout_file)
-            ),
-            ServerProcess.start(
-                ServerConfig(
-                    kind="kv",
-                    socket=Path(tmp) / "kv.sock",
-                    kv_layout=kv_layout(config, num_blocks, BLOCK_SIZE),
-                )
-            ),
-        ):
-            fill_weight_server(Path(tmp) / "w.sock", weights)
-            attached = LLMEngine.attach(
-                config, Path(tmp) / "w.sock", Path(tmp) / "kv.sock", max_num_seqs=args.requests
-            )
-            try:
-                served_s, served_out = measure(
-                    lambda: run_engine(attached, batch, args.max_tokens), args.repeats
-                )
-            finally:
-                attached.close()
-    rows.append({"system": "belayer-shadow engine on gpumem servers", "seconds": served_s})
-
-    model = Qwen3ForCausalLM(config.to_hf()).eval()
-    model.load_state_dict(weights | {"lm_head.weight": weights["model.embed_tokens.weight"]})
-    hf_s, hf_out = measure(lambda: run_hf(model, batch, args.max_tokens), args.repeats)
-    rows.append({"system": "transformers generate (batched, left-padded)", "seconds": hf_s})
-
-    for row in rows:
-        row["tokens_per_s"] = new_tokens / float(row["seconds"])  # type: ignore[arg-type]
-        row["speedup_vs_transformers"] = hf_s / float(row["seconds"])  # type: ignore[arg-type]
-    same = sum(a == b for a, b in zip(local_out, hf_out, strict=True))
-    report = {
-        "model": config.to_dict(),
-        "requests": args.requests,
-        "max_tokens": args.max_tokens,
-        "repeats": args.repeats,
-        "torch_threads": torch.get_num_threads(),
-        "machine": platform.processor() or platform.machine(),
-        "greedy_outputs_equal_to_transformers": f"{same}/{len(batch)}",
-        "engine_outputs_equal_on_servers": local_out == served_out,
-        "rows": rows,
+    workloads = {
+        "uniform": [args.max_tokens] * args.requests,
+        "mixed": [16 + (i * 61) % 241 for i in range(args.requests)],
     }
+    longest = max(len(p) for p in batch) + max(max(v) for v in workloads.values())
+    num_blocks = args.requests * -(-longest // BLOCK_SIZE)
+    model = Qwen3ForCausalLM(config.to_hf())
+    model.eval()  # type: ignore[no-untyped-call]
+    model.load_state_dict(weights | {"lm_head.weight": weights["model.embed_tokens.weight"]})
+    local = LLMEngine(
+        config, weights, allocate_kv_arena(config, num_blocks, BLOCK_SIZE), max_num_seqs=args.requests
+    )
+
+    rows: list[dict[str, object]] = []
+    checks: dict[str, object] = {}
+    with memory_servers(config, num_blocks, weights) as (weights_socket, kv_socket):
+        served = LLMEngine.attach(config, weights_socket, kv_socket, max_num_seqs=args.requests)
+        try:
+            for name, lengths in workloads.items():
+                systems: dict[str, tuple[Callable[[], Outputs], int]] = {
+                    "belayer-shadow engine (private arena)": (
+                        partial(run_engine, local, batch, lengths),
+                        args.repeats,
+                    ),
+                    "belayer-shadow engine on gpumem servers": (
+                        partial(run_engine, served, batch, lengths),
+                        args.repeats,
+                    ),
+                    "transformers generate, one static batch": (
+                        partial(run_hf_batched, model, batch, lengths),
+                        args.repeats,
+                    ),
+                    "transformers generate, one request at a time": (
+                        partial(run_hf_one_by_one, model, batch, lengths),
+                        1,
+                    ),
+                }
+                outputs: dict[str, Outputs] = {}
+                timings: dict[str, float] = {}
+                for system, (fn, repeats) in systems.items():
+                    timings[system], outputs[system] = measure(fn, repeats)
+                    print(f"{name:8s} {system:48s} {timings[system]:7.2f} s", flush=True)
+                hf_batch = timings["transformers generate, one static batch"]
+                hf_single = timings["transformers generate, one request at a time"]
+                for system, seconds in timings.items():
+                    rows.append(
+                        {
+                            "workload": name,
+                            "system": system,
+                            "seconds": seconds,
+                            "tokens_per_s": sum(lengths) / seconds,
+                            "vs_static_batch": hf_batch / seconds,
+                            "vs_one_at_a_time": hf_single / seconds,
+                        }
+                    )
+                engine_out = outputs["belayer-shadow engine (private arena)"]
+                checks[name] = {
+                    "engine_equals_engine_on_servers": engine_out
+                    == outputs["belayer-shadow engine on gpumem servers"],
+                    "engine_equals_transformers_one_at_a_time": sum(
+                        a == b
+                        for a, b in zip(
+                            engine_out, outputs["transformers generate, one request at a time"], strict=True
+                        )
+                    ),
+                    "requests": len(batch),
+                    "new_tokens": sum(lengths),
+                }
+        finally:
+            served.close()
+
     lines = [
-        f"{args.requests} concurrent requests x {args.max_tokens} new tokens, greedy, default model, "
-        f"{torch.get_num_threads()} torch threads (median of {args.repeats})",
+        f"{args.requests} concurrent requests, greedy, default model, {torch.get_num_threads()} torch thread(s), "
+        f"median of {args.repeats} (one run for one-at-a-time). uniform: {args.max_tokens} new tokens each; "
+        "mixed: 16..256 new tokens.",
         "",
-        "| system | seconds | tokens/s | speed-up vs transformers |",
-        "|---|---:|---:|---:|",
+        "| workload | system | seconds | tokens/s | speed-up vs static batch | speed-up vs one at a time |",
+        "|---|---|---:|---:|---:|---:|",
     ]
     for row in rows:
         lines.append(
-            f"| {row['system']} | {float(row['seconds']):.2f} | {float(row['tokens_per_s']):,.0f} "  # type: ignore[arg-type]
-            f"| {float(row['speedup_vs_transformers']):.1f}x |"  # type: ignore[arg-type]
+            f"| {row['workload']} | {row['system']} | {row['seconds']:.2f} | {row['tokens_per_s']:,.0f} "
+            f"| {row['vs_static_batch']:.1f}x | {row['vs_one_at_a_time']:.1f}x |"
         )
-    lines += ["", f"greedy outputs equal to transformers: {same}/{len(batch)} requests"]
+    lines.append("")
+    for name, check in checks.items():
+        assert isinstance(check, dict)
+        lines.append(
+            f"{name}: engine outputs equal on servers: {check['engine_equals_engine_on_servers']}; "
+            f"equal to transformers (greedy): {check['engine_equals_transformers_one_at_a_time']}/{check['requests']}"
+        )
     print("\n".join(lines))
+    report = {
+        "model": config.to_dict(),
+        "requests": args.requests,
+        "repeats": args.repeats,
+        "torch_threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "rows": rows,
+        "checks": checks,
+        "table": lines,
+    }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report | {"table": lines}, indent=2) + "\n")
+    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":
