@@ -98,7 +98,7 @@ class RolloutConfig:
 class AlgorithmConfig:
     """GRPO and the optimizer."""
 
-    steps: int = attrs.field(default=40, validator=_positive)
+    steps: int = attrs.field(default=80, validator=_positive)
     learning_rate: float = attrs.field(default=7e-4, validator=_positive_float)
     weight_decay: float = attrs.field(default=0.0, validator=_non_negative_float)
     adam_beta1: float = attrs.field(default=0.9, validator=[v.ge(0.0), v.lt(1.0)])

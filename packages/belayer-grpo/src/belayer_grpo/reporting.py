@@ -24,7 +24,7 @@ def format_summary(step: int, num_steps: int, metrics: dict[str, Any], failures:
     """The one line per step: reward, accuracy, throughput, and failures with their recoveries."""
     parts = [
         f"step {step:>3}/{num_steps}",
-        f"reward {metrics['reward_mean']:.3f}",
+        f"reward {metrics['reward_mean']:.3f} (avg10 {metrics.get('reward_avg10', metrics['reward_mean']):.3f})",
         f"acc {metrics['accuracy']:.1%}",
         f"tok/s {metrics['tokens_per_s']:.0f}",
         f"loss {metrics['loss']:+.4f}",

@@ -250,6 +250,8 @@ async def run_training(config: Config, *, stream: TextIO, run_dir: Path | None =
                 background.start_soon(chaos.run_timed, time.time())
                 for step in range(run.start_step + 1, config.algorithm.steps + 1):
                     metrics = await _step(run, step, system, router, chaos, sync)
+                    recent = [m["reward_mean"] for m in run.reporter.history[-9:]] + [metrics["reward_mean"]]
+                    metrics["reward_avg10"] = sum(recent) / len(recent)
                     match_recoveries(chaos.failures, system.events())
                     run.reporter.end_step(step, metrics, _new_failures(run, chaos.failures))
                     summary["steps"] = step
