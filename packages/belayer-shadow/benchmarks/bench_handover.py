@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import statistics
 import tempfile
 import time
@@ -109,6 +111,7 @@ async def shadow_trial(
         "reaped_s": _event(events, "handover.flag", killed)["time"] - killed,
         "health_flush_s": sum(step[n]["duration_s"] for n in ("fence", "health_check", "flush")),
         "remap_s": step["remap"]["duration_s"],
+        "scratch_bytes": step["remap"]["nbytes"],
         "warmup_s": step["warmup"]["duration_s"],
         "registration_s": registered - step["warmup"]["time"],
         "resume_s": min(first) - registered,
@@ -184,9 +187,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(") ", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def throughput_phases(root: Path, args: argparse.Namespace) -> dict[str, list[float]]:
-    """Tokens/s of one main worker, alone (no shadow) and with an idle shadow, phases interleaved."""
-    measured: dict[str, list[float]] = {"alone": [], "with_shadow": []}
+    """Tokens/s of one main worker, alone (no shadow) and with an idle shadow, phases interleaved.
+
+    Also the CPU seconds the idle shadow used during its phases, against the main worker's.
+    """
+    measured: dict[str, list[float]] = {"alone": [], "with_shadow": [], "shadow_cpu_s": [], "main_cpu_s": []}
     for round_index in range(args.throughput_rounds):
         for name, recovery in (("alone", "conventional"), ("with_shadow", "shadow")):
             async with running_router(RouterConfig(admin_token=TOKEN)) as (url, _app):
@@ -198,7 +210,14 @@ async def throughput_phases(root: Path, args: argparse.Namespace) -> dict[str, l
                 try:
                     await anyio.to_thread.run_sync(slot.wait_protected)
                     await throughput(url, 8, 16)  # warm the router and worker connections
+                    assert slot.main is not None
+                    pids = [slot.main.pid, *([] if slot.shadow is None else [slot.shadow.pid])]
+                    before = [_cpu_seconds(pid) for pid in pids]
                     measured[name].append(await throughput(url, 32, args.throughput_tokens))
+                    used = [_cpu_seconds(pid) - start for pid, start in zip(pids, before, strict=True)]
+                    if slot.shadow is not None:
+                        measured["main_cpu_s"].append(used[0])
+                        measured["shadow_cpu_s"].append(used[1])
                 finally:
                     await anyio.to_thread.run_sync(slot.stop)
     return measured
@@ -216,7 +235,7 @@ def render(results: dict[str, Any]) -> str:
         "|---|---|---|",
         f"| detection | {ms(med['detection_s'])} (reaped in {ms(med['reaped_s'])}) | {conv['detection_s']:.1f} s (health checks {cfg['health_interval_s']:g} s x {cfg['health_misses']}) |",
         f"| fence + health check + flush | {ms(med['health_flush_s'])} | - |",
-        f"| remap (scratch buffer {32} MiB) | {ms(med['remap_s'])} | reallocate + reload weights {ms(conv['reallocate_s'])} |",
+        f"| remap (scratch buffer {shadow[0]['scratch_bytes'] >> 20} MiB) | {ms(med['remap_s'])} | reallocate + reload weights {ms(conv['reallocate_s'])} |",
         f"| warm-up | {ms(med['warmup_s'])} | new process, attach, warm-up, register: {conv['restart_s']:.2f} s in all |",
         f"| registration (epoch + 1) | {ms(med['registration_s'])} | (in the restart) |",
         f"| resume (KV refill by prefill -> first token) | {ms(med['resume_s'])} | {ms(conv['resume_s'])} (regenerates from the start) |",
@@ -236,6 +255,9 @@ def render(results: dict[str, Any]) -> str:
         "|---|---|",
         f"| alone | {alone:.0f} |",
         f"| with an idle shadow beside it | {with_shadow:.0f} ({(with_shadow / alone - 1) * 100:+.1f}%) |",
+        "",
+        f"CPU the idle shadow used during those phases: {sum(tp['shadow_cpu_s']) * 1000:.0f} ms, against "
+        f"{sum(tp['main_cpu_s']):.2f} s of the main worker ({sum(tp['shadow_cpu_s']) / sum(tp['main_cpu_s']) * 100:.2f}%).",
     ]
     return "\n".join(lines)
 
@@ -250,9 +272,11 @@ def main() -> None:
     parser.add_argument("--kill-after", type=int, default=16, help="tokens every stream has before the kill")
     parser.add_argument("--health-interval-s", type=float, default=10.0, help="conventional probe interval")
     parser.add_argument("--health-misses", type=int, default=3, help="conventional misses before restart")
-    parser.add_argument("--throughput-rounds", type=int, default=3)
+    parser.add_argument("--throughput-rounds", type=int, default=5)
     parser.add_argument("--throughput-tokens", type=int, default=64)
     args = parser.parse_args()
+    # Routers stopped between phases log their cancelled lifespan task; that is not a result.
+    logging.getLogger("uvicorn.error").addFilter(lambda record: "lifespan" not in record.getMessage())
     args.prompts = [[(13 * i + 5 * j) % 256 for j in range(24)] for i in range(args.num_requests)]
     results = anyio.run(run, args)
     table = render(results)

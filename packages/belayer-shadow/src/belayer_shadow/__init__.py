@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     from belayer_shadow._sequence import SamplingParams, StepOutput
     from belayer_shadow._service import EngineService
     from belayer_shadow._shadow import ShadowConfig, check_device_health, run_shadow
-    from belayer_shadow._slot import SlotConfig, SlotSupervisor
+    from belayer_shadow._slot import SlotSupervisor
+    from belayer_shadow._slot_config import SlotConfig
     from belayer_shadow._worker import WorkerConfig, run_worker
 
 # name -> module; lazy so that `import belayer_shadow` stays cheap (no torch) for the CLI's parser.
@@ -70,7 +71,7 @@ _EXPORTS = {
     "HandoverFlag": "belayer_shadow._heartbeat",
     "Heartbeat": "belayer_shadow._heartbeat",
     "ShadowConfig": "belayer_shadow._shadow",
-    "SlotConfig": "belayer_shadow._slot",
+    "SlotConfig": "belayer_shadow._slot_config",
     "SlotSupervisor": "belayer_shadow._slot",
     "SupervisorError": "belayer_shadow._errors",
     "WorkerConfig": "belayer_shadow._worker",

@@ -1,0 +1,46 @@
+"""`SlotConfig`: everything a slot supervisor is started with; the `belayer-shadow slot` flags map to it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import attrs
+
+__all__ = ["Recovery", "SlotConfig"]
+
+Recovery = Literal["shadow", "conventional"]
+
+
+def _optional_path(value: str | Path | None) -> Path | None:
+    return None if value is None else Path(value)
+
+
+@attrs.frozen
+class SlotConfig:
+    """One slot. `weights=None` writes a seeded init of the model to `run_dir/init.safetensors`.
+
+    `health_interval_s` x `health_misses` is the conventional baseline's detection (remote
+    health checks, defaults like common trainers: 10 s x 3).
+    """
+
+    slot: str
+    router_url: str
+    run_dir: Path = attrs.field(converter=Path)
+    admin_token: str | None = None
+    model: Path | None = attrs.field(default=None, converter=_optional_path)
+    weights: Path | None = attrs.field(default=None, converter=_optional_path)
+    seed: int = 0
+    recovery: Recovery = attrs.field(
+        default="shadow", validator=attrs.validators.in_(("shadow", "conventional"))
+    )
+    num_kv_blocks: int = attrs.field(default=512, validator=attrs.validators.ge(1))
+    block_size: int = attrs.field(default=16, validator=attrs.validators.ge(1))
+    max_num_seqs: int = attrs.field(default=64, validator=attrs.validators.ge(1))
+    failure_window_s: float = attrs.field(default=60.0, validator=attrs.validators.ge(0))
+    poll_s: float = attrs.field(default=0.05, validator=attrs.validators.gt(0))
+    stale_s: float = attrs.field(default=0.5, validator=attrs.validators.gt(0))
+    health_interval_s: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
+    health_misses: int = attrs.field(default=3, validator=attrs.validators.ge(1))
+    host: str = "127.0.0.1"
+    start_timeout_s: float = attrs.field(default=120.0, validator=attrs.validators.gt(0))
