@@ -2,42 +2,51 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
-from belayer_envckpt import BelayerEnvckptError, Engine
-from belayer_router import RouterClient, RouterConfig, running_router
 from fake_policy_worker import STOP, FakePolicyWorker, running_policy_worker
 
+from belayer_envckpt import BelayerEnvckptError, Engine
 from belayer_grpo.agentic import AgenticConfig
 from belayer_grpo.agentic.pool import POOL_LABEL
+from belayer_router import RouterClient, RouterConfig, running_router
 
 ADMIN = "agentic-test-token"
+# Trajectory ids of this test session carry it, so the leak check ignores concurrent sessions.
+SESSION = uuid.uuid4().hex[:6]
+
+
+def run_id(name: str) -> str:
+    """A run id unique to this test session."""
+    return f"{name}-{SESSION}"
 
 
 def connect_engine() -> Iterator[Engine]:
-    """The real engine with CRIU; afterwards no container of any pool may be left."""
+    """The real engine with CRIU; afterwards no sandbox of this test session may be left."""
     try:
         engine = Engine.connect()
         engine.require_checkpoint_support()
     except BelayerEnvckptError as error:
         pytest.fail(f"the agentic tests need Docker (experimental) and CRIU: {error}", pytrace=False)
-    before = {c.id for c in engine.client.containers.list(all=True)}
     yield engine
     leaked = [
         c.name
         for c in engine.client.containers.list(all=True, filters={"label": POOL_LABEL})
-        if c.id not in before
+        if SESSION in c.labels.get("belayer.trajectory", "")
     ]
     engine.close()
     assert not leaked, f"sandbox containers leaked: {leaked}"
 
 
 @asynccontextmanager
-async def router_with_worker(**worker_options: Any) -> AsyncIterator[tuple[RouterClient, FakePolicyWorker, str]]:
+async def router_with_worker(
+    **worker_options: Any,
+) -> AsyncIterator[tuple[RouterClient, FakePolicyWorker, str]]:
     """A real router (in this process) with one `FakePolicyWorker` registered in slot ``s0``."""
     async with (
         running_router(RouterConfig(admin_token=ADMIN, resume_wait=10.0)) as (url, _app),

@@ -16,6 +16,7 @@ from typing import Any
 
 import anyio
 import attrs
+
 from belayer_router import serving
 
 STOP = 256
@@ -118,7 +119,9 @@ class FakePolicyWorker:
 
 
 @asynccontextmanager
-async def running_policy_worker(epoch: int = 1, **options: Any) -> AsyncIterator[tuple[str, FakePolicyWorker]]:
+async def running_policy_worker(
+    epoch: int = 1, **options: Any
+) -> AsyncIterator[tuple[str, FakePolicyWorker]]:
     """A `FakePolicyWorker` served on loopback for the block: ``(url, worker)``."""
     worker = FakePolicyWorker(epoch, **options)
     async with serving(worker, log_level="critical") as url:

@@ -15,11 +15,10 @@ from pathlib import Path
 
 import anyio
 import pytest
-from agentic_support import agentic_config, connect_engine, router_with_worker
-from belayer_envckpt import Engine
-from belayer_router import ByteTokenizer
+from agentic_support import agentic_config, connect_engine, router_with_worker, run_id
 from fake_policy_worker import running_policy_worker
 
+from belayer_envckpt import Engine
 from belayer_grpo.agentic import (
     AgenticTrajectory,
     build_task_image,
@@ -27,6 +26,7 @@ from belayer_grpo.agentic import (
     run_agentic_rollouts,
     summarize,
 )
+from belayer_router import ByteTokenizer
 
 pytestmark = [pytest.mark.docker, pytest.mark.anyio]
 
@@ -81,11 +81,11 @@ async def test_chaos_every_trajectory_completes_prefix_consistent(
     engine: Engine, image: str, tmp_path: Path, policy: str
 ) -> None:
     config = agentic_config(
-        tmp_path / "ckpt", image=image, checkpoint_policy=policy, sandbox_kill_probability=0.2, seed=3
+        tmp_path / "ckpt", image=image, checkpoint_policy=policy, sandbox_kill_probability=0.2, seed=7
     )
     async with router_with_worker(token_delay=0.01) as (client, _worker, _url):
         trajectories = await run_agentic_rollouts(
-            builtin_tasks(), client, config, num_samples=1, engine=engine, run_id=f"chaos-{policy}"
+            builtin_tasks(), client, config, num_samples=1, engine=engine, run_id=run_id(f"chaos-{policy}")
         )
     check_complete(trajectories, 1)
     totals = summarize(trajectories)
@@ -102,11 +102,11 @@ async def test_always_recovers_from_checkpoints_not_from_scratch(
     engine: Engine, image: str, tmp_path: Path
 ) -> None:
     config = agentic_config(
-        tmp_path / "ckpt", image=image, checkpoint_policy="always", sandbox_kill_probability=0.2, seed=6
+        tmp_path / "ckpt", image=image, checkpoint_policy="always", sandbox_kill_probability=0.2, seed=7
     )
     async with router_with_worker() as (client, _worker, _url):
         trajectories = await run_agentic_rollouts(
-            builtin_tasks(), client, config, engine=engine, run_id="chaos-always"
+            builtin_tasks(), client, config, engine=engine, run_id=run_id("chaos-always")
         )
     check_complete(trajectories, 1)
     recoveries = [r for t in trajectories for r in t.recoveries]
@@ -138,10 +138,11 @@ async def test_worker_killed_mid_rollout_is_replaced_and_nothing_is_lost(
         async with anyio.create_task_group() as group:
             group.start_soon(hand_over)
             trajectories = await run_agentic_rollouts(
-                builtin_tasks(), client, config, num_samples=2, engine=engine, run_id="worker-kill"
+                builtin_tasks(), client, config, num_samples=2, engine=engine, run_id=run_id("worker-kill")
             )
             group.cancel_scope.cancel()
-    assert first.dead and shadow.num_tokens_sent > 0
+    assert first.dead
+    assert shadow.num_tokens_sent > 0
     check_complete(trajectories, 2)
     totals = summarize(trajectories)
     assert totals["all_prefix_consistent"]

@@ -10,11 +10,11 @@ from __future__ import annotations
 import hashlib
 
 import attrs
-from belayer_envckpt import ExecResult
-from belayer_router import Tokenizer
 
+from belayer_envckpt import ExecResult
 from belayer_grpo.agentic.actions import FORMAT_HINT
 from belayer_grpo.agentic.swegym import SweTask
+from belayer_router import Tokenizer
 
 __all__ = ["TokenContext", "context_digest", "render_feedback", "render_observation", "render_prompt"]
 

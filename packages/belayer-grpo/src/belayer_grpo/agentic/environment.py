@@ -10,6 +10,7 @@ import time
 
 import attrs
 import docker.errors
+
 from belayer_envckpt import (
     BelayerEnvckptError,
     CheckpointStore,
@@ -18,7 +19,6 @@ from belayer_envckpt import (
     Sandbox,
     full_checkpoint,
 )
-
 from belayer_grpo.agentic.records import CheckpointRecord
 
 __all__ = [

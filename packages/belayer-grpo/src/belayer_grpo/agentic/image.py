@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import docker.errors
-from belayer_envckpt import Engine
 
+from belayer_envckpt import Engine
 from belayer_grpo.agentic.errors import SandboxImageError
 from belayer_grpo.agentic.swegym import PRISTINE_ROOT, WORKSPACE_ROOT, SweTask
 

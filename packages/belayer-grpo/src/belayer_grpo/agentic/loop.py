@@ -17,10 +17,8 @@ import time
 import anyio
 import attrs
 import docker.errors
-from belayer_envckpt import BelayerEnvckptError, FaultInjector, Sandbox, full_restore
-from belayer_policy import CheckpointPolicy, StepObservation
-from belayer_router import Completion, RouterClient, Tokenizer
 
+from belayer_envckpt import BelayerEnvckptError, FaultInjector, Sandbox, full_restore
 from belayer_grpo.agentic import actions, environment
 from belayer_grpo.agentic.context import (
     TokenContext,
@@ -34,6 +32,8 @@ from belayer_grpo.agentic.pool import SandboxLease
 from belayer_grpo.agentic.records import AgenticTrajectory, CheckpointRecord, RecoveryRecord
 from belayer_grpo.agentic.settings import AgenticConfig
 from belayer_grpo.agentic.swegym import SweTask
+from belayer_policy import CheckpointPolicy, StepObservation
+from belayer_router import Completion, RouterClient, Tokenizer
 
 __all__ = ["AgentLoop", "derive_seed"]
 
@@ -227,9 +227,7 @@ class AgentLoop:
                 "context the checkpoint was taken with; the context log is not trustworthy"
             )
         self.context.truncate(len(token_ids))
-        actual_hash = await anyio.to_thread.run_sync(
-            environment.repository_hash, sandbox, self.task.workdir
-        )
+        actual_hash = await anyio.to_thread.run_sync(environment.repository_hash, sandbox, self.task.workdir)
         self.policy.on_restore()
         self.prefix, self.turn = target.prefix, target.turn
         self.recoveries.append(

@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 
 import anyio
 import attrs
+
 from belayer_envckpt import CheckpointStore, Engine, Sandbox, SandboxConfig
 
 __all__ = ["POOL_LABEL", "SandboxLease", "SandboxPool"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+
 from belayer_envckpt import Checkpoint
 
 __all__ = ["AgenticTrajectory", "CheckpointRecord", "RecoveryRecord", "summarize"]
@@ -63,7 +64,9 @@ class RecoveryRecord:
     @property
     def prefix_consistent(self) -> bool:
         """Environment, LLM context and prefix after the recovery all belong to the same prefix."""
-        return self.expected_repo_hash == self.actual_repo_hash and self.context_matches and self.prefix_matches
+        return (
+            self.expected_repo_hash == self.actual_repo_hash and self.context_matches and self.prefix_matches
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""

@@ -7,10 +7,8 @@ from collections.abc import Callable, Sequence
 
 import anyio
 import attrs
-from belayer_envckpt import CheckpointStore, Engine, FaultInjector
-from belayer_policy import FixedStepProbability, OnlineHazard, PolicySpec, SharedEstimators
-from belayer_router import ByteTokenizer, RouterClient, Tokenizer
 
+from belayer_envckpt import CheckpointStore, Engine, FaultInjector
 from belayer_grpo.agentic.image import build_task_image
 from belayer_grpo.agentic.loop import AgentLoop, derive_seed
 from belayer_grpo.agentic.pool import SandboxPool
@@ -18,6 +16,8 @@ from belayer_grpo.agentic.records import AgenticTrajectory
 from belayer_grpo.agentic.settings import AgenticConfig
 from belayer_grpo.agentic.swegym import SweTask
 from belayer_grpo.errors import RolloutError
+from belayer_policy import FixedStepProbability, OnlineHazard, PolicySpec, SharedEstimators
+from belayer_router import ByteTokenizer, RouterClient, Tokenizer
 
 __all__ = ["default_estimators", "run_agentic_rollouts"]
 
@@ -118,7 +118,8 @@ async def _roll_out(
     async def one(index: int, job: _Job) -> None:
         injector = None
         if config.sandbox_kill_probability > 0:
-            seed = derive_seed(config.seed, job.trajectory_id, -1)
+            # Keyed by the sample's place, not its id, so a batch sees the same faults in every run.
+            seed = derive_seed(config.seed, f"chaos-g{job.group_index}-s{job.sample_index}", -1)
             injector = FaultInjector(config.sandbox_kill_probability, seed=seed)
         try:
             async with pool.lease(job.trajectory_id, job.image, job.task.workdir) as lease:

@@ -6,13 +6,15 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+
 from belayer_policy import PolicySpec
 
 __all__ = ["AgenticConfig"]
 
 _ge0 = attrs.validators.ge(0)
 _ge1 = attrs.validators.ge(1)
-_gt0 = attrs.validators.gt(0)
+_float_ge0 = attrs.validators.ge(0.0)
+_float_gt0 = attrs.validators.gt(0.0)
 
 
 def _policy(_instance: object, _attribute: Any, value: str) -> None:
@@ -43,23 +45,21 @@ class AgenticConfig:
     max_rounds: int = attrs.field(default=20, validator=_ge1)
     max_response_tokens: int = attrs.field(default=256, validator=_ge1)
     max_context_tokens: int = attrs.field(default=8192, validator=_ge1)
-    temperature: float = attrs.field(default=1.0, validator=_ge0)
-    top_p: float = attrs.field(default=1.0, validator=[_gt0, attrs.validators.le(1.0)])
+    temperature: float = attrs.field(default=1.0, validator=_float_ge0)
+    top_p: float = attrs.field(default=1.0, validator=[_float_gt0, attrs.validators.le(1.0)])
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     seed: int = attrs.field(default=0, validator=_ge0)
     checkpoint_policy: str = attrs.field(default="adaptive", validator=_policy)
-    policy_extra_cost: float = attrs.field(default=0.0, validator=_ge0)
-    policy_cooldown_seconds: float = attrs.field(default=20.0, validator=_ge0)
+    policy_extra_cost: float = attrs.field(default=0.0, validator=_float_ge0)
+    policy_cooldown_seconds: float = attrs.field(default=20.0, validator=_float_ge0)
     policy_failure_probability: float | None = attrs.field(default=None)
     sandbox_kill_probability: float = attrs.field(default=0.0, validator=_probability)
     max_recoveries: int = attrs.field(default=100, validator=_ge0)
     max_concurrency: int = attrs.field(default=8, validator=_ge1)
-    action_timeout: float = attrs.field(default=30.0, validator=_gt0)
-    test_timeout: float = attrs.field(default=120.0, validator=_gt0)
+    action_timeout: float = attrs.field(default=30.0, validator=_float_gt0)
+    test_timeout: float = attrs.field(default=120.0, validator=_float_gt0)
     max_observation_chars: int = attrs.field(default=2000, validator=_ge1)
-    invalid_action: str = attrs.field(
-        default="end", validator=attrs.validators.in_(("end", "feedback"))
-    )
+    invalid_action: str = attrs.field(default="end", validator=attrs.validators.in_(("end", "feedback")))
     keep_checkpoints: bool = False
 
     @policy_failure_probability.validator
