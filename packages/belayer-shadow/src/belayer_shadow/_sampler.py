@@ -42,20 +42,20 @@ def sample(
     report the token's log-probability under softmax(logits / temperature).
     """
     logits = logits.float()
+    device = logits.device
     num_rows = logits.shape[0]
-    temps = torch.tensor(temperatures, dtype=torch.float32)
-    greedy = temps == 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
-    logprobs = torch.log_softmax(scaled, dim=-1)
+    divisors = torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=torch.float32, device=device)
+    logprobs = torch.log_softmax(logits / divisors.unsqueeze(1), dim=-1)
     tokens = torch.argmax(logits, dim=-1)
-    if not bool(greedy.all()):
-        rows = torch.nonzero(~greedy).squeeze(1)
-        tokens[rows] = _sample_top_p(
-            logprobs[rows],
-            torch.tensor([top_ps[i] for i in rows.tolist()], dtype=torch.float64),
-            torch.tensor([uniforms[i] for i in rows.tolist()], dtype=torch.float64),
+    rows = [i for i, t in enumerate(temperatures) if t > 0]
+    if rows:
+        index = torch.tensor(rows, dtype=torch.int64, device=device)
+        tokens[index] = _sample_top_p(
+            logprobs[index],
+            torch.tensor([top_ps[i] for i in rows], dtype=torch.float64, device=device),
+            torch.tensor([uniforms[i] for i in rows], dtype=torch.float64, device=device),
         )
-    chosen = logprobs[torch.arange(num_rows), tokens]
+    chosen = logprobs[torch.arange(num_rows, device=device), tokens]
     return tokens.tolist(), chosen.tolist()
 
 
