@@ -58,6 +58,10 @@ def _parser() -> argparse.ArgumentParser:
     slot.add_argument("--weights", type=Path, help="safetensors checkpoint; default: a seeded init")
     slot.add_argument("--seed", type=int, default=0, help="seed of the init when --weights is not given")
     slot.add_argument("--recovery", choices=("shadow", "conventional"), default="shadow")
+    slot.add_argument(
+        "--backend", choices=("host", "cuda"), default="host", help="where the memory servers allocate"
+    )
+    slot.add_argument("--device", type=int, default=0, help="CUDA device of the cuda backend")
     slot.add_argument("--num-kv-blocks", type=int, default=512)
     slot.add_argument("--block-size", type=int, default=16)
     slot.add_argument("--failure-window-s", type=float, default=60.0)
@@ -100,6 +104,8 @@ def _run_slot(args: argparse.Namespace) -> int:
         weights=args.weights,
         seed=args.seed,
         recovery=args.recovery,
+        backend=args.backend,
+        device=args.device,
         num_kv_blocks=args.num_kv_blocks,
         block_size=args.block_size,
         failure_window_s=args.failure_window_s,

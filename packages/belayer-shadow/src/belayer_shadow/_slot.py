@@ -187,12 +187,21 @@ class SlotSupervisor:
         if config.weights is None and not self.checkpoint.exists():
             save_safetensors(init_weights(model, config.seed), self.checkpoint)
         with self.log.step("memory.start"):
+            backend, device = config.backend, config.device
             self.weights_server = ServerProcess.start(
-                ServerConfig(kind="weights", socket=self.weights_socket, safetensors=self.checkpoint)
+                ServerConfig(
+                    kind="weights",
+                    socket=self.weights_socket,
+                    safetensors=self.checkpoint,
+                    backend=backend,
+                    device=device,
+                )
             )
             layout = kv_layout(model, config.num_kv_blocks, config.block_size)
             self.kv_server = ServerProcess.start(
-                ServerConfig(kind="kv", socket=self.kv_socket, kv_layout=layout)
+                ServerConfig(
+                    kind="kv", socket=self.kv_socket, kv_layout=layout, backend=backend, device=device
+                )
             )
 
     def stop_memory_servers(self) -> None:

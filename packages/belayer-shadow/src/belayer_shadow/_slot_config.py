@@ -20,6 +20,9 @@ def _optional_path(value: str | Path | None) -> Path | None:
 class SlotConfig:
     """One slot. `weights=None` writes a seeded init of the model to `run_dir/init.safetensors`.
 
+    `backend` is the memory servers' (`host`: memfd; `cuda`: CUDA VMM on GPU `device`, which
+    needs belayer-gpumem's `cuda` extra); the workers compute where the memory is.
+
     `health_interval_s` x `health_misses` is the conventional baseline's detection (remote
     health checks, defaults like common trainers: 10 s x 3).
     """
@@ -31,6 +34,8 @@ class SlotConfig:
     model: Path | None = attrs.field(default=None, converter=_optional_path)
     weights: Path | None = attrs.field(default=None, converter=_optional_path)
     seed: int = 0
+    backend: str = attrs.field(default="host", validator=attrs.validators.in_(("host", "cuda")))
+    device: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     recovery: Recovery = attrs.field(
         default="shadow", validator=attrs.validators.in_(("shadow", "conventional"))
     )
