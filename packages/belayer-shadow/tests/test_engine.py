@@ -198,8 +198,19 @@ def test_sampling_frequencies_follow_the_distribution() -> None:
     assert abs(n / 400 - probability) < 4 * (probability * (1 - probability) / 400) ** 0.5 + 0.01
 
 
-def test_warmup_leaves_the_engine_idle_and_clean() -> None:
-    engine = make_engine(num_blocks=16)
+def test_warmup_touches_neither_the_arena_nor_running_requests() -> None:
+    # A shadow warms up while the main worker serves from the same arena: warm-up must not write it.
+    arena = allocate_kv_arena(CONFIG, 32, 8)
+    engine = LLMEngine(CONFIG, WEIGHTS, arena)
+    engine.add_request("a", PROMPTS["r4"], sampled(seed=5))
+    head = engine.step()
+    snapshot = arena.clone()
+    free = engine.block_manager.num_free_blocks
     engine.warmup()
-    assert not engine.has_unfinished()
-    assert engine.block_manager.num_free_blocks == 16
+    assert torch.equal(arena, snapshot)
+    assert engine.block_manager.num_free_blocks == free
+    assert engine.has_unfinished()
+    rest = run(engine)["a"]
+    alone = make_engine()
+    alone.add_request("a", PROMPTS["r4"], sampled(seed=5))
+    assert [o.token_id for o in head + rest] == tokens(run(alone))["a"]

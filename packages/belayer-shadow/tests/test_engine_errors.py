@@ -113,13 +113,6 @@ def test_arena_and_weights_that_do_not_fit_the_model() -> None:
         LLMEngine(CONFIG, half, allocate_kv_arena(CONFIG, 4, 4))
 
 
-def test_warmup_refuses_a_busy_engine() -> None:
-    e = engine()
-    e.add_request("a", [1, 2], SamplingParams(max_tokens=2))
-    with pytest.raises(EngineError, match="idle"):
-        e.warmup()
-
-
 def test_load_safetensors_of_a_missing_or_broken_file(tmp_path: Any) -> None:
     with pytest.raises(WeightsError, match="no safetensors"):
         load_safetensors(tmp_path / "nope.safetensors")

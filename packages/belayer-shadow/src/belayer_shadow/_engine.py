@@ -183,14 +183,37 @@ class LLMEngine:
                 del self._requests[out.request_id]
         return outputs
 
-    def warmup(self) -> None:
-        """Run one short request through prefill and decode (lazy allocations, kernels); engine must be idle."""
-        if self.has_unfinished():
-            raise EngineError("warmup needs an idle engine; finish or abort the running requests first")
-        request_id = "__belayer_warmup__"
-        self.add_request(request_id, [0, 1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
-        while self.has_unfinished():
-            self.step()
+    def warmup(self, num_requests: int = 4) -> None:
+        """Run a few short requests through prefill and decode on a private scratch arena.
+
+        It pays for lazy allocations and first-call costs without touching the shared KV arena or
+        this engine's requests, so a shadow can warm up while the main worker serves from the
+        same memory.
+        """
+        block_size = self.block_manager.block_size
+        num_tokens = 8 + 4
+        num_blocks = num_requests * num_blocks_for(num_tokens, block_size)
+        scratch = allocate_kv_arena(self.config, num_blocks, block_size, device=self.device)
+        runner = ModelRunner(self.model, scratch)
+        scheduler = Scheduler(
+            BlockManager(num_blocks, block_size), num_requests, num_requests * 8, num_tokens
+        )
+        for i in range(num_requests):
+            params = SamplingParams(max_tokens=4, temperature=0.0 if i % 2 else 1.0, seed=i)
+            scheduler.add(
+                Sequence(
+                    request_id=f"warmup-{i}",
+                    token_ids=[(i + j) % self.config.vocab_size for j in range(8)],
+                    num_prompt_tokens=8,
+                    params=params,
+                    seed=i,
+                    arrival=i,
+                )
+            )
+        with torch.inference_mode():
+            while (batch := scheduler.schedule()) is not None:
+                token_ids, logprobs = runner.run(batch)
+                scheduler.postprocess(batch, token_ids, logprobs)
 
     # Memory.
 
