@@ -104,3 +104,33 @@ async def test_second_failure_in_window_marks_slot_unhealthy_and_requests_move(t
         assert app.registry.slots["b"].healthy
         assert "slot.second_failure" in [e["event"] for e in slot_a.events()]
         assert slot_b.num_handovers == 0
+
+
+async def test_weights_pushed_to_the_slot_are_served_before_and_after_a_handover(tmp_path: Path) -> None:
+    from belayer_shadow import (
+        LLMEngine,
+        ModelConfig,
+        SamplingParams,
+        allocate_kv_arena,
+        fill_weight_server,
+        init_weights,
+    )
+
+    config = ModelConfig.default()
+    new_weights = init_weights(config, 1)
+    engine = LLMEngine(config, new_weights, allocate_kv_arena(config, 64, 16))
+    engine.add_request("ref", PROMPTS[0], SamplingParams(max_tokens=32, temperature=0.0))
+    expected: list[int] = []
+    while engine.has_unfinished():
+        expected += [out.token_id for out in engine.step()]
+    async with router() as (url, _app), supervised(url, tmp_path / "slot") as slot:
+        (before,) = await generate_all(url, PROMPTS[:1], 32)
+        assert before != expected  # the slot starts on the seed-0 init
+        version = await anyio.to_thread.run_sync(fill_weight_server, slot.weights_socket, new_weights)
+        assert version == 2
+        (after,) = await generate_all(url, PROMPTS[:1], 32)
+        assert after == expected
+        slot.kill_main()
+        (handed_over,) = await generate_all(url, PROMPTS[:1], 32)
+        assert handed_over == expected
+        await anyio.to_thread.run_sync(slot.wait_handovers, 1)

@@ -11,7 +11,6 @@ The API is synchronous (threads); from async code call `start`/`stop` via `anyio
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
@@ -36,6 +35,10 @@ from belayer_shadow._slot_config import SlotConfig
 __all__ = ["SlotConfig", "SlotSupervisor"]
 
 
+# Shadows in a row that exit before standing by; then the supervisor stops starting new ones.
+_MAX_FAILED_STARTS = 3
+
+
 @attrs.define(eq=False)
 class SlotSupervisor:
     """Starts, watches and recovers one slot; `stop()` leaves no process, socket or memory segment."""
@@ -56,6 +59,7 @@ class SlotSupervisor:
     _conventional: ConventionalRecovery | None = None
     _handover_generation: int | None = None
     _children: list[Child] = attrs.field(factory=list)
+    _num_failed_starts: int = 0
 
     def __attrs_post_init__(self) -> None:
         self.log = EventLog(self.config.run_dir / "events.jsonl", "supervisor")
@@ -290,8 +294,11 @@ class SlotSupervisor:
             if self._conventional is not None:
                 self._conventional.poll()
             else:
-                with contextlib.suppress(Exception):
+                try:
                     self._check_shadow()
+                except Exception as exc:  # the monitor must outlive a bad poll (e.g. a spawn failure)
+                    self.log.emit("supervisor.error", error=repr(exc))
+                    time.sleep(0.5)
 
     def _check_shadow(self) -> None:
         with self._lock:
@@ -314,7 +321,11 @@ class SlotSupervisor:
                     self.healthy = False
                     self.shadow = None
                     threading.Thread(target=self.mark_unhealthy, daemon=True).start()
+                elif state is None and self._num_failed_starts >= _MAX_FAILED_STARTS:
+                    self.shadow = None  # it never came up: do not crash-loop; its log says why
+                    self.log.emit("shadow.gave_up", log_file=str(shadow.log_file))
                 else:
+                    self._num_failed_starts = self._num_failed_starts + 1 if state is None else 0
                     self.shadow = self._spawn("shadow")
 
     def _promote(self, shadow: Child) -> None:
