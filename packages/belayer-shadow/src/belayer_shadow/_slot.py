@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import threading
 import time
 from pathlib import Path
+from signal import SIGKILL
 from typing import Any
 
 import anyio
@@ -153,12 +153,12 @@ class SlotSupervisor:
                 raise TimeoutError(f"only {self.num_handovers} of {count} handovers within {timeout_s} s")
             time.sleep(0.01)
 
-    def kill_main(self, sig: int = signal.SIGKILL) -> float:
-        """Chaos: send `sig` to the main worker; returns the wall-clock time it was sent."""
+    def kill_main(self, signal: int = SIGKILL) -> float:
+        """Chaos: send `signal` to the main worker; returns the wall-clock time it was sent."""
         assert self.main is not None, "start() the supervisor first"
         sent = time.time()
-        os.kill(self.main.pid, sig)
-        self.log.emit("chaos.signal", pid=self.main.pid, signal=int(sig))
+        os.kill(self.main.pid, signal)
+        self.log.emit("chaos.signal", pid=self.main.pid, signal=int(signal))
         return sent
 
     def stop(self) -> None:
