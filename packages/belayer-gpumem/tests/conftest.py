@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 import subprocess
 import sys
@@ -24,6 +25,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def resident_bytes(address: int) -> int:
+    """Rss of the mapping that contains `address`, from /proc/self/smaps."""
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            span = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+            if span:
+                inside = int(span.group(1), 16) <= address < int(span.group(2), 16)
+            elif inside and line.startswith("Rss:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("mapping not found")
 
 
 def run_worker(*args: str, timeout: float = 120.0) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import KV_LAYOUT, run_worker
+from conftest import KV_LAYOUT, resident_bytes, run_worker
 
 from belayer_gpumem import KVClient, RemoteError, ServerProcess, WeightClient
 
@@ -35,6 +35,15 @@ def test_flush_zeroes_the_arena_for_everyone_and_bumps_the_generation(kv_server:
         assert float(b.arena.double().sum()) == 0
         assert b.describe()["generation"] == 1
     assert "BLOCK 0.0 GENERATION 1" in run_worker("kv-read", socket, "0")
+
+
+def test_populate_maps_every_page_at_attach(kv_server: ServerProcess) -> None:
+    socket = kv_server.config.socket
+    with KVClient.attach(socket) as lazy, KVClient.attach(socket, populate=True) as eager:
+        region_bytes = KV_LAYOUT.region_bytes
+        # Nobody has touched the arena: a lazy mapping has no page of it yet, a populated one all.
+        assert resident_bytes(lazy.region.data_ptr()) < region_bytes // 4
+        assert resident_bytes(eager.region.data_ptr()) >= region_bytes
 
 
 def test_ops_of_the_other_kind_are_refused(kv_server: ServerProcess) -> None:

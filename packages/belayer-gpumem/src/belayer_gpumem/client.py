@@ -67,7 +67,11 @@ class _Attachment:
             if len(fds) != 1:
                 raise BelayerGpumemError(f"expected one region fd from the server, got {len(fds)}")
             flat = map_region(
-                reply["backend"], fds[0], int(reply["region_bytes"]), device=int(reply["device"])
+                reply["backend"],
+                fds[0],
+                int(reply["region_bytes"]),
+                device=int(reply["device"]),
+                populate=populate,
             )
         except BaseException:
             conn.close()
