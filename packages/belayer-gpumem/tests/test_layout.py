@@ -58,6 +58,12 @@ def test_layout_file_without_offsets_is_packed() -> None:
             "slot_bytes": REGION_ALIGNMENT,
         },
         {"tables": []},
+        {
+            "tensors": [{"name": "w", "dtype": "float32", "shape": [4], "offset": "0"}],
+            "slot_bytes": REGION_ALIGNMENT,
+        },
+        {"tensors": [{"name": "w", "dtype": "float32", "shape": [4], "offset": 0}], "slot_bytes": "2MiB"},
+        {"tensors": [{"name": "w", "dtype": "float32", "shape": [4], "offset": 0}], "slot_bytes": 2.0**21},
     ],
 )
 def test_bad_weight_layouts_raise_layout_error(bad: object) -> None:

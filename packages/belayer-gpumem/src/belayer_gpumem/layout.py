@@ -60,6 +60,11 @@ def _check_shape(_inst: object, _attr: object, value: tuple[int, ...]) -> None:
         raise LayoutError(f"shape {value!r} must be a tuple of non-negative ints")
 
 
+def _check_offset(_inst: object, _attr: object, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise LayoutError(f"offset {value!r} must be an int")
+
+
 def _to_shape(value: Iterable[int]) -> tuple[int, ...]:
     return tuple(value)
 
@@ -75,7 +80,7 @@ class TensorSpec:
     name: str
     dtype: str = attrs.field(validator=_check_dtype)
     shape: tuple[int, ...] = attrs.field(converter=_to_shape, validator=_check_shape)
-    offset: int = 0
+    offset: int = attrs.field(default=0, validator=_check_offset)
 
     @property
     def numel(self) -> int:
@@ -103,7 +108,12 @@ class WeightLayout:
         names = [t.name for t in self.tensors]
         if len(set(names)) != len(names):
             raise LayoutError("tensor names in a weight layout must be unique")
-        if self.slot_bytes <= 0 or self.slot_bytes % REGION_ALIGNMENT:
+        if (
+            not isinstance(self.slot_bytes, int)
+            or isinstance(self.slot_bytes, bool)
+            or self.slot_bytes <= 0
+            or self.slot_bytes % REGION_ALIGNMENT
+        ):
             raise LayoutError(f"slot_bytes must be a positive multiple of {REGION_ALIGNMENT}")
         for spec in self.tensors:
             if (
@@ -154,7 +164,7 @@ class WeightLayout:
         if slot_bytes is None or any(t.offset == -1 for t in tensors):
             # A layout file may list only names, dtypes and shapes: pack them.
             return cls.pack((t.name, t.dtype, t.shape) for t in tensors)
-        return cls(tensors=tuple(tensors), slot_bytes=int(slot_bytes))
+        return cls(tensors=tuple(tensors), slot_bytes=slot_bytes)
 
 
 def _positive(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
