@@ -122,6 +122,8 @@ def test_update_atomicity_hammer(run_dir: Path, tmp_path: Path) -> None:
     with ServerProcess.start(config) as server:
         socket = str(server.config.socket)
         readers = [start_worker("weights-hammer-read", socket, str(rounds)) for _ in range(2)]
+        for reader in readers:  # every reader pins a version before the first update
+            wait_line(reader, "ATTACHED")
         run_worker("weights-hammer-write", socket, str(rounds))
         for reader in readers:
             line = wait_line(reader, "READS")

@@ -81,6 +81,7 @@ def _hammer_read(socket: str, final_version: int) -> None:
     torn = reads = 0
     versions: set[int] = set()
     with WeightClient.attach(socket) as client:
+        print("ATTACHED", flush=True)  # pinned now: the writer cannot get two versions ahead of us
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             client.refresh()
