@@ -11,7 +11,9 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from typing import Any, Self
 
 import attrs
@@ -21,28 +23,53 @@ from belayer_gpumem.errors import ServerStartError
 
 __all__ = ["ServerProcess"]
 
+_STDERR_TAIL_LINES = 200
+
 
 @attrs.define
 class ServerProcess:
-    """A running `belayer-gpumem serve` child process."""
+    """A running `belayer-gpumem serve` child process.
+
+    Its stdout and stderr are drained for as long as it runs (the last lines of stderr are kept,
+    see `stderr_tail`), so a chatty server never blocks on a full pipe.
+    """
 
     config: ServerConfig
     popen: subprocess.Popen[str]
     ready_info: dict[str, Any]
+    _stderr_tail: deque[str] = attrs.field(factory=lambda: deque(maxlen=_STDERR_TAIL_LINES))
+    _drains: list[threading.Thread] = attrs.field(factory=list)
 
     @classmethod
     def start(cls, config: ServerConfig, *, timeout_s: float = 60.0) -> ServerProcess:
         """Spawn the server and block until it prints its ready line; raises ServerStartError otherwise."""
         argv = [sys.executable, "-m", "belayer_gpumem", *config.to_argv()]
         popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
         try:
-            info = _wait_ready(popen, argv, timeout_s)
+            info = _wait_ready(popen, argv, timeout_s, tail)
         except BaseException:
             if popen.poll() is None:
                 popen.kill()
             popen.wait()
             raise
-        return cls(config=config, popen=popen, ready_info=info)
+        server = cls(config=config, popen=popen, ready_info=info, stderr_tail=tail)
+        server._start_draining()
+        return server
+
+    def stderr_tail(self) -> str:
+        """The last lines (at most 200) the server wrote to stderr so far."""
+        return "\n".join(self._stderr_tail)
+
+    def _start_draining(self) -> None:
+        assert self.popen.stdout is not None
+        assert self.popen.stderr is not None
+        for pipe, tail in ((self.popen.stdout, None), (self.popen.stderr, self._stderr_tail)):
+            thread = threading.Thread(
+                target=_drain, args=(pipe.fileno(), tail), name=f"gpumem-drain-{self.pid}", daemon=True
+            )
+            thread.start()
+            self._drains.append(thread)
 
     @property
     def pid(self) -> int:
@@ -73,6 +100,10 @@ class ServerProcess:
         self._close_pipes()
 
     def _close_pipes(self) -> None:
+        for thread in self._drains:
+            thread.join(timeout=5.0)
+        if any(thread.is_alive() for thread in self._drains):
+            return  # a descendant still holds the pipes: closing them now would race the drain
         for pipe in (self.popen.stdout, self.popen.stderr):
             if pipe is not None:
                 pipe.close()
@@ -84,28 +115,60 @@ class ServerProcess:
         self.stop()
 
 
-def _wait_ready(popen: subprocess.Popen[str], argv: list[str], timeout_s: float) -> dict[str, Any]:
+def _drain(fd: int, tail: deque[str] | None, pending: bytes = b"") -> None:
+    """Read `fd` until EOF, keeping its lines (the first one starts with `pending`) in `tail`."""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            return
+        if not chunk:
+            break
+        if tail is not None:
+            *lines, pending = (pending + chunk).split(b"\n")
+            tail.extend(line.decode(errors="replace") for line in lines)
+    if tail is not None and pending:
+        tail.append(pending.decode(errors="replace"))
+
+
+def _wait_ready(
+    popen: subprocess.Popen[str], argv: list[str], timeout_s: float, tail: deque[str]
+) -> dict[str, Any]:
     assert popen.stdout is not None
     assert popen.stderr is not None
     deadline = time.monotonic() + timeout_s
-    buffered = ""
-    fd = popen.stdout.fileno()
+    out_fd, err_fd = popen.stdout.fileno(), popen.stderr.fileno()
+    watched = [out_fd, err_fd]
+    stdout, stderr = b"", b""
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise ServerStartError(f"memory server did not get ready within {timeout_s} s: {' '.join(argv)}")
-        readable, _, _ = select.select([fd], [], [], remaining)
-        if not readable:
+        readable, _, _ = select.select(watched, [], [], remaining)
+        if err_fd in readable:
+            # Read stderr as it comes, so a server that logs a lot before it is ready never blocks.
+            chunk = os.read(err_fd, 65536)
+            if not chunk:
+                watched.remove(err_fd)
+            *lines, stderr = (stderr + chunk).split(b"\n")
+            tail.extend(line.decode(errors="replace") for line in lines)
+        if out_fd not in readable:
             continue
-        chunk = os.read(fd, 65536).decode()
+        chunk = os.read(out_fd, 65536)
         if not chunk:  # stdout closed: the server exited
             popen.wait()
-            stderr = popen.stderr.read().strip()
+            if err_fd in watched:
+                _drain(err_fd, tail, stderr)
+            elif stderr:
+                tail.append(stderr.decode(errors="replace"))
+            message = "\n".join(tail).strip()
             raise ServerStartError(
-                f"memory server exited with code {popen.returncode}: {stderr or '(no output)'}"
+                f"memory server exited with code {popen.returncode}: {message or '(no output)'}"
             )
-        buffered += chunk
-        for line in buffered.splitlines():
-            if line.startswith(READY_PREFIX):
-                info: dict[str, Any] = json.loads(line[len(READY_PREFIX) :])
+        stdout += chunk
+        *lines, stdout = stdout.split(b"\n")  # only complete lines: the ready line may arrive in pieces
+        for line in lines:
+            text = line.decode(errors="replace")
+            if text.startswith(READY_PREFIX):
+                info: dict[str, Any] = json.loads(text[len(READY_PREFIX) :])
                 return info
