@@ -46,7 +46,8 @@ class RouterClient:
 
     ``reconnect_timeout``: how long a streaming generation keeps reconnecting (with the same
     request id and the number of tokens already received) when the router itself goes away, e.g.
-    while it restarts from its persisted journal.
+    while it restarts from its persisted journal; counted from the break, however long the
+    stream ran before it.
     """
 
     base_url: str
@@ -125,11 +126,12 @@ class RouterClient:
             "turn": turn,
         }
         num_received = 0
-        deadline = anyio.current_time() + self.reconnect_timeout
+        broken_since: float | None = None  # the reconnect window starts at a break, not at the start
         while True:
             body["num_received_tokens"] = num_received
             try:
                 async for event in self._stream_once(body):
+                    broken_since = None
                     if isinstance(event, TokenEvent):
                         num_received += 1
                     yield event
@@ -137,7 +139,10 @@ class RouterClient:
                         return
                 raise httpx.RemoteProtocolError("router stream ended without a finish event")
             except (httpx.TransportError, OSError):
-                if anyio.current_time() >= deadline:
+                now = anyio.current_time()
+                if broken_since is None:
+                    broken_since = now
+                if now - broken_since >= self.reconnect_timeout:
                     raise
                 await anyio.sleep(0.05)
 
