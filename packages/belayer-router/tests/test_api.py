@@ -71,6 +71,15 @@ async def test_admin_calls_need_the_bearer_token() -> None:
             assert [s["epoch"] for s in await admin.workers()] == [1]
 
 
+@pytest.mark.parametrize("path", ["/workers/register", "/workers/unregister"])
+async def test_registration_without_a_slot_name_is_refused(path: str) -> None:
+    async with running_router() as (url, app), httpx.AsyncClient(base_url=url) as http:
+        response = await http.post(path, json={"url": "http://127.0.0.1:1", "epoch": 1})
+        assert response.status_code == 400
+        assert "'slot'" in response.json()["error"]["message"]
+        assert app.registry.slots == {}
+
+
 async def test_epoch_fencing_on_registration() -> None:
     async with running_router() as (url, _), RouterClient(url) as client:
         await client.register("s0", "http://127.0.0.1:1", 2)

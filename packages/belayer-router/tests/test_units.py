@@ -15,6 +15,8 @@ from belayer_router import (
     JournalStore,
     NotFoundError,
     Registry,
+    RouterApp,
+    RouterConfig,
     StaleEpochError,
     WorkerFinish,
     WorkerStreamError,
@@ -141,6 +143,11 @@ def test_worker_events_parse_and_reject_garbage() -> None:
         b'{"type":"token"}',
         b'{"type":"finish","epoch":1,"finish_reason":"x"}',
         b'{"type":"error","epoch":1,"message":"oom"}',
+        b'{"type":"token","epoch":1,"index":0,"token_id":"7","logprob":-1}',
+        b'{"type":"token","epoch":1,"index":0,"token_id":7.5,"logprob":-1}',
+        b'{"type":"token","epoch":1,"index":true,"token_id":7,"logprob":-1}',
+        b'{"type":"token","epoch":"1","index":0,"token_id":7,"logprob":-1}',
+        b'["token"]',
     ):
         with pytest.raises(WorkerStreamError):
             parse_worker_event(bad)
@@ -152,6 +159,33 @@ def test_worker_request_continues_from_the_generated_tokens() -> None:
     assert body["generated_token_ids"] == [4, 5, 6]
     assert body["max_tokens"] == 7
     assert (body["seed"], body["epoch"], body["stop_token_ids"]) == (42, 2, [9])
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"op":"begin","request_id":"r"}',
+        b'{"op":"prefix","request_id":"r"}',
+        b'{"op":"context","trajectory_id":"t"}',
+    ],
+)
+def test_journal_with_a_malformed_operation_raises_journal_error(tmp_path: Path, line: bytes) -> None:
+    path = tmp_path / "j.jsonl"
+    good = Journal(JournalStore(path))
+    good.begin("r", request(), seed=1)
+    assert good.store is not None
+    good.store.close()
+    with path.open("ab") as file:
+        file.write(line + b"\n")
+    with pytest.raises(JournalError, match="malformed"):
+        Journal(JournalStore(path)).load()
+
+
+def test_a_journal_with_an_unreplayable_registration_raises_journal_error(tmp_path: Path) -> None:
+    path = tmp_path / "j.jsonl"
+    path.write_bytes(b'{"op":"register","slot":"s","epoch":1}\n')  # no url
+    with pytest.raises(JournalError, match="cannot be replayed"):
+        RouterApp(RouterConfig(journal_path=path))
 
 
 def test_put_context_rejects_bad_turns() -> None:

@@ -13,7 +13,13 @@ import httpx
 
 from belayer_router._asgi import Receive, Send, read_json, send_json, send_text, stream_response
 from belayer_router._dispatch import Dispatcher, Emit, new_seed
-from belayer_router._errors import BelayerRouterError, InvalidRequestError, NotFoundError, UnauthorizedError
+from belayer_router._errors import (
+    BelayerRouterError,
+    InvalidRequestError,
+    JournalError,
+    NotFoundError,
+    UnauthorizedError,
+)
 from belayer_router._journal import Journal, RequestRecord
 from belayer_router._metrics import Metrics
 from belayer_router._openai import CompletionRenderer, parse_completion_request
@@ -53,6 +59,13 @@ def _int_field(body: dict[str, Any], name: str) -> int:
     return value
 
 
+def _slot_field(body: dict[str, Any]) -> str:
+    slot = body.get("slot")
+    if not isinstance(slot, str):
+        raise InvalidRequestError(f"field 'slot' must be a string (the slot name), got {slot!r}")
+    return slot
+
+
 def _object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object")
@@ -79,7 +92,13 @@ class RouterApp:
             store = JournalStore(self.config.journal_path, fsync=self.config.fsync)
         self.journal = Journal(store, prefix_interval=self.config.prefix_interval)
         for op in self.journal.load():
-            self._apply_admin(op)
+            try:
+                self._apply_admin(op)
+            except (BelayerRouterError, KeyError, TypeError) as error:
+                raise JournalError(
+                    f"journal {self.config.journal_path} holds a registry change that cannot be "
+                    f"replayed ({op!r}: {error!r}); move the file away to start with an empty journal"
+                ) from error
         timeout = httpx.Timeout(10.0, read=self.config.worker_read_timeout)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
         client = httpx.AsyncClient(timeout=timeout, limits=limits)
@@ -168,12 +187,12 @@ class RouterApp:
                 url = body.get("url")
                 if not isinstance(url, str) or not url.startswith(("http://", "https://")):
                     raise InvalidRequestError(f"field 'url' must be an http(s) URL, got {url!r}")
-                slot, epoch = str(body.get("slot")), _int_field(body, "epoch")
+                slot, epoch = _slot_field(body), _int_field(body, "epoch")
                 self._admin_change({"op": "register", "slot": slot, "url": url.rstrip("/"), "epoch": epoch})
                 await send_json(send, 200, {"slot": slot, "url": url.rstrip("/"), "epoch": epoch})
             case "POST", ["workers", "unregister"]:
                 body = _object(await read_json(receive))
-                slot, epoch = str(body.get("slot")), _int_field(body, "epoch")
+                slot, epoch = _slot_field(body), _int_field(body, "epoch")
                 self._admin_change({"op": "unregister", "slot": slot, "epoch": epoch})
                 await send_json(send, 200, {"ok": True})
             case "POST", ["slots", slot, "unhealthy"]:

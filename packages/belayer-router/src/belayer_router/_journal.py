@@ -7,7 +7,7 @@ from typing import Any
 
 import attrs
 
-from belayer_router._errors import InvalidRequestError, NotFoundError, RequestConflictError
+from belayer_router._errors import InvalidRequestError, JournalError, NotFoundError, RequestConflictError
 from belayer_router._protocol import GenerateRequest
 from belayer_router._store import JournalStore
 
@@ -177,8 +177,14 @@ class Journal:
         for op in self.store.read():
             if op["op"] in ("register", "unregister", "unhealthy"):
                 admin_ops.append(op)
-            else:
+                continue
+            try:
                 self._replay(op)
+            except (KeyError, TypeError, ValueError, AttributeError) as error:
+                raise JournalError(
+                    f"journal {self.store.path} holds a malformed {op.get('op')!r} operation "
+                    f"({error!r}); move the file away to start with an empty journal"
+                ) from error
         return admin_ops
 
     def _replay(self, op: dict[str, Any]) -> None:

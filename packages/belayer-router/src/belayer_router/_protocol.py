@@ -186,14 +186,23 @@ def worker_request_body(
     }
 
 
+def _event_int(event: Mapping[str, Any], name: str) -> int:
+    value = event[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"field {name!r} must be a non-negative integer, got {value!r}")
+    return value
+
+
 def parse_worker_event(line: bytes) -> WorkerToken | WorkerFinish:
     """Decode one NDJSON line from a worker; raise `WorkerStreamError` on anything malformed."""
     try:
         event = json.loads(line)
         kind = event["type"]
-        epoch = event["epoch"]
+        epoch = _event_int(event, "epoch")
         if kind == "token":
-            return WorkerToken(epoch, event["index"], event["token_id"], float(event["logprob"]))
+            return WorkerToken(
+                epoch, _event_int(event, "index"), _event_int(event, "token_id"), float(event["logprob"])
+            )
         if kind == "finish":
             reason = event["finish_reason"]
             if reason not in FINISH_REASONS:
