@@ -73,6 +73,12 @@ from belayer_policy import (
         (lambda: percentile([], 50), "values"),
         (lambda: compare_policies([], config=SimulationConfig(), runs=1), "specs"),
         (lambda: compare_policies([PolicySpec.parse("never")], config=SimulationConfig(), runs=0), "runs"),
+        (
+            lambda: compare_policies(
+                [PolicySpec.parse("never")], config=SimulationConfig(), runs=1, num_trajectories=2.5
+            ),
+            "num_trajectories",
+        ),
     ],
 )
 def test_invalid_argument_names_itself(build: Callable[[], object], argument: str) -> None:
@@ -129,6 +135,13 @@ def test_malformed_trace_is_refused_with_the_line(tmp_path: Path, content: str, 
         load_trace(path)
     assert message in str(info.value)
     assert isinstance(info.value, ValueError)
+
+
+def test_binary_trace_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(TraceFormatError, match="not UTF-8"):
+        load_trace(path)
 
 
 def test_missing_trace_is_refused(tmp_path: Path) -> None:

@@ -102,7 +102,9 @@ def compare_policies(
         raise PolicyArgumentError("specs must name at least one policy")
     if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
         raise PolicyArgumentError(f"runs must be an integer >= 1, got {runs!r}")
-    if trace is None and (isinstance(num_trajectories, bool) or num_trajectories < 1):
+    if trace is None and (
+        isinstance(num_trajectories, bool) or not isinstance(num_trajectories, int) or num_trajectories < 1
+    ):
         raise PolicyArgumentError(f"num_trajectories must be an integer >= 1, got {num_trajectories!r}")
     if trace is not None and not trace:
         raise PolicyArgumentError("trace must hold at least one trajectory")

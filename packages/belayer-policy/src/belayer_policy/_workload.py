@@ -176,6 +176,10 @@ def load_trace(path: str | Path) -> list[Trajectory]:
         lines = trace.read_text().splitlines()
     except OSError as err:
         raise TraceFormatError(f"trace {str(trace)!r} cannot be read: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise TraceFormatError(
+            f"trace {str(trace)!r} is not UTF-8 text (byte {err.start}): write JSONL"
+        ) from None
     trajectories = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
