@@ -81,13 +81,14 @@ async def test_dead_memory_server_shadow_refuses_and_slot_goes_unhealthy(tmp_pat
         slot.kv_server.kill()
         slot.kill_main()
         with anyio.fail_after(60):
-            while app.registry.slots["s0"].healthy:  # noqa: ASYNC110
+            # The shadow tells the router; the supervisor sees the shadow's `failed` state.
+            while app.registry.slots["s0"].healthy or slot.healthy:  # noqa: ASYNC110
                 await anyio.sleep(0.02)
         events = slot.events()
         failed = next(e for e in events if e["event"] == "handover.failed")
         assert "memory server" in failed["error"]
         assert "handover.register" not in [e["event"] for e in events]
-        assert not slot.healthy
+        assert slot.shadow is None  # no new shadow on a slot that is out
 
 
 async def test_conventional_recovery_restarts_and_regenerates(tmp_path: Path) -> None:

@@ -318,8 +318,8 @@ class SlotSupervisor:
                 if state == "failed":
                     # The shadow found the memory or the device bad and marked the slot unhealthy;
                     # marking it again here covers a shadow that could not reach the router.
-                    self.healthy = False
                     self.shadow = None
+                    self.healthy = False
                     threading.Thread(target=self.mark_unhealthy, daemon=True).start()
                 elif state is None and self._num_failed_starts >= _MAX_FAILED_STARTS:
                     self.shadow = None  # it never came up: do not crash-loop; its log says why
