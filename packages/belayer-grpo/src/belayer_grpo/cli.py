@@ -2,6 +2,7 @@
 
     belayer-grpo train [--config FILE] [section.key=value ...]
     belayer-grpo config [--config FILE] [section.key=value ...]
+    belayer-grpo bench [--config FILE] [--scale small|full] [--experiment NAME] [--quick] [--out DIR]
 
 Ctrl-C (SIGINT) or SIGTERM stops training cleanly: every worker, memory server and socket of the
 run is removed before the command exits (with status 130).
@@ -14,6 +15,7 @@ import json
 import logging
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -36,7 +38,30 @@ def _parser() -> argparse.ArgumentParser:
         command = commands.add_parser(name, help=text)
         command.add_argument("--config", help="a TOML or YAML file with sections (default: the embedded one)")
         command.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. algorithm.steps=10")
+    bench = commands.add_parser("bench", help="run the benchmark experiments and write a report")
+    bench.add_argument("--config", help="a benchmark TOML layered over the scale's configuration")
+    bench.add_argument("--scale", choices=("small", "full"), default=None, help="default: small (CPU)")
+    bench.add_argument("--experiment", action="append", help="overhead, worker-failure, env-failures, checkpoint-cost")
+    bench.add_argument("--quick", action="store_true", help="fewer repeats and steps (a few minutes)")
+    bench.add_argument("--out", help="results folder (default: the configuration's results_dir)")
     return parser
+
+
+def _bench(args: argparse.Namespace, argv: list[str]) -> int:
+    from belayer_grpo.bench import EXPERIMENTS, load_bench_config, quick_config, run_bench
+
+    try:
+        bench = load_bench_config(args.config, scale=args.scale)
+        bench = quick_config(bench) if args.quick else bench
+        out = Path(args.out or bench.results_dir)
+        command = " ".join(["belayer-grpo", *argv])
+        report = anyio.run(lambda: run_bench(bench, args.experiment or EXPERIMENTS, out, command=command,
+                                             stream=sys.stderr))  # fmt: skip
+    except BelayerGrpoError as error:
+        print(f"belayer-grpo: {error}", file=sys.stderr)
+        return 2
+    print(report)
+    return 0
 
 
 async def _train_until_signalled(config: Config) -> tuple[dict[str, Any] | None, bool]:
@@ -91,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``belayer-grpo`` command."""
     args = _parser().parse_args(argv)
     logging.getLogger("uvicorn.error").addFilter(_QuietLifespanCancel())
+    if args.command == "bench":
+        return _bench(args, sys.argv[1:] if argv is None else argv)
     try:
         config = load_config(args.config, args.overrides)
     except BelayerGrpoError as error:

@@ -1,0 +1,100 @@
+"""`run_bench`: run the chosen experiments in order and write the report."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import attrs
+
+from belayer_grpo.bench.env_failures import checkpoint_costs, run_env_failures
+from belayer_grpo.bench.overhead import run_math_overhead, run_swe_overhead
+from belayer_grpo.bench.report import write_report
+from belayer_grpo.bench.settings import EXPERIMENTS, BenchConfig
+from belayer_grpo.bench.worker_failure import run_worker_failure
+from belayer_grpo.errors import ConfigError
+
+__all__ = ["quick_config", "run_bench"]
+
+_DESCRIPTIONS = {
+    "overhead": ["End-to-end time of the same work with Belayer on and off, arms interleaved; overhead is "
+                 "the mean of the paired relative differences. The noise floor is the coefficient of "
+                 "variation of the baseline's own repeats: an overhead below it is not resolved."],
+    "worker-failure": ["One SIGKILLed main worker per rollout, the same seeded batch rolled out without and "
+                       "with the failure; Belayer's shadow handover against belayer-shadow's conventional "
+                       "baseline (remote health checks, engine restart, regeneration from scratch)."],
+    "env-failures": ["Sandboxes killed with probability p per environment step (seeded); rollout time of "
+                     "the batch against the failure-free batch of the same seed under `never`."],
+    "checkpoint-cost": ["Every full checkpoint of the environment-failure runs (CRIU + filesystem), and the "
+                        "part of it that overlapped the next LLM response (measured per task and turn by "
+                        "the scripted agent) and so added no time."],
+}  # fmt: skip
+
+
+def quick_config(bench: BenchConfig) -> BenchConfig:
+    """A few minutes' version: fewer repeats, steps, samples and rounds."""
+    return attrs.evolve(
+        bench,
+        swe=attrs.evolve(bench.swe, samples_per_task=1, rounds=4),
+        overhead=attrs.evolve(bench.overhead, repeats=2, math_steps=2, swe_steps=1),
+        worker_failure=attrs.evolve(bench.worker_failure, repeats=1, batch_size=4),
+        env_failures=attrs.evolve(bench.env_failures, seeds=bench.env_failures.seeds[:1]),
+    )
+
+
+def _say(stream: TextIO, text: str) -> None:
+    print(f"belayer-grpo bench: {text}", file=stream, flush=True)
+
+
+async def run_bench(
+    bench: BenchConfig, experiments: Sequence[str], out_dir: Path, *, command: str, stream: TextIO
+) -> Path:
+    """Run ``experiments`` (names of `EXPERIMENTS`) and write the report under ``out_dir``."""
+    unknown = [name for name in experiments if name not in EXPERIMENTS]
+    if unknown:
+        raise ConfigError("--experiment", f"unknown experiment {unknown[0]!r} (choose from {', '.join(EXPERIMENTS)})")
+    started = time.monotonic()
+    results: dict[str, Any] = {"experiments": {}, "descriptions": _DESCRIPTIONS, "config": bench.to_dict()}
+    notes: list[str] = []
+    work = Path(tempfile.mkdtemp(prefix="belayer-bench-"))
+    try:
+        if "overhead" in experiments:
+            overhead = []
+            if "math" in bench.overhead.workloads:
+                _say(stream, "failure-free overhead, math workload (GRPO training runs)")
+                overhead.append(await run_math_overhead(bench, work))
+            if "swe" in bench.overhead.workloads:
+                _say(stream, "failure-free overhead, agentic workload (rollout batches)")
+                overhead.append(await run_swe_overhead(bench, work))
+            results["experiments"]["overhead"] = overhead
+        if "worker-failure" in experiments:
+            _say(stream, "rollout-worker failure: shadow handover vs conventional recovery")
+            results["experiments"]["worker-failure"] = await run_worker_failure(bench, work)
+        if "env-failures" in experiments or "checkpoint-cost" in experiments:
+            _say(stream, "environment failures under never / always / every-k / adaptive")
+            env = await run_env_failures(bench, work)
+            if "env-failures" in experiments:
+                results["experiments"]["env-failures"] = env
+            if "checkpoint-cost" in experiments:
+                results["experiments"]["checkpoint-cost"] = checkpoint_costs(env["runs"])
+            for run in env["runs"]:
+                run.pop("checkpoints", None)  # kept once, in checkpoint-cost
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    uses_swe = "overhead" in experiments and "swe" in bench.overhead.workloads
+    if uses_swe or {"env-failures", "checkpoint-cost"} & set(experiments):
+        notes.append("Agentic runs: real router, agent loop, Docker+CRIU sandboxes and belayer-policy; the LLM "
+                     "is a scripted agent (the CPU policy cannot write shell commands) streaming one byte "
+                     f"token every {bench.swe.token_delay_s} s.")  # fmt: skip
+    results["meta"] = {
+        "command": command, "scale": bench.scale, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.system()}",
+        "wall_s": time.monotonic() - started, "notes": notes,
+    }  # fmt: skip
+    return write_report(results, out_dir)
