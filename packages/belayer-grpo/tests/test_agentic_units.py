@@ -265,3 +265,21 @@ def test_the_policy_is_told_the_injected_failure_probability(tmp_path: Path) -> 
         checkpoint_root=tmp_path, sandbox_kill_probability=0.2, policy_failure_probability=0.05
     )
     assert explicit.failure_probability == 0.05
+
+
+def test_to_samples_trains_only_on_generated_tokens() -> None:
+    from belayer_grpo.agentic import to_samples
+
+    base = trajectory([], 1.0)
+    agentic = AgenticTrajectory(
+        "t", "task", 2, 1, [9, 9, 5, 6, 7, 8], [0, 0, 1, 1, 0, 1], [0.0, 0.0, -0.5, -0.25, 0.0, -1.0],
+        2, 1.0, "submit", 2, 1, 2, 0, "", "adaptive", 1.0, [], [], num_resumed_responses=1,
+    )  # fmt: skip
+    [sample] = to_samples([agentic])
+    assert sample.group == 2
+    assert sample.prompt_ids == [9, 9]
+    assert sample.completion_ids == [5, 6, 7, 8]
+    assert sample.loss_mask == [1, 1, 0, 1]
+    assert sample.logprobs == [-0.5, -0.25, 0.0, -1.0]
+    assert (sample.reward, sample.finish_reason, sample.num_resumes) == (1.0, "submit", 1)
+    assert to_samples([base])[0].completion_ids == [2]

@@ -10,7 +10,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    # Core.
+    # Agentic workload, then core.
+    from belayer_grpo.agentic import (
+        AgenticConfig,
+        AgenticTrajectory,
+        SweTask,
+        builtin_tasks,
+        load_swegym,
+        run_agentic_rollouts,
+        to_samples,
+    )
     from belayer_grpo.errors import (
         BelayerGrpoError,
         CheckpointError,
@@ -30,15 +39,29 @@ _EXPORTS = {
     "RolloutError": "belayer_grpo.errors",
     "SystemStartError": "belayer_grpo.errors",
     # Agentic workload.
+    "AgenticConfig": "belayer_grpo.agentic",
+    "AgenticTrajectory": "belayer_grpo.agentic",
+    "SweTask": "belayer_grpo.agentic",
+    "builtin_tasks": "belayer_grpo.agentic",
+    "load_swegym": "belayer_grpo.agentic",
+    "run_agentic_rollouts": "belayer_grpo.agentic",
+    "to_samples": "belayer_grpo.agentic",
 }
 
 __all__ = [
+    "AgenticConfig",
+    "AgenticTrajectory",
     "BelayerGrpoError",
     "CheckpointError",
     "ConfigError",
     "DataError",
     "RolloutError",
+    "SweTask",
     "SystemStartError",
+    "builtin_tasks",
+    "load_swegym",
+    "run_agentic_rollouts",
+    "to_samples",
 ]
 
 

@@ -15,6 +15,7 @@ from belayer_grpo.agentic.loop import AgentLoop
 from belayer_grpo.agentic.pool import SandboxLease, SandboxPool
 from belayer_grpo.agentic.records import AgenticTrajectory, CheckpointRecord, RecoveryRecord, summarize
 from belayer_grpo.agentic.rollout import default_estimators, run_agentic_rollouts
+from belayer_grpo.agentic.samples import to_samples
 from belayer_grpo.agentic.settings import AgenticConfig
 from belayer_grpo.agentic.swegym import SweTask, builtin_tasks, load_swegym
 
@@ -49,4 +50,5 @@ __all__ = [
     "repository_hash",
     "run_agentic_rollouts",
     "summarize",
+    "to_samples",
 ]
