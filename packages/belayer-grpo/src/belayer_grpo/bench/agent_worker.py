@@ -38,7 +38,9 @@ _TASKS: dict[str, tuple[str, str, str]] = {
 def script_for(marker: str, rounds: int, action_s: float) -> list[str]:
     """The commands of one trajectory of the task ``marker`` (``rounds`` of them)."""
     source, fix, tests = _TASKS[marker]
-    bookkeeping = [f"sleep {action_s:.3f}; echo note{i} >> notes.txt; wc -l notes.txt" for i in range(rounds - 3)]
+    bookkeeping = [
+        f"sleep {action_s:.3f}; echo note{i} >> notes.txt; wc -l notes.txt" for i in range(rounds - 3)
+    ]
     return [f"cat {source}", *bookkeeping, fix, f"sleep {action_s:.3f}; python3 -m unittest -q {tests}"]
 
 
@@ -100,18 +102,30 @@ class ScriptedAgentWorker:
         reason = "length"
         for index in range(first, min(len(tokens), first + int(request["max_tokens"]))):
             await anyio.sleep(self.token_delay_s)
-            event = {"type": "token", "epoch": self.epoch, "index": index, "token_id": tokens[index], "logprob": -0.1}
-            await send({"type": "http.response.body", "body": json.dumps(event).encode() + b"\n", "more_body": True})
+            event = {
+                "type": "token",
+                "epoch": self.epoch,
+                "index": index,
+                "token_id": tokens[index],
+                "logprob": -0.1,
+            }
+            await send(
+                {"type": "http.response.body", "body": json.dumps(event).encode() + b"\n", "more_body": True}
+            )
             if tokens[index] in request["stop_token_ids"]:
                 reason = "stop"
                 break
         final = {"type": "finish", "epoch": self.epoch, "finish_reason": reason}
-        await send({"type": "http.response.body", "body": json.dumps(final).encode() + b"\n", "more_body": False})
+        await send(
+            {"type": "http.response.body", "body": json.dumps(final).encode() + b"\n", "more_body": False}
+        )
         self.response_seconds.setdefault(key, []).append(time.monotonic() - started)
 
 
 async def _reply(send: Any, status: int, body: bytes, content_type: bytes) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", content_type)]})
+    await send(
+        {"type": "http.response.start", "status": status, "headers": [(b"content-type", content_type)]}
+    )
     await send({"type": "http.response.body", "body": body})
 
 

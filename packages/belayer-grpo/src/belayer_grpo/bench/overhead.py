@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import anyio
+
 from belayer_grpo.bench.settings import BenchConfig
 from belayer_grpo.bench.stats import relative_change, summarize
 from belayer_grpo.bench.swe import SweHarness
@@ -31,8 +33,10 @@ async def _math_once(bench: BenchConfig, run_dir: Path, recovery: str) -> float:
                  f"system.recovery={recovery}", f"system.run_dir={run_dir}", "logging.progress=false",
                  "logging.tensorboard=false", "system.checkpoint_every=2"]  # fmt: skip
     config = load_config(bench.math_config or None, overrides)
+    await anyio.Path(run_dir).mkdir(parents=True, exist_ok=True)
     await run_training(config, stream=io.StringIO(), run_dir=run_dir)
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = await anyio.Path(run_dir / "metrics.jsonl").read_text()
+    steps = [json.loads(line) for line in lines.splitlines()]
     return sum(float(step["step_s"]) for step in steps)
 
 

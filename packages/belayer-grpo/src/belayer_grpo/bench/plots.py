@@ -16,7 +16,7 @@ def _overhead(results: list[dict[str, Any]], path: Path) -> None:
     labels, means, errors = [], [], []
     for r in results:
         for label, stats in ((f"{r['workload']}: {r['on']}", r["overhead"]),
-                             *(((f"swe: always", r["always"]["overhead"]),) if "always" in r else ())):  # fmt: skip
+                             *((("swe: always", r["always"]["overhead"]),) if "always" in r else ())):  # fmt: skip
             labels.append(label)
             means.append(100 * stats["mean"])
             errors.append(100 * stats["std"])
@@ -74,7 +74,12 @@ def _checkpoint_cost(result: dict[str, Any], path: Path) -> None:
     if seconds:
         ax.hist(seconds, bins=20, color="tab:blue", alpha=0.8, label="checkpoint duration")
         if result["response_s"]["mean"] is not None:
-            ax.axvline(result["response_s"]["mean"], color="tab:green", linestyle="--", label="overlapping response (mean)")
+            ax.axvline(
+                result["response_s"]["mean"],
+                color="tab:green",
+                linestyle="--",
+                label="overlapping response (mean)",
+            )
     ax.set_xlabel("seconds")
     ax.set_ylabel("checkpoints")
     ax.legend()

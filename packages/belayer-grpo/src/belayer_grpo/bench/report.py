@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,12 @@ def _overhead(results: list[dict[str, Any]]) -> list[str]:
 
 def _worker_failure(result: dict[str, Any]) -> list[str]:
     shadow, conventional = result["modes"]["shadow"], result["modes"]["conventional"]
-    header = ["quantity (s, mean ± std)", "Belayer (shadow handover)", "baseline (conventional recovery)", "speed-up"]
+    header = [
+        "quantity (s, mean ± std)",
+        "Belayer (shadow handover)",
+        "baseline (conventional recovery)",
+        "speed-up",
+    ]
     rows = []
     for key, label in (("step_added_s", "time added to the step (rollout)"),
                        ("trajectory_added_s", "time added to an affected trajectory"),
@@ -64,8 +70,18 @@ def _worker_failure(result: dict[str, Any]) -> list[str]:
 
 
 def _env_failures(result: dict[str, Any]) -> list[str]:
-    header = ["kill p / step", "policy", "rollout (s)", "baseline failure-free, never (s)", "increase (mean ± std)",
-              "failures", "restored from checkpoint", "checkpoints", "tokens regenerated", "prefix-consistent"]
+    header = [
+        "kill p / step",
+        "policy",
+        "rollout (s)",
+        "baseline failure-free, never (s)",
+        "increase (mean ± std)",
+        "failures",
+        "restored from checkpoint",
+        "checkpoints",
+        "tokens regenerated",
+        "prefix-consistent",
+    ]
     rows = [[f"{r['kill_p']:g}", r["policy"], _ms(r["rollout_s"]), _ms(r["baseline_s"]), _pct(r["increase"]),
              str(r["num_failures"]), str(r["num_recoveries_from_checkpoint"]), str(r["num_checkpoints"]),
              str(r["tokens_regenerated"]), str(r["all_prefix_consistent"])] for r in result["rows"]]  # fmt: skip
@@ -85,7 +101,7 @@ def _checkpoint_cost(result: dict[str, Any]) -> list[str]:
     return _table(header, [row])
 
 
-_SECTIONS = {
+_SECTIONS: dict[str, tuple[str, Callable[[Any], list[str]], str]] = {
     "overhead": ("Failure-free overhead", _overhead, "overhead.png"),
     "worker-failure": ("Rollout-worker failure", _worker_failure, "worker_failure.png"),
     "env-failures": ("Environment failures", _env_failures, "env_failures.png"),
@@ -100,7 +116,10 @@ def render_markdown(results: dict[str, Any], plots: dict[str, str]) -> str:
              f"`{meta['command']}` — scale **{meta['scale']}**, {meta['machine']}, {meta['started']}, "
              f"{meta['wall_s']:.0f} s in all.", ""]  # fmt: skip
     if meta["scale"] != "full":
-        lines += ["Small scale on a CPU machine; the GPU-scale configuration (`--scale full`) was not run here.", ""]
+        lines += [
+            "Small scale on a CPU machine; the GPU-scale configuration (`--scale full`) was not run here.",
+            "",
+        ]
     for note in meta.get("notes", []):
         lines += [f"- {note}"]
     lines.append("")
@@ -127,7 +146,8 @@ def write_plots(results: dict[str, Any], out_dir: Path) -> dict[str, str]:
     written = {}
     for name, (_title, _render, png) in _SECTIONS.items():
         if name in results["experiments"]:
-            plots.PLOTTERS[name](results["experiments"][name], out_dir / png)
+            plotter: Any = plots.PLOTTERS[name]
+            plotter(results["experiments"][name], out_dir / png)
             written[name] = png
     return written
 

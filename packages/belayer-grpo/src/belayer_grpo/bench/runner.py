@@ -58,7 +58,9 @@ async def run_bench(
     """Run ``experiments`` (names of `EXPERIMENTS`) and write the report under ``out_dir``."""
     unknown = [name for name in experiments if name not in EXPERIMENTS]
     if unknown:
-        raise ConfigError("--experiment", f"unknown experiment {unknown[0]!r} (choose from {', '.join(EXPERIMENTS)})")
+        raise ConfigError(
+            "--experiment", f"unknown experiment {unknown[0]!r} (choose from {', '.join(EXPERIMENTS)})"
+        )
     started = time.monotonic()
     results: dict[str, Any] = {"experiments": {}, "descriptions": _DESCRIPTIONS, "config": bench.to_dict()}
     notes: list[str] = []

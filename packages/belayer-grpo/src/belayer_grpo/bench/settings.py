@@ -140,7 +140,9 @@ def load_bench_config(path: str | Path | None = None, *, scale: str | None = Non
     if path is not None:
         file = Path(path)
         if not file.is_file() or file.suffix != ".toml":
-            raise ConfigError("--config", f"{str(file)!r} is not a .toml file; pass a benchmark configuration")
+            raise ConfigError(
+                "--config", f"{str(file)!r} is not a .toml file; pass a benchmark configuration"
+            )
         try:
             _merge(data, tomllib.loads(file.read_text()))
         except tomllib.TOMLDecodeError as error:
@@ -150,8 +152,10 @@ def load_bench_config(path: str | Path | None = None, *, scale: str | None = Non
     values: dict[str, Any] = {}
     for key, value in data.items():
         values[key] = _section(sections[key], value, key) if key in sections else value
-    config = _section(BenchConfig, values, "bench")
+    config: BenchConfig = _section(BenchConfig, values, "bench")
     for policy in config.env_failures.policies:
         if policy not in ("never", "always", "every", "adaptive"):
-            raise ConfigError("env_failures.policies", f"unknown policy {policy!r} (never, always, every, adaptive)")
+            raise ConfigError(
+                "env_failures.policies", f"unknown policy {policy!r} (never, always, every, adaptive)"
+            )
     return config

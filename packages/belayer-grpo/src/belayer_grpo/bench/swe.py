@@ -18,8 +18,15 @@ import anyio
 import attrs
 
 from belayer_envckpt import Engine
-from belayer_grpo.agentic import AgenticConfig, AgenticTrajectory, SweTask, build_task_image, builtin_tasks
-from belayer_grpo.agentic import run_agentic_rollouts, summarize as summarize_trajectories
+from belayer_grpo.agentic import (
+    AgenticConfig,
+    AgenticTrajectory,
+    SweTask,
+    build_task_image,
+    builtin_tasks,
+    run_agentic_rollouts,
+)
+from belayer_grpo.agentic import summarize as summarize_trajectories
 from belayer_grpo.bench.agent_worker import STOP_TOKEN, ScriptedAgentWorker, running_agent_worker
 from belayer_grpo.bench.settings import BenchConfig
 from belayer_router import RouterClient, RouterConfig, running_router
@@ -80,7 +87,7 @@ class SweHarness:
             max_rounds=swe.rounds + 2,
             max_response_tokens=4096,
             max_context_tokens=65536,
-            stop_token_ids=(STOP_TOKEN,),
+            stop_token_ids=(STOP_TOKEN,),  # type: ignore[arg-type]
             seed=seed,
             checkpoint_policy=policy_name(policy, swe.every_k),
             sandbox_kill_probability=kill_p,
@@ -114,7 +121,9 @@ class SweHarness:
         out = []
         for trajectory in trajectories:
             for record in trajectory.checkpoints:
-                durations = self.worker.response_seconds.get(f"{markers[trajectory.task_id]}/{record.turn}", [])
+                durations = self.worker.response_seconds.get(
+                    f"{markers[trajectory.task_id]}/{record.turn}", []
+                )
                 response_s = statistics.median(durations) if durations else 0.0
                 hidden = min(record.seconds, response_s)
                 out.append({"seconds": record.seconds, "turn": record.turn, "response_s": response_s,

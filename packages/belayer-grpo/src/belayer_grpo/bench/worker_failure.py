@@ -85,10 +85,11 @@ async def _run_mode(
         slot = SlotSupervisor(
             SlotConfig(slot="bench0", router_url=url, run_dir=run_dir, admin_token=token,
                        model=run_dir.parent / "model.json", weights=weights, backend=wf.backend,
-                       recovery=mode, num_kv_blocks=blocks, max_num_seqs=min(total, 256),
+                       recovery=mode,  # type: ignore[arg-type]
+                       num_kv_blocks=blocks, max_num_seqs=min(total, 256),
                        failure_window_s=0.0, health_interval_s=wf.health_interval_s,
-                       health_misses=wf.health_misses)  # fmt: skip
-        )
+                       health_misses=wf.health_misses)
+        )  # fmt: skip
         try:
             await anyio.to_thread.run_sync(slot.start)
             async with RouterClient(url, token, timeout=600.0) as router:
@@ -103,7 +104,7 @@ async def _run_mode(
                     before = slot.num_handovers
                     failed = await _rollout(router, tokenizer, rollout, batch, repeat, slot.kill_main, delay)
                     with anyio.fail_after(300):  # the recovery is logged (conventional: after detection)
-                        while slot.num_handovers == before:
+                        while slot.num_handovers == before:  # noqa: ASYNC110  (a thread counts it)
                             await anyio.sleep(0.05)
                     repeats.append(_compare(free, failed, slot.events()))
         finally:
@@ -164,7 +165,9 @@ def _compare(free: dict[str, Any], failed: dict[str, Any], events: list[dict[str
                 recovery = float(complete["time"]) - float(detect["time"])
             elif restart is not None:
                 recovery = float(restart.get("duration_s", float(restart["time"]) - float(detect["time"])))
-    rest = None if detection is None or recovery is None else max(0.0, trajectory_added - detection - recovery)
+    rest = (
+        None if detection is None or recovery is None else max(0.0, trajectory_added - detection - recovery)
+    )
     return {
         "rollout_free_s": free["rollout_s"],
         "rollout_failed_s": failed["rollout_s"],
