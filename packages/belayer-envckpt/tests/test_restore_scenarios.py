@@ -62,7 +62,11 @@ def test_dump_through_the_engine_api_restores_too(track, tmp_path):
 
     engine = Engine.connect(dump_method="engine")
     try:
-        counter = ("/bin/sh", "-c", "i=0; while :; do i=$((i+1)); echo $i > /tmp/n.tmp; mv /tmp/n.tmp /tmp/n; sleep 0.05; done")
+        counter = (
+            "/bin/sh",
+            "-c",
+            "i=0; while :; do i=$((i+1)); echo $i > /tmp/n.tmp; mv /tmp/n.tmp /tmp/n; sleep 0.05; done",
+        )
         config = SandboxConfig(image="belayer/busybox:latest", command=counter, labels={TEST_LABEL: "1"})
         sandbox = track(Sandbox.create(engine, config, trajectory="api"))
         sandbox.exec("echo via-api > /work/f")
