@@ -26,8 +26,7 @@ from belayer_grpo.errors import SystemStartError
 from belayer_router import RouterClient, RouterConfig, running_router
 
 if TYPE_CHECKING:
-    from belayer_shadow import ModelConfig
-    from belayer_shadow._slot import SlotSupervisor
+    from belayer_shadow import ModelConfig, SlotSupervisor
 
 __all__ = ["RolloutSystem"]
 
@@ -47,9 +46,7 @@ class RolloutSystem:
         cls, config: Config, run_dir: Path, model_config: ModelConfig, weights_file: Path
     ) -> AsyncIterator[RolloutSystem]:
         """Start the router and ``system.num_slots`` slots serving ``weights_file``; stop them at exit."""
-        from belayer_shadow import BelayerShadowError
-
-        SlotConfig, SlotSupervisor = _slot_api()
+        from belayer_shadow import BelayerShadowError, SlotConfig, SlotSupervisor
 
         admin_token = secrets.token_hex(16)
         model_file = run_dir / "model.json"
@@ -118,15 +115,6 @@ class RolloutSystem:
     def healthy_slots(self) -> list[int]:
         """Indices of slots still in service."""
         return [index for index, supervisor in enumerate(self.slots) if supervisor.healthy]
-
-
-def _slot_api() -> tuple[Any, Any]:
-    # belayer-shadow 0.1.0 may not re-export the supervisor from its top level yet.
-    try:
-        from belayer_shadow import SlotConfig, SlotSupervisor  # type: ignore[attr-defined]
-    except ImportError:
-        from belayer_shadow._slot import SlotConfig, SlotSupervisor
-    return SlotConfig, SlotSupervisor
 
 
 async def _start_slot(supervisor: SlotSupervisor, timeout_s: float) -> None:
