@@ -129,6 +129,8 @@ async def _roll_out(
                 )  # fmt: skip
                 results[index] = await loop.run()
         except Exception as error:  # every other trajectory still finishes
+            while isinstance(error, ExceptionGroup) and len(error.exceptions) == 1:
+                error = error.exceptions[0]  # the loop's task groups wrap what they raise
             errors.append(error)
             return
         if on_trajectory is not None:
