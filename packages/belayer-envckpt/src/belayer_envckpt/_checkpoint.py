@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import shutil
 import time
 import uuid
 from pathlib import Path
@@ -107,10 +106,12 @@ def full_checkpoint(
         tmp = None
         return published
     except InjectedCrash:
-        raise  # a dead process cleans nothing up: the partial directory stays for gc
+        if tmp is not None:
+            store.abandon(tmp)  # a dead process cleans nothing up: the partial directory stays for gc
+        raise
     except Exception as exc:
         if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+            store.abort(tmp)
         if isinstance(exc, BelayerEnvckptError | ValueError) and not isinstance(
             exc, EngineError | CommandError
         ):

@@ -8,6 +8,7 @@ directory without the ``.partial-`` prefix is always complete: that rename is th
 from __future__ import annotations
 
 import builtins
+import fcntl
 import json
 import os
 import shutil
@@ -113,22 +114,66 @@ def verify_checkpoint(path: Path) -> Checkpoint:
     return checkpoint
 
 
+def _lock_path(partial: Path) -> Path:
+    return partial.with_name(partial.name + ".lock")
+
+
+def _in_progress(partial: Path) -> bool:
+    """Whether some process holds the lock of a partial checkpoint (it is still being written)."""
+    try:
+        fd = os.open(_lock_path(partial), os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 @attrs.define
 class CheckpointStore:
     """A directory of checkpoints, grouped by trajectory."""
 
     root: Path = attrs.field(converter=Path)
+    _held: dict[Path, int] = attrs.field(factory=dict, init=False, repr=False)
 
     def trajectory_dir(self, trajectory: str) -> Path:
         """Where one trajectory's checkpoints live."""
         return self.root / validate_id(trajectory, "trajectory")
 
     def begin(self, trajectory: str, checkpoint_id: str) -> Path:
-        """Create the private working directory of a checkpoint in progress."""
+        """Create the private working directory of a checkpoint in progress.
+
+        The directory is paired with a lock file held (flock) until `publish`, `abort` or
+        `abandon`: `gc` never takes a checkpoint that some process is still writing for a leftover,
+        and a process that dies releases its lock with its file descriptors.
+        """
         validate_id(checkpoint_id, "checkpoint")
         tmp = self.trajectory_dir(trajectory) / f"{PARTIAL}{checkpoint_id}"
         tmp.mkdir(parents=True)
+        fd = os.open(_lock_path(tmp), os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self._held[tmp] = fd
         return tmp
+
+    def abort(self, tmp: Path) -> None:
+        """Remove a checkpoint in progress (after a failure) and its lock."""
+        shutil.rmtree(tmp, ignore_errors=True)
+        self._release(tmp, unlink=True)
+
+    def abandon(self, tmp: Path) -> None:
+        """Let go of a checkpoint in progress as a dead process would: its files stay for `gc`."""
+        self._release(tmp, unlink=False)
+
+    def _release(self, tmp: Path, *, unlink: bool) -> None:
+        fd = self._held.pop(tmp, None)
+        if unlink:
+            _lock_path(tmp).unlink(missing_ok=True)
+        if fd is not None:
+            os.close(fd)
 
     def publish(self, tmp: Path, checkpoint: Checkpoint) -> Checkpoint:
         """Write the manifest, make everything durable, then rename into place (the ready point)."""
@@ -141,6 +186,7 @@ class CheckpointStore:
         fsync_tree(tmp)
         os.rename(tmp, final)
         fsync_path(final.parent)
+        self._release(tmp, unlink=True)
         return attrs.evolve(checkpoint, path=final)
 
     def list(self, trajectory: str | None = None) -> builtins.list[Checkpoint]:
@@ -158,18 +204,24 @@ class CheckpointStore:
                         continue
         return sorted(found, key=lambda c: (c.created_ns, c.checkpoint_id))
 
-    def leftovers(self) -> builtins.list[Path]:
-        """Partial checkpoints and published directories without a readable manifest."""
+    def leftovers(self, trajectory: str | None = None) -> builtins.list[Path]:
+        """Partial checkpoints no process is writing, and published directories without a manifest."""
+        dirs = [self.trajectory_dir(trajectory)] if trajectory is not None else self._trajectory_dirs()
         bad: builtins.list[Path] = []
-        for tdir in self._trajectory_dirs():
+        for tdir in dirs:
+            if not tdir.is_dir():
+                continue
             for entry in tdir.iterdir():
+                if not entry.is_dir():
+                    continue
                 if entry.name.startswith(PARTIAL):
-                    bad.append(entry)
-                elif entry.is_dir():
-                    try:
-                        Checkpoint.load(entry)
-                    except CheckpointCorruptError:
+                    if not _in_progress(entry):
                         bad.append(entry)
+                    continue
+                try:
+                    Checkpoint.load(entry)
+                except CheckpointCorruptError:
+                    bad.append(entry)
         return sorted(bad)
 
     def latest_ready(self, trajectory: str) -> Checkpoint | None:
@@ -193,8 +245,10 @@ class CheckpointStore:
         return verify_checkpoint(checkpoint.path if isinstance(checkpoint, Checkpoint) else Path(checkpoint))
 
     def gc(self, trajectory: str | None = None, *, keep: int | None = None) -> builtins.list[Path]:
-        """Remove leftovers; with ``trajectory``, also its checkpoints (all, or all but ``keep``)."""
-        removed = list(self.leftovers())
+        """Remove leftovers; with ``trajectory``, only that trajectory's leftovers and also its
+        checkpoints (all, or all but the newest ``keep``).  Checkpoints in progress are never touched.
+        """
+        removed = list(self.leftovers(trajectory))
         if trajectory is not None:
             ready = self.list(trajectory)
             doomed = ready if not keep else ready[:-keep]
@@ -204,6 +258,7 @@ class CheckpointStore:
                 removed += [c.path for c in self.list(tdir.name)[:-keep]]
         for path in removed:
             shutil.rmtree(path, ignore_errors=True)
+            _lock_path(path).unlink(missing_ok=True)
         for tdir in self._trajectory_dirs():
             if not any(tdir.iterdir()):
                 tdir.rmdir()
