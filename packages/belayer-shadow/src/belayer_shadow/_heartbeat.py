@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-__all__ = ["HandoverFlag", "Heartbeat"]
+__all__ = ["HandoverFlag", "HangDetector", "Heartbeat"]
 
 
 @attrs.define
@@ -52,6 +52,37 @@ class Heartbeat:
             return int(self.path.read_text().split()[0])
         except (FileNotFoundError, ValueError, IndexError):
             return None
+
+
+@attrs.define
+class HangDetector:
+    """Decides from successive heartbeat ages whether the main worker hangs.
+
+    Two guards keep a loaded machine from passing for a hang: a heartbeat counts as stale only
+    after it has been seen fresh since standby began (a main that was just promoted and is busy
+    re-filling its KV cache is not hung), unless it stays stale past ``hard_factor`` times the
+    threshold; and a poll that itself came late by half the threshold or more (the shadow was
+    starved of CPU, so the main probably was too) never decides, it only waits for the next one.
+    """
+
+    stale_s: float
+    poll_s: float
+    hard_factor: float = 10.0
+    _seen_fresh: bool = False
+    _last_poll: float | None = None
+
+    def is_hung(self, age_s: float | None, now: float) -> bool:
+        """Feed one poll (`age_s` from `Heartbeat.age_s`, `now` monotonic); True means hang."""
+        late = 0.0 if self._last_poll is None else now - self._last_poll - self.poll_s
+        self._last_poll = now
+        if age_s is None:
+            return False
+        if age_s <= self.stale_s:
+            self._seen_fresh = True
+            return False
+        if late >= self.stale_s / 2:
+            return False
+        return self._seen_fresh or age_s > self.stale_s * self.hard_factor
 
 
 @attrs.define

@@ -28,7 +28,7 @@ from belayer_router import RouterClient, RouterClientError
 from belayer_shadow._engine import LLMEngine
 from belayer_shadow._errors import HandoverError
 from belayer_shadow._events import EventLog, write_state
-from belayer_shadow._heartbeat import HandoverFlag, Heartbeat
+from belayer_shadow._heartbeat import HandoverFlag, HangDetector, Heartbeat
 from belayer_shadow._service import EngineService
 from belayer_shadow._worker import NUM_WARMUPS, WorkerConfig, build_engine, serve_service
 
@@ -84,11 +84,12 @@ async def _stand_by(
 ) -> dict[str, Any]:
     """Sleep-poll until the flag is raised or the heartbeat goes stale; returns what triggered it."""
     next_refresh = time.monotonic() + config.weight_refresh_s
+    hangs = HangDetector(config.stale_s, config.poll_s)
     while True:
         if flag.is_raised():
             return {"trigger": "flag", **(flag.read() or {})}
         age = heartbeat.age_s()
-        if age is not None and age > config.stale_s:
+        if hangs.is_hung(age, time.monotonic()):
             return {"trigger": "stale_heartbeat", "age_s": age}
         if time.monotonic() >= next_refresh:
             # Unpinning the old weight version lets the trainer's updates proceed.
