@@ -55,6 +55,10 @@ def test_override_values_are_toml_literals_or_strings() -> None:
         (["chaos.sandbox_kill_p=1.5"], "chaos.sandbox_kill_p"),
         (["rollout.samples_per_prompt=1"], "rollout.samples_per_prompt"),
         (["steps=3"], "steps"),
+        (["rollout.env_checkpoint_policy=sometimes"], "rollout.env_checkpoint_policy"),
+        (["rollout.invalid_action=retry"], "rollout.invalid_action"),
+        (["data.workload=swe", "data.source=arithmetic"], "data.source"),
+        (["data.workload=chess"], "data.workload"),
     ],
 )
 def test_errors_name_the_key(overrides: list[str], key: str) -> None:
@@ -99,3 +103,29 @@ def test_cli_reports_config_errors_with_exit_status_2() -> None:
     )
     assert shown.returncode == 0
     assert '"batch_size": 3' in shown.stdout
+
+
+def test_swe_workload_settings_reach_the_agent_loop(tmp_path: Path) -> None:
+    from belayer_grpo.data import BytePolicyTokenizer
+    from belayer_grpo.model import build_tokenizer
+    from belayer_grpo.swe import agentic_config, load_tasks
+
+    config = load_config(
+        None,
+        ["data.workload=swe", "rollout.max_rounds=5", "rollout.env_checkpoint_policy=every:2",
+         "chaos.sandbox_kill_p=0.2", "rollout.max_tokens=32"],
+    )  # fmt: skip
+    tokenizer = build_tokenizer(config.model, config.data.workload)
+    assert isinstance(tokenizer, BytePolicyTokenizer)
+    text = "fix calc.py: add(2, 3) == 5 \u00e9"
+    assert tokenizer.decode([*tokenizer.encode(text), tokenizer.eos_token_id]) == text
+    assert max(tokenizer.encode(text)) < tokenizer.eos_token_id < tokenizer.vocab_size
+    agentic = agentic_config(config, tmp_path, tokenizer, step=3)
+    assert (agentic.max_rounds, agentic.max_response_tokens, agentic.checkpoint_policy) == (5, 32, "every:2")
+    assert agentic.sandbox_kill_probability == 0.2
+    assert agentic.stop_token_ids == (256,)
+    assert agentic.checkpoint_root == tmp_path / "env-checkpoints"
+    assert [t.instance_id for t in load_tasks(config)][:1] == ["belayer__calc-1"]
+    with pytest.raises(ConfigError) as caught:
+        load_tasks(load_config(None, ["data.workload=swe", "data.source=tasks.parquet"]))
+    assert caught.value.key == "data.source"

@@ -42,6 +42,15 @@ _non_negative_float = v.ge(0.0)
 _probability = [v.ge(0.0), v.le(1.0)]
 
 
+def _checkpoint_policy(_instance: object, attribute: attrs.Attribute[str], value: str) -> None:
+    from belayer_policy import PolicySpec
+
+    try:
+        PolicySpec.parse(value)
+    except ValueError as error:
+        raise ValueError(f"'{attribute.name}': {error}", attribute) from error
+
+
 @attrs.frozen
 class ModelConfigSection:
     """The policy: a local Hugging Face model directory, or a fresh Qwen3-architecture model."""
@@ -66,7 +75,7 @@ class DataConfig:
     """Where prompts come from."""
 
     workload: str = attrs.field(default="math", validator=v.in_(("math", "swe")))
-    source: str = "arithmetic"
+    source: str = "builtin"
     operations: tuple[str, ...] = attrs.field(
         default=("+",), validator=[v.min_len(1), v.deep_iterable(v.in_(("+", "-", "*")))]
     )
@@ -92,6 +101,10 @@ class RolloutConfig:
     top_p: float = attrs.field(default=1.0, validator=[v.gt(0.0), v.le(1.0)])
     max_rounds: int = attrs.field(default=20, validator=_positive)
     concurrency: int = attrs.field(default=64, validator=_positive)
+    max_context_tokens: int = attrs.field(default=2048, validator=_positive)
+    env_checkpoint_policy: str = attrs.field(default="adaptive", validator=_checkpoint_policy)
+    invalid_action: str = attrs.field(default="end", validator=v.in_(("end", "feedback")))
+    max_sandboxes: int = attrs.field(default=8, validator=_positive)
 
 
 @attrs.frozen
@@ -303,13 +316,28 @@ def _failing_attribute(error: Exception, fields: set[str]) -> str | None:
     return None
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
-    """The embedded default, updated by ``path`` (TOML/YAML) and then by ``key=value`` overrides."""
-    data = tomllib.loads(default_config_text())
+def _layer(base: dict[str, Any], path: str | Path | None, overrides: Sequence[str]) -> dict[str, Any]:
+    data = copy.deepcopy(base)
     if path is not None:
         _merge(data, _read_file(Path(path)))
     for override in overrides:
         _set_dotted(data, *parse_override(override))
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """The embedded default, updated by ``path`` (TOML/YAML) and then by ``key=value`` overrides.
+
+    When the result's ``data.workload`` is ``swe``, the embedded ``default-swe.toml`` (the swe
+    workload's own defaults: batch of the shipped tasks, longer responses, fewer steps) goes
+    between the default and the file, so the file and the overrides still win.
+    """
+    default = tomllib.loads(default_config_text())
+    data = _layer(default, path, overrides)
+    if data.get("data", {}).get("workload") == "swe":
+        swe = importlib.resources.files("belayer_grpo").joinpath("default-swe.toml").read_text()
+        _merge(default, tomllib.loads(swe))
+        data = _layer(default, path, overrides)
     config = _build(Config, copy.deepcopy(data), "")
     _check_cross_section(config)
     return config
@@ -326,6 +354,10 @@ def _check_cross_section(config: Config) -> None:
         raise ConfigError(
             "algorithm.num_minibatches",
             f"must divide rollout.batch_size * rollout.samples_per_prompt ({num_samples})",
+        )
+    if config.data.workload == "swe" and config.data.source == "arithmetic":
+        raise ConfigError(
+            "data.source", "the swe workload takes 'builtin' (the shipped tasks) or a SWE-Gym .jsonl file"
         )
     if config.model.num_attention_heads % config.model.num_key_value_heads:
         raise ConfigError("model.num_key_value_heads", "must divide model.num_attention_heads")

@@ -15,7 +15,13 @@ import torch
 
 from belayer_grpo.algorithm import token_logprobs
 from belayer_grpo.config import ModelConfigSection
-from belayer_grpo.data import CharTokenizer, HuggingFacePolicyTokenizer, PolicyTokenizer, Problem
+from belayer_grpo.data import (
+    BytePolicyTokenizer,
+    CharTokenizer,
+    HuggingFacePolicyTokenizer,
+    PolicyTokenizer,
+    Problem,
+)
 from belayer_grpo.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -35,15 +41,19 @@ __all__ = [
 ]
 
 
-def build_tokenizer(section: ModelConfigSection) -> PolicyTokenizer:
-    """The character tokenizer for a fresh model, else the model directory's own tokenizer."""
+def build_tokenizer(section: ModelConfigSection, workload: str = "math") -> PolicyTokenizer:
+    """The model directory's own tokenizer; for a fresh model the character tokenizer (math) or
+    bytes (the swe workload, whose texts no small alphabet covers)."""
     if section.path:
         return HuggingFacePolicyTokenizer.from_directory(section.path)
-    return CharTokenizer()
+    return BytePolicyTokenizer() if workload == "swe" else CharTokenizer()
 
 
-def engine_model_config(section: ModelConfigSection, tokenizer: PolicyTokenizer) -> ModelConfig:
-    """The belayer-shadow `ModelConfig` shared by the trainer and the engine workers."""
+def engine_model_config(
+    section: ModelConfigSection, tokenizer: PolicyTokenizer, max_positions: int = 512
+) -> ModelConfig:
+    """The belayer-shadow `ModelConfig` shared by the trainer and the engine workers
+    (``max_positions``: the longest context a fresh model serves)."""
     from belayer_shadow import ConfigError as ShadowConfigError
     from belayer_shadow import ModelConfig
 
@@ -61,7 +71,7 @@ def engine_model_config(section: ModelConfigSection, tokenizer: PolicyTokenizer)
         num_key_value_heads=section.num_key_value_heads,
         head_dim=section.head_dim,
         rope_theta=section.rope_theta,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         dtype="float32",
     )

@@ -32,6 +32,10 @@ def format_summary(step: int, num_steps: int, metrics: dict[str, Any], failures:
     ]
     if metrics.get("num_resumed"):
         parts.append(f"resumed {metrics['num_resumed']}")
+    if "env_failures" in metrics:
+        from belayer_grpo.swe import format_env
+
+        parts.append(format_env(metrics))
     for failure in failures:
         text = f"FAILURE {failure.slot} killed (step {failure.step}, {failure.trigger})"
         if failure.recovery_s is not None:
@@ -136,6 +140,21 @@ class Reporter:
                 f"{'':>22}  {failure['slot']} killed at step {failure['step']} ({failure['trigger']}): {done}"
             )
         lines.append(f"{'resumed requests':>22}: {summary.get('num_resumed', 0)}")
+        env = summary.get("env")
+        if env:
+            lines.append(
+                f"{'sandbox failures':>22}: {env['sandbox_failures']} in {env['trajectories']} trajectories"
+                f" ({env['recoveries_from_checkpoint']} restored from a checkpoint,"
+                f" {env['recoveries_from_scratch']} from scratch)"
+            )
+            lines.append(
+                f"{'recovery':>22}: restore {env['restore_s_mean']:.2f}s avg / {env['restore_s_max']:.2f}s max,"
+                f" {env['tokens_regenerated']} tokens regenerated"
+            )
+            lines.append(
+                f"{'env checkpoints':>22}: {env['checkpoints']} ({env['checkpoint_failures']} failed);"
+                f" prefix-consistent: {'yes' if env['all_prefix_consistent'] else 'NO'}"
+            )
         lines.append(f"{'run folder':>22}: {self.run_dir}")
         lines.append("=" * 72)
         return "\n".join(lines)

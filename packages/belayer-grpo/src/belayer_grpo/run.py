@@ -3,6 +3,8 @@
 Each step: rollout through the router (a worker may be killed meanwhile; the shadow takes over
 and the router resumes the interrupted requests) -> rewards -> GRPO update (in a thread) ->
 weights pushed to every weight server (the barrier before the next rollout) -> summary line.
+The rollout is one turn per math problem, or (``data.workload = "swe"``) multi-turn agentic
+trajectories in sandboxes (`belayer_grpo.swe`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from belayer_grpo.errors import ConfigError
 from belayer_grpo.model import build_policy, build_tokenizer, engine_model_config, supervised_warmup
 from belayer_grpo.reporting import Reporter
 from belayer_grpo.rollout_math import Sample, run_math_rollouts
+from belayer_grpo.swe import EnvTotals, action_warmup, agentic_config, load_tasks, run_swe_rollout, run_tag
 from belayer_grpo.system import RolloutSystem
 from belayer_grpo.trainer import GRPOTrainer
 from belayer_grpo.weight_sync import WeightSync
@@ -44,13 +47,11 @@ def resolve_run_dir(config: Config) -> Path:
 
 
 def load_problems(config: Config) -> list[Problem]:
-    """The math problems of ``data.source``."""
+    """The math problems of ``data.source`` (the swe workload's tasks: `belayer_grpo.swe.load_tasks`)."""
     data = config.data
     if data.workload != "math":
-        raise ConfigError(
-            "data.workload", "`belayer-grpo train` runs the math workload; use workload = 'math'"
-        )
-    if data.source == "arithmetic":
+        raise ConfigError("data.workload", "math problems are for workload = 'math'; swe reads tasks")
+    if data.source in ("builtin", "arithmetic"):
         return generate_arithmetic(data.operations, data.min_operand, data.max_operand, seed=data.seed)
     return load_math_file(data.source)
 
@@ -63,7 +64,7 @@ class RunState:
     run_dir: Path
     tokenizer: PolicyTokenizer
     problems: list[Problem]
-    sampler: PromptSampler
+    sampler: PromptSampler[Any]
     trainer: GRPOTrainer
     reporter: Reporter
     start_step: int = 0
@@ -73,6 +74,7 @@ class RunState:
     num_tokens: int = 0
     rollout_s: float = 0.0
     reported: set[int] = attrs.field(factory=set)
+    env: EnvTotals = attrs.field(factory=EnvTotals)
 
 
 def _prepare(config: Config, run_dir: Path, stream: TextIO) -> tuple[RunState, Any]:
@@ -80,11 +82,14 @@ def _prepare(config: Config, run_dir: Path, stream: TextIO) -> tuple[RunState, A
     # avoids oversubscription, which on a 2-core machine costs far more than it gains.
     torch.set_num_threads(1)
     torch.manual_seed(config.model.seed)
-    tokenizer = build_tokenizer(config.model)
-    model_config = engine_model_config(config.model, tokenizer)
-    problems = load_problems(config)
+    swe = config.data.workload == "swe"
+    tokenizer = build_tokenizer(config.model, config.data.workload)
+    positions = max(512, config.rollout.max_context_tokens) if swe else 512
+    model_config = engine_model_config(config.model, tokenizer, positions)
+    problems = [] if swe else load_problems(config)
+    tasks = load_tasks(config) if swe else []
     model = build_policy(model_config, seed=config.model.seed, path=config.model.path)
-    sampler = PromptSampler(problems, seed=config.data.seed)
+    sampler: PromptSampler[Any] = PromptSampler(tasks if swe else problems, seed=config.data.seed)
     state = None
     if config.system.resume:
         path = (
@@ -98,11 +103,18 @@ def _prepare(config: Config, run_dir: Path, stream: TextIO) -> tuple[RunState, A
     warmup_s = 0.0
     if state is None and config.model.warmup_steps and not config.model.path:
         started = time.monotonic()
-        subset = problems[: max(1, int(len(problems) * config.model.warmup_fraction))]
-        supervised_warmup(
-            model, tokenizer, subset, steps=config.model.warmup_steps, learning_rate=config.model.warmup_learning_rate,
-            batch_size=config.model.warmup_batch_size, seed=config.model.seed,
-        )  # fmt: skip
+        section = config.model
+        if swe:
+            action_warmup(
+                model, tokenizer, tasks, steps=section.warmup_steps, learning_rate=section.warmup_learning_rate,
+                batch_size=section.warmup_batch_size, seed=section.seed, max_rounds=config.rollout.max_rounds,
+            )  # fmt: skip
+        else:
+            subset = problems[: max(1, int(len(problems) * section.warmup_fraction))]
+            supervised_warmup(
+                model, tokenizer, subset, steps=section.warmup_steps, learning_rate=section.warmup_learning_rate,
+                batch_size=section.warmup_batch_size, seed=section.seed,
+            )  # fmt: skip
         warmup_s = time.monotonic() - started
     trainer = GRPOTrainer(model, config.algorithm, config.rollout.samples_per_prompt, seed=config.model.seed)
     start_step = 0
@@ -148,15 +160,12 @@ async def _evaluate(run: RunState, router: Any) -> float:
     return sum(rewards) / len(rewards)
 
 
-async def _step(
-    run: RunState, step: int, system: RolloutSystem, router: Any, chaos: WorkerChaos, sync: WeightSync
-) -> dict[str, Any]:
+async def _math_rollout(
+    run: RunState, step: int, router: Any, chaos: WorkerChaos
+) -> tuple[list[Sample], dict[str, Any]]:
     config = run.config
     problems = run.sampler.next_batch(config.rollout.batch_size)
     total = len(problems) * config.rollout.samples_per_prompt
-    run.reporter.begin_step(step, total)
-    chaos.current_step = step
-    started = time.monotonic()
     kill_pending = chaos.wants_kill_at_step(step)
     finished = 0
     async with anyio.create_task_group() as group:
@@ -172,10 +181,42 @@ async def _step(
         samples = await run_math_rollouts(
             problems, router, run.tokenizer, config.rollout, seed=step, on_sample=on_sample
         )
+    return samples, {}
+
+
+async def _swe_rollout(
+    run: RunState, step: int, router: Any, chaos: WorkerChaos
+) -> tuple[list[Sample], dict[str, Any]]:
+    config = run.config
+    samples, metrics, trajectories = await run_swe_rollout(
+        run.sampler.next_batch(config.rollout.batch_size),
+        agentic_config(config, run.run_dir, run.tokenizer, step),
+        router,
+        run.tokenizer,
+        num_samples=config.rollout.samples_per_prompt,
+        run_id=f"{run_tag(run.run_dir)}-step{step}",
+        chaos=chaos if chaos.wants_kill_at_step(step) else None,
+        trajectories_file=run.run_dir / "trajectories.jsonl",
+        step=step,
+        on_trajectory=lambda _t: run.reporter.advance(),
+    )
+    run.env.add(trajectories)
+    return samples, metrics
+
+
+async def _step(
+    run: RunState, step: int, system: RolloutSystem, router: Any, chaos: WorkerChaos, sync: WeightSync
+) -> dict[str, Any]:
+    config = run.config
+    run.reporter.begin_step(step, config.rollout.batch_size * config.rollout.samples_per_prompt)
+    chaos.current_step = step
+    started = time.monotonic()
+    rollout = _swe_rollout if config.data.workload == "swe" else _math_rollout
+    samples, extra = await rollout(run, step, router, chaos)
     rollout_s = time.monotonic() - started
     run.reporter.advance("reward")
     rewards = [s.reward for s in samples]
-    num_tokens = sum(len(s.completion_ids) for s in samples)
+    num_tokens = sum(sum(s.loss_mask) for s in samples)  # generated tokens (not observations)
     run.reporter.advance("train")
     update = await anyio.to_thread.run_sync(run.trainer.update, samples)
     run.reporter.advance("sync")
@@ -197,6 +238,7 @@ async def _step(
         "weight_version": min(versions),
         **{key: value for key, value in attrs.asdict(update).items()},
         "healthy_slots": len(system.healthy_slots()),
+        **extra,
     }
 
 
@@ -242,10 +284,11 @@ async def run_training(config: Config, *, stream: TextIO, run_dir: Path | None =
                 num_slots=len(system.slots),
             )
             sync = WeightSync(system.weight_sockets)
-            summary["eval_accuracy_before"] = await _evaluate(run, router)
-            run.reporter.message(
-                f"belayer-grpo: greedy accuracy before GRPO {summary['eval_accuracy_before']:.1%}"
-            )
+            if config.data.workload == "math":
+                summary["eval_accuracy_before"] = await _evaluate(run, router)
+                run.reporter.message(
+                    f"belayer-grpo: greedy accuracy before GRPO {summary['eval_accuracy_before']:.1%}"
+                )
             async with anyio.create_task_group() as background:
                 background.start_soon(chaos.run_timed, time.time())
                 for step in range(run.start_step + 1, config.algorithm.steps + 1):
@@ -256,7 +299,8 @@ async def run_training(config: Config, *, stream: TextIO, run_dir: Path | None =
                     run.reporter.end_step(step, metrics, _new_failures(run, chaos.failures))
                     summary["steps"] = step
                 background.cancel_scope.cancel()
-            summary["eval_accuracy_after"] = await _evaluate(run, router)
+            if config.data.workload == "math":
+                summary["eval_accuracy_after"] = await _evaluate(run, router)
             match_recoveries(chaos.failures, system.events())
             summary["failures"] = [f.to_dict() for f in chaos.failures]
             summary["status"] = "completed"
@@ -272,8 +316,10 @@ async def run_training(config: Config, *, stream: TextIO, run_dir: Path | None =
             }  # fmt: skip
         summary |= {
             "wall_s": time.monotonic() - wall_start, "num_samples": run.num_samples, "num_resumed": run.num_resumed,
-            "tokens_per_s": run.num_tokens / max(run.rollout_s, 1e-9),
+            "tokens_per_s": run.num_tokens / max(run.rollout_s, 1e-9), "workload": config.data.workload,
         }  # fmt: skip
+        if config.data.workload == "swe":
+            summary["env"] = run.env.to_dict()
         run.reporter.message(run.reporter.final_report(summary))
         run.reporter.close()
     return summary

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,10 @@ _float_gt0 = attrs.validators.gt(0.0)
 
 def _policy(_instance: object, _attribute: Any, value: str) -> None:
     PolicySpec.parse(value)  # raises PolicyArgumentError (a ValueError) naming the bad value
+
+
+def _token_ids(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(int(token) for token in value)
 
 
 def _probability(_instance: object, attribute: Any, value: float) -> None:
@@ -47,7 +52,7 @@ class AgenticConfig:
     max_context_tokens: int = attrs.field(default=8192, validator=_ge1)
     temperature: float = attrs.field(default=1.0, validator=_float_ge0)
     top_p: float = attrs.field(default=1.0, validator=[_float_gt0, attrs.validators.le(1.0)])
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_token_ids)
     seed: int = attrs.field(default=0, validator=_ge0)
     checkpoint_policy: str = attrs.field(default="adaptive", validator=_policy)
     policy_extra_cost: float = attrs.field(default=0.0, validator=_float_ge0)

@@ -87,7 +87,7 @@ class SweHarness:
             max_rounds=swe.rounds + 2,
             max_response_tokens=4096,
             max_context_tokens=65536,
-            stop_token_ids=(STOP_TOKEN,),  # type: ignore[arg-type]
+            stop_token_ids=(STOP_TOKEN,),
             seed=seed,
             checkpoint_policy=policy_name(policy, swe.every_k),
             sandbox_kill_probability=kill_p,

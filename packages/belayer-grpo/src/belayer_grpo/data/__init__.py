@@ -12,6 +12,7 @@ from belayer_grpo.data.problems import (
 from belayer_grpo.data.sampler import PromptSampler
 from belayer_grpo.data.tokenizer import (
     ARITHMETIC_ALPHABET,
+    BytePolicyTokenizer,
     CharTokenizer,
     HuggingFacePolicyTokenizer,
     PolicyTokenizer,
@@ -19,6 +20,7 @@ from belayer_grpo.data.tokenizer import (
 
 __all__ = [
     "ARITHMETIC_ALPHABET",
+    "BytePolicyTokenizer",
     "CharTokenizer",
     "HuggingFacePolicyTokenizer",
     "PolicyTokenizer",

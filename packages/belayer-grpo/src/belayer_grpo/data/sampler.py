@@ -1,28 +1,30 @@
-"""`PromptSampler`: batches of problems in a seeded order per epoch, with a resumable position."""
+"""`PromptSampler`: batches of problems (or agentic tasks) in a seeded order per epoch, with a
+resumable position."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import attrs
 
-from belayer_grpo.data.problems import Problem
 from belayer_grpo.errors import CheckpointError, DataError
 
 __all__ = ["PromptSampler"]
 
+_Item = TypeVar("_Item")
+
 
 @attrs.define
-class PromptSampler:
+class PromptSampler(Generic[_Item]):
     """Draws ``batch_size`` problems per call; each epoch is a fresh seeded permutation.
 
     The position (epoch, index) is all the state there is, so `state_dict` / `load_state_dict`
     resume exactly where a checkpoint left off.
     """
 
-    problems: Sequence[Problem]
+    problems: Sequence[_Item]
     seed: int = 0
     epoch: int = 0
     index: int = 0
@@ -38,9 +40,9 @@ class PromptSampler:
         random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return order
 
-    def next_batch(self, batch_size: int) -> list[Problem]:
+    def next_batch(self, batch_size: int) -> list[_Item]:
         """The next ``batch_size`` problems, moving on to the next epoch as needed."""
-        batch: list[Problem] = []
+        batch: list[_Item] = []
         while len(batch) < batch_size:
             if self.index >= len(self._order):
                 self.epoch += 1

@@ -9,7 +9,13 @@ import attrs
 
 from belayer_grpo.errors import DataError
 
-__all__ = ["ARITHMETIC_ALPHABET", "CharTokenizer", "HuggingFacePolicyTokenizer", "PolicyTokenizer"]
+__all__ = [
+    "ARITHMETIC_ALPHABET",
+    "BytePolicyTokenizer",
+    "CharTokenizer",
+    "HuggingFacePolicyTokenizer",
+    "PolicyTokenizer",
+]
 
 ARITHMETIC_ALPHABET = "0123456789+-*= ?"
 _SPECIALS = ("<pad>", "<bos>", "<eos>")
@@ -91,6 +97,41 @@ class CharTokenizer:
         return "".join(
             self.alphabet[i - offset] for i in token_ids if offset <= i < offset + len(self.alphabet)
         )
+
+
+@attrs.frozen
+class BytePolicyTokenizer:
+    """UTF-8 bytes as ids 0..255 (belayer-router's `ByteTokenizer`), then ``<eos>`` (256).
+
+    For the agentic workload with a fresh model: task texts, shell commands and observations are
+    arbitrary text, which no fixed alphabet covers.  The model's vocabulary is 257.
+    """
+
+    @property
+    def vocab_size(self) -> int:
+        """256 bytes plus ``<eos>``."""
+        return 257
+
+    @property
+    def eos_token_id(self) -> int:
+        """``<eos>``, the one id that is not a byte."""
+        return 256
+
+    def encode(self, text: str) -> list[int]:
+        """The UTF-8 bytes of ``text``."""
+        from belayer_router import ByteTokenizer
+
+        return ByteTokenizer().encode(text)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """The bytes of the prompt (no begin-of-sequence token)."""
+        return self.encode(text)
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of the byte ids; ``<eos>`` is dropped, broken UTF-8 becomes U+FFFD."""
+        from belayer_router import ByteTokenizer
+
+        return ByteTokenizer().decode([t for t in token_ids if t < 256])
 
 
 @attrs.frozen
