@@ -12,7 +12,7 @@ from belayer_grpo.data import PolicyTokenizer, Problem, math_reward
 from belayer_grpo.errors import RolloutError
 from belayer_router import RouterClient
 
-__all__ = ["Sample", "run_math_rollouts"]
+__all__ = ["Sample", "greedy_accuracy", "run_math_rollouts"]
 
 
 @attrs.frozen
@@ -91,3 +91,23 @@ async def run_math_rollouts(
         for index in range(len(results)):
             group.start_soon(one, index)
     return [sample for sample in results if sample is not None]
+
+
+async def greedy_accuracy(
+    problems: Sequence[Problem], router: RouterClient, tokenizer: PolicyTokenizer, rollout: RolloutConfig
+) -> float:
+    """The share of ``problems`` the served policy answers right when decoding greedily."""
+    eos = [tokenizer.eos_token_id]
+    rewards = [0.0] * len(problems)
+    limiter = anyio.CapacityLimiter(rollout.concurrency)
+
+    async def one(index: int) -> None:
+        async with limiter:
+            prompt = tokenizer.encode_prompt(problems[index].prompt)
+            done = await router.generate(prompt, rollout.max_tokens, temperature=0.0, stop_token_ids=eos)
+        rewards[index] = math_reward(tokenizer.decode(done.token_ids), problems[index].answer)
+
+    async with anyio.create_task_group() as group:
+        for index in range(len(problems)):
+            group.start_soon(one, index)
+    return sum(rewards) / len(rewards) if rewards else 0.0

@@ -26,7 +26,7 @@ from belayer_grpo.data import PolicyTokenizer, Problem, PromptSampler, generate_
 from belayer_grpo.errors import ConfigError
 from belayer_grpo.model import build_policy, build_tokenizer, engine_model_config, supervised_warmup
 from belayer_grpo.reporting import Reporter
-from belayer_grpo.rollout_math import Sample, run_math_rollouts
+from belayer_grpo.rollout_math import Sample, greedy_accuracy, run_math_rollouts
 from belayer_grpo.swe import EnvTotals, action_warmup, agentic_config, load_tasks, run_swe_rollout, run_tag
 from belayer_grpo.system import RolloutSystem
 from belayer_grpo.trainer import GRPOTrainer
@@ -139,25 +139,7 @@ def _save_weights(model: torch.nn.Module, model_config: Any, path: Path) -> None
 
 async def _evaluate(run: RunState, router: Any) -> float:
     """Greedy accuracy over (up to 256 of) the problems: the policy the workers serve now."""
-    from belayer_grpo.data import math_reward
-
-    problems = run.problems[:256]
-    eos = [run.tokenizer.eos_token_id]
-    rewards = [0.0] * len(problems)
-    limiter = anyio.CapacityLimiter(run.config.rollout.concurrency)
-
-    async def one(index: int) -> None:
-        async with limiter:
-            prompt = run.tokenizer.encode_prompt(problems[index].prompt)
-            done = await router.generate(
-                prompt, run.config.rollout.max_tokens, temperature=0.0, stop_token_ids=eos
-            )
-        rewards[index] = math_reward(run.tokenizer.decode(done.token_ids), problems[index].answer)
-
-    async with anyio.create_task_group() as group:
-        for index in range(len(problems)):
-            group.start_soon(one, index)
-    return sum(rewards) / len(rewards)
+    return await greedy_accuracy(run.problems[:256], router, run.tokenizer, run.config.rollout)
 
 
 async def _math_rollout(
@@ -218,9 +200,12 @@ async def _step(
     rewards = [s.reward for s in samples]
     num_tokens = sum(sum(s.loss_mask) for s in samples)  # generated tokens (not observations)
     run.reporter.advance("train")
+    train_started = time.monotonic()
     update = await anyio.to_thread.run_sync(run.trainer.update, samples)
     run.reporter.advance("sync")
+    sync_started = time.monotonic()
     versions = await anyio.to_thread.run_sync(sync.push, run.trainer.model)
+    sync_s = time.monotonic() - sync_started
     resumed = sum(1 for s in samples if s.num_resumes)
     run.num_resumed += resumed
     run.num_samples += len(samples)
@@ -233,6 +218,8 @@ async def _step(
         "accuracy": sum(1 for r in rewards if r >= 1.0) / len(rewards),
         "tokens_per_s": num_tokens / max(rollout_s, 1e-9),
         "rollout_s": rollout_s,
+        "train_s": sync_started - train_started,
+        "sync_s": sync_s,  # the weight push: waits for every reader to leave the slot it overwrites
         "step_s": time.monotonic() - started,
         "num_resumed": resumed,
         "weight_version": min(versions),

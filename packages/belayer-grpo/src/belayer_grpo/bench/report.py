@@ -41,8 +41,22 @@ def _overhead(results: list[dict[str, Any]]) -> list[str]:
             rows.append(["swe", "always checkpoint (reference)", str(r["steps"]), _ms(a["on_s"]), _ms(a["off_s"]),
                          r["off"], _pct(a["overhead"]), f"{a['noise_floor']:.1%}"])  # fmt: skip
     header = ["workload", "Belayer on", "steps", "time on (s)", "baseline time off (s)", "baseline (off)",
-              "overhead (paired, mean ± std)", "noise floor (CV of baseline)"]  # fmt: skip
-    return _table(header, rows)
+              "overhead (paired, mean ± std)", "noise floor"]  # fmt: skip
+    lines = _table(header, rows)
+    math = [r for r in results if "breakdown" in r]
+    if math:
+        lines += [
+            "",
+            "Where the math step time goes (seconds per steady-state step, mean ± std over steps):",
+            "",
+        ]
+        parts = []
+        for r in math:
+            for arm, label in (("shadow", r["on"]), ("conventional", r["off"])):
+                b = r["breakdown"][arm]
+                parts.append([r["workload"], label, _ms(b["step_s"]), _ms(b["rollout_s"]), _ms(b["sync_s"])])
+        lines += _table(["workload", "arm", "step", "rollout", "weight push (sync)"], parts)
+    return lines
 
 
 def _worker_failure(result: dict[str, Any]) -> list[str]:

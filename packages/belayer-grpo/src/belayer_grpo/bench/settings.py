@@ -58,8 +58,16 @@ class OverheadBench:
     workloads: tuple[str, ...] = attrs.field(
         default=("math", "swe"), validator=v.deep_iterable(v.in_(("math", "swe")))
     )
-    math_steps: int = attrs.field(default=4, validator=_pos)
+    math_steps: int = attrs.field(default=12, validator=_pos)
+    math_discard_steps: int = attrs.field(default=2, validator=_nonneg)  # start-up steps not measured
     math_overrides: tuple[str, ...] = ()  # `belayer-grpo train` overrides for both arms
+    math_long_overrides: tuple[str, ...] = ()  # a second configuration with longer steps (() = none)
+
+    @math_discard_steps.validator
+    def _check_discard(self, _attribute: Any, value: int) -> None:
+        if value >= self.math_steps:
+            raise ValueError(f"math_discard_steps ({value}) must be < math_steps ({self.math_steps})")
+
     swe_steps: int = attrs.field(default=1, validator=_pos)
 
 
@@ -93,6 +101,7 @@ class BenchConfig:
     """The whole benchmark configuration (see ``small.toml`` for every key with a comment)."""
 
     scale: str = "small"
+    quick: bool = False  # set by `quick_config` (--quick); the report says what it changed
     results_dir: str = "benchmarks/results/bench"
     math_config: str = ""  # a `belayer-grpo train` config file for the math runs ("" = embedded)
     swe: SweBench = attrs.field(factory=SweBench)
