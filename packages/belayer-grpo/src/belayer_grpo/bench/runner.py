@@ -39,7 +39,7 @@ _DESCRIPTIONS = {
 }  # fmt: skip
 
 
-QUICK_KILL_P = (0.1, 0.2)
+QUICK_KILL_P = (0.2, 0.3)
 
 
 def quick_config(bench: BenchConfig) -> BenchConfig:
