@@ -113,6 +113,24 @@ def test_readers_keep_their_version_until_refresh(weights_server: ServerProcess)
         assert writer.latest_version() == 2
 
 
+def test_a_released_reader_never_holds_an_update_back(weights_server: ServerProcess) -> None:
+    socket = weights_server.config.socket
+    with WeightClient.attach(socket) as standby, WeightClient.attach(socket) as writer:
+        standby.release()  # an idle shadow: it will not read until it refreshes
+        for value in (1, 2, 3):  # without the release the second update would wait for it
+            with writer.update(timeout_s=0.2) as update:
+                for tensor in update.tensors().values():
+                    tensor.fill_(value)
+        assert standby.refresh()
+        assert standby.version == writer.latest_version() == 4
+        assert bool((standby.tensors()["layers.0.norm.weight"] == 3).all())
+        # Pinned again: the next-but-one update waits for it, as for any reader.
+        with writer.update(timeout_s=5) as update:
+            update.tensors()["layers.0.norm.weight"].fill_(4)
+        with pytest.raises(UpdateBusyError):
+            writer.update(timeout_s=0.2)
+
+
 def test_update_atomicity_hammer(run_dir: Path, tmp_path: Path) -> None:
     layout = tmp_path / "layout.json"
     tensors = [{"name": f"w{i}", "dtype": "float32", "shape": [64, 256]} for i in range(8)]

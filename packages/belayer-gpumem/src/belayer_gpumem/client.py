@@ -180,6 +180,14 @@ class WeightClient(_ClientBase):
             self._tensors = None
         return changed
 
+    def release(self) -> None:
+        """Drop this client's pin, so that no weight update waits for it (an idle standby reader).
+
+        The views stay mapped but may change under a later update: call `refresh()` before
+        reading `tensors()` again.
+        """
+        self._att.conn.request("release")
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """{name: tensor} views of the pinned version, zero copy."""
         if self._tensors is None:

@@ -236,6 +236,12 @@ class LLMEngine:
             self.model.bind(self.weight_client.tensors())
         return changed
 
+    def release_weights(self) -> None:
+        """Unpin the weight version while the engine is idle (a standby shadow): weight updates then
+        never wait for it.  Call `refresh_weights()` before the next step."""
+        if self.weight_client is not None:
+            self.weight_client.release()
+
     def bind_params(self, params: Mapping[str, torch.Tensor]) -> None:
         """Use other parameter tensors from now on (zero copy), e.g. a new dict of weights."""
         self.model.bind(params)

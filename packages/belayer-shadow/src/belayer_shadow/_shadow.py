@@ -46,7 +46,6 @@ class ShadowConfig:
     poll_s: float = attrs.field(default=0.05, validator=attrs.validators.gt(0))
     stale_s: float = attrs.field(default=0.5, validator=attrs.validators.gt(0))
     scratch_bytes: int = attrs.field(default=16 * 1024 * 1024, validator=attrs.validators.ge(0))
-    weight_refresh_s: float = attrs.field(default=1.0, validator=attrs.validators.gt(0))
 
 
 def check_device_health(device: torch.device) -> str:
@@ -82,8 +81,12 @@ def _fence(pid: int | None) -> str:
 async def _stand_by(
     config: ShadowConfig, engine: LLMEngine, heartbeat: Heartbeat, flag: HandoverFlag
 ) -> dict[str, Any]:
-    """Sleep-poll until the flag is raised or the heartbeat goes stale; returns what triggered it."""
-    next_refresh = time.monotonic() + config.weight_refresh_s
+    """Sleep-poll until the flag is raised or the heartbeat goes stale; returns what triggered it.
+
+    The engine holds no weight pin meanwhile (the trainer's updates never wait for a standby
+    shadow); the handover's flush step moves it to the latest version.
+    """
+    engine.release_weights()
     hangs = HangDetector(config.stale_s, config.poll_s)
     while True:
         if flag.is_raised():
@@ -91,10 +94,6 @@ async def _stand_by(
         age = heartbeat.age_s()
         if hangs.is_hung(age, time.monotonic()):
             return {"trigger": "stale_heartbeat", "age_s": age}
-        if time.monotonic() >= next_refresh:
-            # Unpinning the old weight version lets the trainer's updates proceed.
-            engine.refresh_weights()
-            next_refresh = time.monotonic() + config.weight_refresh_s
         await anyio.sleep(config.poll_s)
 
 
