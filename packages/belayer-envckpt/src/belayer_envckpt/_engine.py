@@ -138,14 +138,19 @@ class Engine:
         """Start a created container from CRIU images.
 
         The engine refuses a custom checkpoint directory on start, so the images go into the
-        container's own checkpoint folder first, under a name unique to this restore: containerd
-        keeps uploaded checkpoints as content and refuses a second upload of the same one
-        ("already exists") when one checkpoint is restored into two containers.
+        container's own checkpoint folder first, under a name and with content unique to this
+        restore: containerd keeps uploaded checkpoints as content and refuses a second upload of
+        the same one ("already exists"), e.g. when one checkpoint is restored into two containers.
         """
-        name = f"{name}-r{uuid.uuid4().hex[:8]}"
+        restore_id = uuid.uuid4().hex[:8]
+        name = f"{name}-r{restore_id}"
         target = self.root_dir() / "containers" / container.id / "checkpoints" / name
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copytree(images, target)
+        # containerd names the upload by the digest of the images' contents, and an engine-API
+        # dump already left that very content behind: a file unique to this restore (CRIU reads
+        # only the images it knows) keeps the digests apart.
+        (target / "belayer-restore-id").write_text(restore_id)
         api = self.client.api
         try:
             resp = api.post(api._url("/containers/{0}/start", container.id), params={"checkpoint": name})
