@@ -6,7 +6,7 @@ import contextlib
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import uvicorn
@@ -27,10 +27,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _server(app: Any, log_level: str) -> uvicorn.Server:
+def _server(app: Any, log_level: str, lifespan: Literal["on", "off"] = "on") -> uvicorn.Server:
     config = uvicorn.Config(
         app,
-        lifespan="on",
+        lifespan=lifespan,
         log_level=log_level,
         http="httptools",
         access_log=False,
@@ -49,9 +49,15 @@ async def serve_asgi(app: Any, sock: socket.socket, log_level: str = "warning") 
 async def serving(
     app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"
 ) -> AsyncIterator[str]:
-    """Serve ``app`` in the background for the block; yields its base URL."""
+    """Serve ``app`` in the background for the block; yields its base URL.
+
+    Without ASGI lifespan events: the block ends with a forced exit (open streams must not hold it
+    back), and uvicorn skips the lifespan shutdown then, leaving its task pending ("Task was
+    destroyed but it is pending!" at exit). Whoever owns the app releases its resources
+    (`running_router` closes the router).
+    """
     sock = bind_socket(host, port)
-    server = _server(app, log_level)
+    server = _server(app, log_level, lifespan="off")
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # signals are not ours
     bound_host, bound_port = sock.getsockname()[:2]
     async with anyio.create_task_group() as group:
@@ -72,5 +78,9 @@ async def running_router(
 ) -> AsyncIterator[tuple[str, RouterApp]]:
     """A router served in this process for the block: ``(base_url, app)``."""
     app = RouterApp(config or RouterConfig())
-    async with serving(app, host, port) as url:
-        yield url, app
+    try:
+        async with serving(app, host, port) as url:
+            yield url, app
+    finally:
+        with anyio.CancelScope(shield=True):
+            await app.aclose()
