@@ -8,6 +8,7 @@ token already streamed, so the client sees one stream with no token lost or repe
 from __future__ import annotations
 
 from belayer_router._app import RouterApp, RouterConfig
+from belayer_router._asgi import read_json
 from belayer_router._client import Completion, RouterClient
 from belayer_router._errors import (
     BelayerRouterError,
@@ -70,6 +71,7 @@ __all__ = [
     "load_tokenizer",
     "parse_generate_request",
     "parse_worker_event",
+    "read_json",
     "running_router",
     "serve_asgi",
     "serving",

@@ -19,6 +19,7 @@ import anyio.abc
 import attrs
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from belayer_router import InvalidRequestError, read_json
 from belayer_shadow._engine import LLMEngine
 from belayer_shadow._errors import RequestError
 from belayer_shadow._events import EventLog
@@ -30,7 +31,6 @@ __all__ = ["EngineService", "ResumeMode"]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 ResumeMode = Literal["continue", "regenerate"]
-_MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
 def _line(payload: dict[str, Any]) -> bytes:
@@ -80,22 +80,11 @@ def _parse_job(body: Any, mode: ResumeMode, events: MemoryObjectSendStream[bytes
 
 
 async def _read_body(receive: Receive) -> Any:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise RequestError("client disconnected before sending the whole body")
-        chunks.append(message.get("body", b""))
-        size += len(chunks[-1])
-        if size > _MAX_BODY_BYTES:
-            raise RequestError(f"request body exceeds {_MAX_BODY_BYTES} bytes")
-        if not message.get("more_body", False):
-            break
+    """The request's JSON body (belayer-router's reader: bounded size, typed errors)."""
     try:
-        return json.loads(b"".join(chunks))
-    except ValueError as exc:
-        raise RequestError(f"request body is not valid JSON: {exc}") from exc
+        return await read_json(receive)
+    except InvalidRequestError as exc:
+        raise RequestError(str(exc)) from exc
 
 
 async def _send_json(send: Send, status: int, payload: Any) -> None:
