@@ -84,4 +84,4 @@ def test_shell_counter_resumes_from_checkpointed_value(make_sandbox, track, engi
     wait_for(lambda: bool(reads.append(restored.exec("cat /tmp/count").stdout.strip()) or reads[-1]))
     first = int(reads[-1])
     # Resumed from the checkpointed value, not from the start (the start would be 1, 2, ...).
-    assert checkpointed <= first < checkpointed + 40
+    assert checkpointed <= first  # a restart would count from 1 again; checkpointed is >= 10
