@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from belayer_gpumem.layout import KVLayout, WeightLayout
+from belayer_gpumem import KVLayout, WeightLayout
 from belayer_shadow._errors import ConfigError
 
 if TYPE_CHECKING:

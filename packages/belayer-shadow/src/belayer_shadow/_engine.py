@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from belayer_gpumem.client import KVClient, WeightClient
+from belayer_gpumem import KVClient, WeightClient
 from belayer_shadow._block_manager import BlockManager, num_blocks_for
 from belayer_shadow._config import ModelConfig
 from belayer_shadow._errors import EngineError, RequestError, WeightsError

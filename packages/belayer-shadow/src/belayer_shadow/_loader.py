@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from belayer_gpumem.client import WeightClient
+from belayer_gpumem import WeightClient
 from belayer_router import Tokenizer
 from belayer_router import load_tokenizer as _router_load_tokenizer
 from belayer_shadow._config import ModelConfig, parameter_shapes
