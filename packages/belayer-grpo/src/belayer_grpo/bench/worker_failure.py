@@ -72,7 +72,7 @@ async def run_worker_failure(bench: BenchConfig, work_dir: Path) -> dict[str, An
 async def _run_mode(
     bench: BenchConfig, run_dir: Path, mode: str, tokenizer: Any, problems: list[Any], weights: Path
 ) -> dict[str, Any]:
-    from belayer_shadow._slot import SlotConfig, SlotSupervisor
+    from belayer_shadow import SlotConfig, SlotSupervisor
 
     wf = bench.worker_failure
     total = wf.batch_size * wf.samples_per_prompt
