@@ -36,15 +36,15 @@ STRESS = Workload(20, UniformRange(1.0, 5.0), UniformRange(0.1, 2.0), UniformRan
 def _scenario(name: str, workload: Workload, fail_prob: float, runs: int) -> dict[str, object]:
     summaries = compare_policies(
         [PolicySpec.parse(p) for p in POLICIES],
-        config=SimulationConfig(fail_prob=fail_prob, restore_seconds=2.0),
+        config=SimulationConfig(fail_prob=fail_prob, restore_s=2.0),
         runs=runs,
         seed=2024,
         workload=workload,
         num_trajectories=64,
     )
     by_name = {s.policy: s for s in summaries}
-    never = by_name["never"].metrics["increase"].mean
-    adaptive = by_name["adaptive"].metrics["increase"].mean
+    never = by_name["never"].metrics["increase_s"].mean
+    adaptive = by_name["adaptive"].metrics["increase_s"].mean
     return {
         "scenario": name,
         "fail_prob": fail_prob,
@@ -60,10 +60,10 @@ def _rows(result: dict[str, object]) -> list[str]:
     for p in result["policies"]:  # type: ignore[attr-defined]
         rows.append(
             f"| {result['scenario']} | {result['fail_prob']} | {p['policy']} "
-            f"| {p['failure_free_time_mean']:.1f} "
-            f"| {p['rollout_time_mean']:.1f} / {p['rollout_time_p95']:.1f} "
-            f"| {p['increase_pct_mean']:.2f} / {p['increase_pct_p95']:.2f} | {p['lost_time_mean']:.1f} "
-            f"| {p['visible_checkpoint_time_mean']:.3f} ({p['visible_checkpoint_pct_mean']:.3f} %) "
+            f"| {p['failure_free_s_mean']:.1f} "
+            f"| {p['rollout_s_mean']:.1f} / {p['rollout_s_p95']:.1f} "
+            f"| {p['increase_pct_mean']:.2f} / {p['increase_pct_p95']:.2f} | {p['lost_s_mean']:.1f} "
+            f"| {p['visible_checkpoint_s_mean']:.3f} ({p['visible_checkpoint_pct_mean']:.3f} %) "
             f"| {p['checkpoints_mean']:.0f} | {p['failures_mean']:.1f} |"
         )
     return rows
@@ -79,7 +79,7 @@ def _decision_cost(name: str, calls: int) -> float:
         for k in range(calls)
     ]
     for obs in observations[:200]:
-        shared.response_times.observe(obs.response_seconds)
+        shared.response_times.observe(obs.response_s)
     start = time.perf_counter()
     for obs in observations:
         if policy.decide(obs).checkpoint:

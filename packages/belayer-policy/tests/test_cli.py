@@ -6,19 +6,21 @@ import json
 import shutil
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 
-from belayer_policy import Trajectory, save_trace
+import belayer_policy
+from belayer_policy import ExitCode, Trajectory, save_trace
 from belayer_policy._cli import main
 
 REQUIRED_KEYS = {
     "policy",
-    "rollout_time_mean",
-    "failure_free_time_mean",
-    "lost_time_mean",
-    "visible_checkpoint_time_mean",
+    "rollout_s_mean",
+    "failure_free_s_mean",
+    "lost_s_mean",
+    "visible_checkpoint_s_mean",
     "checkpoints_mean",
 }
 
@@ -53,8 +55,8 @@ def test_trace_drives_the_batch(tmp_path: Path, capsys: pytest.CaptureFixture[st
     trace = tmp_path / "trace.jsonl"
     save_trace(trace, [Trajectory([10.0, 10.0], [1.0, 1.0], [0.5, 0.5]), Trajectory([5.0], [1.0], [0.5])])
     (record,) = _json(capsys, "--trace", str(trace), "--policy", "always", "--fail-prob", "0", "--runs", "2")
-    assert record["failure_free_time_mean"] == 22.0
-    assert record["rollout_time_mean"] == 22.0
+    assert record["failure_free_s_mean"] == 22.0
+    assert record["rollout_s_mean"] == 22.0
     assert record["checkpoints_mean"] == 1.0
 
 
@@ -89,3 +91,41 @@ def test_console_script_runs_as_a_process() -> None:
         timeout=120,
     )
     assert {r["policy"] for r in json.loads(done.stdout)} == {"adaptive", "always", "every:3", "never"}
+
+
+def test_python_m_runs_the_command_and_errors_are_one_line() -> None:
+    ok = subprocess.run(
+        [sys.executable, "-m", "belayer_policy", "simulate", "--trajectories", "1", "--steps", "2", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ok.returncode == ExitCode.OK, ok.stderr
+    assert len(json.loads(ok.stdout)) == 4
+    bad = subprocess.run(
+        [sys.executable, "-m", "belayer_policy", "simulate", "--fail-prob", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == ExitCode.USAGE
+    assert bad.stderr.splitlines() == [bad.stderr.strip()]
+    assert bad.stderr.startswith("belayer-policy: error: fail_prob")
+
+
+def test_debug_prints_the_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--debug", "simulate", "--fail-prob", "2"]) == ExitCode.USAGE
+    err = capsys.readouterr().err
+    assert "Traceback" in err
+    assert err.rstrip().splitlines()[-1].startswith("belayer-policy: error: fail_prob")
+
+
+def test_exit_codes_and_version_follow_the_contract() -> None:
+    assert [(c.name, int(c)) for c in ExitCode] == [
+        ("OK", 0),
+        ("FAILED", 1),
+        ("USAGE", 2),
+        ("UNHEALTHY", 3),
+        ("INTERRUPTED", 130),
+    ]
+    assert belayer_policy.__version__ == version("belayer-policy")

@@ -103,7 +103,7 @@ def test_fixed_step_probability_ignores_duration() -> None:
 
 
 def test_online_hazard_learns_rate_from_failures_and_exposure() -> None:
-    hazard = OnlineHazard(prior_failures=1.0, prior_exposure_seconds=100.0)
+    hazard = OnlineHazard(prior_failures=1.0, prior_exposure_s=100.0)
     assert hazard.rate == pytest.approx(0.01)
     hazard.observe_exposure(900.0)
     for _ in range(9):
@@ -114,8 +114,8 @@ def test_online_hazard_learns_rate_from_failures_and_exposure() -> None:
     assert hazard.failure_probability(10.0) == pytest.approx(1 - math.exp(-0.01))
 
 
-def test_checkpoint_cost_starts_at_prior_then_follows_measurements() -> None:
-    model = CheckpointCostModel(initial_seconds=2.0, smoothing=0.5)
+def test_checkpoint_cost_s_starts_at_prior_then_follows_measurements() -> None:
+    model = CheckpointCostModel(initial_s=2.0, smoothing=0.5)
     assert model.estimate == 2.0
     model.observe(1.0)
     assert model.estimate == 1.0
@@ -124,30 +124,30 @@ def test_checkpoint_cost_starts_at_prior_then_follows_measurements() -> None:
     assert model.num_observations == 2
 
 
-def test_regeneration_cost_resets_on_ready_and_rolls_back_on_restore() -> None:
+def test_regeneration_s_resets_on_ready_and_rolls_back_on_restore() -> None:
     regen = RegenerationCost()
     regen.add(10.0)
     regen.capture()
     regen.add(5.0)  # work while the checkpoint is in flight stays counted
     assert regen.in_flight
     regen.mark_ready()
-    assert regen.seconds == pytest.approx(5.0)
+    assert regen.cost_s == pytest.approx(5.0)
     regen.add(7.0)
     regen.restore()
-    assert regen.seconds == 0.0
+    assert regen.cost_s == 0.0
     regen.add(3.0)
     regen.capture()
     regen.abandon()
-    assert regen.seconds == pytest.approx(3.0)
+    assert regen.cost_s == pytest.approx(3.0)
     regen.restore()
-    assert regen.seconds == 0.0
+    assert regen.cost_s == 0.0
 
 
 def test_regeneration_restore_without_checkpoint_goes_to_start() -> None:
     regen = RegenerationCost()
     regen.add(12.0)
     regen.restore()
-    assert regen.seconds == 0.0
+    assert regen.cost_s == 0.0
 
 
 def test_ready_without_capture_is_a_state_error() -> None:

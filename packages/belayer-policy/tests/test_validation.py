@@ -40,31 +40,31 @@ from belayer_policy import (
         (lambda: FixedStepProbability(1.5), "probability"),
         (lambda: FixedStepProbability(-0.01), "probability"),
         (lambda: OnlineHazard(prior_failures=-1.0), "prior_failures"),
-        (lambda: OnlineHazard(prior_exposure_seconds=0.0), "prior_exposure_seconds"),
-        (lambda: OnlineHazard().observe_exposure(-5.0), "seconds"),
+        (lambda: OnlineHazard(prior_exposure_s=0.0), "prior_exposure_s"),
+        (lambda: OnlineHazard().observe_exposure(-5.0), "exposure_s"),
         (lambda: ResponseTimeModel(window=0), "window"),
-        (lambda: ResponseTimeModel().observe(-1.0), "seconds"),
+        (lambda: ResponseTimeModel().observe(-1.0), "response_s"),
         (lambda: ResponseTimeModel().hidden_probability(-1.0, 1.0), "elapsed"),
         (lambda: ResponseTimeModel().hidden_probability(0.0, -1.0), "cost"),
-        (lambda: CheckpointCostModel(initial_seconds=-1.0), "initial_seconds"),
+        (lambda: CheckpointCostModel(initial_s=-1.0), "initial_s"),
         (lambda: CheckpointCostModel(smoothing=1.5), "smoothing"),
-        (lambda: CheckpointCostModel().observe(float("inf")), "seconds"),
+        (lambda: CheckpointCostModel().observe(float("inf")), "cost_s"),
         (lambda: StepObservation(0, 1.0, 1.0, 1.0), "step_index"),
-        (lambda: StepObservation(1, -1.0, 1.0, 1.0), "response_seconds"),
-        (lambda: StepObservation(1, 1.0, "1", 1.0), "action_seconds"),
-        (lambda: StepObservation(1, 1.0, 1.0, 1.0, next_step_seconds=-2.0), "next_step_seconds"),
-        (lambda: CheckpointPolicy(extra_cost=-1.0), "extra_cost"),
-        (lambda: CheckpointPolicy(cooldown_seconds=-1.0), "cooldown_seconds"),
+        (lambda: StepObservation(1, -1.0, 1.0, 1.0), "response_s"),
+        (lambda: StepObservation(1, 1.0, "1", 1.0), "action_s"),
+        (lambda: StepObservation(1, 1.0, 1.0, 1.0, next_step_s=-2.0), "next_step_s"),
+        (lambda: CheckpointPolicy(extra_cost_s=-1.0), "extra_cost_s"),
+        (lambda: CheckpointPolicy(cooldown_s=-1.0), "cooldown_s"),
         (lambda: CheckpointPolicy().on_checkpoint_timeout(now=-1.0), "now"),
         (lambda: PolicySpec.parse("every:0"), "every:K"),
         (lambda: PolicySpec.parse("every:x"), "every:K"),
         (lambda: PolicySpec.parse("sometimes"), "policy"),
         (lambda: SimulationConfig(fail_prob=1.2), "fail_prob"),
-        (lambda: SimulationConfig(restore_seconds=-1.0), "restore_seconds"),
-        (lambda: SimulationConfig(checkpoint_timeout_seconds=0.0), "checkpoint_timeout_seconds"),
-        (lambda: Trajectory([], [], []), "response_seconds"),
-        (lambda: Trajectory([1.0], [1.0, 2.0], [1.0]), "action_seconds"),
-        (lambda: Trajectory([1.0], [-1.0], [1.0]), "action_seconds[0]"),
+        (lambda: SimulationConfig(restore_s=-1.0), "restore_s"),
+        (lambda: SimulationConfig(checkpoint_timeout_s=0.0), "checkpoint_timeout_s"),
+        (lambda: Trajectory([], [], []), "response_s"),
+        (lambda: Trajectory([1.0], [1.0, 2.0], [1.0]), "action_s"),
+        (lambda: Trajectory([1.0], [-1.0], [1.0]), "action_s[0]"),
         (lambda: Trajectory([1.0], [1.0], [1.0], [ScheduledFailure(3)]), "failures"),
         (lambda: ScheduledFailure(-1), "step"),
         (lambda: ScheduledFailure(0, at=1.0), "at"),
@@ -105,9 +105,24 @@ def test_trace_round_trip(tmp_path: Path) -> None:
 
 def test_trace_checkpoint_costs_are_optional(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
-    path.write_text('{"response_seconds": [1, 2], "action_seconds": [0, 1]}\n\n')
+    path.write_text('{"response_s": [1, 2], "action_s": [0, 1]}\n\n')
     (trajectory,) = load_trace(path)
-    assert trajectory.checkpoint_seconds == (0.5, 0.5)
+    assert trajectory.checkpoint_s == (0.5, 0.5)
+
+
+def test_trace_fills_unmeasured_checkpoints_and_keeps_labels(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text(
+        '{"response_s": [1, 2, 3], "action_s": [0, 1, 1], "checkpoint_s": [0.4, null, 0.8], '
+        '"restore_s": [1.5], "task": "calc", "node": "a", "trajectory_id": "t1", "meta": {"p": 1}}\n'
+        '{"response_seconds": [1], "action_seconds": [2], "checkpoint_seconds": [null]}\n'
+    )
+    first, old = load_trace(path)
+    assert first.checkpoint_s == pytest.approx((0.4, 0.6, 0.8))
+    assert (first.restore_s, first.task, first.node) == ((1.5,), "calc", "a")
+    assert (old.response_s, old.action_s, old.checkpoint_s) == ((1.0,), (2.0,), (0.5,))
+    save_trace(tmp_path / "again.jsonl", [first])
+    assert load_trace(tmp_path / "again.jsonl") == [first]
 
 
 @pytest.mark.parametrize(
@@ -117,15 +132,18 @@ def test_trace_checkpoint_costs_are_optional(tmp_path: Path) -> None:
         ("\n  \n", "empty"),
         ("{not json}\n", "line 1: not JSON"),
         ("[1, 2]\n", "line 1: each line must be a JSON object"),
-        ('{"response_seconds": [1]}\n', "line 1: action_seconds"),
+        ('{"response_s": [1]}\n', "line 1: action_s"),
         (
-            '{"response_seconds": [1], "action_seconds": [1]}\n'
-            '{"response_seconds": [1], "action_seconds": [-1]}\n',
-            "line 2: action_seconds[0]",
+            '{"response_s": [1], "action_s": [1]}\n{"response_s": [1], "action_s": [-1]}\n',
+            "line 2: action_s[0]",
         ),
-        ('{"response_seconds": [1], "action_seconds": [1], "colour": 1}\n', "unknown keys"),
-        ('{"response_seconds": [1], "action_seconds": [1], "failures": [{"at": 0.5}]}\n', "failure"),
-        ('{"response_seconds": ["a"], "action_seconds": [1]}\n', "response_seconds[0]"),
+        ('{"response_s": [1], "action_s": [1], "colour": 1}\n', "unknown keys"),
+        ('{"response_s": [1], "action_s": [1], "failures": [{"at": 0.5}]}\n', "failure"),
+        ('{"response_s": ["a"], "action_s": [1]}\n', "response_s[0]"),
+        ('{"response_s": [1], "action_s": [1], "checkpoint_s": 3}\n', "checkpoint_s must be a list"),
+        ('{"response_s": [1], "action_s": [1], "task": 7}\n', "task must be a string"),
+        ('{"response_s": [1], "action_s": [1], "restore_s": [-2]}\n', "restore_s[0]"),
+        ('{"response_s": [1], "action_s": [1], "meta": []}\n', "meta must be an object"),
     ],
 )
 def test_malformed_trace_is_refused_with_the_line(tmp_path: Path, content: str, message: str) -> None:

@@ -1,11 +1,14 @@
 """Adaptive, risk-aware checkpoint policy for agentic RL rollouts, and its trace-driven simulator.
 
 After every environment step the agent loop calls :meth:`CheckpointPolicy.decide`; the policy
-checkpoints iff ``p_t * C_t > c_t * (1 - q(x; c_t)) + extra_cost``.
+checkpoints iff ``p_t * C_t > c_t * (1 - q(x; c_t)) + extra_cost_s``.
 """
 
 from __future__ import annotations
 
+from importlib.metadata import version
+
+from belayer_policy._cli import ExitCode
 from belayer_policy._decision import Decision, Reason, StepObservation
 from belayer_policy._errors import BelayerPolicyError, PolicyArgumentError, PolicyStateError, TraceFormatError
 from belayer_policy._estimators import CheckpointCostModel, RegenerationCost, ResponseTimeModel
@@ -36,7 +39,7 @@ from belayer_policy._workload import (
     save_trace,
 )
 
-__version__ = "0.1.0"
+__version__ = version("belayer-policy")
 
 __all__ = [
     "AdaptiveRule",
@@ -49,6 +52,7 @@ __all__ = [
     "Decision",
     "DecisionRule",
     "EveryKRule",
+    "ExitCode",
     "FailureModel",
     "FixedStepProbability",
     "NeverRule",

@@ -1,25 +1,52 @@
-"""``belayer-policy simulate``: compare checkpoint policies on simulated rollout batches."""
+"""``belayer-policy simulate``: compare checkpoint policies on simulated rollout batches.
+
+The CLI keeps the contract of the root README: one ``belayer-policy: error: ...`` line on stderr
+for the package's own errors (a traceback only with ``--debug`` or ``BELAYER_DEBUG=1``), the named
+exit codes of :class:`ExitCode`, ``--json`` for one JSON document on stdout.
+"""
 
 from __future__ import annotations
 
 import argparse
+import enum
 import json
+import os
+import signal
 import sys
-from collections.abc import Sequence
+import traceback
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from importlib.metadata import version
+from types import FrameType
 
-from belayer_policy._errors import BelayerPolicyError
+from belayer_policy._errors import BelayerPolicyError, PolicyArgumentError
 from belayer_policy._report import compare_policies, format_table
 from belayer_policy._simulator import SimulationConfig
 from belayer_policy._spec import PolicySpec
 from belayer_policy._workload import Workload, load_trace
 
-__all__ = ["main"]
+__all__ = ["ExitCode", "main"]
+
+
+class ExitCode(enum.IntEnum):
+    """Exit codes shared by every Belayer command (root README, "One CLI contract")."""
+
+    OK = 0
+    FAILED = 1
+    USAGE = 2
+    UNHEALTHY = 3
+    INTERRUPTED = 130
+
 
 DEFAULT_POLICIES = ("adaptive", "always", "every:3", "never")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="belayer-policy", description=__doc__)
+    parser = argparse.ArgumentParser(prog="belayer-policy", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version('belayer-policy')}")
+    parser.add_argument(
+        "--debug", action="store_true", help="print tracebacks of errors (also: BELAYER_DEBUG=1)"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     sim = commands.add_parser(
         "simulate",
@@ -39,7 +66,14 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--trace", default=None, help="JSONL trace of trajectories instead of drawn ones")
     sim.add_argument("--seed", type=int, default=0, help="seed of the first run")
     sim.add_argument("--runs", type=int, default=20, help="seeded batches per policy")
-    sim.add_argument("--restore-seconds", type=float, default=2.0, help="cost of one restore")
+    sim.add_argument(
+        "--restore-s",
+        "--restore-seconds",
+        dest="restore_s",
+        type=float,
+        default=2.0,
+        help="seconds one restore costs",
+    )
     sim.add_argument("--json", action="store_true", help="print a JSON list, one object per policy")
     return parser
 
@@ -48,11 +82,11 @@ def _simulate(args: argparse.Namespace) -> str:
     specs = [PolicySpec.parse(p) for p in (args.policies or DEFAULT_POLICIES)]
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
-        raise BelayerPolicyError(f"--policy names a policy twice: {names}")
-    config = SimulationConfig(fail_prob=args.fail_prob, restore_seconds=args.restore_seconds)
+        raise PolicyArgumentError(f"--policy names a policy twice: {names}; give each once")
+    config = SimulationConfig(fail_prob=args.fail_prob, restore_s=args.restore_s)
     if args.trace is not None:
         if args.trajectories is not None or args.steps is not None:
-            raise BelayerPolicyError("--trace gives the trajectories: drop --trajectories and --steps")
+            raise PolicyArgumentError("--trace gives the trajectories: drop --trajectories and --steps")
         summaries = compare_policies(
             specs, config=config, runs=args.runs, seed=args.seed, trace=load_trace(args.trace)
         )
@@ -71,16 +105,41 @@ def _simulate(args: argparse.Namespace) -> str:
     return format_table(summaries)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``belayer-policy`` command."""
-    args = _parser().parse_args(argv)
+@contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM stops the command like Ctrl-C does (the main thread only)."""
+
+    def interrupt(_signum: int, _frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
     try:
-        output = _simulate(args)
-    except (BelayerPolicyError, ValueError) as err:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``belayer-policy`` command; returns an :class:`ExitCode`."""
+    args = _parser().parse_args(argv)
+    debug = args.debug or os.environ.get("BELAYER_DEBUG", "") not in ("", "0")
+    try:
+        with _sigterm_interrupts():
+            output = _simulate(args)
+    except KeyboardInterrupt:
+        print("belayer-policy: interrupted", file=sys.stderr)
+        return ExitCode.INTERRUPTED
+    except BelayerPolicyError as err:
+        if debug:
+            traceback.print_exc()
         print(f"belayer-policy: error: {err}", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE if isinstance(err, PolicyArgumentError) else ExitCode.FAILED
     print(output)
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

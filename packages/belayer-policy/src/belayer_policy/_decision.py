@@ -22,18 +22,18 @@ class StepObservation:
     """One environment step that just committed, as the agent loop saw it.
 
     ``step_index`` is the prefix length ``k`` after the step (1 after the first action).
-    ``response_seconds`` and ``action_seconds`` are the step's LLM response and environment action
-    times; ``now`` is the trainer's monotonic clock in seconds.  ``response_elapsed`` is ``x``, how far
+    ``response_s`` and ``action_s`` are the step's LLM response and environment action
+    times; ``now`` is the trainer's monotonic clock in seconds.  ``response_elapsed_s`` is ``x``, how far
     the next LLM response already is when a checkpoint would start (0 when it starts now).
-    ``next_step_seconds`` overrides the policy's estimate of the next step's duration ``d_t``.
+    ``next_step_s`` overrides the policy's estimate of the next step's duration ``d_t``.
     """
 
     step_index: int = attrs.field(validator=positive_int)
-    response_seconds: float = attrs.field(validator=non_negative)
-    action_seconds: float = attrs.field(validator=non_negative)
+    response_s: float = attrs.field(validator=non_negative)
+    action_s: float = attrs.field(validator=non_negative)
     now: float = attrs.field(validator=non_negative)
-    response_elapsed: float = attrs.field(default=0.0, validator=non_negative)
-    next_step_seconds: float | None = attrs.field(default=None, validator=_optional_non_negative)
+    response_elapsed_s: float = attrs.field(default=0.0, validator=non_negative)
+    next_step_s: float | None = attrs.field(default=None, validator=_optional_non_negative)
 
 
 class Reason(enum.StrEnum):
@@ -53,8 +53,8 @@ class Reason(enum.StrEnum):
 class Decision:
     """The outcome of one decision with every input that went into it, ready to be logged.
 
-    ``benefit`` is ``p_t * C_t`` (expected seconds saved); ``visible_cost`` is
-    ``c_t * (1 - q(x; c_t)) + extra_cost`` (expected seconds on the critical path plus the fixed
+    ``benefit_s`` is ``p_t * C_t`` (expected seconds saved); ``visible_cost_s`` is
+    ``c_t * (1 - q(x; c_t)) + extra_cost_s`` (expected seconds on the critical path plus the fixed
     extra).  Baselines report the same numbers even though they ignore them.
     """
 
@@ -63,11 +63,11 @@ class Decision:
     policy: str
     step_index: int
     now: float
-    benefit: float
-    visible_cost: float
+    benefit_s: float
+    visible_cost_s: float
     failure_probability: float
-    regeneration_cost: float
-    checkpoint_cost: float
+    regeneration_s: float
+    checkpoint_cost_s: float
     hidden_probability: float
 
     def to_dict(self) -> dict[str, Any]:

@@ -43,9 +43,9 @@ class ResponseTimeModel:
         """Mean of the samples in the window (0.0 when empty)."""
         return self._sum / len(self._recent) if self._recent else 0.0
 
-    def observe(self, seconds: float) -> None:
+    def observe(self, response_s: float) -> None:
         """Add one measured response time."""
-        value = require_non_negative("seconds", seconds)
+        value = require_non_negative("response_s", response_s)
         self._recent.append(value)
         bisect.insort(self._sorted, value)
         self._sum += value
@@ -54,24 +54,24 @@ class ResponseTimeModel:
             del self._sorted[bisect.bisect_left(self._sorted, oldest)]
             self._sum -= oldest
 
-    def survival(self, seconds: float) -> float:
-        """Empirical ``P(T >= seconds)``; 1.0 for ``seconds <= 0`` even without samples."""
-        require_non_negative("seconds", seconds, allow_inf=True)
-        if seconds <= 0:
+    def survival(self, at_s: float) -> float:
+        """Empirical ``P(T >= at_s)``; 1.0 for ``at_s <= 0`` even without samples."""
+        require_non_negative("at_s", at_s, allow_inf=True)
+        if at_s <= 0:
             return 1.0
         if not self._sorted:
             return 0.0
-        return (len(self._sorted) - bisect.bisect_left(self._sorted, seconds)) / len(self._sorted)
+        return (len(self._sorted) - bisect.bisect_left(self._sorted, at_s)) / len(self._sorted)
 
-    def hidden_probability(self, elapsed: float, cost: float) -> float:
-        """``q(x; c) = P(T >= x + c | T >= x)``: a checkpoint of ``cost`` started ``elapsed`` seconds
+    def hidden_probability(self, elapsed_s: float, cost_s: float) -> float:
+        """``q(x; c) = P(T >= x + c | T >= x)``: a checkpoint of ``cost_s`` started ``elapsed_s`` seconds
         into the current response ends before the response does.
 
-        Without samples the answer is pessimistic (0 for any ``cost > 0``).  When the response has
+        Without samples the answer is pessimistic (0 for any ``cost_s > 0``).  When the response has
         already outlived every sample, the tail is taken as exponential with the window's mean.
         """
-        x = require_non_negative("elapsed", elapsed)
-        c = require_non_negative("cost", cost)
+        x = require_non_negative("elapsed_s", elapsed_s)
+        c = require_non_negative("cost_s", cost_s)
         if c == 0:
             return 1.0
         reached = self.survival(x)
@@ -85,11 +85,11 @@ class ResponseTimeModel:
 class CheckpointCostModel:
     """Exponentially weighted mean of measured checkpoint costs (seconds), following current load.
 
-    ``initial_seconds`` stands in until the first measurement; ``smoothing`` is the weight of each
+    ``initial_s`` stands in until the first measurement; ``smoothing`` is the weight of each
     new measurement (1.0 keeps only the latest).
     """
 
-    initial_seconds: float = attrs.field(default=1.0, validator=non_negative)
+    initial_s: float = attrs.field(default=1.0, validator=non_negative)
     smoothing: float = attrs.field(default=0.3, validator=unit_fraction)
     num_observations: int = attrs.field(init=False, default=0)
     _estimate: float | None = attrs.field(init=False, default=None)
@@ -97,11 +97,11 @@ class CheckpointCostModel:
     @property
     def estimate(self) -> float:
         """Current estimate of ``c_t`` in seconds."""
-        return self.initial_seconds if self._estimate is None else self._estimate
+        return self.initial_s if self._estimate is None else self._estimate
 
-    def observe(self, seconds: float) -> None:
+    def observe(self, cost_s: float) -> None:
         """Add one measured checkpoint cost."""
-        value = require_non_negative("seconds", seconds)
+        value = require_non_negative("cost_s", cost_s)
         if self._estimate is None:
             self._estimate = value
         else:
@@ -124,7 +124,7 @@ class RegenerationCost:
     _capture_mark: float | None = attrs.field(init=False, default=None)
 
     @property
-    def seconds(self) -> float:
+    def cost_s(self) -> float:
         """Current ``C_t``."""
         return self._work - self._ready_mark
 
@@ -133,9 +133,9 @@ class RegenerationCost:
         """Whether a captured checkpoint is neither ready nor abandoned yet."""
         return self._capture_mark is not None
 
-    def add(self, seconds: float) -> None:
-        """Add ``seconds`` of work (a response, an action) to the prefix."""
-        self._work += require_non_negative("seconds", seconds)
+    def add(self, work_s: float) -> None:
+        """Add ``work_s`` seconds of work (a response, an action) to the prefix."""
+        self._work += require_non_negative("work_s", work_s)
 
     def capture(self) -> None:
         """A checkpoint of the current prefix starts."""

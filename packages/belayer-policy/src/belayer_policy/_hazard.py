@@ -15,12 +15,12 @@ __all__ = ["ConstantHazard", "FailureModel", "FixedStepProbability", "OnlineHaza
 class FailureModel(Protocol):
     """Gives ``p_t``, the probability that the next step of ``duration`` seconds sees a failure."""
 
-    def failure_probability(self, duration: float) -> float:
-        """Probability of a fail-stop failure during the next ``duration`` seconds."""
+    def failure_probability(self, duration_s: float) -> float:
+        """Probability of a fail-stop failure during the next ``duration_s`` seconds."""
         ...
 
-    def observe_exposure(self, seconds: float) -> None:
-        """Record ``seconds`` of container lifetime that passed (with or without a failure)."""
+    def observe_exposure(self, exposure_s: float) -> None:
+        """Record ``exposure_s`` seconds of container lifetime that passed (with or without a failure)."""
         ...
 
     def observe_failure(self) -> None:
@@ -28,9 +28,9 @@ class FailureModel(Protocol):
         ...
 
 
-def _hazard_probability(rate: float, duration: float) -> float:
+def _hazard_probability(rate: float, duration_s: float) -> float:
     # -expm1(-x) == 1 - exp(-x), without the cancellation for small x.
-    return -math.expm1(-rate * require_non_negative("duration", duration))
+    return -math.expm1(-rate * require_non_negative("duration_s", duration_s))
 
 
 @attrs.frozen
@@ -39,11 +39,11 @@ class ConstantHazard:
 
     rate: float = attrs.field(validator=non_negative)
 
-    def failure_probability(self, duration: float) -> float:
-        """``1 - exp(-rate * duration)``."""
-        return _hazard_probability(self.rate, duration)
+    def failure_probability(self, duration_s: float) -> float:
+        """``1 - exp(-rate * duration_s)``."""
+        return _hazard_probability(self.rate, duration_s)
 
-    def observe_exposure(self, seconds: float) -> None:
+    def observe_exposure(self, exposure_s: float) -> None:
         """The rate is given, not learned: nothing to record."""
 
     def observe_failure(self) -> None:
@@ -56,12 +56,12 @@ class FixedStepProbability:
 
     probability: float = attrs.field(validator=probability)
 
-    def failure_probability(self, duration: float) -> float:
-        """``probability``; ``duration`` is only checked."""
-        require_non_negative("duration", duration)
+    def failure_probability(self, duration_s: float) -> float:
+        """``probability``; ``duration_s`` is only checked."""
+        require_non_negative("duration_s", duration_s)
         return self.probability
 
-    def observe_exposure(self, seconds: float) -> None:
+    def observe_exposure(self, exposure_s: float) -> None:
         """The probability is given, not learned: nothing to record."""
 
     def observe_failure(self) -> None:
@@ -72,29 +72,29 @@ class FixedStepProbability:
 class OnlineHazard:
     """Constant hazard whose rate is estimated online from failures over exposure time.
 
-    ``rate = (prior_failures + failures) / (prior_exposure_seconds + exposure_seconds)``: the prior
+    ``rate = (prior_failures + failures) / (prior_exposure_s + exposure_s)``: the prior
     acts as pseudo-observations, so the estimate is usable (not zero) before the first failure and
     converges to the observed rate as exposure accumulates.  Default prior: one failure per hour of
     container time.
     """
 
     prior_failures: float = attrs.field(default=1.0, validator=non_negative)
-    prior_exposure_seconds: float = attrs.field(default=3600.0, validator=positive)
+    prior_exposure_s: float = attrs.field(default=3600.0, validator=positive)
     failures: int = attrs.field(default=0, init=False)
-    exposure_seconds: float = attrs.field(default=0.0, init=False)
+    exposure_s: float = attrs.field(default=0.0, init=False)
 
     @property
     def rate(self) -> float:
         """Current estimate of the hazard rate, failures per second."""
-        return (self.prior_failures + self.failures) / (self.prior_exposure_seconds + self.exposure_seconds)
+        return (self.prior_failures + self.failures) / (self.prior_exposure_s + self.exposure_s)
 
-    def failure_probability(self, duration: float) -> float:
-        """``1 - exp(-rate * duration)`` with the current rate estimate."""
-        return _hazard_probability(self.rate, duration)
+    def failure_probability(self, duration_s: float) -> float:
+        """``1 - exp(-rate * duration_s)`` with the current rate estimate."""
+        return _hazard_probability(self.rate, duration_s)
 
-    def observe_exposure(self, seconds: float) -> None:
-        """Add ``seconds`` of container lifetime to the exposure."""
-        self.exposure_seconds += require_non_negative("seconds", seconds)
+    def observe_exposure(self, exposure_s: float) -> None:
+        """Add ``exposure_s`` seconds of container lifetime to the exposure."""
+        self.exposure_s += require_non_negative("exposure_s", exposure_s)
 
     def observe_failure(self) -> None:
         """Count one failure."""

@@ -17,15 +17,15 @@ from belayer_policy._workload import Trajectory, Workload
 __all__ = ["METRICS", "PolicySummary", "Stats", "compare_policies", "format_table", "percentile"]
 
 METRICS: dict[str, Callable[[BatchOutcome], float]] = {
-    "rollout_time": lambda b: b.rollout_time,
-    "failure_free_time": lambda b: b.failure_free_time,
-    "increase": lambda b: b.rollout_time - b.failure_free_time,
-    "increase_pct": lambda b: 100.0 * (b.rollout_time - b.failure_free_time) / b.failure_free_time,
-    "lost_time": lambda b: b.lost_time,
-    "visible_checkpoint_time": lambda b: b.visible_checkpoint_time,
-    "visible_checkpoint_pct": lambda b: 100.0 * b.visible_checkpoint_time / b.failure_free_time,
-    "lost_time_total": lambda b: b.lost_time_total,
-    "visible_checkpoint_time_total": lambda b: b.visible_checkpoint_time_total,
+    "rollout_s": lambda b: b.rollout_s,
+    "failure_free_s": lambda b: b.failure_free_s,
+    "increase_s": lambda b: b.rollout_s - b.failure_free_s,
+    "increase_pct": lambda b: 100.0 * (b.rollout_s - b.failure_free_s) / b.failure_free_s,
+    "lost_s": lambda b: b.lost_s,
+    "visible_checkpoint_s": lambda b: b.visible_checkpoint_s,
+    "visible_checkpoint_pct": lambda b: 100.0 * b.visible_checkpoint_s / b.failure_free_s,
+    "lost_total_s": lambda b: b.lost_total_s,
+    "visible_checkpoint_total_s": lambda b: b.visible_checkpoint_total_s,
     "checkpoints": lambda b: float(b.num_checkpoints),
     "failures": lambda b: float(b.num_failures),
 }
@@ -141,10 +141,10 @@ def format_table(summaries: Sequence[PolicySummary]) -> str:
     for s in summaries:
         m = s.metrics
         lines.append(
-            f"| {s.policy} | {m['rollout_time'].mean:.1f} / {m['rollout_time'].p95:.1f} "
-            f"| {m['failure_free_time'].mean:.1f} "
+            f"| {s.policy} | {m['rollout_s'].mean:.1f} / {m['rollout_s'].p95:.1f} "
+            f"| {m['failure_free_s'].mean:.1f} "
             f"| {m['increase_pct'].mean:.2f} / {m['increase_pct'].p95:.2f} "
-            f"| {m['lost_time'].mean:.1f} | {m['visible_checkpoint_time'].mean:.3f} "
+            f"| {m['lost_s'].mean:.1f} | {m['visible_checkpoint_s'].mean:.3f} "
             f"| {m['visible_checkpoint_pct'].mean:.3f} | {m['checkpoints'].mean:.1f} "
             f"| {m['failures'].mean:.2f} |"
         )

@@ -6,10 +6,10 @@ response, but the next action waits for it (actions and checkpoints exclude each
 ``max(0, c - r)`` is visible.  It becomes ready ``c`` seconds after it started; with a timeout ``T`` and
 ``c > T`` it is abandoned at ``T``.  A fail-stop failure hits an attempt of a step with probability
 ``p`` (and wherever the trajectory schedules one), at a uniform point of the attempt's wall time.
-Recovery costs ``restore_seconds`` and rewinds to the latest ready checkpoint (to step 0 when there
+Recovery costs ``restore_s`` and rewinds to the latest ready checkpoint (to step 0 when there
 is none), and the steps since then run again.  So for every trajectory, exactly::
 
-    rollout_time = failure_free_time + lost_time + visible_checkpoint_time
+    rollout_s = failure_free_s + lost_s + visible_checkpoint_s
 
 The batch ends when its last trajectory does; trajectories advance in time order so that estimators
 shared across the batch learn in the order a real batch would.
@@ -36,7 +36,7 @@ __all__ = ["BatchOutcome", "SimulationConfig", "TrajectoryOutcome", "simulate_ba
 
 def _optional_positive(instance: object, attribute: object, value: float | None) -> None:
     if value is not None and not value > 0:
-        raise PolicyArgumentError(f"checkpoint_timeout_seconds must be > 0 or None, got {value!r}")
+        raise PolicyArgumentError(f"checkpoint_timeout_s must be > 0 or None, got {value!r}")
 
 
 @attrs.frozen
@@ -44,8 +44,8 @@ class SimulationConfig:
     """Failure and recovery parameters of a simulation."""
 
     fail_prob: float = attrs.field(default=0.0, validator=probability)
-    restore_seconds: float = attrs.field(default=2.0, validator=non_negative)
-    checkpoint_timeout_seconds: float | None = attrs.field(default=None, validator=_optional_positive)
+    restore_s: float = attrs.field(default=2.0, validator=non_negative)
+    checkpoint_timeout_s: float | None = attrs.field(default=None, validator=_optional_positive)
     max_step_attempts: int = attrs.field(default=1_000_000, validator=positive_int)
 
 
@@ -53,10 +53,10 @@ class SimulationConfig:
 class TrajectoryOutcome:
     """What one trajectory cost under one policy."""
 
-    rollout_time: float
-    failure_free_time: float
-    lost_time: float
-    visible_checkpoint_time: float
+    rollout_s: float
+    failure_free_s: float
+    lost_s: float
+    visible_checkpoint_s: float
     num_checkpoints: int
     num_failures: int
 
@@ -91,7 +91,7 @@ class _TrajectoryRun:
     def __attrs_post_init__(self) -> None:
         for failure in self.trajectory.failures:
             self._scheduled.setdefault(failure.step, deque()).append(failure.at)
-        steps = zip(self.trajectory.response_seconds, self.trajectory.action_seconds, strict=True)
+        steps = zip(self.trajectory.response_s, self.trajectory.action_s, strict=True)
         self._work_before = [0.0, *itertools.accumulate(r + a for r, a in steps)]
 
     @property
@@ -100,10 +100,10 @@ class _TrajectoryRun:
 
     def outcome(self) -> TrajectoryOutcome:
         return TrajectoryOutcome(
-            rollout_time=self.now,
-            failure_free_time=self.trajectory.failure_free_seconds,
-            lost_time=self.lost,
-            visible_checkpoint_time=self.visible,
+            rollout_s=self.now,
+            failure_free_s=self.trajectory.failure_free_s,
+            lost_s=self.lost,
+            visible_checkpoint_s=self.visible,
             num_checkpoints=self.num_checkpoints,
             num_failures=self.num_failures,
         )
@@ -117,7 +117,7 @@ class _TrajectoryRun:
                 "fail_prob or raise max_step_attempts"
             )
         i = self.prefix
-        response, action = self.trajectory.response_seconds[i], self.trajectory.action_seconds[i]
+        response, action = self.trajectory.response_s[i], self.trajectory.action_s[i]
         wait = max(0.0, self.pending.duration - response) if self.pending else 0.0
         wall = response + wait + action
         failure_at = self._draw_failure(i, wall)
@@ -131,12 +131,12 @@ class _TrajectoryRun:
             return
         self._resolve_pending(failure_at)
         self.pending = None
-        self.policy.on_failure(self.now + failure_at, exposure_seconds=failure_at)
+        self.policy.on_failure(self.now + failure_at, exposure_s=failure_at)
         visible_part = min(max(failure_at - response, 0.0), wait)
         self.visible += visible_part
         redone = self._work_before[i] - self._work_before[self.ready_prefix]
-        self.lost += redone + (failure_at - visible_part) + self.config.restore_seconds
-        self.now += failure_at + self.config.restore_seconds
+        self.lost += redone + (failure_at - visible_part) + self.config.restore_s
+        self.now += failure_at + self.config.restore_s
         self.num_failures += 1
         self.prefix = self.ready_prefix
         self.policy.on_restore()
@@ -157,20 +157,20 @@ class _TrajectoryRun:
         if pending is None or pending.duration > within:
             return
         if pending.timed_out:
-            self.policy.on_checkpoint_timeout(pending.started_at + pending.duration, elapsed=pending.duration)
+            self.policy.on_checkpoint_timeout(
+                pending.started_at + pending.duration, elapsed_s=pending.duration
+            )
         else:
             self.ready_prefix = pending.prefix
             self.policy.on_checkpoint_ready(pending.cost)
         self.pending = None
 
     def _decide(self, response: float, action: float) -> None:
-        obs = StepObservation(
-            step_index=self.prefix, response_seconds=response, action_seconds=action, now=self.now
-        )
+        obs = StepObservation(step_index=self.prefix, response_s=response, action_s=action, now=self.now)
         if not self.policy.decide(obs).checkpoint:
             return
-        cost = self.trajectory.checkpoint_seconds[self.prefix - 1]
-        timeout = self.config.checkpoint_timeout_seconds
+        cost = self.trajectory.checkpoint_s[self.prefix - 1]
+        timeout = self.config.checkpoint_timeout_s
         timed_out = timeout is not None and cost > timeout
         duration = timeout if timed_out and timeout is not None else cost
         self.pending = _Pending(self.prefix, self.now, cost, timed_out, duration)
@@ -191,16 +191,16 @@ def simulate_trajectory(
 class BatchOutcome:
     """One batch under one policy.
 
-    ``lost_time`` and ``visible_checkpoint_time`` are those of the critical path: the trajectory
-    that finished last.  The ``*_total`` fields sum over all trajectories (trajectory-seconds).
+    ``lost_s`` and ``visible_checkpoint_s`` are those of the critical path: the trajectory
+    that finished last.  The ``*_total_s`` fields sum over all trajectories (trajectory-seconds).
     """
 
-    rollout_time: float
-    failure_free_time: float
-    lost_time: float
-    visible_checkpoint_time: float
-    lost_time_total: float
-    visible_checkpoint_time_total: float
+    rollout_s: float
+    failure_free_s: float
+    lost_s: float
+    visible_checkpoint_s: float
+    lost_total_s: float
+    visible_checkpoint_total_s: float
     num_checkpoints: int
     num_failures: int
     trajectories: tuple[TrajectoryOutcome, ...]
@@ -226,14 +226,14 @@ def simulate_batch(
         if not run.done:
             heapq.heappush(queue, (run.now, j))
     outcomes = tuple(run.outcome() for run in runs)
-    critical = max(outcomes, key=lambda o: o.rollout_time)
+    critical = max(outcomes, key=lambda o: o.rollout_s)
     return BatchOutcome(
-        rollout_time=critical.rollout_time,
-        failure_free_time=max(o.failure_free_time for o in outcomes),
-        lost_time=critical.lost_time,
-        visible_checkpoint_time=critical.visible_checkpoint_time,
-        lost_time_total=sum(o.lost_time for o in outcomes),
-        visible_checkpoint_time_total=sum(o.visible_checkpoint_time for o in outcomes),
+        rollout_s=critical.rollout_s,
+        failure_free_s=max(o.failure_free_s for o in outcomes),
+        lost_s=critical.lost_s,
+        visible_checkpoint_s=critical.visible_checkpoint_s,
+        lost_total_s=sum(o.lost_s for o in outcomes),
+        visible_checkpoint_total_s=sum(o.visible_checkpoint_s for o in outcomes),
         num_checkpoints=sum(o.num_checkpoints for o in outcomes),
         num_failures=sum(o.num_failures for o in outcomes),
         trajectories=outcomes,

@@ -15,7 +15,7 @@ from belayer_policy._policy import (
     EveryKRule,
     NeverRule,
 )
-from belayer_policy._validate import non_negative
+from belayer_policy._validate import non_negative, renamed_keywords
 
 __all__ = ["PolicySpec", "SharedEstimators"]
 
@@ -34,12 +34,23 @@ class PolicySpec:
     """A named policy: ``adaptive``, ``always``, ``never`` or ``every:K``, plus its settings."""
 
     rule: DecisionRule
-    extra_cost: float = attrs.field(default=0.0, validator=non_negative)
-    cooldown_seconds: float = attrs.field(default=20.0, validator=non_negative)
+    extra_cost_s: float = attrs.field(default=0.0, validator=non_negative)
+    cooldown_s: float = attrs.field(default=20.0, validator=non_negative)
 
     @classmethod
-    def parse(cls, text: str, *, extra_cost: float = 0.0, cooldown_seconds: float = 20.0) -> PolicySpec:
-        """Parse ``adaptive``, ``always``, ``never`` or ``every:K`` (K an integer >= 1)."""
+    def parse(
+        cls, text: str, *, extra_cost_s: float = 0.0, cooldown_s: float = 20.0, **deprecated: float
+    ) -> PolicySpec:
+        """Parse ``adaptive``, ``always``, ``never`` or ``every:K`` (K an integer >= 1).
+
+        The old keywords ``extra_cost=`` and ``cooldown_seconds=`` still work, with a
+        ``DeprecationWarning``.
+        """
+        renamed = renamed_keywords(
+            "PolicySpec.parse", deprecated, {"extra_cost": "extra_cost_s", "cooldown_seconds": "cooldown_s"}
+        )
+        extra_cost_s = renamed.get("extra_cost_s", extra_cost_s)
+        cooldown_s = renamed.get("cooldown_s", cooldown_s)
         name = text.strip().lower()
         rule: DecisionRule
         if name == "adaptive":
@@ -58,7 +69,7 @@ class PolicySpec:
             rule = EveryKRule(k)
         else:
             raise PolicyArgumentError(f"policy must be adaptive, always, never or every:K, got {text!r}")
-        return cls(rule, extra_cost=extra_cost, cooldown_seconds=cooldown_seconds)
+        return cls(rule, extra_cost_s=extra_cost_s, cooldown_s=cooldown_s)
 
     @property
     def name(self) -> str:
@@ -73,6 +84,6 @@ class PolicySpec:
             failure_model=shared.failure_model,
             response_times=shared.response_times,
             checkpoint_costs=shared.checkpoint_costs,
-            extra_cost=self.extra_cost,
-            cooldown_seconds=self.cooldown_seconds,
+            extra_cost_s=self.extra_cost_s,
+            cooldown_s=self.cooldown_s,
         )

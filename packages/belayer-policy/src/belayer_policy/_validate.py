@@ -7,6 +7,8 @@ so a bad configuration fails where it is made and says what to change.
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Mapping
 from typing import Any
 
 from belayer_policy._errors import PolicyArgumentError
@@ -16,6 +18,7 @@ __all__ = [
     "positive",
     "positive_int",
     "probability",
+    "renamed_keywords",
     "require_non_negative",
     "require_positive",
     "require_probability",
@@ -54,6 +57,22 @@ def require_probability(name: str, value: object) -> float:
     if not 0.0 <= number <= 1.0:
         raise PolicyArgumentError(f"{name} must be a probability in [0, 1], got {value!r}")
     return number
+
+
+def renamed_keywords(where: str, given: Mapping[str, float], renames: Mapping[str, str]) -> dict[str, float]:
+    """Map keywords renamed in 0.2 (``cooldown_seconds`` -> ``cooldown_s``) to their new names.
+
+    Each old keyword warns with a ``DeprecationWarning``; an unknown one raises ``TypeError`` like
+    any unexpected keyword argument.
+    """
+    result = {}
+    for old, value in given.items():
+        new = renames.get(old)
+        if new is None:
+            raise TypeError(f"{where}() got an unexpected keyword argument {old!r}")
+        warnings.warn(f"{where}: {old}= is deprecated, use {new}=", DeprecationWarning, stacklevel=3)
+        result[new] = value
+    return result
 
 
 # attrs validators: same checks, named after the attribute.
