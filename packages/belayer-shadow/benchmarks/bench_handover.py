@@ -1,15 +1,17 @@
-"""Handover benchmark: SIGKILL of the main worker -> first resumed token, shadow vs conventional recovery.
+"""Handover benchmark: SIGKILL of the main worker -> first resumed token, shadow vs two restart baselines.
 
     python benchmarks/bench_handover.py                      # conventional at its defaults (10 s x 3)
-    python benchmarks/bench_handover.py --health-interval-s 1  # a quicker baseline
+    python benchmarks/bench_handover.py --health-interval-s 1  # a quicker conventional baseline
 
 One router on loopback, the default model on CPU. A slot with a shadow worker serves several
 concurrent greedy requests; once every stream has tokens, the main worker is SIGKILLed. The time
 to the first resumed token is split with the slot's event log into detection, fence + health check
 + flush, remap, warm-up, registration and resume (the KV refill by prefill, up to the first new
-token). The conventional baseline (remote health checks, restart from scratch, regeneration)
-runs the same workload in the same run. Every output must equal the failure-free output, and the
-shadow must regenerate no token. Last, the throughput of the main worker with and without an
+token). Two baselines run the same workload in the same run, behind the same supervisor: the
+paper's conventional recovery (remote health checks, restart from scratch, regeneration) and the
+strongest restart baseline (the supervisor's instant `waitpid` detection, restart from scratch,
+token-level resume through the router: nothing regenerated). Every output must equal the
+failure-free output; the shadow and the instant restart must regenerate no token. Last, the throughput of the main worker with and without an
 idle shadow beside it (32 concurrent requests, phases interleaved). Prints a markdown table and
 saves JSON to benchmarks/results/bench_handover.json.
 """
@@ -30,7 +32,7 @@ import anyio
 import httpx
 
 from belayer_router import RouterClient, RouterConfig, TokenEvent, running_router
-from belayer_shadow._slot import SlotConfig, SlotSupervisor
+from belayer_shadow import SlotConfig, SlotSupervisor
 
 RESULTS = Path(__file__).parent / "results" / "bench_handover.json"
 TOKEN = "bench-admin-token"
@@ -122,20 +124,23 @@ async def shadow_trial(
     }
 
 
-async def conventional_trial(
+async def restart_trial(
     slot: SlotSupervisor, url: str, args: argparse.Namespace, reference: list[list[int]]
 ) -> dict[str, Any]:
+    """One SIGKILL under a restart baseline (`slot.config.recovery`: conventional or restart)."""
+    cause = slot.config.recovery
+    done = slot.num_handovers
     streams = Streams(url, args.prompts, args.max_tokens)
     killed = await _kill_during(slot, streams, args.kill_after)
-    await anyio.to_thread.run_sync(slot.wait_handovers, 1)
+    await anyio.to_thread.run_sync(lambda: slot.wait_handovers(done + 1, 600.0))
     events = slot.events()
-    detect = _event(events, "conventional.detect", killed)
-    restart = _event(events, "conventional.restart", killed)
+    detect = _event(events, f"{cause}.detect", killed)
+    restart = _event(events, f"{cause}.restart", killed)
     first = streams.first_after(restart["time"])
     return {
         "detection_s": detect["time"] - killed,
         "restart_s": restart["duration_s"],
-        "reallocate_s": _event(events, "conventional.reallocate", killed)["duration_s"],
+        "reallocate_s": _event(events, f"{cause}.reallocate", killed)["duration_s"],
         "resume_s": min(first) - restart["time"],
         "first_resumed_token_s": min(first) - killed,
         "all_resumed_s": max(first) - killed,
@@ -180,7 +185,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             slot = SlotSupervisor(_slot_config(url, root / "conventional", "conventional", **options))
             await anyio.to_thread.run_sync(slot.start)
             try:
-                results["conventional"] = await conventional_trial(slot, url, args, reference)
+                results["conventional"] = await restart_trial(slot, url, args, reference)
+            finally:
+                await anyio.to_thread.run_sync(slot.stop)
+        async with running_router(config) as (url, _app):
+            options = {"recovery": "restart", "failure_window_s": 0}
+            slot = SlotSupervisor(_slot_config(url, root / "restart", "restart", **options))
+            await anyio.to_thread.run_sync(slot.start)
+            try:
+                await anyio.to_thread.run_sync(slot.wait_protected)
+                results["restart"] = [
+                    await restart_trial(slot, url, args, reference) for _ in range(args.trials)
+                ]
             finally:
                 await anyio.to_thread.run_sync(slot.stop)
         results["throughput"] = await throughput_phases(root, args)
@@ -223,27 +239,33 @@ async def throughput_phases(root: Path, args: argparse.Namespace) -> dict[str, l
     return measured
 
 
+def _medians(trials: list[dict[str, Any]]) -> dict[str, float]:
+    return {k: statistics.median(t[k] for t in trials) for k in trials[0] if k.endswith("_s")}
+
+
 def render(results: dict[str, Any]) -> str:
-    shadow, conv = results["shadow"], results["conventional"]
-    med = {k: statistics.median(t[k] for t in shadow) for k in shadow[0] if k.endswith("_s")}
+    shadow, conv, restart = results["shadow"], results["conventional"], results["restart"]
+    med, rst = _medians(shadow), _medians(restart)
     ms = lambda s: f"{s * 1000:.0f} ms"  # noqa: E731
     cfg = results["config"]
+    first = conv["first_resumed_token_s"]
     lines = [
-        f"Shadow handover (median of {len(shadow)} SIGKILLs, {cfg['num_requests']} concurrent greedy requests, default model, CPU):",
+        f"Failure -> first resumed token (shadow and instant restart: median of {len(shadow)} SIGKILLs each; "
+        f"conventional: 1; {cfg['num_requests']} concurrent greedy requests, default model, CPU):",
         "",
-        "| step | shadow worker | conventional |",
-        "|---|---|---|",
-        f"| detection | {ms(med['detection_s'])} (reaped in {ms(med['reaped_s'])}) | {conv['detection_s']:.1f} s (health checks {cfg['health_interval_s']:g} s x {cfg['health_misses']}) |",
-        f"| fence + health check + flush | {ms(med['health_flush_s'])} | - |",
-        f"| remap (scratch buffer {shadow[0]['scratch_bytes'] >> 20} MiB) | {ms(med['remap_s'])} | reallocate + reload weights {ms(conv['reallocate_s'])} |",
-        f"| warm-up | {ms(med['warmup_s'])} | new process, attach, warm-up, register: {conv['restart_s']:.2f} s in all |",
-        f"| registration (epoch + 1) | {ms(med['registration_s'])} | (in the restart) |",
-        f"| resume (KV refill by prefill -> first token) | {ms(med['resume_s'])} | {ms(conv['resume_s'])} (regenerates from the start) |",
-        f"| **failure -> first resumed token** | **{ms(med['first_resumed_token_s'])}** | **{conv['first_resumed_token_s']:.1f} s** |",
-        f"| failure -> every request resumed | {ms(med['all_resumed_s'])} | {conv['all_resumed_s']:.1f} s |",
-        f"| speed-up | {conv['first_resumed_token_s'] / med['first_resumed_token_s']:.0f}x | 1x |",
-        f"| outputs equal the failure-free run | {all(t['outputs_equal'] for t in shadow)} | {conv['outputs_equal']} |",
-        f"| tokens regenerated | {sum(t['tokens_regenerated'] for t in shadow)} | {conv['tokens_regenerated']} |",
+        "| step | shadow worker | instant restart + token-level resume | conventional (paper) |",
+        "|---|---|---|---|",
+        f"| detection | {ms(med['detection_s'])} (reaped in {ms(med['reaped_s'])}) | {ms(rst['detection_s'])} (waitpid) | {conv['detection_s']:.1f} s (health checks {cfg['health_interval_s']:g} s x {cfg['health_misses']}) |",
+        f"| fence + health check + flush | {ms(med['health_flush_s'])} | - | - |",
+        f"| remap (scratch buffer {shadow[0]['scratch_bytes'] >> 20} MiB) / reallocate + reload weights | {ms(med['remap_s'])} | {ms(rst['reallocate_s'])} | {ms(conv['reallocate_s'])} |",
+        f"| warm-up | {ms(med['warmup_s'])} | whole restart (reallocate, new process, attach, warm-up, register): {rst['restart_s']:.2f} s | whole restart: {conv['restart_s']:.2f} s |",
+        f"| registration (epoch + 1) | {ms(med['registration_s'])} | (in the restart) | (in the restart) |",
+        f"| resume -> first token | {ms(med['resume_s'])} (KV refill by prefill) | {ms(rst['resume_s'])} (prefill of prompt + streamed tokens) | {ms(conv['resume_s'])} (regenerates from the start) |",
+        f"| **failure -> first resumed token** | **{ms(med['first_resumed_token_s'])}** | **{rst['first_resumed_token_s']:.2f} s** | **{first:.1f} s** |",
+        f"| failure -> every request resumed | {ms(med['all_resumed_s'])} | {rst['all_resumed_s']:.2f} s | {conv['all_resumed_s']:.1f} s |",
+        f"| speed-up of the shadow | 1x | {rst['first_resumed_token_s'] / med['first_resumed_token_s']:.1f}x | {first / med['first_resumed_token_s']:.0f}x |",
+        f"| outputs equal the failure-free run | {all(t['outputs_equal'] for t in shadow)} | {all(t['outputs_equal'] for t in restart)} | {conv['outputs_equal']} |",
+        f"| tokens regenerated | {sum(t['tokens_regenerated'] for t in shadow)} | {sum(t['tokens_regenerated'] for t in restart)} | {conv['tokens_regenerated']} |",
     ]
     tp = results["throughput"]
     alone, with_shadow = statistics.median(tp["alone"]), statistics.median(tp["with_shadow"])
@@ -266,7 +288,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--trials", type=int, default=3, help="SIGKILLs of the shadow-protected slot")
+    parser.add_argument(
+        "--trials", type=int, default=3, help="SIGKILLs of the shadow and instant-restart slots"
+    )
     parser.add_argument("--num-requests", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--kill-after", type=int, default=16, help="tokens every stream has before the kill")

@@ -9,16 +9,16 @@ from pathlib import Path
 import anyio
 
 from belayer_router import FinishEvent, RouterApp, RouterClient, RouterConfig, TokenEvent, running_router
-from belayer_shadow._slot import SlotConfig, SlotSupervisor
+from belayer_shadow import SlotConfig, SlotSupervisor
 
 TOKEN = "test-admin-token"
 PROMPTS = [[10 + i, 20 + 3 * i, 30, 40 + i, 50] for i in range(4)]
 
 
 @asynccontextmanager
-async def router(resume_wait: float = 30.0) -> AsyncIterator[tuple[str, RouterApp]]:
+async def router(resume_wait_s: float = 30.0) -> AsyncIterator[tuple[str, RouterApp]]:
     """A router in this process on loopback."""
-    async with running_router(RouterConfig(admin_token=TOKEN, resume_wait=resume_wait)) as (url, app):
+    async with running_router(RouterConfig(admin_token=TOKEN, resume_wait=resume_wait_s)) as (url, app):
         yield url, app
 
 

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from belayer_shadow import EngineError
-from belayer_shadow._block_manager import BlockManager, num_blocks_for
+from belayer_shadow import LLMEngineError
+from belayer_shadow._engine._block_manager import BlockManager, num_blocks_for
 
 NUM_BLOCKS, BLOCK_SIZE = 12, 4
 SEQ_IDS = st.sampled_from([f"s{i}" for i in range(6)])
@@ -26,7 +26,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         fits = num_blocks_for(num_tokens, BLOCK_SIZE) <= self.manager.num_free_blocks
         assert self.manager.can_allocate(num_tokens) == fits
         if seq in self.lengths or not fits:
-            with pytest.raises(EngineError):
+            with pytest.raises(LLMEngineError):
                 self.manager.allocate(seq, num_tokens)
             return
         table = self.manager.allocate(seq, num_tokens)
@@ -43,7 +43,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         fits = missing <= self.manager.num_free_blocks
         assert self.manager.can_grow(seq, target) == fits
         if not fits:
-            with pytest.raises(EngineError):
+            with pytest.raises(LLMEngineError):
                 self.manager.grow(seq, target)
             assert self.manager.block_table(seq) == before
             return
@@ -77,7 +77,7 @@ TestBlockManager = BlockManagerMachine.TestCase
 
 def test_grow_without_allocate_and_bad_pool_are_errors() -> None:
     manager = BlockManager(4, 2)
-    with pytest.raises(EngineError, match="allocate first"):
+    with pytest.raises(LLMEngineError, match="allocate first"):
         manager.grow("x", 3)
-    with pytest.raises(EngineError, match="num_blocks"):
+    with pytest.raises(LLMEngineError, match="num_blocks"):
         BlockManager(0, 16)

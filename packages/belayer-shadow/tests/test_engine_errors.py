@@ -9,9 +9,9 @@ import torch
 
 from belayer_shadow import (
     BelayerShadowError,
-    EngineError,
     InvalidSamplingParamsError,
     LLMEngine,
+    LLMEngineError,
     ModelConfig,
     RequestError,
     SamplingParams,
@@ -94,9 +94,9 @@ def test_duplicate_request_id_and_token_budget() -> None:
 
 
 def test_arena_and_weights_that_do_not_fit_the_model() -> None:
-    with pytest.raises(EngineError, match="does not fit"):
+    with pytest.raises(LLMEngineError, match="does not fit"):
         LLMEngine(CONFIG, WEIGHTS, torch.zeros(2, 2, 4, 4, 2, 32))
-    with pytest.raises(EngineError, match="float32"):
+    with pytest.raises(LLMEngineError, match="float32"):
         LLMEngine(CONFIG, WEIGHTS, allocate_kv_arena(CONFIG, 4, 4).half())
     missing = dict(WEIGHTS)
     del missing["model.layers.1.mlp.up_proj.weight"]

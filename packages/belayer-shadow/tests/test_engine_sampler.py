@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from belayer_shadow._sampler import keyed_uniform, sample
+from belayer_shadow._engine._sampler import keyed_uniform, sample
 
 LOGITS = st.lists(st.floats(-20, 20, allow_nan=False), min_size=2, max_size=40)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from belayer_shadow._heartbeat import HangDetector
+from belayer_shadow._workers._heartbeat import HangDetector
 
 
 def test_stale_after_seen_fresh_is_a_hang():

@@ -10,8 +10,8 @@ import torch
 
 from belayer_router import ByteTokenizer
 from belayer_shadow import (
-    ConfigError,
     ModelConfig,
+    ModelConfigError,
     init_weights,
     kv_layout,
     load_safetensors,
@@ -19,7 +19,7 @@ from belayer_shadow import (
     save_safetensors,
     weight_layout,
 )
-from belayer_shadow._config import parameter_shapes
+from belayer_shadow._engine._config import parameter_shapes
 
 
 def test_round_trips() -> None:
@@ -51,18 +51,18 @@ def test_from_json_file_reads_an_hf_model_folder(tmp_path: Path) -> None:
     ],
 )
 def test_invalid_configs_raise_config_error(change: dict[str, object], message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ModelConfigError, match=message):
         ModelConfig.from_dict(ModelConfig.default().to_dict() | change)
 
 
 def test_unreadable_or_incomplete_config_files(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="cannot read"):
+    with pytest.raises(ModelConfigError, match="cannot read"):
         ModelConfig.from_json_file(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_text("{not json")
-    with pytest.raises(ConfigError, match="not valid JSON"):
+    with pytest.raises(ModelConfigError, match="not valid JSON"):
         ModelConfig.from_json_file(tmp_path / "bad.json")
     (tmp_path / "short.json").write_text(json.dumps({"vocab_size": 10}))
-    with pytest.raises(ConfigError, match="incomplete"):
+    with pytest.raises(ModelConfigError, match="incomplete"):
         ModelConfig.from_json_file(tmp_path / "short.json")
 
 
@@ -94,7 +94,7 @@ def test_tokenizer_default_is_bytes_and_bad_specs_are_config_errors(tmp_path: Pa
     ids = tokenizer.encode("héllo")
     assert max(ids) < ModelConfig.default().vocab_size
     assert tokenizer.decode(ids) == "héllo"
-    with pytest.raises(ConfigError, match="tokenizer"):
+    with pytest.raises(ModelConfigError, match="tokenizer"):
         load_tokenizer(tmp_path / "nowhere")
 
 

@@ -7,9 +7,9 @@ import torch
 from transformers import Qwen3ForCausalLM
 
 from belayer_shadow import LLMEngine, ModelConfig, SamplingParams, allocate_kv_arena, init_weights
-from belayer_shadow._block_manager import num_blocks_for
-from belayer_shadow._layers import AttentionMetadata
-from belayer_shadow._model import Qwen3Model
+from belayer_shadow._engine._block_manager import num_blocks_for
+from belayer_shadow._engine._layers import AttentionMetadata
+from belayer_shadow._engine._model import Qwen3Model
 
 UNTIED = ModelConfig(
     vocab_size=97,

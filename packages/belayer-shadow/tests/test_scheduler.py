@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from belayer_shadow import SamplingParams
-from belayer_shadow._block_manager import BlockManager
-from belayer_shadow._scheduler import Scheduler
-from belayer_shadow._sequence import Sequence, SequenceStatus
+from belayer_shadow._engine._block_manager import BlockManager
+from belayer_shadow._engine._scheduler import Scheduler
+from belayer_shadow._engine._sequence import Sequence, SequenceStatus
 
 
 def seq(request_id: str, length: int, max_tokens: int = 100, stop: tuple[int, ...] = ()) -> Sequence:

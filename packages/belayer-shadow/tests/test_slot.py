@@ -12,7 +12,7 @@ import httpx
 import pytest
 from handover_helpers import PROMPTS, Streams, generate_all, router, supervised
 
-from belayer_shadow._slot import SlotConfig
+from belayer_shadow import SlotConfig
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
 
@@ -114,6 +114,30 @@ async def test_conventional_recovery_restarts_and_regenerates(tmp_path: Path) ->
             line for line in metrics.splitlines() if line.startswith("belayer_shadow_tokens_regenerated")
         )
         assert int(regenerated.split()[1]) >= 4 * len(PROMPTS)
+
+
+async def test_restart_baseline_detects_at_once_and_resumes_without_regenerating(tmp_path: Path) -> None:
+    async with router() as (url, _app), supervised(url, tmp_path / "slot", recovery="restart") as slot:
+        assert slot.shadow is None
+        reference = await generate_all(url, PROMPTS, 96)
+        streams = Streams(url, PROMPTS, 96)
+        async with anyio.create_task_group() as group:
+            group.start_soon(streams.run)
+            await streams.wait_tokens(4)
+            slot.kill_main()
+        assert streams.tokens == reference
+        assert slot.num_handovers == 1
+        events = [e["event"] for e in slot.events()]
+        assert "conventional.miss" not in events  # detected by waitpid, not by health checks
+        for step in ("restart.detect", "restart.reallocate", "restart.restart"):
+            assert step in events
+        assert slot.main_url is not None
+        async with httpx.AsyncClient() as client:
+            metrics = (await client.get(f"{slot.main_url}/metrics")).text
+        regenerated = next(
+            line for line in metrics.splitlines() if line.startswith("belayer_shadow_tokens_regenerated")
+        )
+        assert int(regenerated.split()[1]) == 0  # token-level resume: prompt + streamed tokens prefilled
 
 
 def test_slot_config_rejects_bad_values(tmp_path: Path) -> None:

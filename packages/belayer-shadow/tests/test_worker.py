@@ -15,11 +15,11 @@ from handover_helpers import router
 
 from belayer_router import GenerateRequest, RouterClient, worker_request_body
 from belayer_shadow import LLMEngine, ModelConfig, SamplingParams, allocate_kv_arena, init_weights
-from belayer_shadow._events import EventLog, read_events, read_state, write_state
-from belayer_shadow._heartbeat import HandoverFlag, Heartbeat
-from belayer_shadow._service import EngineService
-from belayer_shadow._shadow import check_device_health
-from belayer_shadow._worker import register_worker
+from belayer_shadow._workers._events import EventLog, read_events, read_state, write_state
+from belayer_shadow._workers._heartbeat import HandoverFlag, Heartbeat
+from belayer_shadow._workers._service import EngineService
+from belayer_shadow._workers._shadow import check_device_health
+from belayer_shadow._workers._worker import register_worker
 
 PROMPT = [5, 17, 99, 3, 250, 8]
 MAX_TOKENS = 24

@@ -2,98 +2,108 @@
 
 The engine is a Qwen3-architecture decoder whose parameters are views of belayer-gpumem's weight
 server and whose paged KV cache lives in its KV server, so a shadow worker can take over the same
-memory within a second when the main worker dies.
+memory within a second when the main worker dies. Two halves, two private folders: `_engine/`
+(the engine) and `_workers/` (main worker, shadow, handover, slot supervisor); this module is the
+public API of both.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    # Engine (engine half).
-    from belayer_shadow._config import ModelConfig, kv_layout, weight_layout
-    from belayer_shadow._engine import LLMEngine, allocate_kv_arena
-    from belayer_shadow._errors import (
-        BelayerShadowError,
-        ConfigError,
-        EngineError,
-        HandoverError,
-        InvalidSamplingParamsError,
-        RequestError,
-        SupervisorError,
-        WeightsError,
-        WorkerError,
-    )
-
-    # Workers, shadow worker and handover (worker half): _events, _heartbeat, _service, _shadow, _slot, _worker.
-    from belayer_shadow._events import EventLog, read_events
-    from belayer_shadow._heartbeat import HandoverFlag, Heartbeat
-    from belayer_shadow._loader import (
+    from belayer_shadow._cli import ExitCode
+    from belayer_shadow._engine._config import ModelConfig, kv_layout, weight_layout
+    from belayer_shadow._engine._llm_engine import LLMEngine, allocate_kv_arena
+    from belayer_shadow._engine._loader import (
         fill_weight_server,
         init_weights,
         load_safetensors,
         load_tokenizer,
         save_safetensors,
     )
-    from belayer_shadow._sequence import SamplingParams, StepOutput
-    from belayer_shadow._service import EngineService
-    from belayer_shadow._shadow import ShadowConfig, check_device_health, run_shadow
-    from belayer_shadow._slot import SlotSupervisor
-    from belayer_shadow._slot_config import SlotConfig
-    from belayer_shadow._worker import WorkerConfig, run_worker
+    from belayer_shadow._engine._sequence import SamplingParams, StepOutput
+    from belayer_shadow._errors import (
+        BelayerShadowError,
+        HandoverError,
+        InvalidSamplingParamsError,
+        LLMEngineError,
+        ModelConfigError,
+        RequestError,
+        SupervisorError,
+        WeightsError,
+        WorkerError,
+    )
+    from belayer_shadow._workers._events import EventLog, read_events
+    from belayer_shadow._workers._heartbeat import HandoverFlag, Heartbeat
+    from belayer_shadow._workers._processes import reap_stale_processes
+    from belayer_shadow._workers._service import EngineService
+    from belayer_shadow._workers._shadow import ShadowConfig, check_device_health, run_shadow
+    from belayer_shadow._workers._slot import SlotSupervisor
+    from belayer_shadow._workers._slot_config import SlotConfig
+    from belayer_shadow._workers._worker import WorkerConfig, run_worker
+
+__version__ = importlib.metadata.version("belayer-shadow")
 
 # name -> module; lazy so that `import belayer_shadow` stays cheap (no torch) for the CLI's parser.
 _EXPORTS = {
-    # Engine (engine half).
+    # Engine half (`_engine/`).
     "BelayerShadowError": "belayer_shadow._errors",
-    "ConfigError": "belayer_shadow._errors",
-    "EngineError": "belayer_shadow._errors",
     "InvalidSamplingParamsError": "belayer_shadow._errors",
-    "LLMEngine": "belayer_shadow._engine",
-    "ModelConfig": "belayer_shadow._config",
+    "LLMEngine": "belayer_shadow._engine._llm_engine",
+    "LLMEngineError": "belayer_shadow._errors",
+    "ModelConfig": "belayer_shadow._engine._config",
+    "ModelConfigError": "belayer_shadow._errors",
     "RequestError": "belayer_shadow._errors",
-    "SamplingParams": "belayer_shadow._sequence",
-    "StepOutput": "belayer_shadow._sequence",
+    "SamplingParams": "belayer_shadow._engine._sequence",
+    "StepOutput": "belayer_shadow._engine._sequence",
     "WeightsError": "belayer_shadow._errors",
-    "allocate_kv_arena": "belayer_shadow._engine",
-    "fill_weight_server": "belayer_shadow._loader",
-    "init_weights": "belayer_shadow._loader",
-    "kv_layout": "belayer_shadow._config",
-    "load_safetensors": "belayer_shadow._loader",
-    "load_tokenizer": "belayer_shadow._loader",
-    "save_safetensors": "belayer_shadow._loader",
-    "weight_layout": "belayer_shadow._config",
-    # Workers, shadow worker and handover (worker half).
-    "EngineService": "belayer_shadow._service",
-    "EventLog": "belayer_shadow._events",
+    "allocate_kv_arena": "belayer_shadow._engine._llm_engine",
+    "fill_weight_server": "belayer_shadow._engine._loader",
+    "init_weights": "belayer_shadow._engine._loader",
+    "kv_layout": "belayer_shadow._engine._config",
+    "load_safetensors": "belayer_shadow._engine._loader",
+    "load_tokenizer": "belayer_shadow._engine._loader",
+    "save_safetensors": "belayer_shadow._engine._loader",
+    "weight_layout": "belayer_shadow._engine._config",
+    # Worker half (`_workers/`): workers, shadow worker, handover, supervisor.
+    "EngineService": "belayer_shadow._workers._service",
+    "EventLog": "belayer_shadow._workers._events",
+    "ExitCode": "belayer_shadow._cli",
     "HandoverError": "belayer_shadow._errors",
-    "HandoverFlag": "belayer_shadow._heartbeat",
-    "Heartbeat": "belayer_shadow._heartbeat",
-    "ShadowConfig": "belayer_shadow._shadow",
-    "SlotConfig": "belayer_shadow._slot_config",
-    "SlotSupervisor": "belayer_shadow._slot",
+    "HandoverFlag": "belayer_shadow._workers._heartbeat",
+    "Heartbeat": "belayer_shadow._workers._heartbeat",
+    "ShadowConfig": "belayer_shadow._workers._shadow",
+    "SlotConfig": "belayer_shadow._workers._slot_config",
+    "SlotSupervisor": "belayer_shadow._workers._slot",
     "SupervisorError": "belayer_shadow._errors",
-    "WorkerConfig": "belayer_shadow._worker",
+    "WorkerConfig": "belayer_shadow._workers._worker",
     "WorkerError": "belayer_shadow._errors",
-    "check_device_health": "belayer_shadow._shadow",
-    "read_events": "belayer_shadow._events",
-    "run_shadow": "belayer_shadow._shadow",
-    "run_worker": "belayer_shadow._worker",
+    "check_device_health": "belayer_shadow._workers._shadow",
+    "read_events": "belayer_shadow._workers._events",
+    "reap_stale_processes": "belayer_shadow._workers._processes",
+    "run_shadow": "belayer_shadow._workers._shadow",
+    "run_worker": "belayer_shadow._workers._worker",
 }
+
+# Old names, kept until every caller has moved to the distinct ones (issue 18); not in `__all__`.
+_RENAMED = {"ConfigError": "ModelConfigError", "EngineError": "LLMEngineError"}
 
 __all__ = [
     "BelayerShadowError",
-    "ConfigError",
-    "EngineError",
     "EngineService",
     "EventLog",
+    "ExitCode",
     "HandoverError",
     "HandoverFlag",
     "Heartbeat",
     "InvalidSamplingParamsError",
     "LLMEngine",
+    "LLMEngineError",
     "ModelConfig",
+    "ModelConfigError",
     "RequestError",
     "SamplingParams",
     "ShadowConfig",
@@ -104,6 +114,7 @@ __all__ = [
     "WeightsError",
     "WorkerConfig",
     "WorkerError",
+    "__version__",
     "allocate_kv_arena",
     "check_device_health",
     "fill_weight_server",
@@ -112,6 +123,7 @@ __all__ = [
     "load_safetensors",
     "load_tokenizer",
     "read_events",
+    "reap_stale_processes",
     "run_shadow",
     "run_worker",
     "save_safetensors",
@@ -120,7 +132,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
+    module = _EXPORTS.get(_RENAMED.get(name, name))
     if module is None:
         raise AttributeError(f"module 'belayer_shadow' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    return getattr(importlib.import_module(module), _RENAMED.get(name, name))

@@ -1,15 +1,33 @@
-"""`belayer-shadow worker | shadow | slot`: the main worker, the shadow worker and the slot supervisor."""
+"""`belayer-shadow worker | shadow | slot | reap`: the workers, the slot supervisor, the reaper.
+
+The CLI contract of the root README: one error line `belayer-shadow: error: ...` on stderr (a
+traceback only with `--debug` or `BELAYER_DEBUG=1`), named exit codes (`ExitCode`), `--json` on
+the commands that report something (`slot`, `reap`), `python -m belayer_shadow`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import enum
+import json
 import os
 import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
-__all__ = ["main"]
+__all__ = ["ExitCode", "main"]
+
+
+class ExitCode(enum.IntEnum):
+    """The exit codes every Belayer command shares (root README, "One CLI contract")."""
+
+    OK = 0
+    FAILED = 1  # the command ran and failed
+    USAGE = 2  # bad arguments or configuration: nothing was started
+    UNHEALTHY = 3  # a check found a problem (a failed handover: the slot is unhealthy)
+    INTERRUPTED = 130  # SIGINT or SIGTERM: stopped cleanly
 
 
 def _worker_flags(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +56,12 @@ def _worker_flags(parser: argparse.ArgumentParser) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="belayer-shadow", description=__doc__)
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        default=os.environ.get("BELAYER_DEBUG") == "1",
+        help="print tracebacks of errors (also BELAYER_DEBUG=1)",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     worker = commands.add_parser("worker", help="serve the engine as the slot's main worker")
     _worker_flags(worker)
@@ -57,7 +81,12 @@ def _parser() -> argparse.ArgumentParser:
     slot.add_argument("--model", type=Path, help="model config.json; default: the built-in model")
     slot.add_argument("--weights", type=Path, help="safetensors checkpoint; default: a seeded init")
     slot.add_argument("--seed", type=int, default=0, help="seed of the init when --weights is not given")
-    slot.add_argument("--recovery", choices=("shadow", "conventional"), default="shadow")
+    slot.add_argument(
+        "--recovery",
+        choices=("shadow", "conventional", "restart"),
+        default="shadow",
+        help="shadow: handover; conventional / restart: the restart baselines (README)",
+    )
     slot.add_argument(
         "--backend", choices=("host", "cuda"), default="host", help="where the memory servers allocate"
     )
@@ -67,11 +96,19 @@ def _parser() -> argparse.ArgumentParser:
     slot.add_argument("--failure-window-s", type=float, default=60.0)
     slot.add_argument("--health-interval-s", type=float, default=10.0, help="conventional: probe interval")
     slot.add_argument("--health-misses", type=int, default=3, help="conventional: misses before a restart")
+    slot.add_argument("--json", action="store_true", help="report the serving slot as one JSON document")
+    reap = commands.add_parser("reap", help="kill what an earlier killed slot left in a run folder")
+    reap.add_argument("--run-dir", type=Path, required=True, help="the slot's run folder (processes.json)")
+    reap.add_argument("--json", action="store_true", help="report as one JSON document")
     return parser
 
 
+def _report(args: argparse.Namespace, document: dict[str, Any], line: str) -> None:
+    print(json.dumps(document) if args.json else line, flush=True)
+
+
 def _worker_config(args: argparse.Namespace) -> object:
-    from belayer_shadow._worker import WorkerConfig
+    from belayer_shadow._workers._worker import WorkerConfig
 
     return WorkerConfig(
         slot=args.slot,
@@ -93,7 +130,7 @@ def _worker_config(args: argparse.Namespace) -> object:
 
 
 def _run_slot(args: argparse.Namespace) -> int:
-    from belayer_shadow._slot import SlotConfig, SlotSupervisor
+    from belayer_shadow._workers._slot import SlotConfig, SlotSupervisor
 
     config = SlotConfig(
         slot=args.slot,
@@ -117,30 +154,45 @@ def _run_slot(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     supervisor = SlotSupervisor(config)
     supervisor.start()
-    print(f"belayer-shadow slot {config.slot} serving at {supervisor.main_url}", flush=True)
+    report = {"slot": config.slot, "url": supervisor.main_url, "epoch": supervisor.epoch}
+    report |= {"run_dir": str(config.run_dir), "recovery": config.recovery}
+    _report(args, report, f"belayer-shadow slot {config.slot} serving at {supervisor.main_url}")
     try:
         stop.wait()
     finally:
         supervisor.stop()
-    return 0
+    return ExitCode.INTERRUPTED
+
+
+def _run_reap(args: argparse.Namespace) -> int:
+    from belayer_shadow._workers._processes import reap_stale_processes
+
+    killed = reap_stale_processes(args.run_dir)
+    _report(
+        args, {"run_dir": str(args.run_dir), "killed": killed}, f"killed {len(killed)} processes {killed}"
+    )
+    return ExitCode.OK
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `belayer-shadow` command."""
     args = _parser().parse_args(argv)
-    from belayer_shadow._errors import BelayerShadowError
+    from belayer_gpumem import BelayerGpumemError
+    from belayer_shadow._errors import BelayerShadowError, HandoverError, SupervisorError, WorkerError
 
     try:
         if args.command == "slot":
             return _run_slot(args)
-        from belayer_shadow._shadow import ShadowConfig, run_shadow
-        from belayer_shadow._worker import WorkerConfig, run_worker
+        if args.command == "reap":
+            return _run_reap(args)
+        from belayer_shadow._workers._shadow import ShadowConfig, run_shadow
+        from belayer_shadow._workers._worker import WorkerConfig, run_worker
 
         worker = _worker_config(args)
         assert isinstance(worker, WorkerConfig)
         if args.command == "worker":
             run_worker(worker)
-            return 0
+            return ExitCode.INTERRUPTED  # it serves until SIGTERM / SIGINT
         shadow = ShadowConfig(
             worker=worker,
             handover_flag=args.handover_flag,
@@ -149,9 +201,17 @@ def main(argv: list[str] | None = None) -> int:
             scratch_bytes=args.scratch_bytes,
         )
         return run_shadow(shadow)
-    except (BelayerShadowError, ValueError, OSError) as exc:
-        print(f"belayer-shadow: {exc}", file=sys.stderr)
-        return 2
+    except (BelayerShadowError, BelayerGpumemError, ValueError, OSError) as exc:
+        if args.debug:
+            raise
+        print(f"belayer-shadow: error: {exc}", file=sys.stderr)
+        # A worker that started and then failed (registration, supervision, handover) ran; the
+        # rest is bad input found before anything was started: a config, a model, a socket path.
+        return (
+            ExitCode.FAILED
+            if isinstance(exc, (WorkerError, SupervisorError, HandoverError))
+            else ExitCode.USAGE
+        )
 
 
 if __name__ == "__main__":

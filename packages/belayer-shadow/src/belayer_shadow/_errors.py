@@ -4,10 +4,10 @@ from __future__ import annotations
 
 __all__ = [
     "BelayerShadowError",
-    "ConfigError",
-    "EngineError",
     "HandoverError",
     "InvalidSamplingParamsError",
+    "LLMEngineError",
+    "ModelConfigError",
     "RequestError",
     "SupervisorError",
     "WeightsError",
@@ -19,7 +19,7 @@ class BelayerShadowError(Exception):
     """Base class of every error raised by belayer-shadow."""
 
 
-class ConfigError(BelayerShadowError, ValueError):
+class ModelConfigError(BelayerShadowError, ValueError):
     """A model configuration is invalid or cannot be read."""
 
 
@@ -27,11 +27,11 @@ class WeightsError(BelayerShadowError, ValueError):
     """Weights do not fit the model configuration (missing, extra, wrong shape or dtype)."""
 
 
-class EngineError(BelayerShadowError):
+class LLMEngineError(BelayerShadowError):
     """The engine cannot do what was asked (e.g. a request can never fit in the KV pool)."""
 
 
-class RequestError(EngineError, ValueError):
+class RequestError(LLMEngineError, ValueError):
     """A request is malformed: duplicate id, empty prompt, token id out of the vocabulary."""
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from belayer_shadow._layers import AttentionMetadata
-from belayer_shadow._model import Qwen3Model
-from belayer_shadow._sampler import keyed_uniform, sample
-from belayer_shadow._scheduler import SchedulerBatch
+from belayer_shadow._engine._layers import AttentionMetadata
+from belayer_shadow._engine._model import Qwen3Model
+from belayer_shadow._engine._sampler import keyed_uniform, sample
+from belayer_shadow._engine._scheduler import SchedulerBatch
 
 __all__ = ["ModelRunner"]
 

@@ -20,11 +20,11 @@ import attrs
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from belayer_router import InvalidRequestError, read_json
-from belayer_shadow._engine import LLMEngine
+from belayer_shadow._engine._llm_engine import LLMEngine
+from belayer_shadow._engine._sequence import SamplingParams, StepOutput
 from belayer_shadow._errors import RequestError
-from belayer_shadow._events import EventLog
-from belayer_shadow._heartbeat import Heartbeat
-from belayer_shadow._sequence import SamplingParams, StepOutput
+from belayer_shadow._workers._events import EventLog
+from belayer_shadow._workers._heartbeat import Heartbeat
 
 __all__ = ["EngineService", "ResumeMode"]
 

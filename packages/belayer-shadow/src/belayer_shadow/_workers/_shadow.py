@@ -25,12 +25,12 @@ import torch
 
 from belayer_gpumem import BelayerGpumemError, IdleBuffer, check_gpu_health, ping
 from belayer_router import RouterClient, RouterClientError
-from belayer_shadow._engine import LLMEngine
+from belayer_shadow._engine._llm_engine import LLMEngine
 from belayer_shadow._errors import HandoverError
-from belayer_shadow._events import EventLog, write_state
-from belayer_shadow._heartbeat import HandoverFlag, HangDetector, Heartbeat
-from belayer_shadow._service import EngineService
-from belayer_shadow._worker import NUM_WARMUPS, WorkerConfig, build_engine, serve_service
+from belayer_shadow._workers._events import EventLog, write_state
+from belayer_shadow._workers._heartbeat import HandoverFlag, HangDetector, Heartbeat
+from belayer_shadow._workers._service import EngineService
+from belayer_shadow._workers._worker import NUM_WARMUPS, WorkerConfig, build_engine, serve_service
 
 __all__ = ["EXIT_UNHEALTHY", "ShadowConfig", "check_device_health", "run_shadow"]
 

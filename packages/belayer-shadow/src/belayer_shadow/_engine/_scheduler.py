@@ -13,8 +13,8 @@ from collections import deque
 
 import attrs
 
-from belayer_shadow._block_manager import BlockManager
-from belayer_shadow._sequence import Sequence, SequenceStatus, StepOutput
+from belayer_shadow._engine._block_manager import BlockManager
+from belayer_shadow._engine._sequence import Sequence, SequenceStatus, StepOutput
 
 __all__ = ["Scheduler", "SchedulerBatch"]
 

@@ -1,8 +1,14 @@
-"""Child processes of a slot supervisor: the one place that spawns, waits for and kills workers."""
+"""Child processes of a slot supervisor: the one place that spawns, waits for and kills workers.
+
+Each worker leads its own process group and is SIGKILLed by the kernel when the thread that forked
+it ends (`PR_SET_PDEATHSIG`, see `_processes`): call `spawn_worker` from the supervisor's `Spawner`.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -14,7 +20,8 @@ from typing import Any
 import attrs
 
 from belayer_shadow._errors import SupervisorError
-from belayer_shadow._events import read_state
+from belayer_shadow._workers._events import read_state
+from belayer_shadow._workers._processes import die_with_parent
 
 __all__ = ["Child", "spawn_worker"]
 
@@ -62,13 +69,14 @@ class Child:
         )
 
     def kill(self, *, graceful_s: float = 0.0) -> None:
-        """SIGTERM (when `graceful_s` > 0, waiting that long) then SIGKILL; reaps the process."""
+        """SIGTERM (when `graceful_s` > 0, waiting that long) then SIGKILL its process group; reaps it."""
         if self.popen.poll() is None and graceful_s > 0:
             self.popen.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.popen.wait(timeout=graceful_s)
-        if self.popen.poll() is None:
-            self.popen.kill()
+        if self.popen.poll() is None:  # not reaped yet: the pid (and its group id) is still ours
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGKILL)
         self.popen.wait()
 
 
@@ -89,7 +97,13 @@ def spawn_worker(
     command = [sys.executable, "-m", "belayer_shadow", *argv, "--state-file", str(state_file)]
     with log_file.open("ab") as output:
         popen = subprocess.Popen(
-            command, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+            command,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            process_group=0,  # it leads its own group: killing the group leaves nothing of it
+            preexec_fn=die_with_parent(os.getpid()),  # only prctl and getppid run in the child
         )
     child = Child(role, generation, popen, state_file, log_file)
 

@@ -8,9 +8,15 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from belayer_shadow._config import ModelConfig, parameter_shapes
+from belayer_shadow._engine._config import ModelConfig, parameter_shapes
+from belayer_shadow._engine._layers import (
+    AttentionMetadata,
+    RotaryEmbedding,
+    paged_attention,
+    rms_norm,
+    swiglu,
+)
 from belayer_shadow._errors import WeightsError
-from belayer_shadow._layers import AttentionMetadata, RotaryEmbedding, paged_attention, rms_norm, swiglu
 
 __all__ = ["Qwen3Model", "check_params", "stacked_view", "torch_dtype"]
 

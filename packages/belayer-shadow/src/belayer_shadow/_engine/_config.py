@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from belayer_gpumem import KVLayout, WeightLayout
-from belayer_shadow._errors import ConfigError
+from belayer_shadow._errors import ModelConfigError
 
 if TYPE_CHECKING:
     from transformers import Qwen3Config
@@ -22,17 +22,17 @@ _FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 def _positive(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"ModelConfig.{attr.name} must be a positive int, got {value!r}")
+        raise ModelConfigError(f"ModelConfig.{attr.name} must be a positive int, got {value!r}")
 
 
 def _positive_float(_inst: object, attr: attrs.Attribute[float], value: float) -> None:
     if not isinstance(value, int | float) or not value > 0:
-        raise ConfigError(f"ModelConfig.{attr.name} must be a positive number, got {value!r}")
+        raise ModelConfigError(f"ModelConfig.{attr.name} must be a positive number, got {value!r}")
 
 
 def _float_dtype(_inst: object, _attr: object, value: str) -> None:
     if value not in _FLOAT_DTYPES:
-        raise ConfigError(f"ModelConfig.dtype must be one of {_FLOAT_DTYPES}, got {value!r}")
+        raise ModelConfigError(f"ModelConfig.dtype must be one of {_FLOAT_DTYPES}, got {value!r}")
 
 
 @attrs.frozen
@@ -54,12 +54,12 @@ class ModelConfig:
 
     def __attrs_post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(
+            raise ModelConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
         if self.head_dim % 2:
-            raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+            raise ModelConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
 
     @classmethod
     def default(cls) -> ModelConfig:
@@ -87,7 +87,7 @@ class ModelConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
         """Build from `to_dict()` output or an HF `config.json` dict; unknown keys are ignored."""
         if not isinstance(data, Mapping):
-            raise ConfigError(f"a model configuration must be a JSON object, got {type(data).__name__}")
+            raise ModelConfigError(f"a model configuration must be a JSON object, got {type(data).__name__}")
         values = dict(data)
         # HF config.json spellings.
         if "dtype" not in values and "torch_dtype" in values:
@@ -97,10 +97,14 @@ class ModelConfig:
         rope = values.get("rope_parameters") or values.get("rope_scaling")
         if isinstance(rope, Mapping):
             if rope.get("rope_type", rope.get("type", "default")) != "default":
-                raise ConfigError(f"only plain rotary embeddings are supported, not rope scaling {rope!r}")
+                raise ModelConfigError(
+                    f"only plain rotary embeddings are supported, not rope scaling {rope!r}"
+                )
             values.setdefault("rope_theta", rope.get("rope_theta", 1_000_000.0))
         if values.get("use_sliding_window"):
-            raise ConfigError("sliding-window attention is not supported; set use_sliding_window to false")
+            raise ModelConfigError(
+                "sliding-window attention is not supported; set use_sliding_window to false"
+            )
         if "head_dim" not in values and "hidden_size" in values and "num_attention_heads" in values:
             values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
         if "num_key_value_heads" not in values and "num_attention_heads" in values:
@@ -109,7 +113,7 @@ class ModelConfig:
         try:
             return cls(**{name: values[name] for name in names if name in values})
         except TypeError as exc:
-            raise ConfigError(f"incomplete model configuration ({exc}); required: {names[:7]}") from exc
+            raise ModelConfigError(f"incomplete model configuration ({exc}); required: {names[:7]}") from exc
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> ModelConfig:
@@ -120,9 +124,9 @@ class ModelConfig:
         try:
             data = json.loads(path.read_text())
         except OSError as exc:
-            raise ConfigError(f"cannot read model configuration {str(path)!r}: {exc}") from exc
+            raise ModelConfigError(f"cannot read model configuration {str(path)!r}: {exc}") from exc
         except ValueError as exc:
-            raise ConfigError(f"model configuration {str(path)!r} is not valid JSON: {exc}") from exc
+            raise ModelConfigError(f"model configuration {str(path)!r} is not valid JSON: {exc}") from exc
         return cls.from_dict(data)
 
     @classmethod

@@ -10,9 +10,9 @@ import torch
 from belayer_gpumem import WeightClient
 from belayer_router import Tokenizer
 from belayer_router import load_tokenizer as _router_load_tokenizer
-from belayer_shadow._config import ModelConfig, parameter_shapes
-from belayer_shadow._errors import ConfigError, WeightsError
-from belayer_shadow._model import torch_dtype
+from belayer_shadow._engine._config import ModelConfig, parameter_shapes
+from belayer_shadow._engine._model import torch_dtype
+from belayer_shadow._errors import ModelConfigError, WeightsError
 
 __all__ = ["fill_weight_server", "init_weights", "load_safetensors", "load_tokenizer", "save_safetensors"]
 
@@ -101,4 +101,4 @@ def load_tokenizer(spec: str | Path | None = None) -> Tokenizer:
     try:
         return _router_load_tokenizer(text)
     except Exception as exc:  # the tokenizers library raises its own bare Exception on bad files
-        raise ConfigError(f"cannot load tokenizer {text!r}: {exc}") from exc
+        raise ModelConfigError(f"cannot load tokenizer {text!r}: {exc}") from exc

@@ -6,7 +6,7 @@ from collections import deque
 
 import attrs
 
-from belayer_shadow._errors import EngineError
+from belayer_shadow._errors import LLMEngineError
 
 __all__ = ["BlockManager", "num_blocks_for"]
 
@@ -31,7 +31,7 @@ class BlockManager:
 
     def __attrs_post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
-            raise EngineError("the KV pool needs num_blocks >= 1 and block_size >= 1")
+            raise LLMEngineError("the KV pool needs num_blocks >= 1 and block_size >= 1")
         self._free = deque(range(self.num_blocks))
 
     @property
@@ -54,10 +54,10 @@ class BlockManager:
     def allocate(self, seq_id: str, num_tokens: int) -> list[int]:
         """Give a sequence that holds nothing enough blocks for `num_tokens` positions."""
         if seq_id in self._tables:
-            raise EngineError(f"sequence {seq_id!r} already holds blocks; free it first")
+            raise LLMEngineError(f"sequence {seq_id!r} already holds blocks; free it first")
         needed = num_blocks_for(num_tokens, self.block_size)
         if needed > len(self._free):
-            raise EngineError(f"{needed} blocks needed for {seq_id!r}, {len(self._free)} free")
+            raise LLMEngineError(f"{needed} blocks needed for {seq_id!r}, {len(self._free)} free")
         self._tables[seq_id] = [self._free.popleft() for _ in range(needed)]
         return self._tables[seq_id]
 
@@ -70,10 +70,10 @@ class BlockManager:
         """Extend the sequence's table (if needed) so that it holds `num_tokens` positions."""
         table = self._tables.get(seq_id)
         if table is None:
-            raise EngineError(f"sequence {seq_id!r} holds no blocks; allocate first")
+            raise LLMEngineError(f"sequence {seq_id!r} holds no blocks; allocate first")
         missing = num_blocks_for(num_tokens, self.block_size) - len(table)
         if missing > len(self._free):
-            raise EngineError(f"{missing} more blocks needed for {seq_id!r}, {len(self._free)} free")
+            raise LLMEngineError(f"{missing} more blocks needed for {seq_id!r}, {len(self._free)} free")
         table.extend(self._free.popleft() for _ in range(missing))
         return table
 

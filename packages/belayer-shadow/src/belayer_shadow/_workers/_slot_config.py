@@ -9,7 +9,7 @@ import attrs
 
 __all__ = ["Recovery", "SlotConfig"]
 
-Recovery = Literal["shadow", "conventional"]
+Recovery = Literal["shadow", "conventional", "restart"]
 
 
 def _optional_path(value: str | Path | None) -> Path | None:
@@ -23,6 +23,9 @@ class SlotConfig:
     `backend` is the memory servers' (`host`: memfd; `cuda`: CUDA VMM on GPU `device`, which
     needs belayer-gpumem's `cuda` extra); the workers compute where the memory is.
 
+    `recovery`: `shadow` (handover to the standby shadow worker), or one of the restart baselines:
+    `conventional` (remote health checks, restart from scratch, regenerate) and `restart` (instant
+    `waitpid` detection, restart from scratch, token-level resume through the router).
     `health_interval_s` x `health_misses` is the conventional baseline's detection (remote
     health checks, defaults like common trainers: 10 s x 3).
     """
@@ -37,7 +40,7 @@ class SlotConfig:
     backend: str = attrs.field(default="host", validator=attrs.validators.in_(("host", "cuda")))
     device: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     recovery: Recovery = attrs.field(
-        default="shadow", validator=attrs.validators.in_(("shadow", "conventional"))
+        default="shadow", validator=attrs.validators.in_(("shadow", "conventional", "restart"))
     )
     num_kv_blocks: int = attrs.field(default=512, validator=attrs.validators.ge(1))
     block_size: int = attrs.field(default=16, validator=attrs.validators.ge(1))

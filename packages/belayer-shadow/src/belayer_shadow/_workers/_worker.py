@@ -17,12 +17,12 @@ import attrs
 import torch
 
 from belayer_router import RouterClient, RouterClientError, serving
-from belayer_shadow._config import ModelConfig
-from belayer_shadow._engine import LLMEngine
+from belayer_shadow._engine._config import ModelConfig
+from belayer_shadow._engine._llm_engine import LLMEngine
 from belayer_shadow._errors import WorkerError
-from belayer_shadow._events import EventLog, write_state
-from belayer_shadow._heartbeat import Heartbeat
-from belayer_shadow._service import EngineService, ResumeMode
+from belayer_shadow._workers._events import EventLog, write_state
+from belayer_shadow._workers._heartbeat import Heartbeat
+from belayer_shadow._workers._service import EngineService, ResumeMode
 
 __all__ = ["NUM_WARMUPS", "WorkerConfig", "build_engine", "register_worker", "run_worker", "serve_service"]
 

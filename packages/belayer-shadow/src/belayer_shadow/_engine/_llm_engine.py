@@ -14,13 +14,13 @@ from typing import Any
 import torch
 
 from belayer_gpumem import KVClient, WeightClient
-from belayer_shadow._block_manager import BlockManager, num_blocks_for
-from belayer_shadow._config import ModelConfig
-from belayer_shadow._errors import EngineError, RequestError, WeightsError
-from belayer_shadow._model import Qwen3Model, torch_dtype
-from belayer_shadow._runner import ModelRunner
-from belayer_shadow._scheduler import Scheduler
-from belayer_shadow._sequence import SamplingParams, Sequence, StepOutput
+from belayer_shadow._engine._block_manager import BlockManager, num_blocks_for
+from belayer_shadow._engine._config import ModelConfig
+from belayer_shadow._engine._model import Qwen3Model, torch_dtype
+from belayer_shadow._engine._runner import ModelRunner
+from belayer_shadow._engine._scheduler import Scheduler
+from belayer_shadow._engine._sequence import SamplingParams, Sequence, StepOutput
+from belayer_shadow._errors import LLMEngineError, RequestError, WeightsError
 
 __all__ = ["LLMEngine", "allocate_kv_arena"]
 
@@ -58,14 +58,16 @@ class LLMEngine:
             self.device = torch.device("cuda", torch.cuda.current_device())
         expected = (config.num_hidden_layers, 2, config.num_key_value_heads, config.head_dim)
         if kv.dim() != 6 or (kv.shape[0], kv.shape[1], kv.shape[4], kv.shape[5]) != expected:
-            raise EngineError(
+            raise LLMEngineError(
                 f"KV arena of shape {tuple(kv.shape)} does not fit the model: want "
                 f"(num_layers={expected[0]}, 2, num_blocks, block_size, {expected[2]}, {expected[3]})"
             )
         if kv.dtype != torch_dtype(config.dtype) or kv.device != self.device:
-            raise EngineError(f"KV arena is {kv.dtype} on {kv.device}; want {config.dtype} on {self.device}")
+            raise LLMEngineError(
+                f"KV arena is {kv.dtype} on {kv.device}; want {config.dtype} on {self.device}"
+            )
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise EngineError("max_num_seqs and max_num_batched_tokens must be >= 1")
+            raise LLMEngineError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.max_model_len = min(
             max_model_len or config.max_position_embeddings, config.max_position_embeddings
         )

@@ -4,7 +4,14 @@ Shadow recovery: the supervisor reaps the main worker (a blocking `waitpid` in a
 raises the handover flag the moment it exits; the shadow takes over; then the supervisor kills
 any residual main and starts a fresh shadow. A second failure within `failure_window_s` of a
 handover marks the slot unhealthy at the router (its requests move to healthy slots) and keeps
-it out. Conventional recovery (the baseline, `_baseline.py`) runs behind the same supervisor.
+it out. The restart baselines (`_baseline.py`) run behind the same supervisor: `conventional`
+(health checks, restart, regenerate) and `restart` (the same instant `waitpid` detection as the
+shadow, restart from scratch, token-level resume through the router).
+
+Nothing orphaned (`_processes`): workers are forked by one long-lived spawner thread with a
+parent-death signal and lead their own process groups; every child is recorded in
+`run_dir/processes.json`; a guardian process kills them all if the supervisor dies without
+`stop()`; `start()` first reaps what an earlier killed supervisor left in the same run folder.
 
 The API is synchronous (threads); from async code call `start`/`stop` via `anyio.to_thread`.
 """
@@ -24,13 +31,20 @@ import attrs
 
 from belayer_gpumem import ServerConfig, ServerProcess
 from belayer_router import RouterClient
-from belayer_shadow._baseline import ConventionalRecovery
-from belayer_shadow._children import Child, spawn_worker
-from belayer_shadow._config import ModelConfig, kv_layout
-from belayer_shadow._events import EventLog, read_events
-from belayer_shadow._heartbeat import HandoverFlag
-from belayer_shadow._loader import init_weights, save_safetensors
-from belayer_shadow._slot_config import SlotConfig
+from belayer_shadow._engine._config import ModelConfig, kv_layout
+from belayer_shadow._engine._loader import init_weights, save_safetensors
+from belayer_shadow._workers._baseline import ConventionalRecovery
+from belayer_shadow._workers._children import Child, spawn_worker
+from belayer_shadow._workers._events import EventLog, read_events
+from belayer_shadow._workers._heartbeat import HandoverFlag
+from belayer_shadow._workers._processes import (
+    PROCESSES_FILE,
+    Guardian,
+    ProcessTable,
+    Spawner,
+    reap_stale_processes,
+)
+from belayer_shadow._workers._slot_config import SlotConfig
 
 __all__ = ["SlotConfig", "SlotSupervisor"]
 
@@ -57,9 +71,13 @@ class SlotSupervisor:
     _stopping: threading.Event = attrs.field(factory=threading.Event)
     _monitor: threading.Thread | None = None
     _conventional: ConventionalRecovery | None = None
+    _restart_due: threading.Event = attrs.field(factory=threading.Event)
     _handover_generation: int | None = None
     _children: list[Child] = attrs.field(factory=list)
     _num_failed_starts: int = 0
+    _spawner: Spawner | None = None
+    _processes: ProcessTable | None = None
+    _guardian: Guardian | None = None
 
     def __attrs_post_init__(self) -> None:
         self.log = EventLog(self.config.run_dir / "events.jsonl", "supervisor")
@@ -103,6 +121,10 @@ class SlotSupervisor:
         state = None if self.main is None else self.main.state()
         return None if state is None else state.get("epoch")
 
+    def emit(self, event: str, **fields: Any) -> None:
+        """Append a supervisor event to the slot's event log."""
+        self.log.emit(event, **fields)
+
     def events(self) -> list[dict[str, Any]]:
         """The slot's JSON event log (supervisor, workers and shadows), oldest first."""
         return read_events(self.config.run_dir / "events.jsonl")
@@ -113,9 +135,17 @@ class SlotSupervisor:
         """Start memory servers, main worker (and shadow); returns once the main is registered."""
         config = self.config
         config.run_dir.mkdir(parents=True, exist_ok=True)
+        reaped = reap_stale_processes(config.run_dir)
+        if reaped:
+            self.log.emit("stale.reaped", pids=reaped)
+        shutil.rmtree(config.run_dir / "mem", ignore_errors=True)
         for stale in (self.heartbeat, self.flag.path):
             stale.unlink(missing_ok=True)
+        self._stopping.clear()
+        self._processes = ProcessTable(config.run_dir)
+        self._spawner = Spawner(f"spawn-{config.slot}")
         try:
+            self._guardian = Guardian.start(config.run_dir, self._processes)
             self.start_memory_servers()
             self.main = self._spawn("main", resume_mode="continue")
             if config.recovery == "shadow":
@@ -126,7 +156,7 @@ class SlotSupervisor:
             self.stop()
             raise
         if config.recovery == "conventional":
-            self._conventional = ConventionalRecovery(self)
+            self._conventional = ConventionalRecovery(self, config.health_interval_s, config.health_misses)
         self._monitor = threading.Thread(target=self._watch, name=f"slot-{config.slot}", daemon=True)
         self._monitor.start()
 
@@ -136,7 +166,7 @@ class SlotSupervisor:
         while time.monotonic() < deadline:
             with self._lock:
                 shadow, main = self.shadow, self.main
-            if self.config.recovery == "conventional" and main is not None and main.state():
+            if self.config.recovery != "shadow" and main is not None and main.state():
                 return
             if shadow is not None and (shadow.state() or {}).get("state") == "standby":
                 return
@@ -178,6 +208,12 @@ class SlotSupervisor:
                 child.reaper.join(timeout=10)
         if self._conventional is not None:
             self._conventional.close()
+        if self._guardian is not None:
+            self._guardian.close()
+            self._guardian = None
+        (self.config.run_dir / PROCESSES_FILE).unlink(missing_ok=True)
+        if self._spawner is not None:
+            self._spawner.close()
         shutil.rmtree(self.config.run_dir / "mem", ignore_errors=True)
         for path in (self.heartbeat, self.flag.path):
             path.unlink(missing_ok=True)
@@ -207,19 +243,28 @@ class SlotSupervisor:
                     kind="kv", socket=self.kv_socket, kv_layout=layout, backend=backend, device=device
                 )
             )
+        if self._processes is not None:
+            weights, kv = self.weights_server.pid, self.kv_server.pid
+            self._processes.add(weights, "weights-server", group=False, files=(self.weights_socket,))
+            self._processes.add(kv, "kv-server", group=False, files=(self.kv_socket,))
 
     def stop_memory_servers(self) -> None:
         """SIGTERM both memory servers (they remove their sockets and release their regions)."""
         for server in (self.weights_server, self.kv_server):
             if server is not None:
                 server.stop(timeout_s=10)
+                if self._processes is not None:
+                    self._processes.remove(server.pid)
         self.weights_server = self.kv_server = None
 
     # Workers.
 
-    def _spawn(self, role: str, *, resume_mode: str = "continue") -> Child:
+    def worker_argv(self, role: str, *, resume_mode: str = "continue") -> list[str]:
+        """The `belayer-shadow` command line of a `main` or `shadow` worker of this slot.
+
+        The one place that decides which worker process a slot runs (a second engine branches here).
+        """
         config = self.config
-        self._generation += 1
         argv = [
             "worker" if role == "main" else "shadow",
             *("--slot", config.slot, "--router", config.router_url, "--host", config.host),
@@ -232,25 +277,63 @@ class SlotSupervisor:
         if role == "shadow":
             argv += ["--handover-flag", str(self.flag.path), "--poll-s", str(config.poll_s)]
             argv += ["--stale-s", str(config.stale_s)]
+        return argv
+
+    def _spawn(self, role: str, *, resume_mode: str = "continue") -> Child:
+        config = self.config
+        self._generation += 1
+        argv = self.worker_argv(role, resume_mode=resume_mode)
         env = dict(os.environ)
         if config.admin_token is not None:  # by environment, not argv, so `ps` does not show it
             env["BELAYER_ROUTER_ADMIN_TOKEN"] = config.admin_token
-        child = spawn_worker(role, self._generation, argv, config.run_dir, self._on_exit, env)
+        generation = self._generation
+        assert self._spawner is not None, "start() the supervisor first"
+        child = self._spawner.call(
+            lambda: spawn_worker(role, generation, argv, config.run_dir, self._on_exit, env)
+        )
         self._children.append(child)
+        if self._processes is not None:
+            self._processes.add(child.pid, role, group=True)
         self.log.emit(f"{role}.spawned", pid=child.pid, generation=child.generation)
         return child
 
-    def spawn_main(self, *, resume_mode: str = "continue") -> Child:
-        """Start a new main worker (the conventional restart); it becomes `main` at once."""
+    def restart_from_scratch(self, cause: str, *, resume_mode: str) -> None:
+        """The restart baselines' recovery: kill the main, new memory (weights reloaded), new main.
+
+        Blocks until the new main serves. A second failure within `failure_window_s` takes the
+        slot out instead. Events: `<cause>.restart` (all of it), `<cause>.reallocate`.
+        """
+        if self.second_failure():
+            return
+        self.last_handover = time.monotonic()
+        with self.log.step(f"{cause}.restart"):
+            with self._lock:
+                residual = self.main
+                if residual is not None and residual.alive():
+                    residual.kill()
+                    self.log.emit("residual.killed", pid=residual.pid)
+                with self.log.step(f"{cause}.reallocate"):
+                    self.stop_memory_servers()
+                    self.start_memory_servers()
+                main = self.main = self._spawn("main", resume_mode=resume_mode)
+            main.wait_state({"serving"}, self.config.start_timeout_s)
         with self._lock:
-            self.main = self._spawn("main", resume_mode=resume_mode)
-            return self.main
+            self.num_handovers += 1
 
     def _on_exit(self, child: Child) -> None:
         """Reaper callback: a main that dies unexpectedly raises the handover flag at once."""
+        if self._processes is not None:
+            self._processes.remove(child.pid)
         with self._lock:
             self.log.emit(f"{child.role}.exited", pid=child.pid, exit_code=child.exit_code)
-            if self._stopping.is_set() or child is not self.main or self.config.recovery != "shadow":
+            if self._stopping.is_set() or child is not self.main or self.config.recovery == "conventional":
+                return
+            if self.config.recovery == "restart":
+                # Instant detection, as for the shadow; the monitor thread restarts from scratch.
+                self.log.emit(
+                    "restart.detect", pid=child.pid, exit_code=child.exit_code, exit_time=child.exit_time
+                )
+                self._restart_due.set()
                 return
             shadow_state = None if self.shadow is None else (self.shadow.state() or {}).get("state")
             if shadow_state in ("handover", "serving"):
@@ -291,14 +374,17 @@ class SlotSupervisor:
         while not self._stopping.wait(0.01):
             if not self.healthy:
                 continue
-            if self._conventional is not None:
-                self._conventional.poll()
-            else:
-                try:
+            try:
+                if self._conventional is not None:
+                    self._conventional.poll()
+                elif self._restart_due.is_set():
+                    self._restart_due.clear()
+                    self.restart_from_scratch("restart", resume_mode="continue")
+                else:
                     self._check_shadow()
-                except Exception as exc:  # the monitor must outlive a bad poll (e.g. a spawn failure)
-                    self.log.emit("supervisor.error", error=repr(exc))
-                    time.sleep(0.5)
+            except Exception as exc:  # the monitor must outlive a bad poll (e.g. a spawn failure)
+                self.log.emit("supervisor.error", error=repr(exc))
+                time.sleep(0.5)
 
     def _check_shadow(self) -> None:
         with self._lock:

@@ -1,0 +1,264 @@
+"""Nothing orphaned: a slot's children die with their supervisor, and a new one reaps what is left.
+
+Three layers, each enough on its own for the case it covers:
+
+- every worker is forked with `PR_SET_PDEATHSIG` = SIGKILL (set between fork and exec, then the
+  parent pid is checked, in case the parent died before the prctl) and leads its own process
+  group. Linux ties the death signal to the forking *thread*, so every worker is forked by one
+  long-lived `Spawner` thread per supervisor, never by a short-lived one (an anyio worker thread
+  that idles out would kill the children it started);
+- the supervisor records every child it starts (workers and belayer-gpumem's memory servers,
+  which it does not fork itself) in `run_dir/processes.json` with its start time, and a small
+  guardian process holds a pipe to the supervisor: when the supervisor dies (even by SIGKILL), the
+  pipe reads end-of-file and the guardian kills every recorded process;
+- `reap_stale_processes(run_dir)` kills what an earlier killed run left (a new supervisor calls it
+  before it starts anything). A process counts only if its start time (field 22 of
+  `/proc/<pid>/stat`) equals the recorded one, so a recycled pid is never killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, TypeVar
+
+from belayer_shadow._errors import SupervisorError
+
+__all__ = [
+    "PROCESSES_FILE",
+    "Guardian",
+    "ProcessTable",
+    "Spawner",
+    "die_with_parent",
+    "process_start_time",
+    "reap_stale_processes",
+]
+
+PROCESSES_FILE = "processes.json"
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded before any fork: the child only calls into it
+
+T = TypeVar("T")
+
+
+def die_with_parent(parent_pid: int) -> Callable[[], None]:
+    """A `preexec_fn`: SIGKILL this child when its forking thread ends; exit if the parent is gone."""
+
+    def preexec() -> None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died between fork and prctl
+            os._exit(1)
+
+    return preexec
+
+
+def process_start_time(pid: int) -> int | None:
+    """The start time of `pid` in clock ticks since boot (None if there is no such process)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # comm (field 2) may hold spaces and parentheses: split after its closing parenthesis.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return int(fields[19])  # field 22; fields[0] is field 3
+
+
+class ProcessTable:
+    """`run_dir/processes.json`: the slot's live children with their start times, rewritten atomically."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / PROCESSES_FILE
+        self._lock = threading.Lock()
+        self._entries: dict[int, dict[str, Any]] = {}
+
+    def add(self, pid: int, role: str, *, group: bool, files: tuple[Path, ...] = ()) -> None:
+        """Record `pid` (`group`: it leads its own process group, which is killed with it).
+
+        `files` (e.g. a memory server's socket) are removed by a reap once the process is gone.
+        """
+        start = process_start_time(pid)
+        if start is None:
+            return  # already gone
+        entry = {
+            "pid": pid,
+            "start_time": start,
+            "role": role,
+            "group": group,
+            "files": [str(f) for f in files],
+        }
+        with self._lock:
+            self._entries[pid] = entry
+            self._write()
+
+    def remove(self, pid: int) -> None:
+        """Forget `pid` (it has been reaped)."""
+        with self._lock:
+            if self._entries.pop(pid, None) is not None:
+                self._write()
+
+    def _write(self) -> None:
+        document = {"supervisor": os.getpid(), "processes": list(self._entries.values())}
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(document))
+        os.replace(tmp, self.path)
+
+
+def _recorded(run_dir: Path) -> list[dict[str, Any]]:
+    try:
+        document = json.loads((run_dir / PROCESSES_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        return []
+    processes = document.get("processes", []) if isinstance(document, dict) else []
+    return [p for p in processes if isinstance(p, dict) and isinstance(p.get("pid"), int)]
+
+
+def reap_stale_processes(run_dir: str | Path, *, timeout_s: float = 30.0) -> list[int]:
+    """Kill every process an earlier run recorded in `run_dir/processes.json` that still runs.
+
+    A process is killed (SIGKILL, with its process group if it leads one) only if its start time
+    equals the recorded one, so a pid the kernel has since given to another process is left alone.
+    Then the files recorded with the processes (sockets) are removed. Returns the pids killed, once
+    they are gone (SupervisorError if one outlives `timeout_s`).
+    """
+    run_dir = Path(run_dir)
+    killed: list[tuple[int, int]] = []
+    recorded = _recorded(run_dir)
+    for entry in recorded:
+        pid, start = entry["pid"], entry.get("start_time")
+        if pid == os.getpid() or start is None or process_start_time(pid) != start:
+            continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if entry.get("group") and os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
+            killed.append((pid, start))
+    deadline = time.monotonic() + timeout_s
+    for pid, start in killed:
+        # Gone, or a zombie (it holds nothing but its pid; its parent, or init, reaps it).
+        while process_start_time(pid) == start and _state(pid) != "Z":
+            if time.monotonic() > deadline:
+                raise SupervisorError(f"process {pid} from an earlier run in {run_dir} survived SIGKILL")
+            time.sleep(0.01)
+    for entry in recorded:
+        for name in entry.get("files") or []:
+            Path(name).unlink(missing_ok=True)
+    (run_dir / PROCESSES_FILE).unlink(missing_ok=True)
+    return [pid for pid, _ in killed]
+
+
+def _state(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()[0]
+
+
+class Spawner:
+    """One long-lived thread that forks every worker of a supervisor (PDEATHSIG follows the thread)."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._closed = False
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, future = job
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the spawner thread and return its result (its exception is raised here)."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        if self._closed:
+            raise SupervisorError("the supervisor is stopped; it starts no more processes")
+        future: Future[T] = Future()
+        self._jobs.put((fn, future))
+        return future.result()
+
+    def close(self) -> None:
+        """End the thread (after every child it forked is gone: their death signal fires then)."""
+        self._closed = True
+        self._jobs.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+
+
+class Guardian:
+    """A process that reaps every child recorded in `processes.json` once the supervisor is gone.
+
+    It holds the read end of a pipe whose write end only the supervisor holds: when the supervisor
+    closes it (`close()`) or dies (the kernel closes it), the guardian reads end-of-file, kills what
+    is still recorded (start times checked) and exits. It runs in its own session, so a signal to
+    the supervisor's process group does not reach it first.
+    """
+
+    def __init__(self, popen: subprocess.Popen[bytes], pipe: int, table: ProcessTable) -> None:
+        self.popen, self._pipe, self._table = popen, pipe, table
+
+    @classmethod
+    def start(cls, run_dir: Path, table: ProcessTable) -> Guardian:
+        """Start the guardian of `run_dir` (its output goes to `run_dir/workers/guardian.log`)."""
+        read_end, write_end = os.pipe()  # not inheritable: no other child keeps the write end open
+        workers = run_dir / "workers"
+        workers.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "belayer_shadow._workers._processes", str(run_dir), str(read_end)]
+        try:
+            with (workers / "guardian.log").open("ab") as output:
+                popen = subprocess.Popen(
+                    command,
+                    pass_fds=(read_end,),
+                    stdin=subprocess.DEVNULL,
+                    stdout=output,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+        except BaseException:
+            os.close(write_end)
+            raise
+        finally:
+            os.close(read_end)
+        table.add(popen.pid, "guardian", group=False)
+        return cls(popen, write_end, table)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Close the pipe (the guardian reaps what is still recorded and exits); wait for it."""
+        if self._pipe >= 0:
+            os.close(self._pipe)
+            self._pipe = -1
+        try:
+            self.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+        self._table.remove(self.popen.pid)
+
+
+def _guard(run_dir: Path, fd: int) -> None:
+    """The guardian: block until the supervisor's end of the pipe closes, then reap its children."""
+    with contextlib.suppress(OSError):
+        while os.read(fd, 4096):
+            pass
+    reap_stale_processes(run_dir)
+
+
+if __name__ == "__main__":  # python -m belayer_shadow._workers._processes RUN_DIR FD
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _guard(Path(sys.argv[1]), int(sys.argv[2]))
