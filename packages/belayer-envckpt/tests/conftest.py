@@ -5,6 +5,7 @@ from __future__ import annotations
 import tarfile
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,6 +16,10 @@ from belayer_envckpt import BelayerEnvckptError, Engine, Sandbox, SandboxConfig
 BUSYBOX = "belayer/busybox:latest"
 DEBIAN = "belayer/debian-python:latest"
 TEST_LABEL = "belayer.test"
+# One value per test session: the leak check sees only this session's containers, not those of
+# another session running beside it on the same engine.
+TEST_SESSION = uuid.uuid4().hex[:12]
+TEST_LABELS = {TEST_LABEL: TEST_SESSION}
 
 
 @pytest.fixture(scope="session")
@@ -25,19 +30,19 @@ def engine() -> Iterator[Engine]:
     except BelayerEnvckptError as exc:
         pytest.fail(f"the envckpt tests need Docker (experimental) and CRIU: {exc}", pytrace=False)
     before = {c.id for c in eng.client.containers.list(all=True)}
-    temp_before = set(Path(tempfile.gettempdir()).glob("belayer-*"))
+    temp_before = set(Path(tempfile.gettempdir()).glob("belayer-demo-*"))
     yield eng
     # No leaks: every container the suite created is gone.
     leaked = [
         c.name
-        for c in eng.client.containers.list(all=True, filters={"label": TEST_LABEL})
+        for c in eng.client.containers.list(all=True, filters={"label": f"{TEST_LABEL}={TEST_SESSION}"})
         if c.id not in before
     ]
     eng.close()
     assert not leaked, f"test containers leaked: {leaked}"
-    # No temporary directories (the demo's store, the CLI's) are left behind either; the tests' own
+    # No temporary directories (the demo's store) are left behind either; the tests' own
     # stores live under pytest's tmp_path, which pytest removes.
-    temp_leaked = set(Path(tempfile.gettempdir()).glob("belayer-*")) - temp_before
+    temp_leaked = set(Path(tempfile.gettempdir()).glob("belayer-demo-*")) - temp_before
     assert not temp_leaked, f"temporary files leaked: {sorted(map(str, temp_leaked))}"
 
 
@@ -47,7 +52,7 @@ def make_sandbox(engine: Engine) -> Iterator[Callable[..., Sandbox]]:
     created: list[Sandbox] = []
 
     def make(image: str = BUSYBOX, trajectory: str = "t", **config: object) -> Sandbox:
-        labels = {TEST_LABEL: "1"}
+        labels = dict(TEST_LABELS)
         sandbox = Sandbox.create(
             engine, SandboxConfig(image=image, labels=labels, **config), trajectory=trajectory
         )

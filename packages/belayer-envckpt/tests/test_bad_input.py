@@ -7,7 +7,7 @@ import stat
 
 import attrs
 import pytest
-from conftest import BUSYBOX, TEST_LABEL
+from conftest import BUSYBOX, TEST_LABELS
 
 from belayer_envckpt import (
     CheckpointCorruptError,
@@ -43,7 +43,7 @@ def test_unknown_container(engine):
     ids=["network", "bind-mount", "volume", "tmpfs"],
 )
 def test_container_outside_the_guarantee_is_refused(kwargs, engine, tmp_path):
-    container = engine.client.containers.create(BUSYBOX, ["sleep", "60"], labels={TEST_LABEL: "1"}, **kwargs)
+    container = engine.client.containers.create(BUSYBOX, ["sleep", "60"], labels=TEST_LABELS, **kwargs)
     try:
         container.start()
         with pytest.raises(OutsideGuaranteeError, match="outside the checkpoint guarantee"):
@@ -147,7 +147,8 @@ def test_criu_missing_or_failing(tmp_path, monkeypatch):
 
 
 def test_missing_image(engine):
-    from belayer_envckpt import EngineError
+    from belayer_envckpt import ContainerEngineError, ImageNotFoundError
 
-    with pytest.raises(EngineError, match="no registry"):
+    with pytest.raises(ImageNotFoundError, match="no registry") as caught:
         Sandbox.create(engine, SandboxConfig(image="belayer/not-built-here:1"))
+    assert isinstance(caught.value, ContainerEngineError)

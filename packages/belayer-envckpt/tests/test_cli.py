@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import subprocess
 import sys
 
-from conftest import TEST_LABEL
+from conftest import TEST_LABEL, TEST_SESSION
+
+from belayer_envckpt import ExitCode, __version__
 
 
 def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(
-        [sys.executable, "-m", "belayer_envckpt._cli", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "belayer_envckpt", *args], capture_output=True, text=True, timeout=120
     )
     if check:
         assert proc.returncode == 0, proc.stderr
     return proc
+
+
+def test_version_comes_from_the_package_metadata():
+    assert __version__ == importlib.metadata.version("belayer-envckpt")
+    assert cli("--version").stdout.split() == ["belayer-envckpt", __version__]
 
 
 def test_doctor_reports_ready():
@@ -26,7 +34,7 @@ def test_doctor_reports_ready():
 
 def test_doctor_says_what_is_missing():
     proc = cli("doctor", "--image", "belayer/absent:1", check=False)
-    assert proc.returncode == 1
+    assert proc.returncode == ExitCode.UNHEALTHY
     assert "scripts/setup-system" in proc.stdout
 
 
@@ -58,7 +66,7 @@ def test_checkpoint_ls_restore_gc(make_sandbox, engine, tmp_path):
     restored = json.loads(cli("restore", "--store", store, "--trajectory", "cli", "--json").stdout)
     new = engine.client.containers.get(restored["container_id"])
     try:
-        assert new.labels.get(TEST_LABEL) == "1"
+        assert new.labels.get(TEST_LABEL) == TEST_SESSION
         assert new.exec_run("cat /work/c").output == b"cli\n"
         assert (restored["prefix"], restored["context_ref"]) == (1, "ctx/1")
     finally:
@@ -68,7 +76,7 @@ def test_checkpoint_ls_restore_gc(make_sandbox, engine, tmp_path):
     assert json.loads(cli("ls", "--store", store, "--json").stdout)["checkpoints"] == []
 
 
-def test_errors_are_typed_and_exit_2(tmp_path):
+def test_errors_are_one_line_with_named_exit_codes(tmp_path):
     proc = cli(
         "checkpoint",
         "no-such-ctr",
@@ -81,14 +89,17 @@ def test_errors_are_typed_and_exit_2(tmp_path):
         "--json",
         check=False,
     )
-    assert proc.returncode == 2
+    assert proc.returncode == ExitCode.USAGE
     assert json.loads(proc.stdout)["error"] == "ContainerNotFoundError"
     proc = cli("restore", "--store", str(tmp_path), "--trajectory", "../x", check=False)
-    assert proc.returncode == 2
-    assert "InvalidIdError" in proc.stderr
-    proc = cli("restore", "--store", str(tmp_path), "--trajectory", "none", check=False)
-    assert proc.returncode == 2
-    assert "CheckpointNotFoundError" in proc.stderr
+    assert proc.returncode == ExitCode.USAGE
+    [line] = proc.stderr.splitlines()
+    assert line.startswith("belayer-envckpt: error: ")
+    assert "InvalidIdError" in line
+    proc = cli("restore", "--store", str(tmp_path), "--trajectory", "none", "--debug", check=False)
+    assert proc.returncode == ExitCode.USAGE
+    assert "Traceback" in proc.stderr
+    assert "CheckpointNotFoundError" in proc.stderr.splitlines()[-1]
 
 
 def test_demo_runs_end_to_end():

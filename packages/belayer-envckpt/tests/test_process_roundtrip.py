@@ -72,16 +72,18 @@ def test_process_tree_resumes(make_sandbox, track, engine, tmp_path):
 
 
 def test_shell_counter_resumes_from_checkpointed_value(make_sandbox, track, engine, tmp_path):
-    counter = ("/bin/sh", "-c", "i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done")
+    # Written to a side file and renamed, so neither a read nor the frozen layer sees it half-written.
+    counter = (
+        "/bin/sh",
+        "-c",
+        "i=0; while :; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done",
+    )
     sandbox = make_sandbox(BUSYBOX, "counter", command=counter)
     wait_for(lambda: int(sandbox.exec("cat /tmp/count 2>/dev/null").stdout.strip() or 0) >= 10)
     ckpt = full_checkpoint(sandbox, "counter", store=CheckpointStore(tmp_path))
     checkpointed = int(read_from_layer(ckpt.path / "layer.tar", "tmp/count"))
     sandbox.kill()
     restored = track(full_restore(ckpt, engine=engine))
-    # The counter rewrites the file with `echo > file`, so a read can land on the empty moment.
-    reads: list[str] = []
-    wait_for(lambda: bool(reads.append(restored.exec("cat /tmp/count").stdout.strip()) or reads[-1]))
-    first = int(reads[-1])
+    first = int(restored.exec("cat /tmp/count").stdout)
     # Resumed from the checkpointed value, not from the start (the start would be 1, 2, ...).
     assert checkpointed <= first  # a restart would count from 1 again; checkpointed is >= 10

@@ -56,7 +56,7 @@ def test_restore_of_stopped_and_paused_containers(make_sandbox, track, engine, t
 
 def test_dump_through_the_engine_api_restores_too(track, tmp_path):
     """The engine's own checkpoint API (slower, see Engine.checkpoint) gives restorable images."""
-    from conftest import TEST_LABEL
+    from conftest import TEST_LABELS
 
     from belayer_envckpt import Engine, Sandbox, SandboxConfig
 
@@ -67,7 +67,7 @@ def test_dump_through_the_engine_api_restores_too(track, tmp_path):
             "-c",
             "i=0; while :; do i=$((i+1)); echo $i > /tmp/n.tmp; mv /tmp/n.tmp /tmp/n; sleep 0.05; done",
         )
-        config = SandboxConfig(image="belayer/busybox:latest", command=counter, labels={TEST_LABEL: "1"})
+        config = SandboxConfig(image="belayer/busybox:latest", command=counter, labels=TEST_LABELS)
         sandbox = track(Sandbox.create(engine, config, trajectory="api"))
         sandbox.exec("echo via-api > /work/f")
         ckpt = full_checkpoint(sandbox, "api", store=CheckpointStore(tmp_path))
@@ -83,7 +83,9 @@ def test_unknown_dump_method():
     import docker
     import pytest
 
-    from belayer_envckpt import Engine
+    from belayer_envckpt import Engine, InvalidConfigError
 
-    with pytest.raises(ValueError, match="dump_method"):
+    with pytest.raises(InvalidConfigError, match="dump_method"):
         Engine(docker.from_env(), dump_method="magic")
+    with pytest.raises(InvalidConfigError, match="dump_method"):
+        Engine.connect(dump_method="magic")

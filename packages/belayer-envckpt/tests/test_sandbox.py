@@ -8,21 +8,21 @@ import time
 import pytest
 from conftest import read_from_layer
 
-from belayer_envckpt import CheckpointStore, FaultAction, FaultInjector, full_checkpoint
+from belayer_envckpt import CheckpointStore, FaultAction, FaultInjector, InvalidConfigError, full_checkpoint
 
 
 def test_exec_reports_output_and_counts_boundaries(make_sandbox):
     sandbox = make_sandbox(trajectory="exec")
     result = sandbox.exec("echo out; echo err >&2; exit 3")
     assert (result.stdout, result.stderr, result.exit_code, result.timed_out) == ("out\n", "err\n", 3, False)
-    assert result.duration > 0
+    assert result.duration_s > 0
     sandbox.exec(["ls", "/"])
     assert sandbox.prefix == 2
 
 
 def test_exec_timeout_kills_the_action_tree(make_sandbox):
     sandbox = make_sandbox(trajectory="timeout")
-    result = sandbox.exec("sleep 30 & sleep 30; echo never", timeout=0.5)
+    result = sandbox.exec("sleep 30 & sleep 30; echo never", timeout_s=0.5)
     assert result.timed_out
     assert "never" not in result.stdout
     assert "sleep 30" not in sandbox.exec(["ps", "-o", "args"]).stdout
@@ -49,7 +49,7 @@ def test_checkpoint_waits_for_the_action_boundary(make_sandbox, tmp_path):
 
 
 def test_fault_injector_rate_and_actions(make_sandbox):
-    with pytest.raises(ValueError, match="probability"):
+    with pytest.raises(InvalidConfigError, match="probability"):
         FaultInjector(1.5)
     never = FaultInjector(0.0, seed=1)
     sandbox = make_sandbox(trajectory="faults")

@@ -7,29 +7,35 @@ overlay layer and its process tree from one frozen moment and publishes them ato
 
 from __future__ import annotations
 
+from importlib.metadata import version
+
 from ._checkpoint import full_checkpoint, full_restore
-from ._engine import Engine, check_criu
+from ._cli import ExitCode
+from ._engine import ContainerInfo, Engine, check_criu
 from ._errors import (
     BelayerEnvckptError,
     CheckpointCorruptError,
     CheckpointFailedError,
     CheckpointNotFoundError,
     CommandError,
+    ContainerEngineError,
     ContainerNotFoundError,
     CriuUnavailableError,
-    EngineError,
     ExperimentalDisabledError,
+    ImageNotFoundError,
     InjectedCrash,
+    InvalidConfigError,
     InvalidIdError,
     OutsideGuaranteeError,
     RestoreFailedError,
     UnsafeArchiveError,
 )
+from ._exec import ExecResult
 from ._faults import CheckpointFault, CrashPoint, FaultAction, FaultInjector
-from ._sandbox import ExecResult, Sandbox, SandboxConfig
+from ._sandbox import Sandbox, SandboxConfig
 from ._store import Checkpoint, CheckpointStore
 
-__version__ = "0.1.0"
+__version__ = version("belayer-envckpt")
 
 __all__ = [
     "BelayerEnvckptError",
@@ -40,16 +46,20 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointStore",
     "CommandError",
+    "ContainerEngineError",
+    "ContainerInfo",
     "ContainerNotFoundError",
     "CrashPoint",
     "CriuUnavailableError",
     "Engine",
-    "EngineError",
     "ExecResult",
+    "ExitCode",
     "ExperimentalDisabledError",
     "FaultAction",
     "FaultInjector",
+    "ImageNotFoundError",
     "InjectedCrash",
+    "InvalidConfigError",
     "InvalidIdError",
     "OutsideGuaranteeError",
     "RestoreFailedError",

@@ -7,15 +7,14 @@ import time
 import uuid
 from pathlib import Path
 
-import docker.errors
-
 from ._engine import Engine
 from ._errors import (
     BelayerEnvckptError,
     CheckpointFailedError,
     CommandError,
-    EngineError,
+    ContainerEngineError,
     InjectedCrash,
+    InvalidConfigError,
     RestoreFailedError,
 )
 from ._faults import CheckpointFault, CrashPoint, apply_fault
@@ -58,7 +57,7 @@ def full_checkpoint(
         with sandbox.action_boundary():
             k = sandbox.prefix if prefix is None else prefix
             if k < 0:
-                raise ValueError(f"prefix must be >= 0, got {k}")
+                raise InvalidConfigError(f"prefix must be >= 0, got {k}")
             checkpoint_id = new_checkpoint_id(k)
             status = sandbox.status()
             if status != "running":
@@ -71,7 +70,7 @@ def full_checkpoint(
             tmp = store.begin(trajectory, checkpoint_id)
             container_id = sandbox.id
             freeze = time.perf_counter()
-            sandbox.container.pause()
+            sandbox.pause()
             try:
                 step = time.perf_counter()
                 capture_layer(upper, tmp / LAYER)
@@ -112,9 +111,7 @@ def full_checkpoint(
     except Exception as exc:
         if tmp is not None:
             store.abort(tmp)
-        if isinstance(exc, BelayerEnvckptError | ValueError) and not isinstance(
-            exc, EngineError | CommandError
-        ):
+        if isinstance(exc, BelayerEnvckptError) and not isinstance(exc, ContainerEngineError | CommandError):
             raise  # refused before anything was captured: the error already says what to do
         raise CheckpointFailedError(
             f"checkpoint of sandbox {sandbox.id[:12]} failed ({exc}); the partial checkpoint was "
@@ -128,10 +125,9 @@ def _maybe_fault(sandbox: Sandbox, fault: CheckpointFault | None, point: CrashPo
 
 
 def _thaw(sandbox: Sandbox) -> None:
-    with contextlib.suppress(docker.errors.APIError):
-        sandbox.container.reload()
-        if sandbox.container.status == "paused":
-            sandbox.container.unpause()
+    with contextlib.suppress(ContainerEngineError):
+        if sandbox.status() == "paused":
+            sandbox.unpause()
 
 
 def full_restore(
@@ -168,9 +164,9 @@ def full_restore(
         timings["layer_ms"] = _ms(step)
         step = time.perf_counter()
         engine.start_from_checkpoint(sandbox.container, checkpoint.checkpoint_id, checkpoint.path / CRIU_DIR)
-        sandbox.container.reload()
+        sandbox.reload()
         timings["start_ms"] = _ms(step)
-    except (BelayerEnvckptError, OSError, docker.errors.DockerException) as exc:
+    except (BelayerEnvckptError, OSError) as exc:
         sandbox.remove()
         if own_engine:
             engine.close()

@@ -3,19 +3,37 @@
 from __future__ import annotations
 
 import argparse
+import enum
 import json
+import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, cast
-
-import docker.errors
 
 from ._checkpoint import full_checkpoint, full_restore
 from ._demo import run_demo
 from ._engine import Engine, check_criu
-from ._errors import BelayerEnvckptError
+from ._errors import (
+    BelayerEnvckptError,
+    CheckpointNotFoundError,
+    ContainerNotFoundError,
+    InvalidConfigError,
+    InvalidIdError,
+)
 from ._sandbox import Sandbox
 from ._store import Checkpoint, CheckpointStore
+
+
+class ExitCode(enum.IntEnum):
+    """The exit codes every Belayer command shares (root README, "One CLI contract")."""
+
+    OK = 0
+    FAILED = 1
+    USAGE = 2
+    UNHEALTHY = 3
+    INTERRUPTED = 130
+
 
 Command = Callable[[argparse.Namespace], tuple[dict[str, Any], int]]
 DEFAULT_IMAGES = ("belayer/busybox:latest", "belayer/debian-python:latest")
@@ -40,7 +58,7 @@ def _doctor(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     engine: Engine | None = None
     try:
         engine = Engine.connect()
-        checks["engine"] = {"ok": True, "detail": engine.client.version().get("Version")}
+        checks["engine"] = {"ok": True, "detail": engine.version()}
     except BelayerEnvckptError as exc:
         checks["engine"] = {"ok": False, "detail": str(exc)}
     if engine is not None:
@@ -56,13 +74,7 @@ def _doctor(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     except BelayerEnvckptError as exc:
         checks["criu"] = {"ok": False, "detail": str(exc)}
     for image in args.image or DEFAULT_IMAGES:
-        present = False
-        if engine is not None:
-            try:
-                engine.client.images.get(image)
-                present = True
-            except docker.errors.ImageNotFound:
-                pass
+        present = engine is not None and engine.has_image(image)
         checks[f"image {image}"] = {
             "ok": present,
             "detail": "present" if present else "missing: run `bash scripts/setup-system` to build it",
@@ -72,7 +84,9 @@ def _doctor(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
         for name, check in checks.items():
             print(f"{'ok ' if check['ok'] else 'BAD'} {name}: {check['detail']}")
         print("ready" if ready else "not ready: fix the lines marked BAD")
-    return {"ready": ready, "checks": checks}, 0 if ready else 1
+    if engine is not None:
+        engine.close()
+    return {"ready": ready, "checks": checks}, ExitCode.OK if ready else ExitCode.UNHEALTHY
 
 
 def _checkpoint(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
@@ -139,11 +153,13 @@ def _demo(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
     parser = argparse.ArgumentParser(prog="belayer-envckpt", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add(name: str, func: Callable[[argparse.Namespace], tuple[dict[str, Any], int]], help_: str) -> Any:
         p = sub.add_parser(name, help=help_)
         p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+        p.add_argument("--debug", action="store_true", help="print a traceback with an error")
         p.set_defaults(func=func)
         return p
 
@@ -177,19 +193,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; typed errors become one line on stderr (and a JSON error with --json)."""
+    """Entry point: typed errors become one line on stderr (and a JSON error with --json)."""
     args = build_parser().parse_args(argv)
     try:
         out, code = cast(Command, args.func)(args)
-    except (BelayerEnvckptError, ValueError) as exc:
+    except KeyboardInterrupt:
+        print("belayer-envckpt: error: interrupted", file=sys.stderr)
+        return ExitCode.INTERRUPTED
+    except BelayerEnvckptError as exc:
+        # Bad input that started nothing: an unsafe id, a bad value, a name that names nothing.
+        usage = isinstance(
+            exc, InvalidIdError | InvalidConfigError | ContainerNotFoundError | CheckpointNotFoundError
+        )
         if args.json:
             print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
-        print(f"belayer-envckpt {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
+        if args.debug or os.environ.get("BELAYER_DEBUG") == "1":
+            traceback.print_exc()
+        message = " ".join(str(exc).split())
+        print(f"belayer-envckpt: error: {message} ({type(exc).__name__})", file=sys.stderr)
+        return ExitCode.USAGE if usage else ExitCode.FAILED
     if args.json:
         print(json.dumps(out))
-    return code
+    return int(code)
 
 
 if __name__ == "__main__":

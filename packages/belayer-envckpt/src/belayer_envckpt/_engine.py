@@ -1,30 +1,49 @@
-"""Docker engine access: the SDK where it has the call, its low-level client for checkpoints."""
+"""Docker engine access: the SDK where it has the call, its low-level client for checkpoints.
+
+This module and `_boundary` are the only ones that call the Docker SDK; every error it raises is
+translated there into a belayer-envckpt error.
+"""
 
 from __future__ import annotations
 
 import os
 import shutil
+import time
 import uuid
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 import docker
-import docker.errors
 from docker.models.containers import Container
 
+from ._boundary import SETUP_HINT, engine_errors
 from ._errors import (
+    ContainerEngineError,
     ContainerNotFoundError,
     CriuUnavailableError,
-    EngineError,
     ExperimentalDisabledError,
+    ImageNotFoundError,
+    InvalidConfigError,
 )
+from ._exec import ExecResult
 from ._run import run_command
 
-SETUP_HINT = "Run `bash scripts/setup-system` as root (installs and starts Docker and CRIU)."
 LABEL = "belayer.envckpt"
 # Where dockerd's runc keeps container state (runc --root); see `Engine.checkpoint`.
 RUNC_ROOT = Path("/run/docker/runtime-runc/moby")
+DUMP_METHODS = ("runc", "engine")
+
+
+@attrs.frozen
+class ContainerInfo:
+    """What `Engine.list_containers` reports about one container."""
+
+    id: str
+    name: str
+    status: str
+    labels: dict[str, str]
 
 
 @attrs.define
@@ -32,8 +51,13 @@ class Engine:
     """A connection to the Docker engine with the checkpoint calls the SDK lacks."""
 
     client: docker.DockerClient
-    dump_method: str = attrs.field(default="runc", validator=attrs.validators.in_(("runc", "engine")))
+    dump_method: str = attrs.field(default="runc")
     _checkpoint_ready: bool = attrs.field(default=False, init=False)
+
+    @dump_method.validator
+    def _check_dump_method(self, _attr: object, value: str) -> None:
+        if value not in DUMP_METHODS:
+            raise InvalidConfigError(f"dump_method must be one of {DUMP_METHODS}, got {value!r}")
 
     @classmethod
     def connect(cls, dump_method: str = "runc") -> Engine:
@@ -41,22 +65,38 @@ class Engine:
 
         ``dump_method``: ``runc`` (direct, faster) or ``engine`` (the engine's checkpoint API).
         """
+        if dump_method not in DUMP_METHODS:
+            raise InvalidConfigError(f"dump_method must be one of {DUMP_METHODS}, got {dump_method!r}")
         try:
-            client = docker.from_env(timeout=120)
-            client.ping()
-        except docker.errors.DockerException as exc:
-            raise EngineError(f"cannot reach the Docker engine ({exc}). {SETUP_HINT}") from exc
+            with engine_errors("connecting to the Docker engine"):
+                client = docker.from_env(timeout=120)
+                client.ping()
+        except ContainerEngineError as exc:
+            raise ContainerEngineError(f"cannot reach the Docker engine ({exc}). {SETUP_HINT}") from exc
         return cls(client, dump_method)
 
     def close(self) -> None:
         """Close the connection pool."""
-        self.client.close()
+        with engine_errors("closing the engine connection"):
+            self.client.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
 
     # -- facts about the engine -------------------------------------------------------------
 
+    def version(self) -> str:
+        """The engine's version string."""
+        with engine_errors("asking the engine for its version"):
+            return str(self.client.version().get("Version", "?"))
+
     def experimental(self) -> bool:
         """Whether the engine runs with experimental features (needed for checkpoints)."""
-        return bool(self.client.version().get("Experimental", False))
+        with engine_errors("asking the engine for its version"):
+            return bool(self.client.version().get("Experimental", False))
 
     def require_checkpoint_support(self) -> None:
         """Raise unless the engine has its checkpoint API and CRIU passes its check (cached)."""
@@ -73,27 +113,105 @@ class Engine:
 
     def root_dir(self) -> Path:
         """The engine's data root (e.g. /var/lib/docker)."""
-        return Path(self.client.info()["DockerRootDir"])
+        with engine_errors("asking the engine for its data root"):
+            return Path(self.client.info()["DockerRootDir"])
+
+    # -- images -----------------------------------------------------------------------------
+
+    def image_id(self, image: str) -> str:
+        """The id of a local image; `ImageNotFoundError` if it is not present."""
+        with engine_errors(f"inspecting image {image!r}", image=image):
+            return str(self.client.images.get(image).id)
+
+    def has_image(self, image: str) -> bool:
+        """Whether ``image`` is present locally."""
+        try:
+            self.image_id(image)
+        except ImageNotFoundError:
+            return False
+        return True
+
+    def commit_archive(
+        self,
+        base_image: str,
+        archive: bytes,
+        *,
+        repository: str,
+        tag: str,
+        labels: Mapping[str, str] | None = None,
+    ) -> str:
+        """Build ``repository:tag`` from ``base_image`` plus a tar ``archive`` unpacked at ``/``.
+
+        No registry and no build context: a container is created (never started) from the base
+        image, the archive is copied in and the container committed, then removed.
+        """
+        name = f"{repository}:{tag}"
+        container: Container | None = None
+        try:
+            with engine_errors(f"building image {name} from {base_image!r}", image=base_image):
+                container = self.client.containers.create(
+                    base_image, network_mode="none", labels={**(labels or {}), LABEL: "1"}
+                )
+                if not container.put_archive("/", archive):
+                    raise ContainerEngineError(f"copying files into a container of {base_image!r} failed")
+                container.commit(repository=repository, tag=tag)
+        finally:
+            if container is not None:
+                self.remove(str(container.id))
+        return name
+
+    def run(
+        self,
+        image: str,
+        command: Sequence[str],
+        *,
+        timeout_s: float = 120.0,
+        labels: Mapping[str, str] | None = None,
+    ) -> ExecResult:
+        """Run ``command`` in a throwaway container of ``image`` (no network) and remove it.
+
+        A command still running at ``timeout_s`` is killed and reported with ``timed_out``.
+        """
+        started = time.perf_counter()
+        container: Container | None = None
+        what = f"running {list(command)[:3]!r} in a container of {image!r}"
+        try:
+            with engine_errors(what, image=image):
+                container = self.client.containers.create(
+                    image, list(command), network_mode="none", labels={**(labels or {}), LABEL: "1"}
+                )
+                container.start()
+                timed_out = False
+                try:
+                    code = int(container.wait(timeout=timeout_s)["StatusCode"])
+                except OSError:  # requests' read timeout: the command outlived timeout_s
+                    timed_out, code = True, -1
+                    container.kill()
+                stdout = container.logs(stdout=True, stderr=False).decode(errors="replace")
+                stderr = container.logs(stdout=False, stderr=True).decode(errors="replace")
+        finally:
+            if container is not None:
+                self.remove(str(container.id))
+        return ExecResult(stdout, stderr, code, time.perf_counter() - started, timed_out)
 
     # -- containers -------------------------------------------------------------------------
 
     def container(self, ref: str) -> Container:
-        """Look a container up by id or name."""
-        try:
+        """Look a container up by id or name (the SDK's object, for this package only)."""
+        with engine_errors(f"inspecting container {ref!r}", container=ref):
             return self.client.containers.get(ref)
-        except docker.errors.NotFound as exc:
-            raise ContainerNotFoundError(
-                f"no container {ref!r}: check the id with `docker ps -a`; a container that was "
-                "removed can only come back through `full_restore` of one of its checkpoints"
-            ) from exc
-        except docker.errors.DockerException as exc:
-            raise EngineError(f"inspecting container {ref!r} failed: {exc}") from exc
+
+    def list_containers(self, labels: Sequence[str] = ()) -> list[ContainerInfo]:
+        """Every container (running or not) carrying all ``labels`` (``key`` or ``key=value``)."""
+        with engine_errors("listing containers"):
+            found = self.client.containers.list(all=True, filters={"label": list(labels)} if labels else None)
+            return [ContainerInfo(str(c.id), str(c.name), str(c.status), dict(c.labels)) for c in found]
 
     def upper_dir(self, container: Container) -> Path:
         """The container's writable overlay layer on the host."""
         data = container.attrs.get("GraphDriver", {})
         if data.get("Name") != "overlay2" or "UpperDir" not in data.get("Data", {}):
-            raise EngineError(
+            raise ContainerEngineError(
                 f"container {container.short_id} uses storage driver {data.get('Name')!r}; "
                 "belayer-envckpt needs overlay2 (set it in /etc/docker/daemon.json)"
             )
@@ -132,7 +250,9 @@ class Engine:
             return
         api = self.client.api
         body = {"CheckpointID": name, "Exit": False, "CheckpointDir": str(directory)}
-        self._call(api.post(api._url("/containers/{0}/checkpoints", container.id), json=body), "checkpoint")
+        with engine_errors("checkpoint through the engine", container=str(container.id)):
+            response = api.post(api._url("/containers/{0}/checkpoints", container.id), json=body)
+        self._call(response, "checkpoint")
 
     def start_from_checkpoint(self, container: Container, name: str, images: Path) -> None:
         """Start a created container from CRIU images.
@@ -153,25 +273,25 @@ class Engine:
         (target / "belayer-restore-id").write_text(restore_id)
         api = self.client.api
         try:
-            resp = api.post(api._url("/containers/{0}/start", container.id), params={"checkpoint": name})
+            with engine_errors("start from checkpoint", container=str(container.id)):
+                resp = api.post(api._url("/containers/{0}/start", container.id), params={"checkpoint": name})
             self._call(resp, "start from checkpoint")
         finally:
             shutil.rmtree(target, ignore_errors=True)
 
     def _call(self, response: Any, what: str) -> None:
         if response.status_code >= 400:
-            raise EngineError(f"the engine refused {what} ({response.status_code}): {response.text.strip()}")
+            raise ContainerEngineError(
+                f"the engine refused {what} ({response.status_code}): {response.text.strip()}"
+            )
 
     def remove(self, ref: str) -> bool:
         """Remove a container by id, forcefully; False if it did not exist."""
         try:
-            self.client.containers.get(ref).remove(force=True)
-        except docker.errors.NotFound:
+            with engine_errors(f"removing container {ref}", container=ref):
+                self.client.containers.get(ref).remove(force=True)
+        except ContainerNotFoundError:
             return False
-        except docker.errors.APIError as exc:
-            if exc.status_code == 404:
-                return False
-            raise EngineError(f"removing container {ref} failed: {exc}") from exc
         return True
 
 

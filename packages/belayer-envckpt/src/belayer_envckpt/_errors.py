@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._limits import LimitCause
 
 
 class BelayerEnvckptError(Exception):
@@ -22,11 +27,23 @@ class CommandError(BelayerEnvckptError):
         super().__init__(message)
 
 
-class EngineError(BelayerEnvckptError):
-    """The Docker engine is unreachable or refused a call."""
+class InvalidConfigError(BelayerEnvckptError, ValueError):
+    """A configuration value is out of range or unknown (a sandbox config, a probability, a prefix)."""
 
 
-class ExperimentalDisabledError(EngineError):
+class ContainerEngineError(BelayerEnvckptError):
+    """The container engine (Docker) is unreachable or refused a call.
+
+    Every error of the Docker SDK is translated into this one (or a subclass) at the engine
+    boundary, so no caller of belayer-envckpt ever sees, imports or catches a Docker error.
+    """
+
+
+class ImageNotFoundError(ContainerEngineError):
+    """The image is not present locally (there is no registry to pull from)."""
+
+
+class ExperimentalDisabledError(ContainerEngineError):
     """The engine runs without experimental features, so it has no checkpoint API."""
 
 
@@ -59,15 +76,37 @@ class UnsafeArchiveError(CheckpointCorruptError):
 
 
 class CheckpointFailedError(BelayerEnvckptError):
-    """`full_checkpoint` failed; the partial checkpoint was removed and the previous ready one stays."""
+    """`full_checkpoint` failed; the partial checkpoint was removed and the previous ready one stays.
+
+    ``log_path`` is CRIU's log of the failed dump, kept in the store's ``failed/`` area, when
+    CRIU ran and failed; None otherwise.
+    """
+
+    def __init__(self, message: str, log_path: Path | None = None) -> None:
+        self.log_path = log_path
+        super().__init__(message)
+
+
+class CheckpointTooLargeError(CheckpointFailedError):
+    """The checkpoint would exceed the sandbox's checkpoint size cap; nothing was published."""
+
+
+class SandboxLimitError(BelayerEnvckptError):
+    """A sandbox hit one of its own limits (memory, pids, disk): a detected sandbox failure.
+
+    ``cause`` is a `LimitCause`; ``result`` the interrupted action's `ExecResult` when there was
+    one.  Recover like any other sandbox failure: `full_restore` of the latest ready checkpoint.
+    """
+
+    def __init__(self, message: str, *, cause: LimitCause, sandbox_id: str, result: object = None) -> None:
+        self.cause = cause
+        self.sandbox_id = sandbox_id
+        self.result = result
+        super().__init__(message)
 
 
 class RestoreFailedError(BelayerEnvckptError):
     """`full_restore` failed after verification; the new container was removed."""
-
-
-class ActionTimeoutError(BelayerEnvckptError):
-    """Raised only by callers that ask `exec` to treat a timeout as an error."""
 
 
 class InjectedCrash(BaseException):

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from ._errors import InjectedCrash
+from ._errors import InjectedCrash, InvalidConfigError
 
 if TYPE_CHECKING:
     from ._sandbox import Sandbox
@@ -64,7 +64,7 @@ class FaultInjector:
     @probability.validator
     def _check(self, _attr: object, value: float) -> None:
         if not 0.0 <= value <= 1.0:
-            raise ValueError(f"probability must be in [0, 1], got {value}")
+            raise InvalidConfigError(f"probability must be in [0, 1], got {value}")
 
     def __attrs_post_init__(self) -> None:
         self._rng = random.Random(self.seed)

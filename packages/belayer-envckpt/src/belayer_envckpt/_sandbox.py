@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import threading
-import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import attrs
-import docker.errors
 from docker.models.containers import Container
 
+from ._boundary import engine_errors
 from ._engine import LABEL, Engine
-from ._errors import EngineError, OutsideGuaranteeError
+from ._errors import ContainerNotFoundError, InvalidConfigError, OutsideGuaranteeError
+from ._exec import ExecResult, exec_in
 from ._ids import validate_id
 
 TRAJECTORY_LABEL = "belayer.trajectory"
@@ -48,7 +45,7 @@ class SandboxConfig:
     @image.validator
     def _check_image(self, _attr: object, value: str) -> None:
         if not value:
-            raise ValueError("image: give a local image name such as belayer/busybox")
+            raise InvalidConfigError("image: give a local image name such as belayer/busybox")
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready form (the command as a list, as it reads back from JSON)."""
@@ -59,19 +56,11 @@ class SandboxConfig:
         """Rebuild a configuration from `to_dict` output; unknown keys are an error."""
         unknown = set(data) - {f.name for f in attrs.fields(cls)}
         if unknown:
-            raise ValueError(f"sandbox config has unknown keys {sorted(unknown)}")
+            raise InvalidConfigError(
+                f"sandbox config has unknown keys {sorted(unknown)}: it was written by another version "
+                "of belayer-envckpt; restore it with that version"
+            )
         return cls(**data)
-
-
-@attrs.frozen
-class ExecResult:
-    """The outcome of one action."""
-
-    stdout: str
-    stderr: str
-    exit_code: int
-    duration: float
-    timed_out: bool = False
 
 
 def check_guarantee(attrs_: Mapping[str, Any]) -> None:
@@ -93,25 +82,6 @@ def check_guarantee(attrs_: Mapping[str, Any]) -> None:
             "Create sandboxes with `Sandbox.create` (no network, no host mounts, no volumes); "
             "their whole state then lives in the overlay layer and the process tree."
         )
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and every descendant (an exec's children keep its output pipe open)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry.name))
-    todo = [pid]
-    while todo:
-        current = todo.pop()
-        todo.extend(children.get(current, []))
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(current, signal.SIGKILL)
 
 
 @attrs.define(eq=False)
@@ -141,7 +111,7 @@ class Sandbox:
         if trajectory:
             labels[TRAJECTORY_LABEL] = trajectory
         name = f"belayer-{trajectory or 'sandbox'}-{uuid.uuid4().hex[:8]}"
-        try:
+        with engine_errors(f"creating a sandbox from {config.image!r}", image=config.image):
             container = engine.client.containers.create(
                 config.image,
                 list(config.command),
@@ -154,17 +124,9 @@ class Sandbox:
                 mem_limit=config.mem_limit or None,
                 labels=labels,
             )
-        except docker.errors.ImageNotFound as exc:
-            raise EngineError(
-                f"image {config.image!r} is not present: build it locally (bash scripts/setup-system "
-                "builds belayer/busybox and belayer/debian-python); there is no registry to pull from"
-            ) from exc
-        except docker.errors.DockerException as exc:
-            raise EngineError(f"creating a sandbox from {config.image!r} failed: {exc}") from exc
         sandbox = cls(engine, container, config, trajectory)
         if start:
-            container.start()
-            container.reload()
+            sandbox.start()
         return sandbox
 
     @classmethod
@@ -193,44 +155,62 @@ class Sandbox:
     def status(self) -> str:
         """The engine's view: created, running, paused, exited, dead or removed."""
         try:
-            self.container.reload()
-        except docker.errors.NotFound:
+            self.reload()
+        except ContainerNotFoundError:
             return "removed"
         return str(self.container.status)
 
-    def exec(self, command: str | Sequence[str], timeout: float = 60.0) -> ExecResult:
-        """Run one action; it completes (or is killed at ``timeout``) before a checkpoint starts."""
-        argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
+    def is_running(self) -> bool:
+        """Whether the container is running (False when it stopped, died or was removed)."""
+        return self.status() == "running"
+
+    def reload(self) -> None:
+        """Refresh the engine's view of the container (status, attributes)."""
+        with engine_errors("inspecting a sandbox", container=self.id):
+            self.container.reload()
+
+    def inspect(self) -> dict[str, Any]:
+        """The engine's full description of the container (as `docker inspect` prints it)."""
+        self.reload()
+        return dict(self.container.attrs)
+
+    def exec(
+        self,
+        command: str | Sequence[str],
+        timeout_s: float = 60.0,
+        *,
+        workdir: str | None = None,
+        timeout: float | None = None,
+    ) -> ExecResult:
+        """Run one action; it completes (or is killed at ``timeout_s``) before a checkpoint starts.
+
+        A string runs through ``/bin/sh -c``.  The action counts: ``prefix`` grows by one.
+        ``timeout`` is the deprecated spelling of ``timeout_s``.
+        """
         with self._boundary:
-            api = self.engine.client.api
-            try:
-                exec_id = api.exec_create(self.id, argv, workdir=self.config.working_dir)["Id"]
-            except docker.errors.APIError as exc:
-                raise EngineError(f"cannot run an action in sandbox {self.id[:12]}: {exc}") from exc
-            output: list[tuple[bytes | None, bytes | None]] = []
-            started = time.perf_counter()
-            runner = threading.Thread(
-                target=lambda: output.append(api.exec_start(exec_id, demux=True)), daemon=True
-            )
-            runner.start()
-            runner.join(timeout)
-            timed_out = runner.is_alive()
-            if timed_out:
-                pid = api.exec_inspect(exec_id).get("Pid", 0)
-                if pid:
-                    _kill_tree(int(pid))
-                runner.join(30)
-            duration = time.perf_counter() - started
-            info = api.exec_inspect(exec_id)
-            stdout, stderr = output[0] if output else (b"", b"")
+            result = self._run(command, timeout_s if timeout is None else timeout, workdir)
             self.prefix += 1
-            return ExecResult(
-                (stdout or b"").decode(errors="replace"),
-                (stderr or b"").decode(errors="replace"),
-                int(info.get("ExitCode") if info.get("ExitCode") is not None else -1),
-                duration,
-                timed_out,
-            )
+            return result
+
+    def probe(
+        self, command: str | Sequence[str], timeout_s: float = 60.0, *, workdir: str | None = None
+    ) -> ExecResult:
+        """Run a read-only command that is not an action (``prefix`` stays): a hash, a listing.
+
+        It still waits for the current action and excludes checkpoints while it runs.
+        """
+        with self._boundary:
+            return self._run(command, timeout_s, workdir)
+
+    def _run(self, command: str | Sequence[str], timeout_s: float, workdir: str | None) -> ExecResult:
+        argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
+        return exec_in(
+            self.engine.client.api,
+            self.id,
+            argv,
+            workdir=workdir or self.config.working_dir,
+            timeout_s=timeout_s,
+        )
 
     @contextlib.contextmanager
     def action_boundary(self) -> Iterator[None]:
@@ -240,17 +220,31 @@ class Sandbox:
 
     # -- fault injection and life cycle ----------------------------------------------------
 
+    def start(self) -> None:
+        """Start a created container."""
+        with engine_errors("starting a sandbox", container=self.id):
+            self.container.start()
+            self.container.reload()
+
     def kill(self) -> None:
         """SIGKILL the container's processes (a fail-stop container failure)."""
-        self.container.kill()
+        with engine_errors("killing a sandbox", container=self.id):
+            self.container.kill()
 
-    def stop(self, timeout: int = 1) -> None:
-        """Stop the container."""
-        self.container.stop(timeout=timeout)
+    def stop(self, timeout_s: int = 1) -> None:
+        """Stop the container (SIGTERM, then SIGKILL after ``timeout_s``)."""
+        with engine_errors("stopping a sandbox", container=self.id):
+            self.container.stop(timeout=timeout_s)
 
     def pause(self) -> None:
         """Freeze the container's processes."""
-        self.container.pause()
+        with engine_errors("pausing a sandbox", container=self.id):
+            self.container.pause()
+
+    def unpause(self) -> None:
+        """Thaw a paused container."""
+        with engine_errors("unpausing a sandbox", container=self.id):
+            self.container.unpause()
 
     def remove(self) -> None:
         """Remove the container (forcefully); idempotent."""
