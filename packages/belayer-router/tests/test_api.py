@@ -5,9 +5,9 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from fake_worker import expected_tokens, running_worker
 
 from belayer_router import ByteTokenizer, RouterClient, RouterClientError, RouterConfig, running_router
+from belayer_router.testing import expected_tokens, running_worker
 
 pytestmark = pytest.mark.anyio
 
@@ -36,7 +36,7 @@ async def test_malformed_generate_requests_get_400_with_a_clear_message(body: ob
 
 async def test_invalid_json_unknown_route_and_no_worker() -> None:
     async with (
-        running_router(RouterConfig(resume_wait=0.05)) as (url, _),
+        running_router(RouterConfig(resume_wait_s=0.05)) as (url, _),
         httpx.AsyncClient(base_url=url) as http,
     ):
         bad_json = await http.post("/generate", content=b"{nope")

@@ -8,9 +8,9 @@ from typing import Any
 import anyio
 import attrs
 import pytest
-from fake_worker import WorkerKilled
 
 from belayer_router import FinishEvent, RouterClient, TokenEvent, serving
+from belayer_router.testing import WorkerKilled
 
 pytestmark = pytest.mark.anyio
 
@@ -22,7 +22,7 @@ class FakeRouter:
     from ``num_received_tokens`` when the client comes back."""
 
     break_after: int
-    token_delay: float
+    token_delay_s: float
     requests: list[dict[str, Any]] = attrs.field(factory=list)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -48,7 +48,7 @@ class FakeRouter:
             await send(
                 {"type": "http.response.body", "body": json.dumps(event).encode() + b"\n", "more_body": True}
             )
-            await anyio.sleep(self.token_delay)
+            await anyio.sleep(self.token_delay_s)
         finish = {
             "type": "finish",
             "request_id": request["request_id"],
@@ -62,10 +62,10 @@ class FakeRouter:
 
 async def test_a_stream_longer_than_the_reconnect_timeout_still_reconnects() -> None:
     # The first stream runs about 12 * 0.05 = 0.6 s, twice the reconnect timeout, before it breaks.
-    router = FakeRouter(break_after=12, token_delay=0.05)
+    router = FakeRouter(break_after=12, token_delay_s=0.05)
     async with (
         serving(router, log_level="critical") as url,
-        RouterClient(url, reconnect_timeout=0.3) as client,
+        RouterClient(url, reconnect_timeout_s=0.3) as client,
     ):
         events = [event async for event in client.generate_stream([1, 2], 20, seed=1, request_id="r")]
     tokens = [e.token_id for e in events if isinstance(e, TokenEvent)]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import anyio
 import pytest
-from fake_worker import expected_tokens, running_worker, wait_until
 
 from belayer_router import RouterClient, RouterConfig, TokenEvent, running_router
+from belayer_router.testing import expected_tokens, running_worker, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -15,14 +15,14 @@ MAX_TOKENS = 40
 
 
 async def test_hundreds_of_streams_survive_crash_handover_lost_slot_and_unhealthy_slot() -> None:
-    config = RouterConfig(resume_wait=0.3, prefix_interval=16)
+    config = RouterConfig(resume_wait_s=0.3, prefix_interval=16)
     async with (
         running_router(config) as (url, app),
-        running_worker(1, token_delay=0.01) as (url0, w0),
-        running_worker(2, token_delay=0.01) as (url0b, w0b),
-        running_worker(1, token_delay=0.01) as (url1, w1),
-        running_worker(1, token_delay=0.01) as (url2, _w2),
-        running_worker(1, token_delay=0.01) as (url3, w3),
+        running_worker(1, token_delay_s=0.01) as (url0, w0),
+        running_worker(2, token_delay_s=0.01) as (url0b, w0b),
+        running_worker(1, token_delay_s=0.01) as (url1, w1),
+        running_worker(1, token_delay_s=0.01) as (url2, _w2),
+        running_worker(1, token_delay_s=0.01) as (url3, w3),
         RouterClient(url) as client,
     ):
         for slot, worker_url in (("s0", url0), ("s1", url1), ("s2", url2), ("s3", url3)):

@@ -9,23 +9,23 @@ from pathlib import Path
 import anyio
 import anyio.abc
 import pytest
-from fake_worker import expected_tokens, running_worker
 
 from belayer_router import FinishEvent, RouterClient, TokenEvent
+from belayer_router.testing import expected_tokens, running_worker
 
 pytestmark = pytest.mark.anyio
 
 
 async def start_router(journal: Path, port: int = 0) -> tuple[anyio.abc.Process, str]:
-    argv = [sys.executable, "-m", "belayer_router._cli", "serve", "--port", str(port)]
-    argv += ["--journal", str(journal), "--prefix-interval", "4", "--admin-token", "tok"]
+    argv = [sys.executable, "-m", "belayer_router", "serve", "--port", str(port)]
+    argv += ["--journal", str(journal), "--prefix-interval", "4", "--admin-token", "tok", "--json"]
     process = await anyio.open_process(argv)
     assert process.stdout is not None
     line = b""
     with anyio.fail_after(30):
         while not line.endswith(b"\n"):
             line += await process.stdout.receive(1)
-    return process, line.decode().split()[-1]
+    return process, json.loads(line)["url"]
 
 
 async def test_router_restart_resumes_from_the_persisted_prefix(tmp_path: Path) -> None:
@@ -33,8 +33,8 @@ async def test_router_restart_resumes_from_the_persisted_prefix(tmp_path: Path) 
     router, url = await start_router(journal)
     restarted = None
     try:
-        async with running_worker(1, token_delay=0.01) as (wurl, worker):
-            async with RouterClient(url, admin_token="tok", reconnect_timeout=60) as client:
+        async with running_worker(1, token_delay_s=0.01) as (wurl, worker):
+            async with RouterClient(url, admin_token="tok", reconnect_timeout_s=60) as client:
                 await client.register("s0", wurl, 1)
                 tokens: list[int] = []
                 indices: list[int] = []

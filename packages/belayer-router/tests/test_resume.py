@@ -7,9 +7,9 @@ from typing import Any
 
 import anyio
 import pytest
-from fake_worker import POISON, expected_tokens, running_worker, wait_until
 
 from belayer_router import FinishEvent, RouterClient, RouterConfig, TokenEvent, running_router
+from belayer_router.testing import POISON, expected_tokens, running_worker, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -51,10 +51,10 @@ async def test_stop_token_finishes_with_stop() -> None:
 
 
 async def test_killed_worker_replaced_on_its_slot_gives_the_uninterrupted_output() -> None:
-    config = RouterConfig(resume_wait=30.0)
+    config = RouterConfig(resume_wait_s=30.0)
     async with (
         running_router(config) as (url, app),
-        running_worker(1, die_after=12, token_delay=0.001) as (url_a, worker_a),
+        running_worker(1, die_after=12, token_delay_s=0.001) as (url_a, worker_a),
         running_worker(2) as (url_b, worker_b),
         RouterClient(url) as client,
     ):
@@ -80,7 +80,7 @@ async def test_killed_worker_replaced_on_its_slot_gives_the_uninterrupted_output
 
 
 async def test_without_a_replacement_the_request_finishes_on_another_slot() -> None:
-    config = RouterConfig(resume_wait=0.2)
+    config = RouterConfig(resume_wait_s=0.2)
     async with (
         running_router(config) as (url, _),
         running_worker(1, die_after=7) as (url_a, _),
@@ -153,7 +153,7 @@ async def test_replaced_worker_that_keeps_streaming_reaches_no_client() -> None:
 
 
 async def test_events_with_a_stale_epoch_are_refused() -> None:
-    config = RouterConfig(resume_wait=0.1)
+    config = RouterConfig(resume_wait_s=0.1)
     async with (
         running_router(config) as (url, app),
         running_worker(2, claimed_epoch=1) as (url_a, liar),

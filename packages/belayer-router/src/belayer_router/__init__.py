@@ -3,12 +3,19 @@
 Clients stream tokens through the router; workers register per slot with an epoch; a broken
 worker stream is resumed on the slot's replacement (or another healthy slot) from prompt + every
 token already streamed, so the client sees one stream with no token lost or repeated.
+
+Public sub-namespaces for distinct audiences: `belayer_router.worker` (the worker side of the
+protocol), `belayer_router.asgi` (serving ASGI apps as the router does) and
+`belayer_router.testing` (a fake worker and a chat tokenizer folder for tests).
 """
 
 from __future__ import annotations
 
+from importlib.metadata import version as _version
+
 from belayer_router._app import RouterApp, RouterConfig
 from belayer_router._asgi import read_json
+from belayer_router._cli import ExitCode
 from belayer_router._client import Completion, RouterClient
 from belayer_router._errors import (
     BelayerRouterError,
@@ -16,9 +23,11 @@ from belayer_router._errors import (
     JournalError,
     NoHealthyWorkerError,
     NotFoundError,
+    PayloadTooLargeError,
     RequestConflictError,
     RouterClientError,
     StaleEpochError,
+    TokenizerError,
     UnauthorizedError,
     WorkerStreamError,
 )
@@ -36,12 +45,24 @@ from belayer_router._protocol import (
 from belayer_router._registry import Registry, Slot, Worker
 from belayer_router._server import bind_socket, running_router, serve_asgi, serving
 from belayer_router._store import JournalStore
-from belayer_router._tokenizer import ByteTokenizer, HuggingFaceTokenizer, Tokenizer, load_tokenizer
+from belayer_router._tokenizer import (
+    ByteTokenizer,
+    ChatTemplateTokenizer,
+    ChatTokenizer,
+    HuggingFaceTokenizer,
+    Tokenizer,
+    load_tokenizer,
+)
+
+__version__ = _version("belayer-router")
 
 __all__ = [
     "BelayerRouterError",
     "ByteTokenizer",
+    "ChatTemplateTokenizer",
+    "ChatTokenizer",
     "Completion",
+    "ExitCode",
     "FinishEvent",
     "GenerateRequest",
     "HuggingFaceTokenizer",
@@ -51,6 +72,7 @@ __all__ = [
     "JournalStore",
     "NoHealthyWorkerError",
     "NotFoundError",
+    "PayloadTooLargeError",
     "Registry",
     "RequestConflictError",
     "RequestRecord",
@@ -62,11 +84,13 @@ __all__ = [
     "StaleEpochError",
     "TokenEvent",
     "Tokenizer",
+    "TokenizerError",
     "UnauthorizedError",
     "Worker",
     "WorkerFinish",
     "WorkerStreamError",
     "WorkerToken",
+    "__version__",
     "bind_socket",
     "load_tokenizer",
     "parse_generate_request",

@@ -39,17 +39,39 @@ __all__ = ["RouterApp", "RouterConfig"]
 Event = TokenEvent | FinishEvent
 
 
+def _config_alias(config: RouterConfig, old: str, new: str) -> None:
+    value = getattr(config, old)
+    if value is not None:  # the pre-0.2 spelling wins when given: callers that still use it
+        object.__setattr__(config, new, value)
+
+
 @attrs.frozen
 class RouterConfig:
-    """Everything a router is configured with; the CLI flags map one to one."""
+    """Everything a router is configured with; the CLI flags map one to one.
+
+    ``max_body_bytes`` caps every request body (413 past it), ``max_prompt_tokens`` a prompt's
+    length (400), ``max_choices`` the choices of one OpenAI request (``n`` times the prompts).
+    ``resume_wait`` and ``worker_read_timeout`` are the old spellings of the ``*_s`` fields,
+    still accepted (they win when given) until the next minor release.
+    """
 
     admin_token: str | None = None
     journal_path: Path | None = None
     prefix_interval: int = attrs.field(default=256, validator=attrs.validators.ge(1))
-    resume_wait: float = attrs.field(default=5.0, validator=attrs.validators.ge(0))
-    worker_read_timeout: float = attrs.field(default=120.0, validator=attrs.validators.gt(0))
+    resume_wait_s: float = attrs.field(default=5.0, validator=attrs.validators.ge(0))
+    worker_read_timeout_s: float = attrs.field(default=120.0, validator=attrs.validators.gt(0))
     fsync: bool = False
     tokenizer: Tokenizer | None = None
+    model_name: str = "belayer"
+    max_body_bytes: int = attrs.field(default=8 * 1024 * 1024, validator=attrs.validators.ge(1024))
+    max_prompt_tokens: int = attrs.field(default=131_072, validator=attrs.validators.ge(1))
+    max_choices: int = attrs.field(default=64, validator=attrs.validators.ge(1))
+    resume_wait: float | None = attrs.field(default=None, kw_only=True)
+    worker_read_timeout: float | None = attrs.field(default=None, kw_only=True)
+
+    def __attrs_post_init__(self) -> None:
+        _config_alias(self, "resume_wait", "resume_wait_s")
+        _config_alias(self, "worker_read_timeout", "worker_read_timeout_s")
 
 
 def _int_field(body: dict[str, Any], name: str) -> int:
@@ -99,11 +121,11 @@ class RouterApp:
                     f"journal {self.config.journal_path} holds a registry change that cannot be "
                     f"replayed ({op!r}: {error!r}); move the file away to start with an empty journal"
                 ) from error
-        timeout = httpx.Timeout(10.0, read=self.config.worker_read_timeout)
+        timeout = httpx.Timeout(10.0, read=self.config.worker_read_timeout_s)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
         client = httpx.AsyncClient(timeout=timeout, limits=limits)
         self.dispatcher = Dispatcher(
-            self.registry, self.journal, self.metrics, client, self.config.resume_wait
+            self.registry, self.journal, self.metrics, client, self.config.resume_wait_s
         )
 
     def _apply_admin(self, op: dict[str, Any]) -> None:

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import anyio
 import anyio.abc
 
-from belayer_router._errors import BelayerRouterError, InvalidRequestError
+from belayer_router._errors import BelayerRouterError, InvalidRequestError, PayloadTooLargeError
 
 __all__ = ["MAX_BODY_BYTES", "Receive", "Send", "read_json", "send_json", "send_text", "stream_response"]
 
@@ -25,8 +25,11 @@ _E = TypeVar("_E")
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
-async def read_json(receive: Receive) -> Any:
-    """The request body decoded as JSON; `InvalidRequestError` if it is not JSON or too large."""
+async def read_json(receive: Receive, max_bytes: int = MAX_BODY_BYTES) -> Any:
+    """The request body decoded as JSON.
+
+    `PayloadTooLargeError` (413) past ``max_bytes``, `InvalidRequestError` (400) if not JSON.
+    """
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -35,8 +38,11 @@ async def read_json(receive: Receive) -> Any:
             raise InvalidRequestError("client disconnected before sending the whole body")
         chunk = message.get("body", b"")
         size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise InvalidRequestError(f"request body exceeds {MAX_BODY_BYTES} bytes")
+        if size > max_bytes:
+            raise PayloadTooLargeError(
+                f"request body exceeds the limit of {max_bytes} bytes (router option max_body_bytes); "
+                "send a smaller request"
+            )
         chunks.append(chunk)
         if not message.get("more_body", False):
             break

@@ -1,10 +1,18 @@
-"""``belayer-router serve``: run a router from the command line."""
+"""``belayer-router``: run a router from the command line (also ``python -m belayer_router``).
+
+It keeps the root README's CLI contract: errors are one line ``belayer-router: error: ...`` on
+stderr (a traceback only with ``--debug`` or ``BELAYER_DEBUG=1``), exit codes are `ExitCode`,
+``--json`` prints one JSON document on stdout.
+"""
 
 from __future__ import annotations
 
 import argparse
+import enum
+import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import anyio
@@ -14,13 +22,31 @@ from belayer_router._errors import BelayerRouterError
 from belayer_router._server import bind_socket, serve_asgi
 from belayer_router._tokenizer import load_tokenizer
 
-__all__ = ["main"]
+__all__ = ["ExitCode", "main"]
+
+
+class ExitCode(enum.IntEnum):
+    """Exit codes shared by every Belayer command (root README, "One CLI contract")."""
+
+    OK = 0
+    FAILED = 1
+    USAGE = 2
+    UNHEALTHY = 3
+    INTERRUPTED = 130
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]  # argparse's is NoReturn too
+        self.print_usage(sys.stderr)
+        print(f"belayer-router: error: {message}", file=sys.stderr)
+        sys.exit(ExitCode.USAGE)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="belayer-router", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="serve the router over HTTP")
+    parser = _Parser(prog="belayer-router", description="The token-level resume router of Belayer.")
+    parser.add_argument("--debug", action="store_true", help="tracebacks for errors (or BELAYER_DEBUG=1)")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    serve = commands.add_parser("serve", help="serve the router over HTTP until Ctrl-C / SIGTERM")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
@@ -30,34 +56,73 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--journal", type=Path, help="append-only journal file (persists prefixes)")
     serve.add_argument("--prefix-interval", type=int, default=256, help="tokens between preserved prefixes")
-    serve.add_argument("--resume-wait", type=float, default=5.0, help="seconds to wait for a replacement")
+    serve.add_argument(
+        "--resume-wait-s",
+        "--resume-wait",
+        dest="resume_wait_s",
+        type=float,
+        default=5.0,
+        help="seconds a broken request waits for its slot's replacement",
+    )
     serve.add_argument("--fsync", action="store_true", help="fsync the journal on every write")
-    serve.add_argument("--tokenizer", help="'bytes' or a tokenizer.json path, for text prompts")
+    serve.add_argument(
+        "--tokenizer",
+        help="'bytes', a tokenizer.json, or a tokenizer folder (with a chat template: chat API)",
+    )
+    serve.add_argument("--model-name", default="belayer", help="the model id /v1/models lists")
+    serve.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="413 past this")
+    serve.add_argument("--max-prompt-tokens", type=int, default=131_072, help="400 past this")
     serve.add_argument("--log-level", default="warning")
+    serve.add_argument("--json", action="store_true", help='print {"url": ...} once listening')
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``belayer-router`` command."""
-    args = _parser().parse_args(argv)
+def _serve(args: argparse.Namespace) -> ExitCode:
     try:
         config = RouterConfig(
             admin_token=args.admin_token,
             journal_path=args.journal,
             prefix_interval=args.prefix_interval,
-            resume_wait=args.resume_wait,
+            resume_wait_s=args.resume_wait_s,
             fsync=args.fsync,
             tokenizer=None if args.tokenizer is None else load_tokenizer(args.tokenizer),
+            model_name=args.model_name,
+            max_body_bytes=args.max_body_bytes,
+            max_prompt_tokens=args.max_prompt_tokens,
         )
-        app = RouterApp(config)
+    except ValueError as error:  # attrs validators: a flag out of range
+        raise _UsageError(str(error)) from error
+    app = RouterApp(config)
+    try:
         sock = bind_socket(args.host, args.port)
-    except (BelayerRouterError, ValueError, OSError) as error:
-        print(f"belayer-router: {error}", file=sys.stderr)
-        return 2
+    except OSError as error:
+        raise _UsageError(f"cannot listen on {args.host}:{args.port}: {error}") from error
     host, port = sock.getsockname()[:2]
-    print(f"belayer-router listening on http://{host}:{port}", flush=True)
+    if args.json:
+        print(json.dumps({"url": f"http://{host}:{port}"}), flush=True)
+    else:
+        print(f"belayer-router listening on http://{host}:{port}", file=sys.stderr, flush=True)
     anyio.run(serve_asgi, app, sock, args.log_level)
-    return 0
+    return ExitCode.INTERRUPTED  # uvicorn returns only after Ctrl-C / SIGTERM, shut down cleanly
+
+
+class _UsageError(Exception):
+    pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``belayer-router`` command; returns an `ExitCode`."""
+    args = _parser().parse_args(argv)
+    debug = args.debug or os.environ.get("BELAYER_DEBUG", "") not in ("", "0")
+    try:
+        return int(_serve(args))
+    except (_UsageError, BelayerRouterError) as error:
+        if debug:
+            traceback.print_exc()
+        print(f"belayer-router: error: {error}", file=sys.stderr)
+        return int(ExitCode.USAGE)
+    except KeyboardInterrupt:
+        return int(ExitCode.INTERRUPTED)
 
 
 if __name__ == "__main__":

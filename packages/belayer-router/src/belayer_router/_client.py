@@ -44,23 +44,31 @@ def _raise_for_status(response: httpx.Response) -> None:
 class RouterClient:
     """Talks to one router over HTTP.  Use as ``async with RouterClient(url) as client:``.
 
-    ``reconnect_timeout``: how long a streaming generation keeps reconnecting (with the same
+    ``reconnect_timeout_s``: how long a streaming generation keeps reconnecting (with the same
     request id and the number of tokens already received) when the router itself goes away, e.g.
     while it restarts from its persisted journal; counted from the break, however long the
-    stream ran before it.
+    stream ran before it.  ``timeout_s``: the HTTP timeout of one call.  ``reconnect_timeout``
+    and ``timeout`` are the old spellings, still accepted (they win when given) until the next
+    minor release.
     """
 
     base_url: str
     admin_token: str | None = None
-    reconnect_timeout: float = 30.0
-    timeout: float = 600.0
+    reconnect_timeout_s: float = 30.0
+    timeout_s: float = 600.0
+    reconnect_timeout: float | None = attrs.field(default=None, kw_only=True)
+    timeout: float | None = attrs.field(default=None, kw_only=True)
     _http: httpx.AsyncClient = attrs.field(init=False, alias="_http")
 
     def __attrs_post_init__(self) -> None:
+        if self.reconnect_timeout is not None:
+            self.reconnect_timeout_s = self.reconnect_timeout
+        if self.timeout is not None:
+            self.timeout_s = self.timeout
         headers = {} if self.admin_token is None else {"authorization": f"Bearer {self.admin_token}"}
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
         self._http = httpx.AsyncClient(
-            base_url=self.base_url.rstrip("/"), headers=headers, timeout=self.timeout, limits=limits
+            base_url=self.base_url.rstrip("/"), headers=headers, timeout=self.timeout_s, limits=limits
         )
 
     async def __aenter__(self) -> Self:
@@ -142,7 +150,7 @@ class RouterClient:
                 now = anyio.current_time()
                 if broken_since is None:
                     broken_since = now
-                if now - broken_since >= self.reconnect_timeout:
+                if now - broken_since >= self.reconnect_timeout_s:
                     raise
                 await anyio.sleep(0.05)
 

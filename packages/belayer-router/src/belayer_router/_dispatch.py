@@ -1,7 +1,7 @@
 """The resume loop: stream a request from a worker and, when the stream breaks, continue it.
 
 On a break (connection error, malformed event, stale epoch, retired worker) the request waits up
-to ``resume_wait`` seconds for its slot's replacement and resumes there with prompt + every
+to ``resume_wait_s`` seconds for its slot's replacement and resumes there with prompt + every
 token generated so far; if the slot is unhealthy or the wait runs out, it goes to the healthy
 slot with the fewest outstanding requests.  Tokens reach the client through ``emit``, which is
 synchronous, so fencing check, journal append and emit happen with no await in between.
@@ -47,7 +47,7 @@ class Dispatcher:
     journal: Journal
     metrics: Metrics
     client: httpx.AsyncClient
-    resume_wait: float = 5.0
+    resume_wait_s: float = 5.0
     max_attempts: int = 32
 
     async def run(self, record: RequestRecord, emit: Emit, num_received: int = 0) -> None:
@@ -83,7 +83,7 @@ class Dispatcher:
 
     async def _generate(self, record: RequestRecord, emit: Emit, num_received: int) -> None:
         excluded: set[tuple[str, int]] = set()
-        worker = await self._wait(self.registry.wait_for_any(frozenset(), self.resume_wait))
+        worker = await self._wait(self.registry.wait_for_any(frozenset(), self.resume_wait_s))
         for _ in range(self.max_attempts):
             if worker is None:
                 break
@@ -100,17 +100,17 @@ class Dispatcher:
             self.journal.finish(record, reason)
             return
         raise NoHealthyWorkerError(
-            f"request {record.request_id!r}: no healthy worker within {self.resume_wait:g} s "
+            f"request {record.request_id!r}: no healthy worker within {self.resume_wait_s:g} s "
             f"after {record.num_resumes} resumes; register workers and retry with the same request_id"
         )
 
     async def _next_worker(self, failed: Worker, excluded: frozenset[tuple[str, int]]) -> Worker | None:
         replacement = await self._wait(
-            self.registry.wait_for_replacement(failed.slot, failed.epoch, self.resume_wait)
+            self.registry.wait_for_replacement(failed.slot, failed.epoch, self.resume_wait_s)
         )
         if replacement is not None:
             return replacement
-        return await self._wait(self.registry.wait_for_any(excluded, self.resume_wait))
+        return await self._wait(self.registry.wait_for_any(excluded, self.resume_wait_s))
 
     async def _wait(self, waiting: Coroutine[Any, Any, _T]) -> _T:
         self.metrics.num_waiting += 1

@@ -8,9 +8,11 @@ __all__ = [
     "JournalError",
     "NoHealthyWorkerError",
     "NotFoundError",
+    "PayloadTooLargeError",
     "RequestConflictError",
     "RouterClientError",
     "StaleEpochError",
+    "TokenizerError",
     "UnauthorizedError",
     "WorkerStreamError",
 ]
@@ -29,6 +31,12 @@ class InvalidRequestError(BelayerRouterError):
     """A request body or parameter is malformed; the message names the field and what to send."""
 
     status = 400
+
+
+class PayloadTooLargeError(InvalidRequestError):
+    """A request body is larger than the router accepts; the message names the limit."""
+
+    status = 413
 
 
 class UnauthorizedError(BelayerRouterError):
@@ -63,6 +71,10 @@ class NoHealthyWorkerError(BelayerRouterError):
 
 class JournalError(BelayerRouterError):
     """The persisted journal cannot be read or written."""
+
+
+class TokenizerError(InvalidRequestError):
+    """A tokenizer cannot be loaded (missing file or library); the message says what to install."""
 
 
 class WorkerStreamError(BelayerRouterError):

@@ -24,6 +24,9 @@ __all__ = [
     "WorkerFinish",
     "WorkerToken",
     "encode_event",
+    "encode_worker_error",
+    "encode_worker_finish",
+    "encode_worker_token",
     "parse_generate_request",
     "parse_worker_event",
     "worker_request_body",
@@ -227,3 +230,22 @@ def encode_event(event: TokenEvent | FinishEvent) -> bytes:
     else:
         payload = {"type": "finish", **attrs.asdict(event)}
     return json.dumps(payload, separators=(",", ":")).encode() + b"\n"
+
+
+def encode_worker_token(epoch: int, index: int, token_id: int, logprob: float) -> bytes:
+    """One NDJSON ``token`` line of a worker's stream (what `parse_worker_event` reads)."""
+    payload = {"type": "token", "epoch": epoch, "index": index, "token_id": token_id, "logprob": logprob}
+    return json.dumps(payload, separators=(",", ":")).encode() + b"\n"
+
+
+def encode_worker_finish(epoch: int, finish_reason: str) -> bytes:
+    """The NDJSON ``finish`` line that ends a worker's stream; ``finish_reason`` in `FINISH_REASONS`."""
+    if finish_reason not in FINISH_REASONS:
+        raise InvalidRequestError(f"finish_reason must be one of {FINISH_REASONS}, got {finish_reason!r}")
+    payload = {"type": "finish", "epoch": epoch, "finish_reason": finish_reason}
+    return json.dumps(payload, separators=(",", ":")).encode() + b"\n"
+
+
+def encode_worker_error(message: str) -> bytes:
+    """An NDJSON ``error`` line: the worker gives up on the request (the router resumes it elsewhere)."""
+    return json.dumps({"type": "error", "message": message}, separators=(",", ":")).encode() + b"\n"

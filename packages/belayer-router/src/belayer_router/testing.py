@@ -1,0 +1,37 @@
+"""Test helpers for code that drives a belayer-router: a fake worker and a chat tokenizer folder.
+
+The audience is tests and benchmarks (here and in other packages): `FakeWorker` stands in for the
+inference engine behind a real router, `write_chat_tokenizer` writes a local tokenizer folder with
+a Qwen3-style chat template for ``/v1/chat/completions``.
+"""
+
+from __future__ import annotations
+
+from belayer_router._chat_folder import CHAT_TEMPLATE, write_chat_tokenizer
+from belayer_router._fake_worker import (
+    POISON,
+    FakeWorker,
+    Script,
+    WorkerKilled,
+    expected_tokens,
+    logprob_of,
+    running_worker,
+    text_script,
+    token_at,
+    wait_until,
+)
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "POISON",
+    "FakeWorker",
+    "Script",
+    "WorkerKilled",
+    "expected_tokens",
+    "logprob_of",
+    "running_worker",
+    "text_script",
+    "token_at",
+    "wait_until",
+    "write_chat_tokenizer",
+]

@@ -1,0 +1,43 @@
+"""The command line keeps the root README's CLI contract."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib.metadata import version
+
+import belayer_router
+from belayer_router import ExitCode
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "belayer_router", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_version_comes_from_the_package_metadata() -> None:
+    assert belayer_router.__version__ == version("belayer-router")
+
+
+def test_a_bad_flag_is_a_usage_error_on_one_line() -> None:
+    result = run_cli("serve", "--port", "not-a-port")
+    assert result.returncode == ExitCode.USAGE
+    assert "belayer-router: error: argument --port" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_missing_tokenizer_is_a_usage_error_that_says_what_to_give(tmp_path: object) -> None:
+    result = run_cli("serve", "--port", "0", "--tokenizer", "/nonexistent/tokenizer")
+    assert result.returncode == ExitCode.USAGE
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("belayer-router: error: tokenizer '/nonexistent/tokenizer'")
+    assert "tokenizer folder" in last
+    assert "Traceback" not in result.stderr
+
+
+def test_debug_adds_the_traceback() -> None:
+    result = run_cli("--debug", "serve", "--port", "0", "--prefix-interval", "0")
+    assert result.returncode == ExitCode.USAGE
+    assert "Traceback" in result.stderr
+    assert "belayer-router: error:" in result.stderr
