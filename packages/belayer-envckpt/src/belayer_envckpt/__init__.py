@@ -17,6 +17,7 @@ from ._errors import (
     CheckpointCorruptError,
     CheckpointFailedError,
     CheckpointNotFoundError,
+    CheckpointTooLargeError,
     CommandError,
     ContainerEngineError,
     ContainerNotFoundError,
@@ -28,10 +29,12 @@ from ._errors import (
     InvalidIdError,
     OutsideGuaranteeError,
     RestoreFailedError,
+    SandboxLimitError,
     UnsafeArchiveError,
 )
 from ._exec import ExecResult
 from ._faults import CheckpointFault, CrashPoint, FaultAction, FaultInjector
+from ._limits import LimitCause, SandboxLimits
 from ._sandbox import Sandbox, SandboxConfig
 from ._store import Checkpoint, CheckpointStore
 
@@ -45,6 +48,7 @@ __all__ = [
     "CheckpointFault",
     "CheckpointNotFoundError",
     "CheckpointStore",
+    "CheckpointTooLargeError",
     "CommandError",
     "ContainerEngineError",
     "ContainerInfo",
@@ -61,10 +65,13 @@ __all__ = [
     "InjectedCrash",
     "InvalidConfigError",
     "InvalidIdError",
+    "LimitCause",
     "OutsideGuaranteeError",
     "RestoreFailedError",
     "Sandbox",
     "SandboxConfig",
+    "SandboxLimitError",
+    "SandboxLimits",
     "UnsafeArchiveError",
     "__version__",
     "check_criu",

@@ -20,6 +20,7 @@ from ._errors import (
 from ._faults import CheckpointFault, CrashPoint, apply_fault
 from ._ids import validate_id
 from ._layer import capture_layer, check_layer_archive, install_layer
+from ._limit_guard import check_checkpoint_size, check_checkpointable, layer_size_bytes
 from ._sandbox import Sandbox, SandboxConfig, check_guarantee
 from ._store import CRIU_DIR, LAYER, Checkpoint, CheckpointStore, record_files, verify_checkpoint
 
@@ -67,6 +68,9 @@ def full_checkpoint(
                 )
             check_guarantee(sandbox.container.attrs)
             upper = sandbox.engine.upper_dir(sandbox.container)
+            check_checkpointable(
+                sandbox.config.limits, sandbox.container.attrs["Config"].get("User") or "", upper, sandbox.id
+            )
             tmp = store.begin(trajectory, checkpoint_id)
             container_id = sandbox.id
             freeze = time.perf_counter()
@@ -84,6 +88,7 @@ def full_checkpoint(
             finally:
                 _thaw(sandbox)
                 timings["freeze_ms"] = _ms(freeze)
+        check_checkpoint_size(sandbox.config.limits, layer_size_bytes(tmp), sandbox.id)
         step = time.perf_counter()
         checkpoint = Checkpoint(
             checkpoint_id=checkpoint_id,

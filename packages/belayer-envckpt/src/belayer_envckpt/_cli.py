@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from ._checkpoint import full_checkpoint, full_restore
+from ._criu import doctor_checks
 from ._demo import run_demo
 from ._engine import Engine, check_criu
 from ._errors import (
@@ -21,7 +22,8 @@ from ._errors import (
     InvalidConfigError,
     InvalidIdError,
 )
-from ._sandbox import Sandbox
+from ._limits import SandboxLimits, engine_warnings
+from ._sandbox import Sandbox, SandboxConfig
 from ._store import Checkpoint, CheckpointStore
 
 
@@ -73,6 +75,7 @@ def _doctor(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
         checks["criu"] = {"ok": True, "detail": check_criu().splitlines()[-1]}
     except BelayerEnvckptError as exc:
         checks["criu"] = {"ok": False, "detail": str(exc)}
+    checks |= doctor_checks()
     for image in args.image or DEFAULT_IMAGES:
         present = engine is not None and engine.has_image(image)
         checks[f"image {image}"] = {
@@ -80,13 +83,61 @@ def _doctor(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
             "detail": "present" if present else "missing: run `bash scripts/setup-system` to build it",
         }
     ready = all(c["ok"] for c in checks.values())
+    limits = SandboxLimits()
+    warnings = engine_warnings(engine.info(), limits) if engine is not None else []
     if not args.json:
         for name, check in checks.items():
             print(f"{'ok ' if check['ok'] else 'BAD'} {name}: {check['detail']}")
+        print(f"limits of every sandbox unless overridden: {_describe(limits)}")
+        for warning in warnings:
+            print(f"warn {warning}")
         print("ready" if ready else "not ready: fix the lines marked BAD")
     if engine is not None:
         engine.close()
-    return {"ready": ready, "checks": checks}, ExitCode.OK if ready else ExitCode.UNHEALTHY
+    out = {"ready": ready, "checks": checks, "limits": limits.to_dict(), "warnings": warnings}
+    return out, ExitCode.OK if ready else ExitCode.UNHEALTHY
+
+
+def _describe(limits: SandboxLimits) -> str:
+    def size(mb: int) -> str:
+        return f"{mb} MB" if mb else "unlimited"
+
+    return (
+        f"pids {limits.pids or 'unlimited'}, memory {size(limits.memory_mb)} (no swap), "
+        f"cpus {limits.cpus or 'unlimited'}, disk {size(limits.disk_mb)}, "
+        f"checkpoint {size(limits.checkpoint_cap_mb)}, capabilities {','.join(limits.capabilities) or 'none'}, "
+        f"no-new-privileges {'on' if limits.no_new_privileges else 'off'}, seccomp default"
+    )
+
+
+def _limits_from(args: argparse.Namespace) -> SandboxLimits:
+    default = SandboxLimits()
+    return SandboxLimits(
+        pids=default.pids if args.pids is None else args.pids,
+        memory_mb=default.memory_mb if args.memory_mb is None else args.memory_mb,
+        cpus=default.cpus if args.cpus is None else args.cpus,
+        disk_mb=default.disk_mb if args.disk_mb is None else args.disk_mb,
+        checkpoint_mb=args.checkpoint_mb,
+        capabilities=default.capabilities
+        if args.cap is None
+        else [c for c in args.cap if c.lower() != "none"],
+        no_new_privileges=not args.allow_new_privileges,
+    )
+
+
+def _create(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    limits = _limits_from(args)
+    labels = dict(item.split("=", 1) for item in args.label or [] if "=" in item)
+    config = SandboxConfig(image=args.image, user=args.user, labels=labels, limits=limits)
+    engine = Engine.connect()
+    try:
+        sandbox = Sandbox.create(engine, config, trajectory=args.trajectory)
+        out = {"container_id": sandbox.id, "limits": limits.to_dict(), "enforced": sandbox.enforced_limits()}
+    finally:
+        engine.close()
+    if not args.json:
+        print(sandbox.id)
+    return out, ExitCode.OK
 
 
 def _checkpoint(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
@@ -165,6 +216,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("doctor", _doctor, "check engine, experimental mode, CRIU and images")
     p.add_argument("--image", action="append", help="image that must be present (repeatable)")
+    p = add("create", _create, "create and start a sandbox (no network, no mounts) with its limits")
+    p.add_argument("image")
+    p.add_argument("--trajectory", default="")
+    p.add_argument("--user", default="", help="user inside (default: the image's; see README on CRIU)")
+    p.add_argument("--label", action="append", help="KEY=VALUE label on the container (repeatable)")
+    p.add_argument("--pids", type=int, help="most processes and threads (0: no limit; default 512)")
+    p.add_argument("--memory-mb", type=int, help="memory in MB, no swap (0: no limit; default 2048)")
+    p.add_argument("--cpus", type=float, help="CPU quota in cores (0: no limit; default 1.0)")
+    p.add_argument("--disk-mb", type=int, help="cap on the writable layer in MB (0: none; default 2048)")
+    p.add_argument(
+        "--checkpoint-mb", type=int, help="cap on one checkpoint in MB (default memory + disk + 256)"
+    )
+    p.add_argument(
+        "--cap",
+        action="append",
+        help="a capability to keep (repeatable; replaces the default set; `none`: no capabilities)",
+    )
+    p.add_argument("--allow-new-privileges", action="store_true", help="do not set no-new-privileges")
     p = add("checkpoint", _checkpoint, "full checkpoint of a running container")
     p.add_argument("container")
     p.add_argument("--store", required=True)

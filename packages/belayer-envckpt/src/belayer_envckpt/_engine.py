@@ -111,6 +111,11 @@ class Engine:
         check_criu()
         self._checkpoint_ready = True
 
+    def info(self) -> dict[str, Any]:
+        """The engine's `docker info`: storage driver, cgroup controllers, security options."""
+        with engine_errors("reading the engine's info"):
+            return dict(self.client.info())
+
     def root_dir(self) -> Path:
         """The engine's data root (e.g. /var/lib/docker)."""
         with engine_errors("asking the engine for its data root"):

@@ -16,6 +16,8 @@ from ._engine import LABEL, Engine
 from ._errors import ContainerNotFoundError, InvalidConfigError, OutsideGuaranteeError
 from ._exec import ExecResult, exec_in
 from ._ids import validate_id
+from ._limit_guard import LimitGuard
+from ._limits import LIMITS_LABEL, SandboxLimits, enforced_limits, limits_of
 
 TRAJECTORY_LABEL = "belayer.trajectory"
 KEEPALIVE = ("/bin/sh", "-c", "trap 'exit 0' TERM; while :; do sleep 3600 & wait $!; done")
@@ -29,6 +31,10 @@ def _str_dict(value: Mapping[str, str]) -> dict[str, str]:
     return {str(k): str(v) for k, v in value.items()}
 
 
+def _limits(value: SandboxLimits | Mapping[str, Any]) -> SandboxLimits:
+    return value if isinstance(value, SandboxLimits) else SandboxLimits.from_dict(value)
+
+
 @attrs.frozen
 class SandboxConfig:
     """How a sandbox container is created; stored in every checkpoint to recreate it exactly."""
@@ -39,8 +45,8 @@ class SandboxConfig:
     env: dict[str, str] = attrs.field(factory=dict, converter=_str_dict)
     user: str = ""
     hostname: str = "sandbox"
-    mem_limit: str = ""
     labels: dict[str, str] = attrs.field(factory=dict, converter=_str_dict)
+    limits: SandboxLimits = attrs.field(factory=SandboxLimits, converter=_limits)
 
     @image.validator
     def _check_image(self, _attr: object, value: str) -> None:
@@ -49,11 +55,20 @@ class SandboxConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready form (the command as a list, as it reads back from JSON)."""
-        return attrs.asdict(self) | {"command": list(self.command)}
+        return attrs.asdict(self, recurse=False) | {
+            "command": list(self.command),
+            "env": dict(self.env),
+            "labels": dict(self.labels),
+            "limits": self.limits.to_dict(),
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SandboxConfig:
         """Rebuild a configuration from `to_dict` output; unknown keys are an error."""
+        data = dict(data)
+        if "limits" not in data:  # written before limits existed: such sandboxes had none
+            data["limits"] = SandboxLimits.unlimited()
+            data.pop("mem_limit", None)
         unknown = set(data) - {f.name for f in attrs.fields(cls)}
         if unknown:
             raise InvalidConfigError(
@@ -76,6 +91,8 @@ def check_guarantee(attrs_: Mapping[str, Any]) -> None:
         problems.append(f"tmpfs mount at {tmpfs}")
     if host.get("Privileged"):
         problems.append("privileged mode")
+    if any(str(o).replace("=", ":") == "seccomp:unconfined" for o in host.get("SecurityOpt") or ()):
+        problems.append("seccomp unconfined (needs the engine's default profile)")
     if problems:
         raise OutsideGuaranteeError(
             f"container {name} is outside the checkpoint guarantee: {', '.join(problems)}. "
@@ -107,7 +124,7 @@ class Sandbox:
         """Create (and by default start) a container with no network and no host mounts."""
         if trajectory:
             validate_id(trajectory, "trajectory")
-        labels = {**config.labels, LABEL: "1"}
+        labels = {**config.labels, LABEL: "1", LIMITS_LABEL: config.limits.label()}
         if trajectory:
             labels[TRAJECTORY_LABEL] = trajectory
         name = f"belayer-{trajectory or 'sandbox'}-{uuid.uuid4().hex[:8]}"
@@ -121,8 +138,8 @@ class Sandbox:
                 environment=config.env,
                 user=config.user or None,
                 hostname=config.hostname,
-                mem_limit=config.mem_limit or None,
                 labels=labels,
+                **config.limits.create_kwargs(),
             )
         sandbox = cls(engine, container, config, trajectory)
         if start:
@@ -143,7 +160,12 @@ class Sandbox:
             env=env,
             user=cfg.get("User") or "",
             hostname=cfg.get("Hostname") or "sandbox",
-            labels={k: v for k, v in (cfg.get("Labels") or {}).items() if k not in (LABEL, TRAJECTORY_LABEL)},
+            labels={
+                k: v
+                for k, v in (cfg.get("Labels") or {}).items()
+                if k not in (LABEL, TRAJECTORY_LABEL, LIMITS_LABEL)
+            },
+            limits=limits_of(container.attrs),
         )
         return cls(engine, container, config, trajectory, prefix)
 
@@ -188,7 +210,9 @@ class Sandbox:
         ``timeout`` is the deprecated spelling of ``timeout_s``.
         """
         with self._boundary:
-            result = self._run(command, timeout_s if timeout is None else timeout, workdir)
+            with self.limit_guard() as guard:
+                result = self._run(command, timeout_s if timeout is None else timeout, workdir)
+            guard.check(result)
             self.prefix += 1
             return result
 
@@ -211,6 +235,26 @@ class Sandbox:
             workdir=workdir or self.config.working_dir,
             timeout_s=timeout_s,
         )
+
+    # -- limits -----------------------------------------------------------------------------
+
+    def limit_guard(self) -> contextlib.AbstractContextManager[LimitGuard]:
+        """Watch the limits around one action: `LimitGuard.check` then raises `SandboxLimitError`."""
+        if not self.container.attrs.get("State", {}).get("Pid"):
+            self.reload()
+        upper = self.engine.upper_dir(self.container) if self.config.limits.disk_mb else None
+        guard = LimitGuard(
+            self.config.limits,
+            self.id,
+            int(self.container.attrs.get("State", {}).get("Pid") or 0),
+            upper,
+            is_oom_killed=lambda: bool(self.inspect().get("State", {}).get("OOMKilled")),
+        )
+        return guard.watching()
+
+    def enforced_limits(self) -> dict[str, Any]:
+        """What the engine applies now (from `docker inspect`); equals ``config.limits.engine_view()``."""
+        return enforced_limits(self.inspect())
 
     @contextlib.contextmanager
     def action_boundary(self) -> Iterator[None]:
