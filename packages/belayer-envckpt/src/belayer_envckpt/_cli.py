@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from ._checkpoint import full_checkpoint, full_restore
-from ._criu import doctor_checks
 from ._demo import run_demo
 from ._engine import Engine, check_criu
 from ._errors import (
@@ -75,7 +74,6 @@ def _doctor(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
         checks["criu"] = {"ok": True, "detail": check_criu().splitlines()[-1]}
     except BelayerEnvckptError as exc:
         checks["criu"] = {"ok": False, "detail": str(exc)}
-    checks |= doctor_checks()
     for image in args.image or DEFAULT_IMAGES:
         present = engine is not None and engine.has_image(image)
         checks[f"image {image}"] = {
