@@ -3,7 +3,7 @@
 Every folder ``packages/belayer-*/`` is a package; each gets its own ``tests``, ``lint`` and
 ``typecheck`` sessions, and each session installs only that package, the siblings it declares and
 its ``test`` extra, so an undeclared sibling import fails there.  ``layers`` checks the import
-contract of DESIGN.md with import-linter.
+contract of docs/architecture.md with import-linter.
 
     nox -s "tests(package='belayer-envckpt')"
     nox -t envckpt          # all sessions of one package
@@ -55,8 +55,6 @@ def _tag(package: str) -> str:
     return package.removeprefix("belayer-")
 
 
-
-
 @nox.session(tags=["tests"])
 @nox.parametrize("package", [nox.param(p, tags=[_tag(p)]) for p in PACKAGES])
 def tests(session: nox.Session, package: str) -> None:
@@ -96,14 +94,28 @@ def tests_vllm(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", "-ra", "--timeout=1800", *files, *session.posargs)
 
 
-# DESIGN.md: which of our packages each package may import.  Everything else is forbidden.
+# docs/architecture.md: which of our packages each package may import.  Everything else is forbidden.
 ALLOWED_IMPORTS = {
     "belayer-policy": set(),
     "belayer-envckpt": set(),
     "belayer-gpumem": set(),
     "belayer-router": set(),
     "belayer-shadow": {"belayer-gpumem", "belayer-router"},
-    "belayer-grpo": {"belayer-policy", "belayer-envckpt", "belayer-gpumem", "belayer-router", "belayer-shadow"},
+    "belayer-cluster": {
+        "belayer-policy",
+        "belayer-envckpt",
+        "belayer-gpumem",
+        "belayer-router",
+        "belayer-shadow",
+    },
+    "belayer-grpo": {
+        "belayer-policy",
+        "belayer-envckpt",
+        "belayer-gpumem",
+        "belayer-router",
+        "belayer-shadow",
+        "belayer-cluster",
+    },
 }
 
 
@@ -114,8 +126,9 @@ def _module(package: str) -> str:
 def _importlinter_config() -> str:
     unknown = set(PACKAGES) - set(ALLOWED_IMPORTS)
     if unknown:
-        raise SystemExit(f"add {sorted(unknown)} to ALLOWED_IMPORTS in noxfile.py (see DESIGN.md)")
-    lines = ["[importlinter]", "root_packages =", *[f"    {_module(p)}" for p in PACKAGES], ""]
+        raise SystemExit(f"add {sorted(unknown)} to ALLOWED_IMPORTS in noxfile.py (see docs/architecture.md)")
+    lines = ["[importlinter]", "root_packages =", *[f"    {_module(p)}" for p in PACKAGES]]
+    lines += ["include_external_packages = True", ""]  # for the third-party contracts
     for package in PACKAGES:
         forbidden = [p for p in PACKAGES if p != package and p not in ALLOWED_IMPORTS[package]]
         if not forbidden:
@@ -129,13 +142,71 @@ def _importlinter_config() -> str:
             *[f"    {_module(p)}" for p in forbidden],
             "",
         ]
+    lines += _privacy_contract() + _third_party_contracts()
     return "\n".join(lines)
+
+
+def _private_modules(package: str) -> list[str]:
+    """A package's private modules and sub-packages (``_name.py``, ``_name/``), as dotted names."""
+    top = PACKAGES_DIR / package / "src" / _module(package)
+    names = {p.stem for p in top.glob("_*.py") if not p.name.startswith("__")}
+    names |= {
+        p.name for p in top.iterdir() if p.is_dir() and p.name.startswith("_") and not p.name.startswith("__")
+    }
+    return [f"{_module(package)}.{name}" for name in sorted(names)]
+
+
+def _privacy_contract() -> list[str]:
+    """No package imports another package's private module: siblings meet only at public APIs."""
+    lines: list[str] = []
+    for package in PACKAGES:
+        siblings = sorted(ALLOWED_IMPORTS[package] & set(PACKAGES))
+        private = [m for sibling in siblings for m in _private_modules(sibling)]
+        if not private:
+            continue
+        lines += [
+            f"[importlinter:contract:{package}-privacy]",
+            f"name = {package} uses its siblings only through their public APIs",
+            "type = forbidden",
+            # importing a sibling's public API runs its private modules: only direct imports count
+            "allow_indirect_imports = True",
+            f"source_modules = {_module(package)}",
+            "forbidden_modules =",
+            *[f"    {m}" for m in private],
+            "",
+        ]
+    return lines
+
+
+# Third-party libraries that exactly one package may import: the one that translates its errors.
+THIRD_PARTY_OWNERS = {"docker": "belayer-envckpt", "ray": "belayer-cluster"}
+
+
+def _third_party_contracts() -> list[str]:
+    lines: list[str] = []
+    for library, owner in THIRD_PARTY_OWNERS.items():
+        others = [p for p in PACKAGES if p != owner]
+        lines += [
+            f"[importlinter:contract:{library}-only-in-{owner}]",
+            f"name = only {owner} imports {library}",
+            "type = forbidden",
+            "allow_indirect_imports = True",
+            "source_modules =",
+            *[f"    {_module(p)}" for p in others],
+            f"forbidden_modules = {library}",
+            "",
+        ]
+    return lines
 
 
 @nox.session(tags=["layers"])
 def layers(session: nox.Session) -> None:
-    """The layering contract of DESIGN.md: imports go downward only."""
-    session.install("-c", str(CONSTRAINTS), "import-linter", *[str(PACKAGES_DIR / p) for p in PACKAGES])
+    """The layering contract of docs/architecture.md: imports go downward only."""
+    local = [str(PACKAGES_DIR / p) for p in PACKAGES]
+    session.install("-c", str(CONSTRAINTS), "import-linter", *local)
+    # a reused venv keeps an older copy of a package whose version did not change: the contract
+    # lists private modules from the tree, so the installed copy must be the tree's
+    session.install("--no-deps", "--force-reinstall", *local)
     config = Path(session.create_tmp()) / "importlinter.ini"
     config.write_text(_importlinter_config())
     session.run("lint-imports", "--config", str(config))
