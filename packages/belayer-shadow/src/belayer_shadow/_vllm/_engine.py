@@ -1,0 +1,276 @@
+"""`VllmEngine`: a real vLLM engine behind the interface the workers drive (`LLMEngine`'s).
+
+One process: vLLM's engine core and its executor run in this process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the `uni` executor), so killing the worker kills vLLM with
+it and nothing is left behind. Parameters are views of the weight server (`_loader`); the KV
+cache is vLLM's own (a fixed `kv_cache_bytes` allocation per process, not the KV server's arena).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from belayer_gpumem import WeightClient
+from belayer_shadow._engine._config import ModelConfig
+from belayer_shadow._engine._sequence import SamplingParams, StepOutput
+from belayer_shadow._errors import LLMEngineError, ModelConfigError, RequestError, WeightsError
+from belayer_shadow._vllm._loader import LOAD_FORMAT, attached_client, point_params, register_loader
+from belayer_shadow._vllm._sampling import KEY_EXTRA, processor_name
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "VllmEngine", "model_folder"]
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+
+
+def model_folder(config: ModelConfig, model: Path | None, scratch: Path) -> Path:
+    """A Hugging Face model folder vLLM can read for `config` (no weights: those are the server's).
+
+    `model` (an HF folder or a `config.json`) is checked first: another architecture is a
+    ModelConfigError here, at start, not at the first request.
+    """
+    if model is not None:
+        path = model / "config.json" if model.is_dir() else model
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ModelConfigError(f"cannot read the model config {str(path)!r}: {exc}") from exc
+        architectures = data.get("architectures") or ["Qwen3ForCausalLM"]
+        unsupported = [a for a in architectures if a not in SUPPORTED_ARCHITECTURES]
+        if unsupported:
+            raise ModelConfigError(
+                f"architecture {unsupported[0]} is not supported by belayer-shadow's vLLM worker; "
+                f"use one of {list(SUPPORTED_ARCHITECTURES)}"
+            )
+    hf = config.to_hf().to_dict()
+    hf["architectures"] = list(SUPPORTED_ARCHITECTURES)
+    scratch.mkdir(parents=True, exist_ok=True)
+    (scratch / "config.json").write_text(json.dumps(hf))
+    return scratch
+
+
+class VllmEngine:
+    """vLLM's v1 `LLMEngine`, in process, on the weight server; the workers' engine interface.
+
+    `add_request`, `step() -> list[StepOutput]`, `abort`, `has_unfinished`, `warmup`, `flush_kv`
+    (vLLM's prefix cache), `refresh_weights`, `release_weights`, `close`, as `LLMEngine`.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights_socket: str | Path,
+        *,
+        model: Path | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: int | None = None,
+        kv_cache_bytes: int = 256 * 1024 * 1024,
+        num_threads: int = 1,
+    ) -> None:
+        self.config = config
+        self.device = torch.device("cpu")
+        self.max_model_len = min(
+            max_model_len or config.max_position_embeddings, config.max_position_embeddings
+        )
+        self._scratch = tempfile.TemporaryDirectory(prefix="belayer-vllm-")
+        folder = model_folder(config, model, Path(self._scratch.name))
+        self._socket = str(weights_socket)
+        self.weight_client: WeightClient | None = None
+        self._requests: dict[str, int] = {}  # request id -> completion tokens emitted so far
+        self._engine = _start_engine(
+            folder,
+            self._socket,
+            dtype=config.dtype,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            kv_cache_bytes=kv_cache_bytes,
+            num_threads=num_threads,
+        )
+        self.weight_client = attached_client(self._socket)
+
+    # Requests.
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; its context is prompt + `params.generated_token_ids`. Raises RequestError."""
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if not isinstance(request_id, str) or not request_id:
+            raise RequestError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._requests:
+            raise RequestError(f"request {request_id!r} is already running; abort it or use a new id")
+        context = list(prompt_token_ids) + list(params.generated_token_ids)
+        vocab = self.config.vocab_size
+        if not prompt_token_ids:
+            raise RequestError("prompt_token_ids must not be empty")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in context):
+            raise RequestError(f"token ids must be ints in [0, {vocab}) for this model")
+        if len(context) >= self.max_model_len:
+            raise RequestError(
+                f"context of {len(context)} tokens leaves no room under max_model_len={self.max_model_len}"
+            )
+        offset = len(params.generated_token_ids)
+        extra: dict[str, Any] = {}
+        temperature = params.temperature
+        if params.temperature > 0 and params.seed is not None:
+            # Keyed draws (see _sampling): the token at index i depends only on (seed, i).
+            extra[KEY_EXTRA] = {
+                "seed": params.seed,
+                "offset": offset,
+                "temperature": params.temperature,
+                "top_p": params.top_p,
+            }
+        sampling = VllmSamplingParams(
+            n=1,
+            max_tokens=min(params.max_tokens, self.max_model_len - len(context)),
+            temperature=temperature,
+            top_p=params.top_p if not extra else 1.0,
+            seed=params.seed if not extra else None,
+            stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=True,
+            logprobs=0,
+            detokenize=False,
+            skip_special_tokens=False,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args=extra or None,
+        )
+        try:
+            self._engine.add_request(request_id, TokensPrompt(prompt_token_ids=context), sampling)
+        except ValueError as exc:
+            raise RequestError(f"vLLM refused request {request_id!r}: {exc}") from exc
+        self._requests[request_id] = offset
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request; False if it is not (or no longer) here."""
+        if self._requests.pop(request_id, None) is None:
+            return False
+        self._engine.abort_request([request_id])
+        return True
+
+    def has_unfinished(self) -> bool:
+        """True while any request waits or runs."""
+        return bool(self._requests)
+
+    def step(self) -> list[StepOutput]:
+        """One vLLM engine step: at most one new token per running request."""
+        outputs: list[StepOutput] = []
+        for result in self._engine.step():
+            index = self._requests.get(result.request_id)
+            if index is None:
+                continue
+            completion = result.outputs[0]
+            logprobs = completion.logprobs or []
+            tokens = list(completion.token_ids)
+            for i, token in enumerate(tokens):
+                last = i == len(tokens) - 1
+                finish = _finish_reason(completion.finish_reason) if last and result.finished else None
+                entry = logprobs[i].get(token) if i < len(logprobs) else None
+                logprob = float(entry.logprob) if entry is not None else float("nan")
+                outputs.append(StepOutput(result.request_id, index, int(token), logprob, finish))
+                index += 1
+            if result.finished:
+                del self._requests[result.request_id]
+            else:
+                self._requests[result.request_id] = index
+        return outputs
+
+    def warmup(self, num_requests: int = 4) -> None:
+        """A few short requests through prefill and decode (vLLM's own KV cache; this engine's
+        requests must be none)."""
+        if self._requests:
+            raise LLMEngineError("warmup needs an idle engine")
+        for i in range(num_requests):
+            params = SamplingParams(max_tokens=4, temperature=0.0 if i % 2 else 1.0, seed=i)
+            self.add_request(
+                f"belayer-warmup-{i}", [(i + j) % self.config.vocab_size for j in range(8)], params
+            )
+        while self.has_unfinished():
+            self.step()
+        self.flush_kv()
+
+    # Memory.
+
+    def flush_kv(self) -> None:
+        """Drop vLLM's cached prefixes (running requests keep their blocks)."""
+        self._engine.reset_prefix_cache()
+
+    def refresh_weights(self) -> bool:
+        """After a weight update at the server: point vLLM's parameters at the new version and drop
+        the prefix cache (its K/V came from the old weights); True if the version changed."""
+        if self.weight_client is None:
+            return False
+        changed = self.weight_client.refresh()
+        if changed:
+            tensors = self.weight_client.tensors()
+            self._engine.apply_model(lambda model: point_params(model, tensors))
+            self._engine.reset_prefix_cache()
+        return changed
+
+    def release_weights(self) -> None:
+        """Unpin the weight version while idle (a standby shadow); `refresh_weights()` pins again."""
+        if self.weight_client is not None:
+            self.weight_client.release()
+
+    def close(self) -> None:
+        """Shut vLLM down and detach from the weight server."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            shutdown = getattr(engine.engine_core, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+        if self.weight_client is not None:
+            self.weight_client.detach()
+            self.weight_client = None
+        self._scratch.cleanup()
+
+
+def _finish_reason(reason: str | None) -> str:
+    return "stop" if reason == "stop" else "length"
+
+
+def _start_engine(folder: Path, socket_path: str, *, num_threads: int, **kwargs: Any) -> Any:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # share the cores; we set the threads
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    torch.set_num_threads(num_threads)
+    set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a warning
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine as VllmLLMEngine
+    except ImportError as exc:
+        raise LLMEngineError(
+            f"the vLLM engine needs vLLM: pip install 'belayer-shadow[vllm]' ({exc})"
+        ) from exc
+    register_loader()
+    args = EngineArgs(
+        model=str(folder),
+        skip_tokenizer_init=True,
+        dtype=kwargs["dtype"],
+        enforce_eager=True,
+        load_format=LOAD_FORMAT,
+        model_loader_extra_config={"weights_socket": socket_path},
+        max_num_seqs=kwargs["max_num_seqs"],
+        max_num_batched_tokens=max(kwargs["max_num_batched_tokens"], kwargs["max_model_len"]),
+        max_model_len=kwargs["max_model_len"],
+        kv_cache_memory_bytes=kwargs["kv_cache_bytes"],
+        distributed_executor_backend="uni",
+        disable_log_stats=True,
+        seed=0,
+        logits_processors=[processor_name()],
+    )
+    try:
+        return VllmLLMEngine.from_engine_args(args)
+    except (WeightsError, ModelConfigError):
+        raise
+    except Exception as exc:  # vLLM raises many types at start; say what failed, typed
+        raise LLMEngineError(f"vLLM could not start on {folder}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        torch.set_num_threads = set_num_threads

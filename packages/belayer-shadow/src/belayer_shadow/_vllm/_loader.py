@@ -1,0 +1,179 @@
+"""A vLLM model loader whose parameters are views of belayer-gpumem's weight server.
+
+Registered with vLLM's loader registry as `load_format="belayer"`; the weight server's socket
+comes in `model_loader_extra_config={"weights_socket": PATH}`. vLLM fuses q/k/v into `qkv_proj`
+and gate/up into `gate_up_proj`: the weight server's table packs those parts back to back (see
+`weight_layout`), so the fused parameter is one strided view over them, zero copy.
+
+On the CPU, vLLM's own load path repacks every linear weight into a oneDNN blocked copy after
+loading (`dispatch_cpu_unquantized_gemm`) and drops the original. That copy would leave the
+server's memory behind, so after vLLM's processing the loader points each linear layer back at
+its view and routes it through `torch.nn.functional.linear`. The repack still runs once at load
+(a one-off copy of every linear weight, freed right after); while serving nothing is copied.
+On a GPU no repack happens and the views are used as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from belayer_gpumem import WeightClient
+from belayer_shadow._engine._config import ModelConfig, parameter_shapes
+from belayer_shadow._engine._model import stacked_view
+from belayer_shadow._errors import WeightsError
+
+__all__ = ["LOAD_FORMAT", "attached_client", "param_views", "point_params", "register_loader"]
+
+LOAD_FORMAT = "belayer"
+
+# The weight clients the loader attached in this process, by socket path: the engine that asked
+# for the load takes its client from here (vLLM builds the loader itself, from a name).
+_CLIENTS: dict[str, WeightClient] = {}
+
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def attached_client(weights_socket: str) -> WeightClient:
+    """The weight client the loader attached for `weights_socket` in this process (once)."""
+    client = _CLIENTS.pop(weights_socket, None)
+    if client is None:
+        raise WeightsError(f"no vLLM model was loaded from the weight server at {weights_socket}")
+    return client
+
+
+def _source(name: str, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The server's view for one vLLM parameter name (fused names map to a stacked view)."""
+    prefix, _, leaf = name.rpartition(".")  # e.g. model.layers.0.self_attn.qkv_proj / weight
+    module_prefix, _, module = prefix.rpartition(".")
+    parts = _FUSED.get(module)
+    if parts is None:
+        if name == "lm_head.weight" and name not in tensors:
+            name = "model.embed_tokens.weight"  # tied embeddings
+        if name not in tensors:
+            raise WeightsError(f"vLLM's model has a parameter {name!r} the weight server does not hold")
+        return tensors[name]
+    views = []
+    for part in parts:
+        key = f"{module_prefix}.{part}.{leaf}"
+        if key not in tensors:
+            raise WeightsError(f"vLLM's fused {name!r} needs {key!r}, which the weight server does not hold")
+        views.append(tensors[key])
+    stacked = stacked_view(views)
+    if stacked is None:
+        raise WeightsError(
+            f"the weight server's {', '.join(parts)} of {module_prefix} are not back to back; "
+            "fill the server with belayer_shadow.weight_layout's table"
+        )
+    return stacked
+
+
+def param_views(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """For every parameter of vLLM's model, the server's view it should be (shapes checked)."""
+    views: dict[str, torch.Tensor] = {}
+    # Every name, also of shared (tied) parameters, so that each module is re-pointed.
+    for name, param in model.named_parameters(remove_duplicate=False):
+        view = _source(name, tensors)
+        views[name] = view
+        if param.numel() and tuple(param.shape) != tuple(view.shape):
+            raise WeightsError(
+                f"{name}: vLLM expects shape {tuple(param.shape)}, the weight server holds "
+                f"{tuple(view.shape)}; the model folder does not match the weight server"
+            )
+    return views
+
+
+def _linear_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    for name, module in model.named_modules():
+        if hasattr(module, "cpu_linear"):
+            yield name, module
+
+
+def point_params(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Make every parameter of `model` a view of `tensors` (the server's), zero copy.
+
+    Also used for a weight update: the same modules re-pointed at the new version's views.
+    """
+    views = param_views(model, tensors)
+    modules = dict(model.named_modules())
+    for name, view in views.items():
+        module_name, _, leaf = name.rpartition(".")
+        module = modules[module_name]
+        # A fresh Parameter each time: vLLM's CPU path may have replaced the original with an
+        # empty placeholder, and `.data =` on a tied parameter would move both names at once.
+        setattr(module, leaf, nn.Parameter(view, requires_grad=False))
+    for _, module in _linear_modules(model):
+        vars(module)["cpu_linear"] = F.linear  # the oneDNN packed copy is dropped with its closure
+
+
+def _register() -> type[Any]:
+    from vllm.model_executor.model_loader import register_model_loader
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    class BelayerWeightLoader(BaseModelLoader):  # type: ignore[misc]  # Any without vLLM's types
+        """Parameters as views of the weight server named in `model_loader_extra_config`."""
+
+        def _socket(self) -> str:
+            extra = self.load_config.model_loader_extra_config or {}
+            socket_path = extra.get("weights_socket")
+            if not socket_path:
+                raise WeightsError("load_format='belayer' needs model_loader_extra_config['weights_socket']")
+            return str(socket_path)
+
+        def download_model(self, model_config: Any) -> None:
+            """Nothing to download: the weights are in the weight server."""
+
+        def load_weights(self, model: nn.Module, model_config: Any) -> None:
+            socket_path = self._socket()
+            client = _CLIENTS.get(socket_path)
+            if client is None:
+                client = WeightClient.attach(socket_path)
+                _CLIENTS[socket_path] = client
+            if client.version < 1:
+                raise WeightsError(
+                    f"the weight server at {socket_path} holds no weights yet; fill it first "
+                    "(belayer_shadow.fill_weight_server)"
+                )
+            check_table(model_config.hf_config, client)
+            # Plain copies for vLLM's own processing; `load_model` points them at the server after.
+            for name, view in param_views(model, client.tensors()).items():
+                param = model.get_parameter(name)
+                with torch.no_grad():
+                    param.copy_(view)
+
+        def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> nn.Module:
+            model: nn.Module = super().load_model(vllm_config, model_config, prefix)
+            point_params(model, _CLIENTS[self._socket()].tensors())
+            return model
+
+    register_model_loader(LOAD_FORMAT)(BelayerWeightLoader)
+    return BelayerWeightLoader
+
+
+_REGISTERED: list[type[Any]] = []
+
+
+def register_loader() -> None:
+    """Register the loader with vLLM (idempotent)."""
+    if not _REGISTERED:
+        _REGISTERED.append(_register())
+
+
+def check_table(hf_config: Any, client: WeightClient) -> None:
+    """Raise WeightsError unless the weight server's table is exactly the model's parameters."""
+    config = ModelConfig.from_hf(hf_config)
+    expected = parameter_shapes(config)
+    table = {name: spec.shape for name, spec in client.layout.by_name.items()}
+    if table != expected:
+        missing = sorted(set(expected) - set(table))[:3]
+        extra = sorted(set(table) - set(expected))[:3]
+        wrong = sorted(n for n in set(table) & set(expected) if table[n] != expected[n])[:3]
+        raise WeightsError(
+            "the model folder does not match the weight server's table "
+            f"(missing {missing}, unexpected {extra}, other shapes {wrong}); "
+            "start the weight server with weight_layout(ModelConfig.from_json_file(folder))"
+        )

