@@ -186,6 +186,26 @@ def test_memory_hog_is_oom_killed_inside_only(make_sandbox, track, engine, tmp_p
     assert "oom_kill 0" in cgroup_value(restored, "memory", "memory.oom_control")
 
 
+def test_an_init_killed_by_the_oom_killer_is_a_limit_failure(make_sandbox, track, engine, tmp_path):
+    # The init waits for /tmp/go, then becomes the hog itself: the whole sandbox goes down.
+    hog = "while [ ! -e /tmp/go ]; do sleep 0.1; done; exec python3 -c \"b = b'x' * (400 * 2**20)\""
+    sandbox = make_sandbox(DEBIAN, "init-hog", command=("/bin/sh", "-c", hog), limits=SMALL)
+    assert sandbox.enforced_limits()["memory_mb"] == 96
+    store = CheckpointStore(tmp_path)
+    ready = full_checkpoint(sandbox, "init-hog", store=store)
+    assert sandbox.limit_failure() is None
+    sandbox.exec("touch /tmp/go")
+    wait_for(lambda: not sandbox.is_running(), timeout=120)
+    assert sandbox.limit_failure() is LimitCause.MEMORY
+    with pytest.raises(SandboxLimitError, match="killed its init") as caught:
+        sandbox.exec("true")
+    assert caught.value.cause is LimitCause.MEMORY
+    restored = track(full_restore(ready, engine=engine))  # back to the init still waiting
+    assert restored.is_running()
+    assert restored.limit_failure() is None
+    assert restored.exec("test -e /tmp/go || echo waiting").stdout == "waiting\n"
+
+
 def test_disk_filler_stops_at_the_cap(make_sandbox, track, engine, tmp_path):
     sandbox = make_sandbox(BUSYBOX, "filler", limits=SMALL)
     assert sandbox.config.limits.disk_mb == 16

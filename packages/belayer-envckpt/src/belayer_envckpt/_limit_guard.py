@@ -230,3 +230,14 @@ class LimitGuard:
             sandbox_id=self.sandbox_id,
             result=result,
         )
+
+
+def init_killed_error(limits: SandboxLimits, sandbox_id: str) -> SandboxLimitError:
+    """The failure of a sandbox whose init the OOM killer killed (the container is down)."""
+    return SandboxLimitError(
+        f"sandbox {sandbox_id[:12]} is down: the OOM killer killed its init at its memory limit of "
+        f"{limits.memory_mb} MB (no swap). Restore its latest ready checkpoint (full_restore) and go on "
+        "from its prefix, or raise SandboxLimits.memory_mb",
+        cause=LimitCause.MEMORY,
+        sandbox_id=sandbox_id,
+    )

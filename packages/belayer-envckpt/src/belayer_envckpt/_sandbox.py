@@ -13,11 +13,11 @@ from docker.models.containers import Container
 
 from ._boundary import engine_errors
 from ._engine import LABEL, Engine
-from ._errors import ContainerNotFoundError, InvalidConfigError, OutsideGuaranteeError
+from ._errors import ContainerEngineError, ContainerNotFoundError, InvalidConfigError, OutsideGuaranteeError
 from ._exec import ExecResult, exec_in
 from ._ids import validate_id
-from ._limit_guard import LimitGuard
-from ._limits import LIMITS_LABEL, SandboxLimits, enforced_limits, limits_of
+from ._limit_guard import LimitGuard, init_killed_error
+from ._limits import LIMITS_LABEL, LimitCause, SandboxLimits, enforced_limits, limits_of
 
 TRAJECTORY_LABEL = "belayer.trajectory"
 KEEPALIVE = ("/bin/sh", "-c", "trap 'exit 0' TERM; while :; do sleep 3600 & wait $!; done")
@@ -211,7 +211,12 @@ class Sandbox:
         """
         with self._boundary:
             with self.limit_guard() as guard:
-                result = self._run(command, timeout_s if timeout is None else timeout, workdir)
+                try:
+                    result = self._run(command, timeout_s if timeout is None else timeout, workdir)
+                except ContainerEngineError as exc:
+                    if self.limit_failure() is LimitCause.MEMORY:
+                        raise init_killed_error(self.config.limits, self.id) from exc
+                    raise
             guard.check(result)
             self.prefix += 1
             return result
@@ -251,6 +256,17 @@ class Sandbox:
             is_oom_killed=lambda: bool(self.inspect().get("State", {}).get("OOMKilled")),
         )
         return guard.watching()
+
+    def limit_failure(self) -> LimitCause | None:
+        """`LimitCause.MEMORY` when the sandbox is down because the OOM killer killed its init; else None.
+
+        (An action that hits a limit while the sandbox lives raises `SandboxLimitError` from `exec`.)
+        """
+        try:
+            state = self.inspect().get("State", {})
+        except ContainerNotFoundError:
+            return None
+        return LimitCause.MEMORY if state.get("OOMKilled") and not state.get("Running") else None
 
     def enforced_limits(self) -> dict[str, Any]:
         """What the engine applies now (from `docker inspect`); equals ``config.limits.engine_view()``."""
