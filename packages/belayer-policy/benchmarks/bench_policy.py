@@ -1,10 +1,15 @@
-"""Benchmark: rollout-time increase over failure-free under adaptive, always, every-3 and never.
+"""Benchmark: the adaptive policy against the best fixed policy in hindsight, on every workload.
 
-SWE-like trajectories (20 rounds, LLM responses 5-60 s, actions 0.1-10 s, checkpoints 0.3-1 s),
-p = 0.01 and 0.05 per step, 64 trajectories a batch, every policy on the same seeded batches.
-Targets: adaptive cuts the increase by >= 80 % against never; checkpoint time visible on the
-critical path < 1 % of failure-free rollout time.  A stress scenario (checkpoints longer than
-responses) shows where the rule's one-step view falls short.  Then the cost of one decision.
+Workloads (64 trajectories a batch unless a trace gives them, restore 2 s):
+  swe     20 rounds, responses 5-60 s, actions 0.1-10 s, checkpoints 0.3-1 s (hidden by responses)
+  math    6 rounds, responses 2-20 s, actions 0.05-1 s, checkpoints 0.3-1.5 s (short tool calls)
+  stress  20 rounds, responses 1-5 s, actions 0.1-2 s, checkpoints 2-8 s (mostly visible)
+  recorded traces (``--trace NAME=PATH``, default: the shipped ``traces/*.jsonl``)
+at p = 0.01 and 0.05 failures per step.  Policies: adaptive, paper (the round-1 rule), never,
+always, every:2..every:8, all on the same seeded batches and failure streams.  The failure
+probability is known to the policies as it is in ``belayer-grpo``'s fault-injection runs
+(``FixedStepProbability``); ``adaptive-learned`` learns it online from a prior of one failure per
+container hour instead.  Then the cost of one ``decide()`` call per rule.
 
     python benchmarks/bench_policy.py [--runs 100] [--out benchmarks/results/bench_policy.json]
 """
@@ -16,66 +21,96 @@ import json
 import platform
 import random
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from belayer_policy import (
+    FixedStepProbability,
     PolicySpec,
+    PolicySummary,
     SharedEstimators,
     SimulationConfig,
     StepObservation,
+    Trajectory,
     UniformRange,
     Workload,
     compare_policies,
+    load_trace,
 )
 
-POLICIES = ("adaptive", "always", "every:3", "never")
-SWE = Workload(20, UniformRange(5.0, 60.0), UniformRange(0.1, 10.0), UniformRange(0.3, 1.0))
-STRESS = Workload(20, UniformRange(1.0, 5.0), UniformRange(0.1, 2.0), UniformRange(2.0, 8.0))
+HERE = Path(__file__).parent
+FIXED = ("never", "always", *(f"every:{k}" for k in range(2, 9)))
+POLICIES = ("adaptive", "paper", *FIXED)
+WORKLOADS = {
+    "swe": Workload(20, UniformRange(5.0, 60.0), UniformRange(0.1, 10.0), UniformRange(0.3, 1.0)),
+    "math": Workload(6, UniformRange(2.0, 20.0), UniformRange(0.05, 1.0), UniformRange(0.3, 1.5)),
+    "stress": Workload(20, UniformRange(1.0, 5.0), UniformRange(0.1, 2.0), UniformRange(2.0, 8.0)),
+}
 
 
-def _scenario(name: str, workload: Workload, fail_prob: float, runs: int) -> dict[str, object]:
-    summaries = compare_policies(
-        [PolicySpec.parse(p) for p in POLICIES],
-        config=SimulationConfig(fail_prob=fail_prob, restore_s=2.0),
+def _run(
+    specs: Sequence[str],
+    estimators: Callable[[], SharedEstimators],
+    p: float,
+    runs: int,
+    workload: Workload | None,
+    trace: list[Trajectory] | None,
+) -> list[PolicySummary]:
+    return compare_policies(
+        [PolicySpec.parse(s) for s in specs],
+        config=SimulationConfig(fail_prob=p, restore_s=2.0),
         runs=runs,
         seed=2024,
         workload=workload,
         num_trajectories=64,
+        trace=trace,
+        estimators=estimators,
     )
-    by_name = {s.policy: s for s in summaries}
-    never = by_name["never"].metrics["increase_s"].mean
-    adaptive = by_name["adaptive"].metrics["increase_s"].mean
+
+
+def _scenario(
+    name: str, p: float, runs: int, workload: Workload | None = None, trace: list[Trajectory] | None = None
+) -> dict[str, Any]:
+    summaries = _run(
+        POLICIES, lambda: SharedEstimators(failure_model=FixedStepProbability(p)), p, runs, workload, trace
+    )
+    learned = _run(("adaptive",), SharedEstimators, p, runs, workload, trace)[0]
+    records = [s.to_dict() for s in summaries] + [learned.to_dict() | {"policy": "adaptive-learned"}]
+    by_name = {r["policy"]: r for r in records}
+    best = min(FIXED, key=lambda n: by_name[n]["rollout_s_mean"])
+    best_rollout = by_name[best]["rollout_s_mean"]
+    never_increase = by_name["never"]["increase_s_mean"]
+
+    def judged(policy: str) -> dict[str, float | None]:
+        r = by_name[policy]
+        return {
+            "vs_best_fixed_pct": 100.0 * (r["rollout_s_mean"] - best_rollout) / best_rollout,
+            "cut_vs_never_pct": 100.0 * (never_increase - r["increase_s_mean"]) / never_increase
+            if never_increase > 0
+            else None,
+            "visible_pct": r["visible_checkpoint_pct_mean"],
+        }
+
     return {
         "scenario": name,
-        "fail_prob": fail_prob,
+        "fail_prob": p,
         "runs": runs,
-        "policies": [s.to_dict() for s in summaries],
-        "adaptive_cut_vs_never_pct": 100.0 * (never - adaptive) / never if never > 0 else None,
-        "adaptive_visible_pct": by_name["adaptive"].metrics["visible_checkpoint_pct"].mean,
+        "best_fixed": best,
+        "policies": records,
+        "judged": {policy: judged(policy) for policy in ("adaptive", "adaptive-learned", "paper", best)},
     }
 
 
-def _rows(result: dict[str, object]) -> list[str]:
-    rows = []
-    for p in result["policies"]:  # type: ignore[attr-defined]
-        rows.append(
-            f"| {result['scenario']} | {result['fail_prob']} | {p['policy']} "
-            f"| {p['failure_free_s_mean']:.1f} "
-            f"| {p['rollout_s_mean']:.1f} / {p['rollout_s_p95']:.1f} "
-            f"| {p['increase_pct_mean']:.2f} / {p['increase_pct_p95']:.2f} | {p['lost_s_mean']:.1f} "
-            f"| {p['visible_checkpoint_s_mean']:.3f} ({p['visible_checkpoint_pct_mean']:.3f} %) "
-            f"| {p['checkpoints_mean']:.0f} | {p['failures_mean']:.1f} |"
-        )
-    return rows
-
-
 def _decision_cost(name: str, calls: int) -> float:
-    """Microseconds per decide() on a warmed policy (full response-time window)."""
-    shared = SharedEstimators()
+    """Microseconds per decide() on a warmed policy (full response-time window, 20-step horizon)."""
+    shared = SharedEstimators(failure_model=FixedStepProbability(0.01), batch_size=64)
     policy = PolicySpec.parse(name).build(shared)
     rng = random.Random(0)
     observations = [
-        StepObservation(k % 20 + 1, rng.uniform(5, 60), rng.uniform(0.1, 10), now=float(k))
+        StepObservation(
+            k % 20 + 1, rng.uniform(1, 5), rng.uniform(0.1, 2), now=float(k), remaining_steps=19 - k % 20
+        )
         for k in range(calls)
     ]
     for obs in observations[:200]:
@@ -83,39 +118,59 @@ def _decision_cost(name: str, calls: int) -> float:
     start = time.perf_counter()
     for obs in observations:
         if policy.decide(obs).checkpoint:
-            policy.on_checkpoint_ready(0.5)
+            policy.on_checkpoint_ready(5.0)
     return (time.perf_counter() - start) / calls * 1e6
+
+
+def _table(results: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| workload | p | best fixed (hindsight) | policy | rollout s (mean / p95) | vs best fixed | "
+        "increase cut vs never | visible ckpt % | checkpoints / batch | failures / batch |",
+        "|" + "---|" * 10,
+    ]
+    for r in results:
+        by_name = {p["policy"]: p for p in r["policies"]}
+        for policy in ("adaptive", "adaptive-learned", "paper", r["best_fixed"], "never"):
+            rec = by_name[policy]
+            j = r["judged"].get(policy)
+            vs = f"{j['vs_best_fixed_pct']:+.2f} %" if j else "-"
+            cut = f"{j['cut_vs_never_pct']:.1f} %" if j and j["cut_vs_never_pct"] is not None else "-"
+            lines.append(
+                f"| {r['scenario']} | {r['fail_prob']} | {r['best_fixed']} | {policy} "
+                f"| {rec['rollout_s_mean']:.1f} / {rec['rollout_s_p95']:.1f} | {vs} | {cut} "
+                f"| {rec['visible_checkpoint_pct_mean']:.2f} | {rec['checkpoints_mean']:.0f} | {rec['failures_mean']:.1f} |"
+            )
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--calls", type=int, default=50_000)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_policy.json"))
+    parser.add_argument("--probabilities", type=float, nargs="+", default=[0.01, 0.05])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--trace", action="append", default=None, metavar="NAME=PATH")
+    parser.add_argument("--out", default=str(HERE / "results" / "bench_policy.json"))
     args = parser.parse_args()
 
-    results = [_scenario("swe", SWE, p, args.runs) for p in (0.01, 0.05)]
-    results += [_scenario("stress", STRESS, p, args.runs) for p in (0.01, 0.05)]
-    header = (
-        "| scenario | p | policy | failure-free s | rollout s (mean / p95) | increase % (mean / p95) "
-        "| lost s | visible ckpt s (% of failure-free) | checkpoints / batch | failures / batch |"
+    traces = (
+        dict(item.split("=", 1) for item in args.trace)
+        if args.trace
+        else {f"recorded:{path.stem}": str(path) for path in sorted((HERE / "traces").glob("*.jsonl"))}
     )
-    lines = [header, "|" + "---|" * 10]
-    for result in results:
-        lines += _rows(result)
-    lines.append("")
-    lines.append(
-        "| scenario | p | adaptive cuts increase vs never (target >= 80 %) "
-        "| adaptive visible % (target < 1 %) |"
-    )
-    lines.append("|---|---|---|---|")
-    for r in results:
-        cut, visible = r["adaptive_cut_vs_never_pct"], r["adaptive_visible_pct"]
-        lines.append(f"| {r['scenario']} | {r['fail_prob']} | {cut:.1f} % | {visible:.3f} % |")
-    decision_us = {name: _decision_cost(name, args.calls) for name in ("adaptive", "always", "never")}
-    lines.append("")
-    lines.append("| decide() | microseconds per call |")
-    lines.append("|---|---|")
+    results = []
+    started = time.perf_counter()
+    for p in args.probabilities:
+        for name in args.workloads:
+            results.append(_scenario(name, p, args.runs, workload=WORKLOADS[name]))
+        for name, path in traces.items():
+            results.append(_scenario(name, p, args.runs, trace=load_trace(path)))
+    simulate_s = time.perf_counter() - started
+    decision_us = {
+        name: _decision_cost(name, args.calls) for name in ("adaptive", "paper", "always", "never")
+    }
+    lines = _table(results)
+    lines += ["", "| decide() | microseconds per call |", "|---|---|"]
     lines += [f"| {name} | {us:.2f} |" for name, us in decision_us.items()]
     table = "\n".join(lines)
     print(table)
@@ -125,9 +180,12 @@ def main() -> None:
     out.write_text(
         json.dumps(
             {
+                "command": "python benchmarks/bench_policy.py " + " ".join(f"--runs {args.runs}".split()),
                 "python": platform.python_version(),
                 "machine": platform.machine(),
                 "runs": args.runs,
+                "traces": traces,
+                "simulate_s": simulate_s,
                 "scenarios": results,
                 "decision_microseconds": decision_us,
                 "table": table,
@@ -135,7 +193,7 @@ def main() -> None:
             indent=2,
         )
     )
-    print(f"\nsaved {out}")
+    print(f"\nsaved {out} ({simulate_s:.0f} s of simulation)")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from belayer_policy import (
     ConstantHazard,
     EveryKRule,
     FixedStepProbability,
+    PaperRule,
     PolicySpec,
     PolicyStateError,
     Reason,
@@ -45,18 +46,28 @@ def _observe(policy: CheckpointPolicy, pairs: list[tuple[float, float]]) -> list
     return taken
 
 
-@given(steps, st.floats(min_value=0.0, max_value=10.0))
-def test_never_checkpoints_when_failure_is_impossible(pairs: list[tuple[float, float]], cost: float) -> None:
+@pytest.mark.parametrize("rule", ["adaptive", "paper"])
+@given(pairs=steps, cost=st.floats(min_value=0.0, max_value=10.0))
+def test_never_checkpoints_when_failure_is_impossible(
+    rule: str, pairs: list[tuple[float, float]], cost: float
+) -> None:
     policy = CheckpointPolicy(
-        failure_model=FixedStepProbability(0.0), checkpoint_costs=CheckpointCostModel(initial_s=cost)
+        rule=PolicySpec.parse(rule).rule,
+        failure_model=FixedStepProbability(0.0),
+        checkpoint_costs=CheckpointCostModel(initial_s=cost),
     )
     assert not any(_observe(policy, pairs))
 
 
-@given(steps, st.floats(min_value=1e-6, max_value=1.0))
-def test_always_checkpoints_when_free_and_there_is_work(pairs: list[tuple[float, float]], p: float) -> None:
+@pytest.mark.parametrize("rule", ["adaptive", "paper"])
+@given(pairs=steps, p=st.floats(min_value=1e-6, max_value=1.0))
+def test_always_checkpoints_when_free_and_there_is_work(
+    rule: str, pairs: list[tuple[float, float]], p: float
+) -> None:
     policy = CheckpointPolicy(
-        failure_model=FixedStepProbability(p), checkpoint_costs=CheckpointCostModel(initial_s=0.0)
+        rule=PolicySpec.parse(rule).rule,
+        failure_model=FixedStepProbability(p),
+        checkpoint_costs=CheckpointCostModel(initial_s=0.0),
     )
     now = 0.0
     for k, (response, action) in enumerate(pairs, start=1):
@@ -72,6 +83,7 @@ def test_decision_record_holds_the_comparison() -> None:
     for t in (10.0, 20.0, 30.0, 40.0):
         responses.observe(t)
     policy = CheckpointPolicy(
+        rule=PaperRule(),
         failure_model=ConstantHazard(0.001),
         response_times=responses,
         checkpoint_costs=CheckpointCostModel(initial_s=15.0),
@@ -88,11 +100,12 @@ def test_decision_record_holds_the_comparison() -> None:
     assert decision.reason is Reason.COST_EXCEEDS_BENEFIT
     record = json.loads(json.dumps(decision.to_dict()))
     assert record["reason"] == "cost_exceeds_benefit"
-    assert record["policy"] == "adaptive"
+    assert record["policy"] == "paper"
 
 
-def test_checkpoints_once_regeneration_outweighs_visible_cost_s() -> None:
+def test_paper_rule_checkpoints_once_regeneration_outweighs_visible_cost() -> None:
     policy = CheckpointPolicy(
+        rule=PaperRule(),
         failure_model=FixedStepProbability(0.1),
         checkpoint_costs=CheckpointCostModel(initial_s=50.0),  # longer than any response: visible
     )

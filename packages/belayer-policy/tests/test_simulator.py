@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -17,7 +18,9 @@ from belayer_policy import (
     SimulationConfig,
     Trajectory,
     Workload,
+    append_trace,
     compare_policies,
+    load_trace,
     simulate_batch,
     simulate_trajectory,
 )
@@ -180,3 +183,26 @@ def test_trace_batches_replay_the_same_trajectories_every_run() -> None:
     )
     assert summary.metrics["failure_free_s"].p95 == summary.metrics["failure_free_s"].mean == 8.0
     assert summary.runs == 5
+
+
+def test_the_policy_records_the_trace_the_simulator_replays(tmp_path: Path) -> None:
+    original = Trajectory(
+        [4.0, 5.0, 6.0, 7.0], [1.0, 1.0, 2.0, 1.0], [0.5, 0.7, 0.9, 1.1], [ScheduledFailure(2, 0.5)]
+    )
+    policy = PolicySpec.parse("every:2").build(SharedEstimators(failure_model=FixedStepProbability(0.0)))
+    outcome = simulate_trajectory(original, policy, SimulationConfig(restore_s=1.5), random.Random(0))
+    assert outcome.num_failures == 1
+    recorded = policy.recorded_trajectory(task="calc", node="a")
+    assert recorded is not None
+    assert (recorded.response_s, recorded.action_s) == (original.response_s, original.action_s)
+    # checkpoints of prefixes 2 (ready) measured; the others get their mean
+    assert recorded.checkpoint_s[1] == 0.7
+    assert recorded.failures == (ScheduledFailure(2, 0.5),)
+    assert (recorded.restore_s, recorded.task, recorded.node) == ((1.5,), "calc", "a")
+    path = tmp_path / "trace.jsonl"
+    append_trace(path, [recorded])
+    append_trace(path, [recorded])
+    assert load_trace(path) == [recorded, recorded]
+    again = PolicySpec.parse("every:2").build(SharedEstimators(failure_model=FixedStepProbability(0.0)))
+    replay = simulate_trajectory(recorded, again, SimulationConfig(restore_s=1.5), random.Random(0))
+    assert replay == outcome

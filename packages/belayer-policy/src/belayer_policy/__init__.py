@@ -11,17 +11,28 @@ from importlib.metadata import version
 from belayer_policy._cli import ExitCode
 from belayer_policy._decision import Decision, Reason, StepObservation
 from belayer_policy._errors import BelayerPolicyError, PolicyArgumentError, PolicyStateError, TraceFormatError
-from belayer_policy._estimators import CheckpointCostModel, RegenerationCost, ResponseTimeModel
+from belayer_policy._estimators import (
+    CheckpointCostModel,
+    RegenerationCost,
+    ResponseTimeModel,
+    RestoreCostModel,
+    TrajectoryLengthModel,
+)
 from belayer_policy._hazard import ConstantHazard, FailureModel, FixedStepProbability, OnlineHazard
-from belayer_policy._policy import (
+from belayer_policy._horizon import HorizonVerdict, batch_step_hazard, compare_now_and_later, protected_cost
+from belayer_policy._policy import CheckpointPolicy
+from belayer_policy._pooled import CostModel, HazardView, KeyTable, PooledCost
+from belayer_policy._report import PolicySummary, Stats, compare_policies, format_table, percentile
+from belayer_policy._rules import (
     AdaptiveRule,
     AlwaysRule,
-    CheckpointPolicy,
     DecisionRule,
     EveryKRule,
     NeverRule,
+    PaperRule,
+    StepContext,
+    Verdict,
 )
-from belayer_policy._report import PolicySummary, Stats, compare_policies, format_table, percentile
 from belayer_policy._simulator import (
     BatchOutcome,
     SimulationConfig,
@@ -35,6 +46,7 @@ from belayer_policy._workload import (
     Trajectory,
     UniformRange,
     Workload,
+    append_trace,
     load_trace,
     save_trace,
 )
@@ -49,35 +61,49 @@ __all__ = [
     "CheckpointCostModel",
     "CheckpointPolicy",
     "ConstantHazard",
+    "CostModel",
     "Decision",
     "DecisionRule",
     "EveryKRule",
     "ExitCode",
     "FailureModel",
     "FixedStepProbability",
+    "HazardView",
+    "HorizonVerdict",
+    "KeyTable",
     "NeverRule",
     "OnlineHazard",
+    "PaperRule",
     "PolicyArgumentError",
     "PolicySpec",
     "PolicyStateError",
     "PolicySummary",
+    "PooledCost",
     "Reason",
     "RegenerationCost",
     "ResponseTimeModel",
+    "RestoreCostModel",
     "ScheduledFailure",
     "SharedEstimators",
     "SimulationConfig",
     "Stats",
+    "StepContext",
     "StepObservation",
     "TraceFormatError",
     "Trajectory",
+    "TrajectoryLengthModel",
     "TrajectoryOutcome",
     "UniformRange",
+    "Verdict",
     "Workload",
+    "append_trace",
+    "batch_step_hazard",
+    "compare_now_and_later",
     "compare_policies",
     "format_table",
     "load_trace",
     "percentile",
+    "protected_cost",
     "save_trace",
     "simulate_batch",
     "simulate_trajectory",

@@ -25,7 +25,9 @@ class StepObservation:
     ``response_s`` and ``action_s`` are the step's LLM response and environment action
     times; ``now`` is the trainer's monotonic clock in seconds.  ``response_elapsed_s`` is ``x``, how far
     the next LLM response already is when a checkpoint would start (0 when it starts now).
-    ``next_step_s`` overrides the policy's estimate of the next step's duration ``d_t``.
+    ``next_step_s`` overrides the policy's estimate of the next step's duration ``d_t``;
+    ``remaining_steps`` the expected steps still to come (the agent loop knows ``max_rounds - turn``,
+    an upper bound; without it the policy uses the mean length of finished trajectories).
     """
 
     step_index: int = attrs.field(validator=positive_int)
@@ -34,6 +36,7 @@ class StepObservation:
     now: float = attrs.field(validator=non_negative)
     response_elapsed_s: float = attrs.field(default=0.0, validator=non_negative)
     next_step_s: float | None = attrs.field(default=None, validator=_optional_non_negative)
+    remaining_steps: float | None = attrs.field(default=None, validator=_optional_non_negative)
 
 
 class Reason(enum.StrEnum):
@@ -69,6 +72,10 @@ class Decision:
     regeneration_s: float
     checkpoint_cost_s: float
     hidden_probability: float
+    hazard: float = 0.0
+    remaining_steps: float = 0.0
+    step_s: float = 0.0
+    restore_cost_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """A flat JSON-ready dict (``reason`` as its string value)."""

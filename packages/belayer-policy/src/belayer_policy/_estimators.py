@@ -16,7 +16,13 @@ from belayer_policy._validate import (
     unit_fraction,
 )
 
-__all__ = ["CheckpointCostModel", "RegenerationCost", "ResponseTimeModel"]
+__all__ = [
+    "CheckpointCostModel",
+    "RegenerationCost",
+    "ResponseTimeModel",
+    "RestoreCostModel",
+    "TrajectoryLengthModel",
+]
 
 
 @attrs.define
@@ -80,18 +86,43 @@ class ResponseTimeModel:
         mean = self.mean
         return math.exp(-c / mean) if mean > 0 else 0.0
 
+    def expected_visible(self, elapsed_s: float, cost_s: float) -> float:
+        """``E[max(0, c - (T - x)) | T >= x]``: seconds of a checkpoint of ``cost_s``, started
+        ``elapsed_s`` into the current response, that the response does not hide.
+
+        Without samples the whole cost is visible; past the longest sample the tail is exponential
+        with the window's mean (as in :meth:`hidden_probability`).  O(window).
+        """
+        x = require_non_negative("elapsed_s", elapsed_s)
+        c = require_non_negative("cost_s", cost_s)
+        if c == 0 or not self._sorted:
+            return c
+        start = bisect.bisect_left(self._sorted, x)
+        alive = len(self._sorted) - start
+        if not alive:
+            mean = self.mean
+            # E[max(0, c - R)] for R exponential with this mean.
+            return c - mean * -math.expm1(-c / mean) if mean > 0 else c
+        # Only responses ending within the checkpoint leave part of it visible: (x + c) - t each.
+        end = bisect.bisect_left(self._sorted, x + c, lo=start)
+        return ((end - start) * (x + c) - math.fsum(self._sorted[start:end])) / alive
+
 
 @attrs.define
 class CheckpointCostModel:
     """Exponentially weighted mean of measured checkpoint costs (seconds), following current load.
 
     ``initial_s`` stands in until the first measurement; ``smoothing`` is the weight of each
-    new measurement (1.0 keeps only the latest).
+    new measurement (1.0 keeps only the latest).  ``probes_in_flight`` counts checkpoints started
+    before the first measurement, ``probe_started_at`` when the oldest of them started: until the
+    first measurement the cost is at least as long as that probe has been running.
     """
 
     initial_s: float = attrs.field(default=1.0, validator=non_negative)
     smoothing: float = attrs.field(default=0.3, validator=unit_fraction)
     num_observations: int = attrs.field(init=False, default=0)
+    probes_in_flight: int = attrs.field(init=False, default=0)
+    probe_started_at: float | None = attrs.field(init=False, default=None)
     _estimate: float | None = attrs.field(init=False, default=None)
 
     @property
@@ -106,6 +137,44 @@ class CheckpointCostModel:
             self._estimate = value
         else:
             self._estimate += self.smoothing * (value - self._estimate)
+        self.num_observations += 1
+
+
+@attrs.define
+class RestoreCostModel(CheckpointCostModel):
+    """Exponentially weighted mean of measured restore times (seconds); prior 2 s.
+
+    Logged with every decision; in the first-order comparison of "now or later" every failure pays
+    one restore whatever the plan, so it does not move the decision.
+    """
+
+    initial_s: float = attrs.field(default=2.0, validator=non_negative)
+
+
+@attrs.define
+class TrajectoryLengthModel:
+    """Mean number of steps of finished trajectories, with a prior of ``prior_steps`` (weight 1).
+
+    Used for the expected remaining steps when the agent loop does not give them (it knows its
+    ``max_rounds``: pass ``StepObservation.remaining_steps``).
+    """
+
+    prior_steps: float = attrs.field(default=20.0, validator=non_negative)
+    num_observations: int = attrs.field(init=False, default=0)
+    _total: float = attrs.field(init=False, default=0.0)
+
+    @property
+    def mean(self) -> float:
+        """Current estimate of the steps of one trajectory."""
+        return (self.prior_steps + self._total) / (1 + self.num_observations)
+
+    def remaining(self, steps_done: int) -> float:
+        """Expected steps still to come after ``steps_done`` (at least one)."""
+        return max(1.0, self.mean - steps_done)
+
+    def observe(self, num_steps: int) -> None:
+        """Add the length of one finished trajectory."""
+        self._total += require_non_negative("num_steps", num_steps)
         self.num_observations += 1
 
 
@@ -125,8 +194,9 @@ class RegenerationCost:
 
     @property
     def cost_s(self) -> float:
-        """Current ``C_t``."""
-        return self._work - self._ready_mark
+        """Current ``C_t`` (0 when the difference is only rounding of the running totals)."""
+        value = self._work - self._ready_mark
+        return value if value > 1e-9 * self._work else 0.0
 
     @property
     def in_flight(self) -> bool:

@@ -7,13 +7,20 @@ shared by all trajectories of a batch so that they learn from every trajectory a
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import attrs
 
 from belayer_policy._decision import Decision, Reason, StepObservation
-from belayer_policy._estimators import CheckpointCostModel, RegenerationCost, ResponseTimeModel
+from belayer_policy._estimators import (
+    CheckpointCostModel,
+    RegenerationCost,
+    ResponseTimeModel,
+    RestoreCostModel,
+    TrajectoryLengthModel,
+)
 from belayer_policy._hazard import FailureModel, OnlineHazard
+from belayer_policy._pooled import CostModel
+from belayer_policy._recorder import TraceRecorder
+from belayer_policy._rules import AdaptiveRule, DecisionRule, StepContext, Verdict, paper_sides
 from belayer_policy._validate import (
     non_negative,
     positive_int,
@@ -21,81 +28,9 @@ from belayer_policy._validate import (
     require_non_negative,
     unit_fraction,
 )
+from belayer_policy._workload import Trajectory
 
-__all__ = [
-    "AdaptiveRule",
-    "AlwaysRule",
-    "CheckpointPolicy",
-    "DecisionRule",
-    "EveryKRule",
-    "NeverRule",
-]
-
-
-class DecisionRule(Protocol):
-    """Turns the evaluated benefit and visible cost of one step into checkpoint or not."""
-
-    @property
-    def name(self) -> str:
-        """Short name for logs and tables (``adaptive``, ``every:3``)."""
-        ...
-
-    def choose(self, step_index: int, benefit: float, visible_cost_s: float) -> tuple[bool, Reason]:
-        """Checkpoint or not, and why."""
-        ...
-
-
-@attrs.frozen
-class AdaptiveRule:
-    """Checkpoint iff ``p_t * C_t > c_t * (1 - q(x; c_t)) + extra_cost_s``."""
-
-    name: str = "adaptive"
-
-    def choose(self, step_index: int, benefit: float, visible_cost_s: float) -> tuple[bool, Reason]:
-        """The risk-aware comparison."""
-        if benefit > visible_cost_s:
-            return True, Reason.BENEFIT_EXCEEDS_COST
-        return False, Reason.COST_EXCEEDS_BENEFIT
-
-
-@attrs.frozen
-class AlwaysRule:
-    """Baseline: checkpoint after every step."""
-
-    name: str = "always"
-
-    def choose(self, step_index: int, benefit: float, visible_cost_s: float) -> tuple[bool, Reason]:
-        """Always."""
-        return True, Reason.ALWAYS
-
-
-@attrs.frozen
-class NeverRule:
-    """Baseline: never checkpoint; a failure restarts the trajectory from the base image."""
-
-    name: str = "never"
-
-    def choose(self, step_index: int, benefit: float, visible_cost_s: float) -> tuple[bool, Reason]:
-        """Never."""
-        return False, Reason.NEVER
-
-
-@attrs.frozen
-class EveryKRule:
-    """Baseline: checkpoint when the prefix length is a multiple of ``k``."""
-
-    k: int = attrs.field(validator=positive_int)
-
-    @property
-    def name(self) -> str:
-        """``every:K``."""
-        return f"every:{self.k}"
-
-    def choose(self, step_index: int, benefit: float, visible_cost_s: float) -> tuple[bool, Reason]:
-        """Every ``k``-th prefix."""
-        if step_index % self.k == 0:
-            return True, Reason.EVERY_K
-        return False, Reason.NOT_KTH_STEP
+__all__ = ["CheckpointPolicy"]
 
 
 @attrs.define
@@ -104,20 +39,30 @@ class CheckpointPolicy:
 
     Protocol for the agent loop: ``decide(obs)`` after every step; after a ``checkpoint=True``
     decision exactly one of ``on_checkpoint_ready(cost_s)``, ``on_checkpoint_timeout(now)`` or
-    ``on_failure(now)``; after a failure and restore, ``on_restore()``.  Two guards apply to every
-    rule: no new checkpoint while one is in flight, none during the cooldown after a timeout.
+    ``on_failure(now)``; after a failure and restore, ``on_restore()``; at the end
+    ``on_trajectory_end(num_steps)``.  Two guards apply to every rule: no new checkpoint while one
+    is in flight, none during the cooldown after a timeout.  ``batch_size`` is the number of
+    trajectories whose slowest ends the batch (the adaptive rule weighs failures by it).
     """
 
     rule: DecisionRule = attrs.field(factory=AdaptiveRule)
     failure_model: FailureModel = attrs.field(factory=OnlineHazard)
     response_times: ResponseTimeModel = attrs.field(factory=ResponseTimeModel)
-    checkpoint_costs: CheckpointCostModel = attrs.field(factory=CheckpointCostModel)
+    checkpoint_costs: CostModel = attrs.field(factory=CheckpointCostModel)
     extra_cost_s: float = attrs.field(default=0.0, validator=non_negative)
     cooldown_s: float = attrs.field(default=20.0, validator=non_negative)
     step_smoothing: float = attrs.field(default=0.3, validator=unit_fraction)
+    restore_costs: RestoreCostModel = attrs.field(factory=RestoreCostModel)
+    trajectory_lengths: TrajectoryLengthModel = attrs.field(factory=TrajectoryLengthModel)
+    batch_size: int = attrs.field(default=1, validator=positive_int)
     _regeneration: RegenerationCost = attrs.field(init=False, factory=RegenerationCost)
     _cooldown_until: float = attrs.field(init=False, default=float("-inf"))
     _step_estimate: float | None = attrs.field(init=False, default=None)
+    _recorder: TraceRecorder = attrs.field(init=False, factory=TraceRecorder)
+    _prefix: int = attrs.field(init=False, default=0)
+    _captured_prefix: int = attrs.field(init=False, default=0)
+    _ready_prefix: int = attrs.field(init=False, default=0)
+    _probing: bool = attrs.field(init=False, default=False)
 
     @property
     def name(self) -> str:
@@ -136,7 +81,46 @@ class CheckpointPolicy:
 
     def decide(self, obs: StepObservation) -> Decision:
         """Record the step, then decide whether to checkpoint the prefix ``obs.step_index`` now."""
+        context = self._observe(obs)
+        verdict: Verdict
+        if self._regeneration.in_flight:
+            verdict = self._guard(Reason.CHECKPOINT_IN_FLIGHT, context)
+        elif obs.now < self._cooldown_until:
+            verdict = self._guard(Reason.COOLDOWN, context)
+        else:
+            verdict = self.rule.choose(context)
+        if verdict.checkpoint:
+            self._regeneration.capture()
+            self._captured_prefix = obs.step_index
+            costs = self.checkpoint_costs
+            if costs.num_observations == 0:
+                self._probing = True
+                if costs.probes_in_flight == 0:
+                    costs.probe_started_at = obs.now
+                costs.probes_in_flight += 1
+        return Decision(
+            checkpoint=verdict.checkpoint,
+            reason=verdict.reason,
+            policy=self.rule.name,
+            step_index=obs.step_index,
+            now=obs.now,
+            benefit_s=verdict.benefit_s,
+            visible_cost_s=verdict.visible_cost_s,
+            failure_probability=context.failure_probability,
+            regeneration_s=context.regeneration_s,
+            checkpoint_cost_s=context.checkpoint_cost_s,
+            hidden_probability=context.hidden_probability,
+            hazard=verdict.hazard,
+            remaining_steps=context.remaining_steps,
+            step_s=context.step_s,
+            restore_cost_s=self.restore_costs.estimate,
+        )
+
+    def _observe(self, obs: StepObservation) -> StepContext:
+        """Learn from the step and gather every estimate the rule may weigh."""
         step_s = obs.response_s + obs.action_s
+        self._recorder.step(obs.step_index, obs.response_s, obs.action_s)
+        self._prefix = obs.step_index
         self._regeneration.add(step_s)
         self.failure_model.observe_exposure(step_s)
         self.response_times.observe(obs.response_s)
@@ -145,35 +129,45 @@ class CheckpointPolicy:
         else:
             self._step_estimate += self.step_smoothing * (step_s - self._step_estimate)
         duration = self._step_estimate if obs.next_step_s is None else obs.next_step_s
-
-        p = self.failure_model.failure_probability(duration)
-        regeneration = self._regeneration.cost_s
-        cost = self.checkpoint_costs.estimate
-        q = self.response_times.hidden_probability(obs.response_elapsed_s, cost)
-        benefit = p * regeneration
-        visible_cost_s = cost * (1.0 - q) + self.extra_cost_s
-
-        if self._regeneration.in_flight:
-            checkpoint, reason = False, Reason.CHECKPOINT_IN_FLIGHT
-        elif obs.now < self._cooldown_until:
-            checkpoint, reason = False, Reason.COOLDOWN
-        else:
-            checkpoint, reason = self.rule.choose(obs.step_index, benefit, visible_cost_s)
-        if checkpoint:
-            self._regeneration.capture()
-        return Decision(
-            checkpoint=checkpoint,
-            reason=reason,
-            policy=self.rule.name,
-            step_index=obs.step_index,
-            now=obs.now,
-            benefit_s=benefit,
-            visible_cost_s=visible_cost_s,
-            failure_probability=p,
-            regeneration_s=regeneration,
-            checkpoint_cost_s=cost,
-            hidden_probability=q,
+        cost = self._cost_estimate(obs.now)
+        remaining = (
+            self.trajectory_lengths.remaining(obs.step_index)
+            if obs.remaining_steps is None
+            else obs.remaining_steps
         )
+        return StepContext(
+            step_index=obs.step_index,
+            regeneration_s=self._regeneration.cost_s,
+            step_s=duration,
+            failure_probability=self.failure_model.failure_probability(duration),
+            checkpoint_cost_s=cost,
+            hidden_probability=self.response_times.hidden_probability(obs.response_elapsed_s, cost),
+            visible_now_s=self.response_times.expected_visible(obs.response_elapsed_s, cost),
+            visible_future_s=self.response_times.expected_visible(0.0, cost),
+            extra_cost_s=self.extra_cost_s,
+            remaining_steps=remaining,
+            batch_size=self.batch_size,
+        )
+
+    def _cost_estimate(self, now: float) -> float:
+        """``c_t``; before the first measurement at least as long as the oldest probe has run."""
+        costs = self.checkpoint_costs
+        started = costs.probe_started_at
+        if costs.num_observations == 0 and started is not None:
+            return max(costs.estimate, now - started)
+        return costs.estimate
+
+    def _end_probe(self) -> None:
+        if self._probing:
+            self._probing = False
+            self.checkpoint_costs.probes_in_flight -= 1
+            if self.checkpoint_costs.probes_in_flight == 0:
+                self.checkpoint_costs.probe_started_at = None
+
+    @staticmethod
+    def _guard(reason: Reason, context: StepContext) -> Verdict:
+        benefit, visible = paper_sides(context)
+        return Verdict(False, reason, benefit, visible, context.failure_probability)
 
     def observe_response(self, response_s: float) -> None:
         """Add a response time that did not come through :meth:`decide` (for example a resumed one)."""
@@ -183,6 +177,9 @@ class CheckpointPolicy:
         """The decided checkpoint is ready after ``cost_s`` seconds: ``C_t`` drops to the work since it."""
         cost_s = require_non_negative("cost_s", cost_s)
         self._regeneration.mark_ready()
+        self._end_probe()
+        self._ready_prefix = self._captured_prefix
+        self._recorder.checkpoint(self._ready_prefix, cost_s)
         self.checkpoint_costs.observe(cost_s)
 
     def on_checkpoint_timeout(self, now: float, elapsed_s: float | None = None) -> None:
@@ -194,6 +191,7 @@ class CheckpointPolicy:
         """
         now = require_non_negative("now", now)
         self._regeneration.abandon()
+        self._end_probe()
         self._cooldown_until = now + self.cooldown_s
         if elapsed_s is not None:
             self.checkpoint_costs.observe(elapsed_s)
@@ -208,10 +206,38 @@ class CheckpointPolicy:
             "exposure_s", exposure_s
         )
         require_non_negative("now", now)
+        self._recorder.failure(self._prefix, exposure_s)
         self.failure_model.observe_exposure(exposure_s)
         self.failure_model.observe_failure()
         self._regeneration.abandon()
+        self._end_probe()
 
-    def on_restore(self) -> None:
-        """The environment and LLM context went back to the latest ready checkpoint (or the start)."""
+    def on_restore(self, restore_s: float | None = None) -> None:
+        """The environment and LLM context went back to the latest ready checkpoint (or the start).
+
+        ``restore_s``, when given, is the measured restore time (learned, and logged with decisions).
+        """
         self._regeneration.restore()
+        self._prefix = self._ready_prefix
+        if restore_s is not None:
+            self.restore_costs.observe(restore_s)
+            self._recorder.restore(restore_s)
+
+    def on_trajectory_end(self, num_steps: int, last_step: StepObservation | None = None) -> None:
+        """The trajectory finished after ``num_steps`` steps (learned for the expected remaining steps).
+
+        ``last_step`` is a final step that got no decision (it is recorded and its response learned).
+        """
+        if last_step is not None:
+            self._recorder.step(last_step.step_index, last_step.response_s, last_step.action_s)
+            self.response_times.observe(last_step.response_s)
+        self.trajectory_lengths.observe(num_steps)
+
+    def recorded_trajectory(self, *, task: str | None = None, node: str | None = None) -> Trajectory | None:
+        """What this trajectory did so far in the simulator's trace format (``None`` before a step).
+
+        Save it with :func:`append_trace`; ``task`` and ``node`` label the record.
+        """
+        return self._recorder.trajectory(
+            task=task, node=node, default_checkpoint_s=self.checkpoint_costs.estimate
+        )

@@ -91,12 +91,16 @@ def compare_policies(
     num_trajectories: int = 64,
     trace: Sequence[Trajectory] | None = None,
     estimators: Callable[[], SharedEstimators] = SharedEstimators,
+    carry_estimators: bool = False,
 ) -> list[PolicySummary]:
     """Run every policy on the same ``runs`` seeded batches and summarise each.
 
     Batches come from ``trace`` (the same trajectories every run, failures drawn per run) or are
     drawn from ``workload``.  Each run gives every policy identical trajectories and failure random
-    streams (common random numbers), and fresh ``estimators`` shared by the batch's trajectories.
+    streams (common random numbers), and fresh ``estimators`` shared by the batch's trajectories
+    (their ``batch_size`` set to the batch's; trajectories' ``task`` / ``node`` labels used).
+    With ``carry_estimators`` each policy keeps one set of estimators over all runs, as
+    ``belayer-grpo train`` keeps them over a training run (only the first batch starts cold).
     """
     if not specs:
         raise PolicyArgumentError("specs must name at least one policy")
@@ -110,6 +114,7 @@ def compare_policies(
         raise PolicyArgumentError("trace must hold at least one trajectory")
     source = workload if workload is not None else Workload()
     outcomes: dict[str, list[BatchOutcome]] = {spec.name: [] for spec in specs}
+    carried = {spec.name: estimators() for spec in specs} if carry_estimators else {}
     for run in range(runs):
         batch = (
             list(trace)
@@ -117,8 +122,8 @@ def compare_policies(
             else [source.draw(_rng("work", seed, run, j)) for j in range(num_trajectories)]
         )
         for spec in specs:
-            shared = estimators()
-            policies = [spec.build(shared) for _ in batch]
+            shared = attrs.evolve(carried.get(spec.name) or estimators(), batch_size=len(batch))
+            policies = [spec.build(shared, task=t.task, node=t.node) for t in batch]
             rngs = [_rng("fail", seed, run, j) for j in range(len(batch))]
             outcomes[spec.name].append(simulate_batch(batch, policies, config, rngs))
     return [

@@ -1,7 +1,8 @@
 """Trace-driven simulation of one rollout batch under a checkpoint policy.
 
 Model (one trajectory): step ``i`` is LLM response ``r_i`` then action ``a_i``.  After step ``k``
-(except the last) the policy decides; a checkpoint of cost ``c`` starts at once and overlaps the next
+(except the last) the policy decides (told the steps still to come, as the agent loop knows its
+``max_rounds``); a checkpoint of cost ``c`` starts at once and overlaps the next
 response, but the next action waits for it (actions and checkpoints exclude each other), so
 ``max(0, c - r)`` is visible.  It becomes ready ``c`` seconds after it started; with a timeout ``T`` and
 ``c > T`` it is abandoned at ``T``.  A fail-stop failure hits an attempt of a step with probability
@@ -128,6 +129,9 @@ class _TrajectoryRun:
             self.prefix += 1
             if not self.done:
                 self._decide(response, action)
+            else:
+                last = StepObservation(self.prefix, response, action, now=self.now, remaining_steps=0)
+                self.policy.on_trajectory_end(self.trajectory.num_steps, last)
             return
         self._resolve_pending(failure_at)
         self.pending = None
@@ -139,7 +143,7 @@ class _TrajectoryRun:
         self.now += failure_at + self.config.restore_s
         self.num_failures += 1
         self.prefix = self.ready_prefix
-        self.policy.on_restore()
+        self.policy.on_restore(self.config.restore_s)
 
     def _draw_failure(self, step: int, wall: float) -> float | None:
         # Draw both numbers every attempt so that policies see the same random stream for longer.
@@ -166,7 +170,13 @@ class _TrajectoryRun:
         self.pending = None
 
     def _decide(self, response: float, action: float) -> None:
-        obs = StepObservation(step_index=self.prefix, response_s=response, action_s=action, now=self.now)
+        obs = StepObservation(
+            step_index=self.prefix,
+            response_s=response,
+            action_s=action,
+            now=self.now,
+            remaining_steps=self.trajectory.num_steps - self.prefix,
+        )
         if not self.policy.decide(obs).checkpoint:
             return
         cost = self.trajectory.checkpoint_s[self.prefix - 1]

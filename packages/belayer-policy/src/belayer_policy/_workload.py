@@ -36,6 +36,7 @@ __all__ = [
     "Trajectory",
     "UniformRange",
     "Workload",
+    "append_trace",
     "load_trace",
     "save_trace",
 ]
@@ -260,7 +261,16 @@ def load_trace(path: str | Path) -> list[Trajectory]:
 
 def save_trace(path: str | Path, trajectories: Sequence[Trajectory]) -> None:
     """Write trajectories as a JSONL trace that :func:`load_trace` reads back."""
-    with Path(path).open("w") as out:
+    _write_trace(path, trajectories, "w")
+
+
+def append_trace(path: str | Path, trajectories: Sequence[Trajectory]) -> None:
+    """Append trajectories to a JSONL trace (created if missing), one line each."""
+    _write_trace(path, trajectories, "a")
+
+
+def _write_trace(path: str | Path, trajectories: Sequence[Trajectory], mode: str) -> None:
+    with Path(path).open(mode) as out:
         for t in trajectories:
             record: dict[str, object] = {
                 "response_s": list(t.response_s),

@@ -1,0 +1,225 @@
+"""The adaptive rule: the renewal comparison, the batch weight, pooled estimates, the cost probe."""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+
+import attrs
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from belayer_policy import (
+    AdaptiveRule,
+    CheckpointCostModel,
+    CheckpointPolicy,
+    FixedStepProbability,
+    PolicySpec,
+    Reason,
+    ResponseTimeModel,
+    SharedEstimators,
+    SimulationConfig,
+    StepContext,
+    StepObservation,
+    UniformRange,
+    Workload,
+    batch_step_hazard,
+    compare_now_and_later,
+    compare_policies,
+    protected_cost,
+)
+
+
+def test_protected_cost_by_hand() -> None:
+    # 4 steps, a = 1, v = 1: k whole-step stretches cost (k - 1) + sum(L^2) / 2:
+    # [4] 8, [2, 2] 1 + 4 = 5, [2, 1, 1] 2 + 3 = 5, [1, 1, 1, 1] 3 + 2 = 5
+    assert protected_cost(4, 1.0, 1.0) == 5.0
+    # 6 steps, a = 1, v = 2: [6] 18, [3, 3] 2 + 9 = 11, [2, 2, 2] 4 + 6 = 10, [2, 2, 1, 1] 6 + 5 = 11
+    assert protected_cost(6, 1.0, 2.0) == 10.0
+    # free checkpoints: one per step, each step half a step of expected loss
+    assert protected_cost(4, 1.0, 0.0) == pytest.approx(2.0)
+    assert protected_cost(0, 1.0, 1.0) == 0.0
+
+
+def test_now_or_later_by_hand() -> None:
+    # u = 2 unprotected steps, m = 2 to go, a = 1, v = 1.
+    # now: best of one stretch (2 * 2 / 2 = 2) or two (1 + 2 * 1 / 2 = 2) = 2
+    # wait 1: 1 * (1 * 2 + 1/2) + 1 + protected(1) = 2.5 + 1 + 0.5 = 4; wait 2: 2 * 2 + 2 = 6
+    verdict = compare_now_and_later(2.0, 2.0, 1.0, 1.0)
+    assert (verdict.now_s, verdict.later_s, verdict.delay_steps) == (2.0, 4.0, 1)
+    assert verdict.saving_s == 2.0
+
+
+def test_batch_weight_by_hand() -> None:
+    p, steps = 0.01, 20
+    rate = -math.log1p(-p)
+    assert batch_step_hazard(p, steps, 1) == pytest.approx(rate)
+    mu = rate * steps
+    rare = 1 - (1 - math.exp(-64 * mu)) / (64 * mu)  # the largest of Poisson(64 mu) uniforms
+    frequent = mu / 2 + NormalDist().inv_cdf((64 - 0.375) / 64.25) * math.sqrt(mu / 3)
+    assert rare > frequent
+    assert batch_step_hazard(p, steps, 64) == pytest.approx(2 * rare / steps)
+    assert batch_step_hazard(0.0, steps, 64) == 0.0
+
+
+def test_adaptive_decision_by_hand() -> None:
+    responses = ResponseTimeModel()
+    for t in (2.0, 4.0):
+        responses.observe(t)
+    policy = CheckpointPolicy(
+        rule=AdaptiveRule(),
+        failure_model=FixedStepProbability(0.1),
+        response_times=responses,
+        checkpoint_costs=CheckpointCostModel(initial_s=3.0),
+    )
+    decision = policy.decide(StepObservation(1, 3.0, 1.0, now=4.0, remaining_steps=3))
+    # window {2, 3, 4}: a 3 s checkpoint leaves 1, 0, 0 s visible of responses 2, 3, 4 -> 1/3 s
+    assert decision.visible_cost_s == pytest.approx(1 / 3)
+    h = -math.log1p(-0.1)
+    expected = compare_now_and_later(1.0, 3.0, h * 4.0, 1 / 3)  # u = 4 s / 4 s, m = 3, a = h d
+    assert decision.hazard == pytest.approx(h)
+    assert decision.benefit_s == pytest.approx(expected.saving_s)
+    assert decision.checkpoint == (expected.saving_s > 1 / 3)
+    assert decision.remaining_steps == 3
+
+
+def test_one_step_rule_misses_what_the_horizon_sees() -> None:
+    # checkpoints longer than responses: the paper's rule compares p * C with the visible cost of
+    # one step; over 19 more steps a checkpoint now protects far more.
+    context = StepContext(
+        step_index=3,
+        regeneration_s=12.0,
+        step_s=4.0,
+        failure_probability=0.05,
+        checkpoint_cost_s=5.0,
+        hidden_probability=0.0,
+        visible_now_s=2.0,
+        visible_future_s=2.0,
+        extra_cost_s=0.0,
+        remaining_steps=17,
+        batch_size=64,
+    )
+    assert not PolicySpec.parse("paper").rule.choose(context).checkpoint
+    assert PolicySpec.parse("adaptive").rule.choose(context).checkpoint
+
+
+contexts = st.builds(
+    StepContext,
+    step_index=st.integers(1, 50),
+    regeneration_s=st.one_of(st.just(0.0), st.floats(1e-3, 500.0)),
+    step_s=st.floats(0.01, 100.0),
+    failure_probability=st.just(0.0),
+    checkpoint_cost_s=st.floats(0.0, 30.0),
+    hidden_probability=st.floats(0.0, 1.0),
+    visible_now_s=st.floats(0.0, 30.0),
+    visible_future_s=st.floats(0.0, 30.0),
+    extra_cost_s=st.floats(0.0, 5.0),
+    remaining_steps=st.integers(0, 60),
+    batch_size=st.integers(1, 256),
+)
+
+
+@given(contexts, st.floats(0.0, 0.5), st.floats(0.0, 0.5))
+def test_adaptive_is_monotone_in_the_hazard(context: StepContext, p1: float, p2: float) -> None:
+    low, high = sorted((p1, p2))
+    rule = AdaptiveRule()
+    at_low = rule.choose(attrs.evolve(context, failure_probability=low))
+    at_high = rule.choose(attrs.evolve(context, failure_probability=high))
+    assert at_low.hazard <= at_high.hazard
+    if at_low.checkpoint:
+        assert at_high.checkpoint
+
+
+@given(contexts, st.floats(1e-6, 0.5), st.floats(0.0, 500.0))
+def test_adaptive_is_monotone_in_the_work_at_risk(context: StepContext, p: float, more: float) -> None:
+    rule = AdaptiveRule()
+    base = attrs.evolve(context, failure_probability=p)
+    if rule.choose(base).checkpoint:
+        assert rule.choose(attrs.evolve(base, regeneration_s=context.regeneration_s + more)).checkpoint
+
+
+@given(contexts)
+def test_adaptive_never_checkpoints_without_hazard(context: StepContext) -> None:
+    assert not AdaptiveRule().choose(context).checkpoint
+
+
+@given(contexts, st.floats(1e-6, 0.5))
+def test_adaptive_protects_work_when_checkpoints_are_free(context: StepContext, p: float) -> None:
+    free = attrs.evolve(
+        context, failure_probability=p, visible_now_s=0.0, visible_future_s=0.0, extra_cost_s=0.0
+    )
+    verdict = AdaptiveRule().choose(free)
+    has_work = context.regeneration_s > 0 and context.remaining_steps >= 1
+    assert verdict.checkpoint == has_work
+
+
+def test_task_and_node_learn_their_own_hazard_and_cost() -> None:
+    shared = SharedEstimators(failure_model=FixedStepProbability(0.01))
+    flaky = PolicySpec.parse("adaptive").build(shared, task="oom", node="a")
+    steady = PolicySpec.parse("adaptive").build(shared, task="calc", node="a")
+    other = PolicySpec.parse("adaptive").build(shared, task="calc", node="b")
+    for _ in range(20):
+        flaky.failure_model.observe_exposure(5.0)
+        steady.failure_model.observe_exposure(5.0)
+        other.failure_model.observe_exposure(5.0)
+    for _ in range(4):
+        flaky.on_failure(now=1.0)
+    p_flaky = flaky.failure_model.failure_probability(5.0)
+    p_steady = steady.failure_model.failure_probability(5.0)
+    p_other = other.failure_model.failure_probability(5.0)
+    assert p_flaky > p_steady  # the task's own failures
+    assert p_steady > p_other  # node "a" also saw them, node "b" did not
+    assert p_other < 0.01  # calc and b: exposure without failures
+    slow = PolicySpec.parse("always").build(shared, node="slow-disk")
+    fast = PolicySpec.parse("always").build(shared, node="nvme")
+    for cost in (8.0, 9.0, 10.0):
+        assert slow.decide(StepObservation(1, 1.0, 1.0, now=0.0)).checkpoint
+        slow.on_checkpoint_ready(cost)
+        slow.on_failure(now=0.0)
+        slow.on_restore()
+    fast.decide(StepObservation(1, 1.0, 1.0, now=0.0))
+    fast.on_checkpoint_ready(0.5)
+    assert slow.checkpoint_costs.estimate > fast.checkpoint_costs.estimate
+
+
+def test_unmeasured_cost_is_at_least_as_long_as_the_running_probe() -> None:
+    shared = SharedEstimators(
+        failure_model=FixedStepProbability(0.05), checkpoint_costs=CheckpointCostModel(initial_s=1.0)
+    )
+    first = PolicySpec.parse("always").build(shared)
+    second = PolicySpec.parse("adaptive").build(shared)
+    assert first.decide(StepObservation(1, 2.0, 1.0, now=3.0)).checkpoint
+    late = second.decide(StepObservation(1, 8.0, 1.0, now=10.0))
+    assert late.checkpoint_cost_s == 7.0  # the probe has run 7 s and is not done
+    first.on_checkpoint_ready(7.5)
+    after = second.decide(StepObservation(2, 8.0, 1.0, now=19.0))
+    assert after.checkpoint_cost_s == 7.5
+    assert shared.checkpoint_costs.probes_in_flight == (1 if late.checkpoint else 0)
+
+
+def test_cooldown_after_a_timeout_still_holds_for_adaptive() -> None:
+    policy = PolicySpec.parse("adaptive", cooldown_s=20.0).build(
+        SharedEstimators(failure_model=FixedStepProbability(0.5))
+    )
+    assert policy.decide(StepObservation(1, 5.0, 1.0, now=6.0, remaining_steps=10)).checkpoint
+    policy.on_checkpoint_timeout(now=8.0, elapsed_s=2.0)
+    blocked = policy.decide(StepObservation(2, 5.0, 1.0, now=27.9, remaining_steps=9))
+    assert (blocked.checkpoint, blocked.reason) == (False, Reason.COOLDOWN)
+    assert policy.decide(StepObservation(3, 5.0, 1.0, now=28.0, remaining_steps=8)).checkpoint
+
+
+def test_adaptive_beats_the_paper_rule_where_checkpoints_show() -> None:
+    stress = Workload(12, UniformRange(1.0, 5.0), UniformRange(0.1, 2.0), UniformRange(2.0, 8.0))
+    summaries = compare_policies(
+        [PolicySpec.parse(name) for name in ("adaptive", "paper", "never")],
+        config=SimulationConfig(fail_prob=0.05),
+        runs=4,
+        seed=5,
+        workload=stress,
+        num_trajectories=16,
+        estimators=lambda: SharedEstimators(failure_model=FixedStepProbability(0.05)),
+        carry_estimators=True,
+    )
+    rollout = {s.policy: s.metrics["rollout_s"].mean for s in summaries}
+    assert rollout["adaptive"] < rollout["paper"]
