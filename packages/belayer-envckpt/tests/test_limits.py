@@ -112,6 +112,13 @@ def test_defaults_apply_to_every_sandbox(make_sandbox):
     assert seen["memory"] == seen["memory+swap"] == str(2048 * MIB)
 
 
+def test_throwaway_containers_get_the_engine_enforced_limits(engine):
+    probe = "cat /sys/fs/cgroup/pids/pids.max; grep -E '^(CapEff|NoNewPrivs)' /proc/self/status"
+    out = engine.run(BUSYBOX, ["sh", "-c", probe], labels=TEST_LABELS, limits=SMALL).stdout.split()
+    mask = f"{sum(1 << bit for bit in CAP_BITS.values()):016x}"
+    assert out == ["48", "CapEff:", mask, "NoNewPrivs:", "1"]
+
+
 def test_restore_keeps_every_limit(make_sandbox, track, engine, tmp_path):
     sandbox = make_sandbox(BUSYBOX, "keep", limits=SMALL)
     before = in_force(sandbox)
@@ -159,7 +166,8 @@ def test_fork_bomb_hits_the_pids_limit(make_sandbox, track, engine, tmp_path):
     assert isinstance(raised[0], SandboxLimitError), raised
     assert raised[0].cause is LimitCause.PIDS
     assert "pids limit of 48" in str(raised[0])
-    assert int(cgroup_value(sandbox, "pids", "pids.current")) < 5  # the bomb's processes were killed
+    # The bomb's processes were killed (and, once reaped, released from the pids count).
+    wait_for(lambda: int(cgroup_value(sandbox, "pids", "pids.current")) < 5, timeout=60)
     restored = track(full_restore(store.latest_ready("bomb"), engine=engine))
     assert restored.prefix == ready.prefix
     assert restored.exec("cat /tmp/marker").stdout == "before\n"

@@ -28,6 +28,7 @@ from ._errors import (
     InvalidConfigError,
 )
 from ._exec import ExecResult
+from ._limits import SandboxLimits
 from ._run import run_command
 
 LABEL = "belayer.envckpt"
@@ -172,18 +173,26 @@ class Engine:
         *,
         timeout_s: float = 120.0,
         labels: Mapping[str, str] | None = None,
+        limits: SandboxLimits | None = None,
     ) -> ExecResult:
         """Run ``command`` in a throwaway container of ``image`` (no network) and remove it.
 
-        A command still running at ``timeout_s`` is killed and reported with ``timed_out``.
+        A command still running at ``timeout_s`` is killed and reported with ``timed_out``.  The
+        container gets the engine-enforced part of ``limits`` (default `SandboxLimits()`: pids,
+        memory without swap, CPU, capabilities, no-new-privileges); the disk cap needs a `Sandbox`.
         """
+        create_limits = (limits or SandboxLimits()).create_kwargs()
         started = time.perf_counter()
         container: Container | None = None
         what = f"running {list(command)[:3]!r} in a container of {image!r}"
         try:
             with engine_errors(what, image=image):
                 container = self.client.containers.create(
-                    image, list(command), network_mode="none", labels={**(labels or {}), LABEL: "1"}
+                    image,
+                    list(command),
+                    network_mode="none",
+                    labels={**(labels or {}), LABEL: "1"},
+                    **create_limits,
                 )
                 container.start()
                 timed_out = False
