@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import subprocess
 import sys
 
@@ -12,9 +13,15 @@ from conftest import TEST_LABEL, TEST_SESSION
 from belayer_envckpt import ExitCode, __version__
 
 
-def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+def cli(
+    *args: str, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(
-        [sys.executable, "-m", "belayer_envckpt", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "belayer_envckpt", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=None if env is None else {**os.environ, **env},
     )
     if check:
         assert proc.returncode == 0, proc.stderr
@@ -102,7 +109,10 @@ def test_errors_are_one_line_with_named_exit_codes(tmp_path):
     assert "CheckpointNotFoundError" in proc.stderr.splitlines()[-1]
 
 
-def test_demo_runs_end_to_end():
-    out = json.loads(cli("demo", "--json").stdout)
+def test_demo_runs_end_to_end(tmp_path):
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    out = json.loads(cli("demo", "--json", env={"TMPDIR": str(temp)}).stdout)
     assert out["state_matches_prefix"] is True
     assert out["process_resumed"] is True
+    assert list(temp.iterdir()) == []  # its temporary store is gone

@@ -30,6 +30,7 @@ from ._errors import (
     OutsideGuaranteeError,
     RestoreFailedError,
     SandboxLimitError,
+    UnrestorableConnectionError,
     UnsafeArchiveError,
 )
 from ._exec import ExecResult
@@ -72,6 +73,7 @@ __all__ = [
     "SandboxConfig",
     "SandboxLimitError",
     "SandboxLimits",
+    "UnrestorableConnectionError",
     "UnsafeArchiveError",
     "__version__",
     "check_criu",

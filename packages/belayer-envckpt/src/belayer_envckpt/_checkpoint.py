@@ -7,6 +7,7 @@ import time
 import uuid
 from pathlib import Path
 
+from ._criu import describe_inet_socket, first_error_line, unrestorable_connection
 from ._engine import Engine
 from ._errors import (
     BelayerEnvckptError,
@@ -16,13 +17,14 @@ from ._errors import (
     InjectedCrash,
     InvalidConfigError,
     RestoreFailedError,
+    UnrestorableConnectionError,
 )
 from ._faults import CheckpointFault, CrashPoint, apply_fault
 from ._ids import validate_id
 from ._layer import capture_layer, check_layer_archive, install_layer
 from ._limit_guard import check_checkpoint_size, check_checkpointable, layer_size_bytes
 from ._sandbox import Sandbox, SandboxConfig, check_guarantee
-from ._store import CRIU_DIR, LAYER, Checkpoint, CheckpointStore, record_files, verify_checkpoint
+from ._store import CRIU_DIR, LAYER, PARTIAL, Checkpoint, CheckpointStore, record_files, verify_checkpoint
 
 
 def _ms(start: float) -> float:
@@ -114,14 +116,57 @@ def full_checkpoint(
             store.abandon(tmp)  # a dead process cleans nothing up: the partial directory stays for gc
         raise
     except Exception as exc:
+        kept = _keep_criu_log(store, trajectory, exc, tmp)
         if tmp is not None:
             store.abort(tmp)
         if isinstance(exc, BelayerEnvckptError) and not isinstance(exc, ContainerEngineError | CommandError):
             raise  # refused before anything was captured: the error already says what to do
-        raise CheckpointFailedError(
-            f"checkpoint of sandbox {sandbox.id[:12]} failed ({exc}); the partial checkpoint was "
-            "removed and the previous ready checkpoint is still in effect"
-        ) from exc
+        raise _failure(sandbox, exc, kept) from exc
+
+
+def _keep_criu_log(store: CheckpointStore, trajectory: str, exc: Exception, tmp: Path | None) -> Path | None:
+    """Copy CRIU's log of a failed dump into the store's failed area before the partial goes."""
+    log = exc.log_path if isinstance(exc, CommandError) else None
+    if log is None or tmp is None or not log.is_file():
+        return None
+    try:
+        return store.keep_failed_log(trajectory, tmp.name.removeprefix(PARTIAL), log)
+    except OSError:
+        return None
+
+
+def _name_socket(sandbox: Sandbox, inode: int) -> str:
+    if inode == 0:
+        return "an established TCP connection"
+    try:
+        pid = int(sandbox.inspect()["State"]["Pid"])
+    except (BelayerEnvckptError, KeyError, TypeError, ValueError):
+        return f"socket inode {inode}"
+    described = describe_inet_socket(pid, inode)
+    if described.endswith("(LISTEN)"):
+        return f"a connection not yet accepted by the listener {described.split(' -> ')[0]}"
+    return described
+
+
+def _failure(sandbox: Sandbox, exc: Exception, log: Path | None) -> CheckpointFailedError:
+    after = "the partial checkpoint was removed and the previous ready checkpoint is still in effect"
+    if log is None:
+        return CheckpointFailedError(f"checkpoint of sandbox {sandbox.id[:12]} failed ({exc}); {after}")
+    line = first_error_line(log)
+    inode = unrestorable_connection(line)
+    if inode is not None:
+        return UnrestorableConnectionError(
+            f"sandbox {sandbox.id[:12]} holds a connection CRIU cannot checkpoint: {_name_socket(sandbox, inode)} "
+            f"(CRIU: {line!r}; its log: {log}). Accept or close it before the checkpoint: established "
+            "loopback TCP connections are supported (with tcp-established in /etc/criu/runc.conf, "
+            f"see `belayer-envckpt doctor`), connections still waiting in a listener's queue are not; {after}",
+            log,
+        )
+    return CheckpointFailedError(
+        f"CRIU could not checkpoint sandbox {sandbox.id[:12]}: {line or 'no error line in its log'!r} "
+        f"(CRIU's log: {log}); {after}",
+        log,
+    )
 
 
 def _maybe_fault(sandbox: Sandbox, fault: CheckpointFault | None, point: CrashPoint) -> None:

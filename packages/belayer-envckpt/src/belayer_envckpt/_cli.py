@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from ._checkpoint import full_checkpoint, full_restore
+from ._criu import doctor_checks
 from ._demo import run_demo
 from ._engine import Engine, check_criu
 from ._errors import (
@@ -71,9 +72,14 @@ def _doctor(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
             else 'off: put {"experimental": true} in /etc/docker/daemon.json, restart dockerd',
         }
     try:
-        checks["criu"] = {"ok": True, "detail": check_criu().splitlines()[-1]}
+        said = check_criu().splitlines()
+        checks["criu"] = {
+            "ok": True,
+            "detail": next((line for line in said if "Looks good" in line), said[-1]),
+        }
     except BelayerEnvckptError as exc:
         checks["criu"] = {"ok": False, "detail": str(exc)}
+    checks |= doctor_checks()
     for image in args.image or DEFAULT_IMAGES:
         present = engine is not None and engine.has_image(image)
         checks[f"image {image}"] = {

@@ -6,7 +6,6 @@ translated there into a belayer-envckpt error.
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 import uuid
@@ -19,7 +18,9 @@ import docker
 from docker.models.containers import Container
 
 from ._boundary import SETUP_HINT, engine_errors
+from ._criu import criu_binary
 from ._errors import (
+    CommandError,
     ContainerEngineError,
     ContainerNotFoundError,
     CriuUnavailableError,
@@ -257,10 +258,13 @@ class Engine:
                         container.id,
                     ],
                     timeout=600,
-                    hint=f"CRIU's log: {work}/dump.log",
                 )
-            finally:
-                shutil.rmtree(work, ignore_errors=True)
+            except CommandError as exc:
+                # CRIU's log stays in the (partial) checkpoint directory for the caller to keep.
+                log = work / "dump.log"
+                exc.log_path = log if log.is_file() else None
+                raise
+            shutil.rmtree(work, ignore_errors=True)
             return
         api = self.client.api
         body = {"CheckpointID": name, "Exit": False, "CheckpointDir": str(directory)}
@@ -311,9 +315,7 @@ class Engine:
 
 def check_criu() -> str:
     """Run `criu check` (``$BELAYER_CRIU`` or ``criu`` on PATH); raise `CriuUnavailableError` if it fails."""
-    override = os.environ.get("BELAYER_CRIU")
-    search = os.environ.get("PATH", "") + ":/usr/local/bin:/usr/sbin:/sbin"
-    criu = shutil.which(override) if override else shutil.which("criu", path=search)
+    criu = criu_binary()
     if criu is None:
         raise CriuUnavailableError(f"criu is not installed. {SETUP_HINT}")
     result = run_command([criu, "check"], timeout=60, check=False)

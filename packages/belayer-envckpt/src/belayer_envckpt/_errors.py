@@ -15,12 +15,16 @@ class BelayerEnvckptError(Exception):
 
 
 class CommandError(BelayerEnvckptError):
-    """An external command failed; carries its argv, exit code and stderr."""
+    """An external command failed; carries its argv, exit code and stderr.
+
+    ``log_path``: the log the command left (CRIU's dump.log for a failed dump), when there is one.
+    """
 
     def __init__(self, argv: Sequence[str], returncode: int, stderr: str, hint: str = "") -> None:
         self.argv = list(argv)
         self.returncode = returncode
         self.stderr = stderr
+        self.log_path: Path | None = None
         message = f"command {self.argv!r} exited with {returncode}: {stderr.strip()[-2000:]}"
         if hint:
             message += f"\n{hint}"
@@ -85,6 +89,10 @@ class CheckpointFailedError(BelayerEnvckptError):
     def __init__(self, message: str, log_path: Path | None = None) -> None:
         self.log_path = log_path
         super().__init__(message)
+
+
+class UnrestorableConnectionError(CheckpointFailedError):
+    """CRIU refused to dump a connection it could not restore (named in the message); nothing was published."""
 
 
 class CheckpointTooLargeError(CheckpointFailedError):

@@ -26,6 +26,10 @@ LAYER = "layer.tar"
 CRIU_DIR = "criu"
 PARTIAL = ".partial-"
 FORMAT = 1
+# CRIU's logs of failed checkpoints: ROOT/.failed/<trajectory>/<checkpoint_id>.log.  The dot keeps
+# the area apart from trajectories (an id cannot start with one); only the newest are kept.
+FAILED = ".failed"
+MAX_FAILED_LOGS = 16
 
 
 @attrs.frozen
@@ -245,8 +249,9 @@ class CheckpointStore:
         return verify_checkpoint(checkpoint.path if isinstance(checkpoint, Checkpoint) else Path(checkpoint))
 
     def gc(self, trajectory: str | None = None, *, keep: int | None = None) -> builtins.list[Path]:
-        """Remove leftovers; with ``trajectory``, only that trajectory's leftovers and also its
-        checkpoints (all, or all but the newest ``keep``).  Checkpoints in progress are never touched.
+        """Remove leftovers and kept CRIU logs of failed checkpoints; with ``trajectory``, only that
+        trajectory's, and also its checkpoints (all, or all but the newest ``keep``).  Checkpoints
+        in progress are never touched.
         """
         removed = list(self.leftovers(trajectory))
         if trajectory is not None:
@@ -262,7 +267,35 @@ class CheckpointStore:
         for tdir in self._trajectory_dirs():
             if not any(tdir.iterdir()):
                 tdir.rmdir()
-        return removed
+        return removed + self._gc_failed_logs(trajectory)
+
+    def keep_failed_log(self, trajectory: str, checkpoint_id: str, log: Path) -> Path:
+        """Copy CRIU's log of a failed checkpoint into the failed area; drop the oldest beyond the bound."""
+        target = self.root / FAILED / validate_id(trajectory, "trajectory") / f"{checkpoint_id}.log"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(log, target)
+        for old in self.failed_logs()[:-MAX_FAILED_LOGS]:
+            old.unlink(missing_ok=True)
+        return target
+
+    def failed_logs(self, trajectory: str | None = None) -> builtins.list[Path]:
+        """CRIU logs kept from failed checkpoints, oldest first."""
+        area = self.root / FAILED
+        pattern = f"{validate_id(trajectory, 'trajectory')}/*.log" if trajectory is not None else "*/*.log"
+        return (
+            sorted(area.glob(pattern), key=lambda p: (p.stat().st_mtime_ns, p.name)) if area.is_dir() else []
+        )
+
+    def _gc_failed_logs(self, trajectory: str | None) -> builtins.list[Path]:
+        logs = self.failed_logs(trajectory)
+        for log in logs:
+            log.unlink(missing_ok=True)
+        area = self.root / FAILED
+        if area.is_dir():
+            for folder in [*area.iterdir(), area]:
+                if folder.is_dir() and not any(folder.iterdir()):
+                    folder.rmdir()
+        return logs
 
     def _trajectory_dirs(self) -> builtins.list[Path]:
         if not self.root.is_dir():
