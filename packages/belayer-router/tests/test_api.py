@@ -162,7 +162,7 @@ async def test_openai_client_completions_with_token_ids_and_text() -> None:
             )
         ]
         with pytest.raises(openai.BadRequestError):
-            await oai.completions.create(model="m", prompt=[1], max_tokens=2, n=2)
+            await oai.completions.create(model="m", prompt=[1], max_tokens=2, best_of=2)
         await oai.close()
     expected = expected_tokens(4, 7)
     choice = whole.choices[0]

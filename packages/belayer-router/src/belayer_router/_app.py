@@ -5,13 +5,16 @@ from __future__ import annotations
 import hmac
 import json
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
 import attrs
 import httpx
 
 from belayer_router._asgi import Receive, Send, read_json, send_json, send_text, stream_response
+from belayer_router._chat import ChatRenderer, parse_chat_request
 from belayer_router._dispatch import Dispatcher, Emit, new_seed
 from belayer_router._errors import (
     BelayerRouterError,
@@ -22,7 +25,8 @@ from belayer_router._errors import (
 )
 from belayer_router._journal import Journal, RequestRecord
 from belayer_router._metrics import Metrics
-from belayer_router._openai import CompletionRenderer, parse_completion_request
+from belayer_router._openai import ChoiceEvent, CompletionRenderer, parse_completion_request
+from belayer_router._params import OpenAIParams, split_choices
 from belayer_router._protocol import (
     FinishEvent,
     GenerateRequest,
@@ -32,7 +36,7 @@ from belayer_router._protocol import (
 )
 from belayer_router._registry import Registry
 from belayer_router._store import JournalStore
-from belayer_router._tokenizer import Tokenizer
+from belayer_router._tokenizer import ChatTokenizer, Tokenizer
 
 __all__ = ["RouterApp", "RouterConfig"]
 
@@ -66,6 +70,7 @@ class RouterConfig:
     max_body_bytes: int = attrs.field(default=8 * 1024 * 1024, validator=attrs.validators.ge(1024))
     max_prompt_tokens: int = attrs.field(default=131_072, validator=attrs.validators.ge(1))
     max_choices: int = attrs.field(default=64, validator=attrs.validators.ge(1))
+    default_max_tokens: int = attrs.field(default=4096, validator=attrs.validators.ge(1))
     resume_wait: float | None = attrs.field(default=None, kw_only=True)
     worker_read_timeout: float | None = attrs.field(default=None, kw_only=True)
 
@@ -125,7 +130,12 @@ class RouterApp:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
         client = httpx.AsyncClient(timeout=timeout, limits=limits)
         self.dispatcher = Dispatcher(
-            self.registry, self.journal, self.metrics, client, self.config.resume_wait_s
+            self.registry,
+            self.journal,
+            self.metrics,
+            client,
+            self.config.resume_wait_s,
+            tokenizer=self.config.tokenizer,
         )
 
     def _apply_admin(self, op: dict[str, Any]) -> None:
@@ -165,6 +175,9 @@ class RouterApp:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
+    async def _body(self, receive: Receive) -> Any:
+        return await read_json(receive, self.config.max_body_bytes)
+
     def _authorize(self, scope: dict[str, Any]) -> None:
         token = self.config.admin_token
         if token is None:
@@ -177,11 +190,20 @@ class RouterApp:
         method, parts = scope["method"], [p for p in scope["path"].split("/") if p]
         match method, parts:
             case "POST", ["generate"]:
-                await self._generate(parse_generate_request(await read_json(receive)), receive, send)
+                request = parse_generate_request(await self._body(receive))
+                if len(request.prompt_token_ids) > self.config.max_prompt_tokens:
+                    raise InvalidRequestError(
+                        f"prompt has {len(request.prompt_token_ids)} tokens, over the limit of "
+                        f"{self.config.max_prompt_tokens} (router option max_prompt_tokens); shorten it"
+                    )
+                await self._generate(request, receive, send)
             case "POST", ["v1", "completions"]:
-                await self._completions(await read_json(receive), receive, send)
+                await self._completions(await self._body(receive), receive, send)
+            case "POST", ["v1", "chat", "completions"]:
+                await self._chat_completions(await self._body(receive), receive, send)
             case "GET", ["v1", "models"]:
-                await send_json(send, 200, {"object": "list", "data": [{"id": "belayer", "object": "model"}]})
+                model = {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "belayer"}
+                await send_json(send, 200, {"object": "list", "data": [model]})
             case "GET", ["health"]:
                 healthy = [s for s in self.registry.slots.values() if s.healthy and s.worker is not None]
                 await send_json(send, 200, {"status": "ok", "num_active_workers": len(healthy)})
@@ -205,7 +227,7 @@ class RouterApp:
             case "GET", ["workers"]:
                 await send_json(send, 200, {"slots": self.registry.snapshot()})
             case "POST", ["workers", "register"]:
-                body = _object(await read_json(receive))
+                body = _object(await self._body(receive))
                 url = body.get("url")
                 if not isinstance(url, str) or not url.startswith(("http://", "https://")):
                     raise InvalidRequestError(f"field 'url' must be an http(s) URL, got {url!r}")
@@ -213,7 +235,7 @@ class RouterApp:
                 self._admin_change({"op": "register", "slot": slot, "url": url.rstrip("/"), "epoch": epoch})
                 await send_json(send, 200, {"slot": slot, "url": url.rstrip("/"), "epoch": epoch})
             case "POST", ["workers", "unregister"]:
-                body = _object(await read_json(receive))
+                body = _object(await self._body(receive))
                 slot, epoch = _slot_field(body), _int_field(body, "epoch")
                 self._admin_change({"op": "unregister", "slot": slot, "epoch": epoch})
                 await send_json(send, 200, {"ok": True})
@@ -226,7 +248,7 @@ class RouterApp:
     async def _contexts(self, method: str, parts: list[str], receive: Receive, send: Send) -> None:
         match method, parts:
             case "PUT" | "POST", ["contexts", trajectory, turn]:
-                body = _object(await read_json(receive))
+                body = _object(await self._body(receive))
                 token_ids = body.get("token_ids")
                 if not isinstance(token_ids, list) or not all(type(t) is int and t >= 0 for t in token_ids):
                     raise InvalidRequestError("field 'token_ids' must be a list of non-negative token ids")
@@ -300,19 +322,83 @@ class RouterApp:
         )
 
     async def _completions(self, body: Any, receive: Receive, send: Send) -> None:
-        request, options = parse_completion_request(body, self.config.tokenizer)
-        record = self._begin(request)
-        renderer = CompletionRenderer(options, self.config.tokenizer, f"cmpl-{record.request_id}")
-        if not request.stream:
-            await send_json(send, 200, renderer.whole(await self._collect(record, 0)))
+        tokenizer = self.config.tokenizer
+        params, prompts, logprobs = parse_completion_request(
+            body, tokenizer, default_model=self.config.model_name
+        )
+        requests = self._choices(params, prompts)
+        renderer = CompletionRenderer(params, requests, tokenizer, logprobs, f"cmpl-{params.request_id}")
+        await self._openai(requests, renderer, params.stream, receive, send)
+
+    async def _chat_completions(self, body: Any, receive: Receive, send: Send) -> None:
+        tokenizer = self.config.tokenizer
+        params, prompt, tools, logprobs = parse_chat_request(
+            body,
+            tokenizer,
+            default_model=self.config.model_name,
+            default_max_tokens=self.config.default_max_tokens,
+        )
+        assert isinstance(tokenizer, ChatTokenizer)  # parse_chat_request refuses any other
+        requests = self._choices(params, [prompt])
+        renderer = ChatRenderer(params, requests, tokenizer, tools, logprobs, f"chatcmpl-{params.request_id}")
+        await self._openai(requests, renderer, params.stream, receive, send)
+
+    def _choices(self, params: OpenAIParams, prompts: list[list[int]]) -> list[GenerateRequest]:
+        return split_choices(
+            params,
+            prompts,
+            max_choices=self.config.max_choices,
+            max_prompt_tokens=self.config.max_prompt_tokens,
+        )
+
+    async def _openai(
+        self,
+        requests: list[GenerateRequest],
+        renderer: CompletionRenderer | ChatRenderer,
+        stream: bool,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        records: list[RequestRecord] = []
+        try:
+            for request in requests:
+                records.append(self._begin(request))
+        except BelayerRouterError:
+            for record in records:  # e.g. choice 2's request id conflicts: free choices 0 and 1
+                self.journal.release(record)
+            raise
+
+        async def produce(emit: Callable[[ChoiceEvent], None]) -> None:
+            await self._run_choices(records, emit)
+
+        if not stream:
+            events: list[ChoiceEvent] = []
+            await produce(events.append)
+            await send_json(send, 200, renderer.whole(events))
             return
-
-        async def produce(emit: Emit) -> None:
-            await self._run(record, emit, 0)
-
         await stream_response(
             receive, send, produce, renderer.chunks, renderer.error_chunk, "text/event-stream"
         )
+
+    async def _run_choices(self, records: list[RequestRecord], emit: Callable[[ChoiceEvent], None]) -> None:
+        """Run every choice's request at once; the first error cancels the rest and is raised."""
+        if len(records) == 1:
+            await self._run(records[0], lambda event: emit((0, event)), 0)
+            return
+        failures: list[BelayerRouterError] = []
+
+        async def one(index: int, record: RequestRecord, scope: anyio.CancelScope) -> None:
+            try:
+                await self._run(record, lambda event: emit((index, event)), 0)
+            except BelayerRouterError as error:
+                failures.append(error)
+                scope.cancel()
+
+        async with anyio.create_task_group() as group:
+            for index, record in enumerate(records):
+                group.start_soon(one, index, record, group.cancel_scope)
+        if failures:
+            raise failures[0]
 
 
 def _parse_turn(turn: str) -> int:

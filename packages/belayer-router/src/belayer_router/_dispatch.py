@@ -27,6 +27,7 @@ from belayer_router._protocol import (
     worker_request_body,
 )
 from belayer_router._registry import Registry, Worker
+from belayer_router._tokenizer import Tokenizer
 
 __all__ = ["Dispatcher", "Emit", "new_seed"]
 
@@ -48,6 +49,7 @@ class Dispatcher:
     metrics: Metrics
     client: httpx.AsyncClient
     resume_wait_s: float = 5.0
+    tokenizer: Tokenizer | None = None
     max_attempts: int = 32
 
     async def run(self, record: RequestRecord, emit: Emit, num_received: int = 0) -> None:
@@ -172,4 +174,15 @@ class Dispatcher:
             emit(TokenEvent(index, event.token_id, event.logprob))
         else:
             self.metrics.num_tokens_regenerated += 1
+        if record.request.stop and self._stop_string_ends(record):
+            return "stop"  # leaving the stream closes it: the worker stops generating
         return None
+
+    def _stop_string_ends(self, record: RequestRecord) -> bool:
+        """Whether the text now contains a stop string that the last token completed."""
+        if self.tokenizer is None:
+            return False
+        longest = max(len(s) for s in record.request.stop)
+        window = 4 * longest + 4  # a character is at most 4 byte-level tokens
+        text = self.tokenizer.decode(record.token_ids[-window:])
+        return any(s in text for s in record.request.stop)

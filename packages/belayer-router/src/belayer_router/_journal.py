@@ -55,11 +55,13 @@ def _begin_op(record: RequestRecord) -> dict[str, Any]:
     for name in _REQUEST_FIELDS:
         value = getattr(request, name)
         op[name] = list(value) if isinstance(value, tuple) else value
+    if request.stop:
+        op["stop"] = list(request.stop)
     return op
 
 
 def _same_request(a: GenerateRequest, b: GenerateRequest) -> bool:
-    fields = ("prompt_token_ids", *_REQUEST_FIELDS)
+    fields = ("prompt_token_ids", "stop", *_REQUEST_FIELDS)
     return all(getattr(a, name) == getattr(b, name) for name in fields)
 
 
@@ -192,6 +194,7 @@ class Journal:
         if kind == "begin":
             fields = {name: op[name] for name in _REQUEST_FIELDS}
             fields["stop_token_ids"] = tuple(fields["stop_token_ids"])
+            fields["stop"] = tuple(op.get("stop", ()))
             request = GenerateRequest(prompt_token_ids=tuple(op["prompt_token_ids"]), **fields)
             self.records[op["request_id"]] = RequestRecord(op["request_id"], request, op["seed"])
         elif kind == "prefix":

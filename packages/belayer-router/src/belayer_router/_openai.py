@@ -1,180 +1,179 @@
 """``POST /v1/completions``: the OpenAI completions API on top of the router's generate path.
 
-Prompts are token ids, or text when the router has a tokenizer.  Responses carry the text
-(empty without a tokenizer) and, as an extension, ``token_ids`` on every choice.
+Prompts are token ids or text (with a tokenizer), one or a batch; ``n`` samples per prompt.
+Every choice is its own resumable router request (see `split_choices`).  Responses carry the
+text (empty without a tokenizer) and, as extensions on every choice, ``token_ids``,
+``prompt_token_ids``, ``request_id`` and ``num_resumes``.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
+from belayer_router._choices import ChoiceText
 from belayer_router._errors import BelayerRouterError, InvalidRequestError
-from belayer_router._protocol import FinishEvent, TokenEvent, parse_generate_request
+from belayer_router._params import OpenAIParams, parse_openai_params
+from belayer_router._protocol import FinishEvent, GenerateRequest, TokenEvent
 from belayer_router._tokenizer import Tokenizer
 
-__all__ = ["CompletionOptions", "CompletionRenderer", "parse_completion_request"]
+__all__ = ["ChoiceEvent", "CompletionRenderer", "parse_completion_request", "sse", "usage_of"]
 
-_UNSUPPORTED = {"echo": False, "best_of": 1, "suffix": None}
-
-
-@attrs.frozen
-class CompletionOptions:
-    """The OpenAI-only parts of a completions request."""
-
-    model: str
-    logprobs: int | None
-    include_usage: bool
+ChoiceEvent = tuple[int, TokenEvent | FinishEvent]
 
 
-def _prompt_ids(prompt: Any, tokenizer: Tokenizer | None) -> list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise InvalidRequestError(
-                "'prompt' is text but the router has no tokenizer; send token ids or start the "
-                "router with --tokenizer"
-            )
-        return tokenizer.encode(prompt)
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(type(t) is int and t >= 0 for t in value)
+
+
+def _prompts(prompt: Any, tokenizer: Tokenizer | None) -> list[list[int]]:
+    if isinstance(prompt, str) or _is_ids(prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
         raise InvalidRequestError(
-            "'prompt' must be a single prompt; send batched prompts as separate requests"
+            "field 'prompt' must be text, a list of token ids, or a non-empty list of either"
         )
-    return prompt  # type: ignore[no-any-return]  # validated by parse_generate_request
+    prompts: list[list[int]] = []
+    for item in prompt:
+        if isinstance(item, str):
+            if tokenizer is None:
+                raise InvalidRequestError(
+                    "'prompt' is text but the router has no tokenizer; send token ids or start the "
+                    "router with --tokenizer"
+                )
+            prompts.append(tokenizer.encode(item))
+        elif _is_ids(item):
+            prompts.append(list(item))
+        else:
+            raise InvalidRequestError(
+                f"field 'prompt' holds {type(item).__name__}; each prompt must be text or a list of "
+                "non-negative integer token ids"
+            )
+    return prompts
 
 
-def parse_completion_request(body: Any, tokenizer: Tokenizer | None) -> tuple[Any, CompletionOptions]:
-    """Validate an OpenAI completions body; return the generate request and the OpenAI options."""
+def parse_completion_request(
+    body: Any, tokenizer: Tokenizer | None, *, default_model: str
+) -> tuple[OpenAIParams, list[list[int]], int | None]:
+    """Validate an OpenAI completions body: its parameters, prompts and ``logprobs``."""
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object")
     if "prompt" not in body:
         raise InvalidRequestError("field 'prompt' is required (token ids, or text with a tokenizer)")
-    if body.get("n", 1) not in (1, None):
-        raise InvalidRequestError("only n=1 is supported; send one request per sample")
-    for name, default in _UNSUPPORTED.items():
-        if body.get(name, default) not in (default, None):
-            raise InvalidRequestError(f"field {name!r} is not supported by this router")
-    if body.get("stop"):
-        raise InvalidRequestError("stop strings are not supported; pass token ids in 'stop_token_ids'")
     logprobs = body.get("logprobs")
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
         raise InvalidRequestError(f"field 'logprobs' must be a non-negative integer, got {logprobs!r}")
-    stream_options = body.get("stream_options") or {}
-    generate_body = {
-        "prompt_token_ids": _prompt_ids(body["prompt"], tokenizer),
-        "max_tokens": body.get("max_tokens") or 16,
-        "stream": bool(body.get("stream", False)),
-        **{k: body.get(k) for k in ("temperature", "top_p", "seed", "stop_token_ids", "request_id")},
-    }
-    options = CompletionOptions(
-        model=str(body.get("model") or "belayer"),
-        logprobs=logprobs,
-        include_usage=bool(isinstance(stream_options, dict) and stream_options.get("include_usage")),
+    params = parse_openai_params(
+        body, default_model=default_model, default_max_tokens=16, default_stop_token_ids=()
     )
-    return parse_generate_request(generate_body), options
+    if params.stop and tokenizer is None:
+        raise InvalidRequestError(
+            "stop strings need a router started with --tokenizer; or use 'stop_token_ids'"
+        )
+    return params, _prompts(body["prompt"], tokenizer), logprobs
+
+
+def usage_of(requests: Sequence[GenerateRequest], finishes: Sequence[FinishEvent], n: int) -> dict[str, int]:
+    """OpenAI usage: each prompt counted once, every choice's completion tokens."""
+    prompt = sum(len(r.prompt_token_ids) for r in requests[::n])
+    completion = sum(f.num_generated_tokens for f in finishes)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    """One server-sent event line."""
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _error_chunk(error: BelayerRouterError) -> bytes:
+    return sse({"error": {"message": str(error), "code": error.status}})
 
 
 @attrs.define
 class CompletionRenderer:
-    """Turns router events into OpenAI completion objects (whole, or as SSE chunks)."""
+    """Turns the choices' router events into OpenAI completion objects (whole, or SSE chunks)."""
 
-    options: CompletionOptions
+    params: OpenAIParams
+    requests: list[GenerateRequest]
     tokenizer: Tokenizer | None
+    logprobs: int | None
     completion_id: str
     created: int = attrs.field(factory=lambda: int(time.time()))
-    token_ids: list[int] = attrs.field(factory=list)
-    text: str = ""
+    choices: list[ChoiceText] = attrs.field(init=False)
 
-    def _token_text(self, token_id: int) -> str:
-        return f"token_id:{token_id}" if self.tokenizer is None else self.tokenizer.decode([token_id])
+    def __attrs_post_init__(self) -> None:
+        self.choices = [ChoiceText(self.tokenizer, r.stop) for r in self.requests]
 
-    def _logprobs(self, tokens: list[TokenEvent]) -> dict[str, Any] | None:
-        if self.options.logprobs is None:
+    def _logprobs(self, choice: ChoiceText, start: int) -> dict[str, Any] | None:
+        if self.logprobs is None:
             return None
-        texts = [self._token_text(t.token_id) for t in tokens]
+        ids, values = choice.token_ids[start:], choice.logprobs[start:]
+        texts = [choice.token_text(t) for t in ids]
         return {
             "tokens": texts,
-            "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [{text: t.logprob} for text, t in zip(texts, tokens, strict=True)],
-            "text_offset": [0] * len(tokens),
+            "token_logprobs": values,
+            "top_logprobs": [{text: value} for text, value in zip(texts, values, strict=True)],
+            "text_offset": [0] * len(ids),
         }
 
-    def _advance_text(self, tokens: list[TokenEvent]) -> str:
-        self.token_ids.extend(t.token_id for t in tokens)
-        if self.tokenizer is None:
-            return ""
-        text = self.tokenizer.decode(self.token_ids)
-        delta, self.text = text[len(self.text) :], text
-        return delta
-
-    def _object(self, choice: dict[str, Any], usage: dict[str, int] | None) -> dict[str, Any]:
+    def _object(self, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
         return {
             "id": self.completion_id,
             "object": "text_completion",
             "created": self.created,
-            "model": self.options.model,
-            "choices": [choice] if choice else [],
+            "model": self.params.model,
+            "choices": choices,
             "usage": usage,
         }
 
-    @staticmethod
-    def _usage(finish: FinishEvent) -> dict[str, int]:
-        total = finish.num_prompt_tokens + finish.num_generated_tokens
+    def _choice(self, index: int, text: str, start: int) -> dict[str, Any]:
+        choice = self.choices[index]
+        finish = choice.finish
         return {
-            "prompt_tokens": finish.num_prompt_tokens,
-            "completion_tokens": finish.num_generated_tokens,
-            "total_tokens": total,
+            "index": index,
+            "text": text,
+            "logprobs": self._logprobs(choice, start),
+            "finish_reason": None if finish is None else finish.finish_reason,
+            "token_ids": choice.token_ids[start:],
+            "request_id": self.requests[index].request_id,
+            "num_resumes": None if finish is None else finish.num_resumes,
         }
 
-    def whole(self, events: list[TokenEvent | FinishEvent]) -> dict[str, Any]:
+    def _usage(self) -> dict[str, int]:
+        finishes = [c.finish for c in self.choices if c.finish is not None]
+        return usage_of(self.requests, finishes, self.params.n)
+
+    def whole(self, events: list[ChoiceEvent]) -> dict[str, Any]:
         """The non-streaming response."""
-        tokens = [e for e in events if isinstance(e, TokenEvent)]
-        finish = next(e for e in events if isinstance(e, FinishEvent))
-        choice = {
-            "index": 0,
-            "text": self._advance_text(tokens),
-            "logprobs": self._logprobs(tokens),
-            "finish_reason": finish.finish_reason,
-            "token_ids": [t.token_id for t in tokens],
-        }
-        return self._object(choice, self._usage(finish))
+        for index, event in events:
+            self.choices[index].add(event)
+        choices = []
+        for index, choice in enumerate(self.choices):
+            body = self._choice(index, choice.text(), 0)
+            body["prompt_token_ids"] = list(self.requests[index].prompt_token_ids)
+            choices.append(body)
+        return self._object(choices, self._usage())
 
-    def chunks(self, events: list[TokenEvent | FinishEvent]) -> bytes:
-        """SSE lines for a batch of events; the finish event ends with ``data: [DONE]``."""
-        out: list[bytes] = []
-        for event in events:
-            if isinstance(event, TokenEvent):
-                choice = {
-                    "index": 0,
-                    "text": self._advance_text([event]),
-                    "logprobs": self._logprobs([event]),
-                    "finish_reason": None,
-                    "token_ids": [event.token_id],
-                }
-                out.append(_sse(self._object(choice, None)))
-                continue
-            choice = {
-                "index": 0,
-                "text": "",
-                "logprobs": None,
-                "finish_reason": event.finish_reason,
-                "token_ids": [],
-            }
-            out.append(_sse(self._object(choice, None)))
-            if self.options.include_usage:
-                out.append(_sse(self._object({}, self._usage(event))))
+    def chunks(self, events: list[ChoiceEvent]) -> bytes:
+        """SSE chunks for a batch of events; after the last choice's finish, ``data: [DONE]``."""
+        starts: dict[int, int] = {}
+        for index, event in events:
+            starts.setdefault(index, len(self.choices[index].token_ids))
+            self.choices[index].add(event)
+        out = []
+        for index, start in sorted(starts.items()):
+            choice = self.choices[index]
+            out.append(
+                sse(self._object([self._choice(index, choice.take(choice.streamable()), start)], None))
+            )
+        if all(c.finish is not None for c in self.choices):
+            if self.params.include_usage:
+                out.append(sse(self._object([], self._usage())))
             out.append(b"data: [DONE]\n\n")
         return b"".join(out)
 
-    @staticmethod
-    def error_chunk(error: BelayerRouterError) -> bytes:
-        """An SSE error object (the stream ends after it)."""
-        return _sse({"error": {"message": str(error), "code": error.status}})
-
-
-def _sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    error_chunk = staticmethod(_error_chunk)

@@ -51,6 +51,7 @@ class GenerateRequest:
     turn: int | None = None
     num_received_tokens: int = 0
     stream: bool = True
+    stop: tuple[str, ...] = ()  # stop strings (OpenAI endpoints; the router checks them)
 
 
 @attrs.frozen

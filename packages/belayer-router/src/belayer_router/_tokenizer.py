@@ -48,6 +48,10 @@ class ChatTokenizer(Tokenizer, Protocol):
         """Token ids that end an assistant turn (the default stop tokens of a chat request)."""
         ...
 
+    def decode_reply(self, token_ids: list[int]) -> str:
+        """Text of a reply: special tokens (like the end of turn) left out, tool markers kept."""
+        ...
+
     def render_chat(
         self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None
     ) -> list[int]:
@@ -97,6 +101,10 @@ class ChatTemplateTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         """Text of ``token_ids``, special tokens kept."""
         return str(self.inner.decode(token_ids, skip_special_tokens=False))
+
+    def decode_reply(self, token_ids: list[int]) -> str:
+        """Text of a reply: special tokens (like the end of turn) left out, tool markers kept."""
+        return str(self.inner.decode(token_ids, skip_special_tokens=True))
 
     def render_chat(
         self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None

@@ -1,0 +1,81 @@
+"""The text side of one OpenAI choice: decoding, stop strings, and what may be streamed yet.
+
+A choice's text is the decoded completion cut before the first stop string.  While streaming, the
+last characters that could still turn into a stop string (or into a marker the endpoint
+withholds, like ``<tool_call>``) and an incomplete UTF-8 sequence are held back, so no client
+ever sees text that a later token takes back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+
+from belayer_router._protocol import FinishEvent, TokenEvent
+from belayer_router._tokenizer import Tokenizer
+
+__all__ = ["ChoiceText", "cut_at_stop"]
+
+_INCOMPLETE = "\ufffd"
+
+
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
+    """``text`` before its first stop string, and whether one was found."""
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+    return (text, False) if cut < 0 else (text[:cut], True)
+
+
+@attrs.define
+class ChoiceText:
+    """Tokens, logprobs and text of one choice as its events arrive."""
+
+    tokenizer: Tokenizer | None
+    stop: tuple[str, ...]
+    hold_chars: int = 0  # extra characters to hold back (a withheld marker's length - 1)
+    decode: Callable[[list[int]], str] | None = None  # the text of token ids (default: tokenizer's)
+    token_ids: list[int] = attrs.field(factory=list)
+    logprobs: list[float] = attrs.field(factory=list)
+    finish: FinishEvent | None = None
+    num_sent: int = 0  # characters of text already streamed
+
+    def __attrs_post_init__(self) -> None:
+        if self.decode is None and self.tokenizer is not None:
+            self.decode = self.tokenizer.decode
+
+    def add(self, event: TokenEvent | FinishEvent) -> None:
+        """Take one event of this choice's router stream."""
+        if isinstance(event, FinishEvent):
+            self.finish = event
+        else:
+            self.token_ids.append(event.token_id)
+            self.logprobs.append(event.logprob)
+
+    def text(self) -> str:
+        """The whole text so far, cut before the first stop string (empty without a tokenizer)."""
+        if self.decode is None:
+            return ""
+        return cut_at_stop(self.decode(self.token_ids), self.stop)[0]
+
+    def streamable(self, marker: str | None = None) -> str:
+        """The prefix of `text` that no later token can change, and before ``marker`` if given."""
+        if self.decode is None:
+            return ""
+        text, stopped = cut_at_stop(self.decode(self.token_ids), self.stop)
+        if marker is not None and marker in text:
+            return text[: text.index(marker)]
+        if self.finish is not None or stopped:
+            return text
+        text = text.rstrip(_INCOMPLETE)
+        hold = max([self.hold_chars, *(len(s) - 1 for s in self.stop)])
+        return text[: max(0, len(text) - hold)]
+
+    def take(self, upto: str) -> str:
+        """The part of ``upto`` (a streamable text) not streamed yet; marks it streamed."""
+        delta = upto[self.num_sent :]
+        self.num_sent = max(self.num_sent, len(upto))
+        return delta
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text (``token_id:N`` without a tokenizer)."""
+        return f"token_id:{token_id}" if self.tokenizer is None else self.tokenizer.decode([token_id])
