@@ -48,7 +48,13 @@ def test_default_compares_the_four_policies_as_a_table(capsys: pytest.CaptureFix
     assert main(["simulate", "--trajectories", "2", "--steps", "3", "--runs", "2"]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].startswith("| policy |")
-    assert [line.split("|")[1].strip() for line in table[2:]] == ["adaptive", "always", "every:3", "never"]
+    assert [line.split("|")[1].strip() for line in table[2:]] == [
+        "adaptive",
+        "paper",
+        "always",
+        "every:3",
+        "never",
+    ]
 
 
 def test_trace_drives_the_batch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -90,7 +96,13 @@ def test_console_script_runs_as_a_process() -> None:
         check=True,
         timeout=120,
     )
-    assert {r["policy"] for r in json.loads(done.stdout)} == {"adaptive", "always", "every:3", "never"}
+    assert {r["policy"] for r in json.loads(done.stdout)} == {
+        "adaptive",
+        "paper",
+        "always",
+        "every:3",
+        "never",
+    }
 
 
 def test_python_m_runs_the_command_and_errors_are_one_line() -> None:
@@ -101,7 +113,7 @@ def test_python_m_runs_the_command_and_errors_are_one_line() -> None:
         timeout=120,
     )
     assert ok.returncode == ExitCode.OK, ok.stderr
-    assert len(json.loads(ok.stdout)) == 4
+    assert len(json.loads(ok.stdout)) == 5
     bad = subprocess.run(
         [sys.executable, "-m", "belayer_policy", "simulate", "--fail-prob", "2"],
         capture_output=True,
@@ -129,3 +141,22 @@ def test_exit_codes_and_version_follow_the_contract() -> None:
         ("INTERRUPTED", 130),
     ]
     assert belayer_policy.__version__ == version("belayer-policy")
+
+
+def test_known_probability_and_carried_estimators(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = (
+        "--policy",
+        "adaptive",
+        "--fail-prob",
+        "0.1",
+        "--trajectories",
+        "3",
+        "--steps",
+        "4",
+        "--runs",
+        "2",
+    )
+    (learned,) = _json(capsys, *argv)
+    (known,) = _json(capsys, *argv, "--known-fail-prob", "--carry-estimators")
+    assert learned["failure_free_s_mean"] == known["failure_free_s_mean"]
+    assert known["checkpoints_mean"] >= learned["checkpoints_mean"]

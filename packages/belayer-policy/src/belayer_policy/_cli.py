@@ -20,9 +20,10 @@ from importlib.metadata import version
 from types import FrameType
 
 from belayer_policy._errors import BelayerPolicyError, PolicyArgumentError
+from belayer_policy._hazard import FixedStepProbability
 from belayer_policy._report import compare_policies, format_table
 from belayer_policy._simulator import SimulationConfig
-from belayer_policy._spec import PolicySpec
+from belayer_policy._spec import PolicySpec, SharedEstimators
 from belayer_policy._workload import Workload, load_trace
 
 __all__ = ["ExitCode", "main"]
@@ -38,7 +39,7 @@ class ExitCode(enum.IntEnum):
     INTERRUPTED = 130
 
 
-DEFAULT_POLICIES = ("adaptive", "always", "every:3", "never")
+DEFAULT_POLICIES = ("adaptive", "paper", "always", "every:3", "never")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
         "--policy",
         action="append",
         dest="policies",
-        metavar="adaptive|always|never|every:K",
+        metavar="adaptive|paper|always|never|every:K",
         help=f"a policy to compare; repeat for several (default: {' '.join(DEFAULT_POLICIES)})",
     )
     sim.add_argument("--fail-prob", type=float, default=0.01, help="failure probability per step")
@@ -74,6 +75,16 @@ def _parser() -> argparse.ArgumentParser:
         default=2.0,
         help="seconds one restore costs",
     )
+    sim.add_argument(
+        "--known-fail-prob",
+        action="store_true",
+        help="the policies know --fail-prob (as in fault-injection runs) instead of learning the hazard",
+    )
+    sim.add_argument(
+        "--carry-estimators",
+        action="store_true",
+        help="keep each policy's estimators over the runs, as a training run does",
+    )
     sim.add_argument("--json", action="store_true", help="print a JSON list, one object per policy")
     return parser
 
@@ -84,21 +95,27 @@ def _simulate(args: argparse.Namespace) -> str:
     if len(set(names)) != len(names):
         raise PolicyArgumentError(f"--policy names a policy twice: {names}; give each once")
     config = SimulationConfig(fail_prob=args.fail_prob, restore_s=args.restore_s)
+    p = config.fail_prob
+    common = {
+        "config": config,
+        "runs": args.runs,
+        "seed": args.seed,
+        "carry_estimators": args.carry_estimators,
+        "estimators": (lambda: SharedEstimators(failure_model=FixedStepProbability(p)))
+        if args.known_fail_prob
+        else SharedEstimators,
+    }
     if args.trace is not None:
         if args.trajectories is not None or args.steps is not None:
             raise PolicyArgumentError("--trace gives the trajectories: drop --trajectories and --steps")
-        summaries = compare_policies(
-            specs, config=config, runs=args.runs, seed=args.seed, trace=load_trace(args.trace)
-        )
+        summaries = compare_policies(specs, trace=load_trace(args.trace), **common)
     else:
         workload = Workload(num_steps=20 if args.steps is None else args.steps)
         summaries = compare_policies(
             specs,
-            config=config,
-            runs=args.runs,
-            seed=args.seed,
             workload=workload,
             num_trajectories=64 if args.trajectories is None else args.trajectories,
+            **common,
         )
     if args.json:
         return json.dumps([s.to_dict() for s in summaries], indent=2)
