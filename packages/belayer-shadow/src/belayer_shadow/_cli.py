@@ -52,6 +52,9 @@ def _worker_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume-mode", choices=("continue", "regenerate"), default="continue")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument(
+        "--engine", choices=("belayer", "vllm"), default="belayer", help="vllm: needs belayer-shadow[vllm]"
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -91,6 +94,9 @@ def _parser() -> argparse.ArgumentParser:
         "--backend", choices=("host", "cuda"), default="host", help="where the memory servers allocate"
     )
     slot.add_argument("--device", type=int, default=0, help="CUDA device of the cuda backend")
+    slot.add_argument(
+        "--engine", choices=("belayer", "vllm"), default="belayer", help="vllm: needs belayer-shadow[vllm]"
+    )
     slot.add_argument("--num-kv-blocks", type=int, default=512)
     slot.add_argument("--block-size", type=int, default=16)
     slot.add_argument("--failure-window-s", type=float, default=60.0)
@@ -126,6 +132,7 @@ def _worker_config(args: argparse.Namespace) -> object:
         resume_mode=args.resume_mode,
         max_num_seqs=args.max_num_seqs,
         num_threads=args.num_threads,
+        engine=args.engine,
     )
 
 
@@ -143,6 +150,7 @@ def _run_slot(args: argparse.Namespace) -> int:
         recovery=args.recovery,
         backend=args.backend,
         device=args.device,
+        engine=args.engine,
         num_kv_blocks=args.num_kv_blocks,
         block_size=args.block_size,
         failure_window_s=args.failure_window_s,

@@ -12,7 +12,7 @@ import json
 import math
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import anyio
 import anyio.abc
@@ -20,17 +20,35 @@ import attrs
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from belayer_router import InvalidRequestError, read_json
-from belayer_shadow._engine._llm_engine import LLMEngine
 from belayer_shadow._engine._sequence import SamplingParams, StepOutput
 from belayer_shadow._errors import RequestError
 from belayer_shadow._workers._events import EventLog
 from belayer_shadow._workers._heartbeat import Heartbeat
 
-__all__ = ["EngineService", "ResumeMode"]
+__all__ = ["Engine", "EngineService", "ResumeMode"]
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 ResumeMode = Literal["continue", "regenerate"]
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Engine(Protocol):
+    """What the workers drive: `LLMEngine`, or the vLLM engine (`belayer_shadow._vllm.VllmEngine`)."""
+
+    device: torch.device
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
+    def step(self) -> list[StepOutput]: ...
+    def abort(self, request_id: str) -> bool: ...
+    def has_unfinished(self) -> bool: ...
+    def warmup(self, num_requests: int = 4) -> None: ...
+    def flush_kv(self) -> None: ...
+    def refresh_weights(self) -> bool: ...
+    def release_weights(self) -> None: ...
+    def close(self) -> None: ...
 
 
 def _line(payload: dict[str, Any]) -> bytes:
@@ -98,7 +116,7 @@ async def _send_json(send: Send, status: int, payload: Any) -> None:
 class EngineService:
     """Serves one engine at one epoch: an ASGI app plus the scheduling loop (`run_loop`)."""
 
-    engine: LLMEngine
+    engine: Engine
     heartbeat: Heartbeat
     log: EventLog
     epoch: int = 0

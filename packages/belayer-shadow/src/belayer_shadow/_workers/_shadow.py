@@ -25,11 +25,10 @@ import torch
 
 from belayer_gpumem import BelayerGpumemError, IdleBuffer, check_gpu_health, ping
 from belayer_router import RouterClient, RouterClientError
-from belayer_shadow._engine._llm_engine import LLMEngine
 from belayer_shadow._errors import HandoverError
 from belayer_shadow._workers._events import EventLog, write_state
 from belayer_shadow._workers._heartbeat import HandoverFlag, HangDetector, Heartbeat
-from belayer_shadow._workers._service import EngineService
+from belayer_shadow._workers._service import Engine, EngineService
 from belayer_shadow._workers._worker import NUM_WARMUPS, WorkerConfig, build_engine, serve_service
 
 __all__ = ["EXIT_UNHEALTHY", "ShadowConfig", "check_device_health", "run_shadow"]
@@ -79,7 +78,7 @@ def _fence(pid: int | None) -> str:
 
 
 async def _stand_by(
-    config: ShadowConfig, engine: LLMEngine, heartbeat: Heartbeat, flag: HandoverFlag
+    config: ShadowConfig, engine: Engine, heartbeat: Heartbeat, flag: HandoverFlag
 ) -> dict[str, Any]:
     """Sleep-poll until the flag is raised or the heartbeat goes stale; returns what triggered it.
 
@@ -98,7 +97,7 @@ async def _stand_by(
 
 
 def _take_over(
-    config: ShadowConfig, engine: LLMEngine, scratch: IdleBuffer, log: EventLog, pid: int | None
+    config: ShadowConfig, engine: Engine, scratch: IdleBuffer, log: EventLog, pid: int | None
 ) -> None:
     with log.step("handover.fence"):
         log.emit("handover.fenced", detail=_fence(pid))

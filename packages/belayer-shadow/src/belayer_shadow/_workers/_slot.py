@@ -271,6 +271,7 @@ class SlotSupervisor:
             *("--weights-socket", str(self.weights_socket), "--kv-socket", str(self.kv_socket)),
             *("--heartbeat", str(self.heartbeat), "--event-log", str(config.run_dir / "events.jsonl")),
             *("--max-num-seqs", str(config.max_num_seqs), "--resume-mode", resume_mode),
+            *("--engine", config.engine),
         ]
         if config.model is not None:
             argv += ["--model", str(config.model)]

@@ -52,3 +52,5 @@ class SlotConfig:
     health_misses: int = attrs.field(default=3, validator=attrs.validators.ge(1))
     host: str = "127.0.0.1"
     start_timeout_s: float = attrs.field(default=120.0, validator=attrs.validators.gt(0))
+    # The workers' engine: `belayer` (built in) or `vllm` (a real vLLM; belayer-shadow[vllm]).
+    engine: str = attrs.field(default="belayer", validator=attrs.validators.in_(("belayer", "vllm")))

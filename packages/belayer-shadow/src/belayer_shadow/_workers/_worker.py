@@ -22,7 +22,7 @@ from belayer_shadow._engine._llm_engine import LLMEngine
 from belayer_shadow._errors import WorkerError
 from belayer_shadow._workers._events import EventLog, write_state
 from belayer_shadow._workers._heartbeat import Heartbeat
-from belayer_shadow._workers._service import EngineService, ResumeMode
+from belayer_shadow._workers._service import Engine, EngineService, ResumeMode
 
 __all__ = ["NUM_WARMUPS", "WorkerConfig", "build_engine", "register_worker", "run_worker", "serve_service"]
 
@@ -62,15 +62,28 @@ class WorkerConfig:
     # One intra-op thread by default: on a shared, busy CPU a second thread that is not scheduled
     # stalls every parallel op at its barrier (warm-ups of 3 ms became 1 s under load).
     num_threads: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    # `vllm`: a real vLLM engine in this process on the weight server (belayer-shadow[vllm]).
+    engine: str = attrs.field(default="belayer", validator=attrs.validators.in_(("belayer", "vllm")))
 
     def model_config(self) -> ModelConfig:
         """The model configuration: `model` (a JSON file or HF folder) or the built-in default."""
         return ModelConfig.default() if self.model is None else ModelConfig.from_json_file(self.model)
 
 
-def build_engine(config: WorkerConfig) -> LLMEngine:
+def build_engine(config: WorkerConfig) -> Engine:
     """An engine attached to the slot's memory servers (zero copy), on `num_threads` CPU threads."""
     torch.set_num_threads(config.num_threads)
+    if config.engine == "vllm":
+        from belayer_shadow._vllm import VllmEngine
+
+        return VllmEngine(
+            config.model_config(),
+            config.weights_socket,
+            model=config.model,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            num_threads=config.num_threads,
+        )
     return LLMEngine.attach(
         config.model_config(),
         config.weights_socket,
