@@ -12,9 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from belayer_gpumem import KVLayout, LayoutError, ProtocolError, WeightLayout
-from belayer_gpumem.layout import DTYPE_SIZES, REGION_ALIGNMENT, TENSOR_ALIGNMENT
-from belayer_gpumem.protocol import decode_body, encode_frame, validate_request
-from belayer_gpumem.slots import SlotConflictError, WeightSlots
+from belayer_gpumem._layout import DTYPE_SIZES, REGION_ALIGNMENT, TENSOR_ALIGNMENT
+from belayer_gpumem._protocol import decode_body, encode_frame, validate_request
+from belayer_gpumem._slots import SlotConflictError, WeightSlots
 
 entries = st.lists(
     st.tuples(

@@ -25,8 +25,8 @@ from belayer_gpumem import (
     WeightClient,
     ping,
 )
-from belayer_gpumem.connection import Connection
-from belayer_gpumem.protocol import HEADER, MAX_REQUEST_BYTES, encode_frame
+from belayer_gpumem._connection import Connection
+from belayer_gpumem._protocol import HEADER, MAX_REQUEST_BYTES, encode_frame
 
 
 def test_ready_file_pid_file_private_socket_and_clean_sigterm(run_dir: Path, tmp_path: Path) -> None:
@@ -138,7 +138,7 @@ def test_an_oversized_request_is_refused_without_reading_it(weights_server: Serv
 # Everything is imported before dropping root: as nobody, the interpreter's own files may be unreadable.
 _PREAMBLE = """
 import ctypes, os, sys
-import belayer_gpumem.backends.host
+import belayer_gpumem._backends.host
 from belayer_gpumem import PermissionDeniedError, WeightClient
 """
 _ATTACH = """

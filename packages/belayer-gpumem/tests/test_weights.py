@@ -30,7 +30,7 @@ def test_attach_views_match_the_safetensors_file(weights_server: ServerProcess, 
 
 def test_our_reader_agrees_with_the_safetensors_library(weights_file: Path) -> None:
     safetensors_torch = pytest.importorskip("safetensors.torch")
-    from belayer_gpumem.safetensors_io import read_safetensors
+    from belayer_gpumem._safetensors_io import read_safetensors
 
     loaded = safetensors_torch.load_file(str(weights_file))
     parsed = read_safetensors(weights_file)

@@ -14,6 +14,12 @@ import torch
 from belayer_gpumem import KVClient, ServerGoneError, WeightClient
 
 
+def _synchronize() -> None:
+    # Kernels are asynchronous: a worker that prints "done" or exits must have its writes landed.
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _checksum(tensors: dict[str, torch.Tensor]) -> str:
     parts = [f"{name}:{float(t.double().sum()):.6f}" for name, t in sorted(tensors.items())]
     return ";".join(parts)
@@ -29,6 +35,7 @@ def main(command: str, socket: str, *args: str) -> None:
         with WeightClient.attach(socket) as client, client.update() as update:
             for tensor in update.tensors().values():
                 tensor.fill_(value)
+        _synchronize()
         print("DONE")
     elif command == "weights-write-hold":  # write through an update, then hold the mapping until killed
         client = WeightClient.attach(socket)
@@ -40,6 +47,7 @@ def main(command: str, socket: str, *args: str) -> None:
         client = WeightClient.attach(socket)
         update = client.update()
         next(iter(update.tensors().values())).fill_(-1.0)
+        _synchronize()
         print("DYING", flush=True)
         os._exit(9)
     elif command == "weights-hammer-write":
@@ -49,6 +57,7 @@ def main(command: str, socket: str, *args: str) -> None:
                 with client.update(timeout_s=60) as update:
                     for tensor in update.tensors().values():
                         tensor.fill_(float(value))
+        _synchronize()
         print("DONE")
     elif command == "weights-hammer-read":
         _hammer_read(socket, int(args[0]))
@@ -56,6 +65,7 @@ def main(command: str, socket: str, *args: str) -> None:
         block, value = int(args[0]), float(args[1])
         with KVClient.attach(socket) as kv:
             kv.arena[:, :, block].fill_(value)
+            _synchronize()
             print(f"GENERATION {kv.generation}")
     elif command == "kv-read":
         block = int(args[0])

@@ -7,12 +7,14 @@ private Unix socket; workers view it as torch tensors, zero copy.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from belayer_gpumem.client import KVClient, WeightClient, WeightUpdate, ping
-    from belayer_gpumem.config import READY_PREFIX, ServerConfig
-    from belayer_gpumem.errors import (
+    from belayer_gpumem._cli import ExitCode
+    from belayer_gpumem._client import KVClient, WeightClient, WeightUpdate, ping
+    from belayer_gpumem._config import READY_PREFIX, ServerConfig
+    from belayer_gpumem._errors import (
         BackendUnavailableError,
         BelayerGpumemError,
         GpuUnhealthyError,
@@ -24,41 +26,45 @@ if TYPE_CHECKING:
         ServerStartError,
         UpdateBusyError,
     )
-    from belayer_gpumem.health import HealthReport, check_gpu_health
-    from belayer_gpumem.idle import IdleBuffer
-    from belayer_gpumem.layout import KVLayout, TensorSpec, WeightLayout
-    from belayer_gpumem.process import ServerProcess
+    from belayer_gpumem._health import HealthReport, check_gpu_health
+    from belayer_gpumem._idle import IdleBuffer
+    from belayer_gpumem._layout import KVLayout, TensorSpec, WeightLayout
+    from belayer_gpumem._process import ServerProcess
+
+__version__ = importlib.metadata.version("belayer-gpumem")
 
 _EXPORTS = {
-    "BackendUnavailableError": "belayer_gpumem.errors",
-    "BelayerGpumemError": "belayer_gpumem.errors",
-    "GpuUnhealthyError": "belayer_gpumem.errors",
-    "HealthReport": "belayer_gpumem.health",
-    "IdleBuffer": "belayer_gpumem.idle",
-    "KVClient": "belayer_gpumem.client",
-    "KVLayout": "belayer_gpumem.layout",
-    "LayoutError": "belayer_gpumem.errors",
-    "PermissionDeniedError": "belayer_gpumem.errors",
-    "ProtocolError": "belayer_gpumem.errors",
-    "READY_PREFIX": "belayer_gpumem.config",
-    "RemoteError": "belayer_gpumem.errors",
-    "ServerConfig": "belayer_gpumem.config",
-    "ServerGoneError": "belayer_gpumem.errors",
-    "ServerProcess": "belayer_gpumem.process",
-    "ServerStartError": "belayer_gpumem.errors",
-    "TensorSpec": "belayer_gpumem.layout",
-    "UpdateBusyError": "belayer_gpumem.errors",
-    "WeightClient": "belayer_gpumem.client",
-    "WeightLayout": "belayer_gpumem.layout",
-    "WeightUpdate": "belayer_gpumem.client",
-    "check_gpu_health": "belayer_gpumem.health",
-    "ping": "belayer_gpumem.client",
+    "BackendUnavailableError": "belayer_gpumem._errors",
+    "BelayerGpumemError": "belayer_gpumem._errors",
+    "ExitCode": "belayer_gpumem._cli",
+    "GpuUnhealthyError": "belayer_gpumem._errors",
+    "HealthReport": "belayer_gpumem._health",
+    "IdleBuffer": "belayer_gpumem._idle",
+    "KVClient": "belayer_gpumem._client",
+    "KVLayout": "belayer_gpumem._layout",
+    "LayoutError": "belayer_gpumem._errors",
+    "PermissionDeniedError": "belayer_gpumem._errors",
+    "ProtocolError": "belayer_gpumem._errors",
+    "READY_PREFIX": "belayer_gpumem._config",
+    "RemoteError": "belayer_gpumem._errors",
+    "ServerConfig": "belayer_gpumem._config",
+    "ServerGoneError": "belayer_gpumem._errors",
+    "ServerProcess": "belayer_gpumem._process",
+    "ServerStartError": "belayer_gpumem._errors",
+    "TensorSpec": "belayer_gpumem._layout",
+    "UpdateBusyError": "belayer_gpumem._errors",
+    "WeightClient": "belayer_gpumem._client",
+    "WeightLayout": "belayer_gpumem._layout",
+    "WeightUpdate": "belayer_gpumem._client",
+    "check_gpu_health": "belayer_gpumem._health",
+    "ping": "belayer_gpumem._client",
 }
 
 __all__ = [
     "READY_PREFIX",
     "BackendUnavailableError",
     "BelayerGpumemError",
+    "ExitCode",
     "GpuUnhealthyError",
     "HealthReport",
     "IdleBuffer",
@@ -77,6 +83,7 @@ __all__ = [
     "WeightClient",
     "WeightLayout",
     "WeightUpdate",
+    "__version__",
     "check_gpu_health",
     "ping",
 ]

@@ -9,7 +9,7 @@ import stat
 import struct
 from pathlib import Path
 
-from belayer_gpumem.errors import PermissionDeniedError, ServerStartError
+from belayer_gpumem._errors import PermissionDeniedError, ServerStartError
 
 __all__ = ["check_peer", "claim_socket_path", "peer_uid", "remove_quietly", "write_file_atomically"]
 

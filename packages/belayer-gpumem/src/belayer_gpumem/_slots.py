@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import attrs
 
-from belayer_gpumem.errors import BelayerGpumemError
+from belayer_gpumem._errors import BelayerGpumemError
 
 __all__ = ["SlotConflictError", "WeightSlots"]
 

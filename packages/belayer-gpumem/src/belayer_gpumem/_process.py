@@ -18,8 +18,8 @@ from typing import Any, Self
 
 import attrs
 
-from belayer_gpumem.config import READY_PREFIX, ServerConfig
-from belayer_gpumem.errors import ServerStartError
+from belayer_gpumem._config import READY_PREFIX, ServerConfig
+from belayer_gpumem._errors import ServerStartError
 
 __all__ = ["ServerProcess"]
 

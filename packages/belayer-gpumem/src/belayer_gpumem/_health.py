@@ -1,6 +1,6 @@
 """The GPU health check: run tiny kernels, check their results, within a deadline.
 
-Handover runs it before a shadow worker takes over a GPU (DESIGN invariant 6: never reuse state
+Handover runs it before a shadow worker takes over a GPU (docs/architecture.md, invariant 6: never reuse state
 of a GPU that failed it). It polls a CUDA event instead of blocking, so a hung GPU shows up as a
 failed check after `timeout_s` rather than as a hung caller.
 """
@@ -11,7 +11,7 @@ import time
 
 import attrs
 
-from belayer_gpumem.errors import BackendUnavailableError, GpuUnhealthyError
+from belayer_gpumem._errors import BackendUnavailableError, GpuUnhealthyError
 
 __all__ = ["HealthReport", "check_gpu_health"]
 

@@ -7,9 +7,9 @@ from typing import Literal
 
 import attrs
 
-from belayer_gpumem.backends import BACKENDS
-from belayer_gpumem.errors import LayoutError
-from belayer_gpumem.layout import KVLayout
+from belayer_gpumem._backends import BACKENDS
+from belayer_gpumem._errors import LayoutError
+from belayer_gpumem._layout import KVLayout
 
 __all__ = ["READY_PREFIX", "Kind", "ServerConfig"]
 

@@ -9,12 +9,12 @@ from typing import Any
 import anyio
 import attrs
 
-from belayer_gpumem.backends import ServerRegion, create_region
-from belayer_gpumem.config import ServerConfig
-from belayer_gpumem.errors import BelayerGpumemError, LayoutError, RemoteError, UpdateBusyError
-from belayer_gpumem.layout import KVLayout, WeightLayout
-from belayer_gpumem.safetensors_io import read_safetensors
-from belayer_gpumem.slots import SlotConflictError, WeightSlots
+from belayer_gpumem._backends import ServerRegion, create_region
+from belayer_gpumem._config import ServerConfig
+from belayer_gpumem._errors import BelayerGpumemError, LayoutError, RemoteError, UpdateBusyError
+from belayer_gpumem._layout import KVLayout, WeightLayout
+from belayer_gpumem._safetensors_io import read_safetensors
+from belayer_gpumem._slots import SlotConflictError, WeightSlots
 
 __all__ = ["RegionState"]
 
@@ -28,6 +28,7 @@ def _load_weights(config: ServerConfig) -> tuple[WeightLayout, ServerRegion, int
         source = read_safetensors(config.safetensors)
         region = create_region(config.backend, source.layout.region_bytes, device=config.device)
         source.copy_into(region.write)  # into slot 0, the live slot of version 1
+        region.synchronize()  # the copies must have landed before any client is told "ready"
         return source.layout, region, 1
     assert config.layout_file is not None
     try:
@@ -122,7 +123,7 @@ class RegionState:
 
     async def _op_health(self, conn: int, request: dict[str, Any]) -> Reply:
         if self.config.backend == "cuda":
-            from belayer_gpumem.health import check_gpu_health
+            from belayer_gpumem._health import check_gpu_health
 
             try:
                 report = await anyio.to_thread.run_sync(check_gpu_health, self.config.device)

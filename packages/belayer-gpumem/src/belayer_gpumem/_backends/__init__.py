@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from belayer_gpumem.errors import BackendUnavailableError
+from belayer_gpumem._errors import BackendUnavailableError
 
 if TYPE_CHECKING:
     import torch
@@ -44,6 +44,10 @@ class ServerRegion(Protocol):
         """Copy bytes out of the region (for health probes and tests)."""
         ...
 
+    def synchronize(self) -> None:
+        """Wait until every `write` so far has landed (the server calls it before it reports ready)."""
+        ...
+
     def close(self) -> None:
         """Release the server's hold on the memory (clients that mapped it keep theirs)."""
         ...
@@ -60,10 +64,10 @@ def create_region(
     """Allocate a new exportable region of `nbytes` (zero-filled) with the chosen backend."""
     _check_backend(backend)
     if backend == "host":
-        from belayer_gpumem.backends.host import HostRegion
+        from belayer_gpumem._backends.host import HostRegion
 
         return HostRegion.create(nbytes, name=name)
-    from belayer_gpumem.backends.cuda import CudaRegion
+    from belayer_gpumem._backends.cuda import CudaRegion
 
     return CudaRegion.create(nbytes, device=device)
 
@@ -78,9 +82,9 @@ def map_region(
     """
     _check_backend(backend)
     if backend == "host":
-        from belayer_gpumem.backends.host import map_host_fd
+        from belayer_gpumem._backends.host import map_host_fd
 
         return map_host_fd(fd, nbytes, populate=populate)
-    from belayer_gpumem.backends.cuda import map_cuda_fd
+    from belayer_gpumem._backends.cuda import map_cuda_fd
 
     return map_cuda_fd(fd, nbytes, device=device)

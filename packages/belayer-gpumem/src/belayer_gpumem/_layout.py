@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from belayer_gpumem.errors import LayoutError
+from belayer_gpumem._errors import LayoutError
 
 __all__ = [
     "DTYPE_SIZES",

@@ -12,7 +12,7 @@ import struct
 from collections.abc import Mapping
 from typing import Any
 
-from belayer_gpumem.errors import ProtocolError
+from belayer_gpumem._errors import ProtocolError
 
 __all__ = [
     "HEADER",

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import attrs
 
-from belayer_gpumem.errors import LayoutError
-from belayer_gpumem.layout import DTYPE_SIZES, WeightLayout
+from belayer_gpumem._errors import LayoutError
+from belayer_gpumem._layout import DTYPE_SIZES, WeightLayout
 
 __all__ = ["SafetensorsFile", "read_safetensors"]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "BackendUnavailableError",
     "BelayerGpumemError",
+    "CudaDriverError",
     "GpuUnhealthyError",
     "LayoutError",
     "PermissionDeniedError",
@@ -59,3 +60,12 @@ class BackendUnavailableError(BelayerGpumemError):
 
 class GpuUnhealthyError(BelayerGpumemError):
     """The GPU health check failed: wrong result, CUDA error, or no answer in time."""
+
+
+class CudaDriverError(BelayerGpumemError):
+    """A CUDA driver call failed; `call` names it and `code` is its CUresult."""
+
+    def __init__(self, call: str, code: int, detail: str) -> None:
+        super().__init__(f"{call} failed with CUDA error {code} ({detail})")
+        self.call = call
+        self.code = code

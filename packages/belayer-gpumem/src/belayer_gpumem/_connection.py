@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from pathlib import Path
@@ -9,14 +10,14 @@ from typing import Any
 
 import attrs
 
-from belayer_gpumem.errors import (
+from belayer_gpumem._errors import (
     PermissionDeniedError,
     ProtocolError,
     RemoteError,
     ServerGoneError,
     UpdateBusyError,
 )
-from belayer_gpumem.protocol import HEADER, MAX_REPLY_BYTES, decode_body, encode_frame
+from belayer_gpumem._protocol import HEADER, MAX_REPLY_BYTES, decode_body, encode_frame
 
 __all__ = ["Connection"]
 
@@ -84,7 +85,10 @@ class Connection:
         """Send raw bytes and read one reply frame (also used by tests to send malformed frames)."""
         sock = self._live_socket()
         try:
-            sock.sendall(frame)
+            # The server may have answered and closed before our request arrived (a refusal of
+            # this peer): its reply is still ours to read, and says more than "broken pipe".
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                sock.sendall(frame)
             return self._read_reply(sock)
         except (ServerGoneError, ProtocolError):
             raise

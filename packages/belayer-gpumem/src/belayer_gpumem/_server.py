@@ -20,10 +20,9 @@ import anyio.abc
 import attrs
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from belayer_gpumem._socketdir import check_peer, claim_socket_path, remove_quietly, write_file_atomically
-from belayer_gpumem.config import READY_PREFIX, ServerConfig
-from belayer_gpumem.errors import PermissionDeniedError, ProtocolError, RemoteError
-from belayer_gpumem.protocol import (
+from belayer_gpumem._config import READY_PREFIX, ServerConfig
+from belayer_gpumem._errors import PermissionDeniedError, ProtocolError, RemoteError
+from belayer_gpumem._protocol import (
     HEADER,
     MAX_REQUEST_BYTES,
     decode_body,
@@ -31,7 +30,8 @@ from belayer_gpumem.protocol import (
     error_reply,
     validate_request,
 )
-from belayer_gpumem.regionstate import RegionState
+from belayer_gpumem._regionstate import RegionState
+from belayer_gpumem._socketdir import check_peer, claim_socket_path, remove_quietly, write_file_atomically
 
 __all__ = ["MemoryServer", "run_server"]
 

@@ -13,54 +13,61 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-from typing import Any
+import weakref
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
-from belayer_gpumem.backends import BACKENDS
-from belayer_gpumem.errors import BackendUnavailableError, BelayerGpumemError
-from belayer_gpumem.layout import round_up
+from belayer_gpumem._backends import BACKENDS
+from belayer_gpumem._errors import BackendUnavailableError, BelayerGpumemError
+from belayer_gpumem._layout import round_up
+
+if TYPE_CHECKING:
+    from belayer_gpumem._backends.cuda import CudaVmm
 
 __all__ = ["IdleBuffer"]
 
 
 class _VirtualRange:
-    """A reserved CUDA address range whose backing can come and go (torch holds it via CAI)."""
+    """A reserved CUDA address range whose backing can come and go (torch holds it via CAI).
 
-    def __init__(self, nbytes: int, device: int) -> None:
-        from belayer_gpumem.backends.cuda import CudaVmm
+    It is created backed: a tensor may only ever be made over mapped memory.
+    """
 
-        self.vmm = CudaVmm.open(device)
+    def __init__(self, nbytes: int, device: int, *, driver: Any = None) -> None:
+        from belayer_gpumem._backends.cuda import CudaVmm, cuda_array_interface
+
+        self.vmm = CudaVmm.open(device, driver=driver)
         self.nbytes = round_up(nbytes, self.vmm.granularity())
         self.ptr = self.vmm.reserve(self.nbytes)
-        self.handle: Any = None
-        self.__cuda_array_interface__ = {
-            "shape": (self.nbytes,),
-            "typestr": "|u1",
-            "data": (self.ptr, False),
-            "strides": None,
-            "version": 3,
-            "stream": None,
-        }
+        # The backing now: zero or one handle, in a list the finalizer shares (it must not hold `self`).
+        self.handles: list[Any] = []
+        self.back()
+        self.__cuda_array_interface__ = cuda_array_interface(self.ptr, self.nbytes)
+        # Freed when torch drops its last reference, never at interpreter exit (tensors may live on).
+        self.finalizer = weakref.finalize(self, _free_range, self.vmm, self.ptr, self.nbytes, self.handles)
+        self.finalizer.atexit = False
 
     def back(self) -> None:
-        self.handle = self.vmm.create(self.nbytes)
-        self.vmm.map(self.ptr, self.nbytes, self.handle)
-        self.vmm.synchronize()
+        handle = self.vmm.create(self.nbytes)
+        self.vmm.map(self.ptr, self.nbytes, handle)
+        self.handles.append(handle)
 
     def unback(self) -> None:
-        self.vmm.synchronize()
+        self.vmm.synchronize()  # no kernel may still be using the memory
+        handle = self.handles.pop()
         self.vmm.unmap(self.ptr, self.nbytes)
-        self.vmm.release(self.handle)
-        self.handle = None
+        self.vmm.release(handle)
 
-    def __del__(self) -> None:
-        # torch drops its reference when the last view is gone, possibly at interpreter exit.
-        with contextlib.suppress(BelayerGpumemError):
-            if self.handle is not None:
-                self.unback()
-            self.vmm.free_address(self.ptr, self.nbytes)
+
+def _free_range(vmm: CudaVmm, ptr: int, nbytes: int, handles: list[Any]) -> None:
+    with contextlib.suppress(BelayerGpumemError):
+        vmm.synchronize()
+        if handles:
+            vmm.unmap(ptr, nbytes)
+            vmm.release(handles.pop())
+        vmm.free_address(ptr, nbytes)
 
 
 @attrs.define
@@ -83,12 +90,12 @@ class IdleBuffer:
             private = mmap.mmap(-1, size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             tensor = torch.frombuffer(private, dtype=torch.uint8)
             buffer = cls(backend=backend, tensor=tensor, resident=False, host=private)
-        else:
-            virtual = _VirtualRange(max(nbytes, 1), device)
-            tensor = torch.as_tensor(virtual, device=f"cuda:{device}")
-            buffer = cls(backend=backend, tensor=tensor, resident=False, cuda=virtual)
-        buffer.restore()
-        return buffer
+            buffer.restore()
+            return buffer
+        virtual = _VirtualRange(max(nbytes, 1), device)  # mapped before torch ever sees the address
+        tensor = torch.as_tensor(virtual, device=f"cuda:{device}")
+        tensor.zero_()
+        return cls(backend=backend, tensor=tensor, resident=True, cuda=virtual)
 
     @property
     def nbytes(self) -> int:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from belayer_gpumem.errors import BackendUnavailableError
+from belayer_gpumem._errors import BackendUnavailableError
 
 if TYPE_CHECKING:
     import torch
@@ -69,6 +69,9 @@ class HostRegion:
     def read(self, offset: int, nbytes: int) -> bytes:
         """Copy bytes out."""
         return self._map[offset : offset + nbytes]
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: host writes are done when `write` returns."""
 
     def close(self) -> None:
         """Unmap and close the memfd; the memory is freed once no client maps it."""

@@ -6,7 +6,8 @@ Client: cuMemImportFromShareableHandle on the received fd -> reserve + map + set
 tensor over the device pointer through ``__cuda_array_interface__``. The physical memory lives as
 long as any process holds a handle or a mapping, so it outlives whichever process dies first.
 
-Everything here imports cuda-bindings lazily; only the cuda backend needs it.
+Everything here imports cuda-bindings lazily; only the cuda backend needs it. `CudaVmm` takes the
+driver module as a value, so tests drive all of this with a fake driver on machines without a GPU.
 """
 
 from __future__ import annotations
@@ -19,16 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from belayer_gpumem.errors import BackendUnavailableError, BelayerGpumemError
+from belayer_gpumem._errors import BackendUnavailableError, BelayerGpumemError, CudaDriverError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CudaRegion", "CudaVmm", "load_driver", "map_cuda_fd"]
+__all__ = ["CudaRegion", "CudaVmm", "cuda_array_interface", "load_driver", "map_cuda_fd"]
 
-
-class CudaDriverError(BelayerGpumemError):
-    """A CUDA driver call failed."""
+_NO_GPU_HINT = "check `nvidia-smi`, or use the host backend (--backend host)"
 
 
 def load_driver() -> Any:
@@ -45,21 +44,66 @@ def load_driver() -> Any:
         return driver_legacy
     except ImportError as exc:
         raise BackendUnavailableError(
-            "the cuda backend needs cuda-bindings: pip install 'belayer-gpumem[cuda]'"
+            "the cuda backend needs cuda-bindings and numpy: pip install 'belayer-gpumem[cuda]'"
         ) from exc
 
 
-def _call(driver: Any, name: str, *args: Any) -> Any:
-    """Call a driver function and unwrap its (CUresult, *values) tuple, raising on failure."""
+def call_driver(driver: Any, name: str, *args: Any) -> Any:
+    """Call a driver function and unwrap its (CUresult, *values) tuple; CudaDriverError on failure."""
     result = getattr(driver, name)(*args)
     err, values = result[0], result[1:]
     if int(err) != 0:
         _, text = driver.cuGetErrorString(err)
         detail = text.decode() if isinstance(text, bytes) else str(text)
-        raise CudaDriverError(f"{name} failed: {err!r} ({detail})")
+        raise CudaDriverError(name, int(err), detail)
     if not values:
         return None
     return values[0] if len(values) == 1 else values
+
+
+def cuda_array_interface(ptr: int, nbytes: int) -> dict[str, Any]:
+    """``__cuda_array_interface__`` (version 3) of `nbytes` bytes at device address `ptr`."""
+    return {
+        "shape": (nbytes,),
+        "typestr": "|u1",
+        "data": (ptr, False),
+        "strides": None,
+        "version": 3,
+        "stream": None,
+    }
+
+
+def _open_device(driver: Any, device: int) -> tuple[Any, Any]:
+    """cuInit, the device and its primary context; every way this fails means "no usable GPU here"."""
+    attribute = driver.CUdevice_attribute
+    try:
+        call_driver(driver, "cuInit", 0)
+        dev = call_driver(driver, "cuDeviceGet", device)
+        vmm = call_driver(
+            driver,
+            "cuDeviceGetAttribute",
+            attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+            dev,
+        )
+        posix_fd = call_driver(
+            driver,
+            "cuDeviceGetAttribute",
+            attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+            dev,
+        )
+    except CudaDriverError as exc:
+        raise BackendUnavailableError(f"GPU {device} cannot be used: {exc}; {_NO_GPU_HINT}") from exc
+    except (RuntimeError, OSError) as exc:  # cuda-bindings could not load libcuda.so or a symbol in it
+        raise BackendUnavailableError(
+            f"the NVIDIA driver library is not usable here ({exc}); {_NO_GPU_HINT}"
+        ) from exc
+    if not vmm:
+        raise BackendUnavailableError(f"GPU {device} does not support CUDA virtual memory management")
+    if not posix_fd:
+        raise BackendUnavailableError(
+            f"GPU {device} cannot export memory as POSIX file descriptors, which the cuda backend hands to workers"
+        )
+    return dev, call_driver(driver, "cuDevicePrimaryCtxRetain", dev)
 
 
 @attrs.define
@@ -71,21 +115,15 @@ class CudaVmm:
     context: Any
 
     @classmethod
-    def open(cls, device: int = 0) -> CudaVmm:
-        """Initialise the driver and make the device's primary context (torch's too) current."""
-        driver = load_driver()
-        _call(driver, "cuInit", 0)
-        dev = _call(driver, "cuDeviceGet", device)
-        supported = _call(
-            driver,
-            "cuDeviceGetAttribute",
-            driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
-            dev,
-        )
-        if not supported:
-            raise BackendUnavailableError(f"GPU {device} does not support CUDA virtual memory management")
-        ctx = _call(driver, "cuDevicePrimaryCtxRetain", dev)
-        _call(driver, "cuCtxSetCurrent", ctx)
+    def open(cls, device: int = 0, *, driver: Any = None) -> CudaVmm:
+        """Initialise the driver and make the device's primary context (torch's too) current.
+
+        Raises BackendUnavailableError when there is no driver, no such device, or the device lacks
+        VMM or POSIX fd export.
+        """
+        driver = load_driver() if driver is None else driver
+        _, ctx = _open_device(driver, device)
+        call_driver(driver, "cuCtxSetCurrent", ctx)
         return cls(driver=driver, device=device, context=ctx)
 
     def call(self, name: str, *args: Any) -> Any:
@@ -94,10 +132,11 @@ class CudaVmm:
         Servers run copies and memsets in worker threads, and finalizers run on any thread: a
         CUDA context is current per thread, so every call makes sure of it.
         """
-        _call(self.driver, "cuCtxSetCurrent", self.context)
-        return _call(self.driver, name, *args)
+        call_driver(self.driver, "cuCtxSetCurrent", self.context)
+        return call_driver(self.driver, name, *args)
 
-    def _prop(self) -> Any:
+    def allocation_prop(self) -> Any:
+        """The CUmemAllocationProp of every allocation: pinned device memory, exportable as a POSIX fd."""
         d = self.driver
         prop = d.CUmemAllocationProp()
         prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
@@ -109,11 +148,11 @@ class CudaVmm:
     def granularity(self) -> int:
         """The minimum allocation granularity (sizes and offsets must be multiples of it)."""
         flag = self.driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-        return int(self.call("cuMemGetAllocationGranularity", self._prop(), flag))
+        return int(self.call("cuMemGetAllocationGranularity", self.allocation_prop(), flag))
 
     def create(self, nbytes: int) -> Any:
         """cuMemCreate: physical memory that can be exported as a POSIX fd."""
-        return self.call("cuMemCreate", nbytes, self._prop(), 0)
+        return self.call("cuMemCreate", nbytes, self.allocation_prop(), 0)
 
     def export_fd(self, handle: Any) -> int:
         """cuMemExportToShareableHandle as a POSIX fd (owned by the caller)."""
@@ -152,7 +191,7 @@ class CudaVmm:
         self.call("cuMemAddressFree", ptr, nbytes)
 
     def synchronize(self) -> None:
-        """cuCtxSynchronize: wait for every copy and memset issued so far."""
+        """cuCtxSynchronize: wait for every copy, memset and kernel issued so far in the context."""
         self.call("cuCtxSynchronize")
 
 
@@ -167,9 +206,9 @@ class CudaRegion:
     ptr: int
 
     @classmethod
-    def create(cls, nbytes: int, *, device: int = 0) -> CudaRegion:
+    def create(cls, nbytes: int, *, device: int = 0, driver: Any = None) -> CudaRegion:
         """Allocate `nbytes` (rounded up to the granularity), export it, map it here, zero it."""
-        vmm = CudaVmm.open(device)
+        vmm = CudaVmm.open(device, driver=driver)
         granularity = vmm.granularity()
         nbytes = -(-nbytes // granularity) * granularity
         handle = vmm.create(nbytes)
@@ -185,12 +224,12 @@ class CudaRegion:
         return self.fd
 
     def write(self, offset: int, data: memoryview) -> None:
-        """cuMemcpyHtoD from a host buffer."""
+        """cuMemcpyHtoD from a host buffer (complete on the device only after `synchronize()`)."""
         staging = (ctypes.c_char * len(data)).from_buffer_copy(data)
         self.vmm.call("cuMemcpyHtoD", self.ptr + offset, ctypes.addressof(staging), len(data))
 
     def copy(self, src: int, dst: int, nbytes: int) -> None:
-        """cuMemcpyDtoD within the region."""
+        """cuMemcpyDtoD within the region, then wait for it."""
         self.vmm.call("cuMemcpyDtoD", self.ptr + dst, self.ptr + src, nbytes)
         self.vmm.synchronize()
 
@@ -205,6 +244,10 @@ class CudaRegion:
         self.vmm.call("cuMemcpyDtoH", ctypes.addressof(staging), self.ptr + offset, nbytes)
         return bytes(staging)
 
+    def synchronize(self) -> None:
+        """Wait until every write issued so far has landed in device memory."""
+        self.vmm.synchronize()
+
     def close(self) -> None:
         """Unmap, free the address range, release the handle, close the fd."""
         if self.fd < 0:
@@ -217,42 +260,49 @@ class CudaRegion:
         self.fd = -1
 
 
-class _DeviceMemory:
-    """Holds one client mapping; torch keeps it alive through ``__cuda_array_interface__``."""
+class DeviceMemory:
+    """Holds one client mapping; torch keeps it alive through ``__cuda_array_interface__``.
+
+    The mapping goes when the last tensor over it is garbage-collected, and never at interpreter
+    exit: tensors (and torch's own teardown) may still use it then, and the driver frees a dying
+    process's mappings anyway.
+    """
 
     def __init__(self, vmm: CudaVmm, handle: Any, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (ptr, False),
-            "strides": None,
-            "version": 3,
-            "stream": None,
-        }
-        # Unmap only when the last tensor over this memory is gone: never leave a dangling view.
-        weakref.finalize(self, _unmap_client, vmm, handle, ptr, nbytes)
+        self.__cuda_array_interface__ = cuda_array_interface(ptr, nbytes)
+        self.finalizer = weakref.finalize(self, _unmap_client, vmm, handle, ptr, nbytes)
+        self.finalizer.atexit = False
 
 
 def _unmap_client(vmm: CudaVmm, handle: Any, ptr: int, nbytes: int) -> None:
-    # Runs from a finalizer, possibly at interpreter exit when the driver is already torn down.
+    # Runs when the last view is collected, on whatever thread that happens.
     with contextlib.suppress(BelayerGpumemError):
+        vmm.synchronize()  # no kernel may still use the range
         vmm.unmap(ptr, nbytes)
         vmm.free_address(ptr, nbytes)
         vmm.release(handle)
 
 
-def map_cuda_fd(fd: int, nbytes: int, *, device: int = 0) -> torch.Tensor:
-    """Import a VMM fd and map it as a flat uint8 CUDA tensor; closes `fd`."""
-    import torch
-
-    torch.cuda.set_device(device)
-    torch.cuda.init()  # type: ignore[no-untyped-call]
-    vmm = CudaVmm.open(device)
+def import_mapping(vmm: CudaVmm, fd: int, nbytes: int) -> DeviceMemory:
+    """Import a VMM fd, map it read-write here; closes `fd`."""
     try:
         handle = vmm.import_fd(fd)
     finally:
         os.close(fd)
     ptr = vmm.reserve(nbytes)
     vmm.map(ptr, nbytes, handle)
-    memory = _DeviceMemory(vmm, handle, ptr, nbytes)
-    return torch.as_tensor(memory, device=f"cuda:{device}")
+    return DeviceMemory(vmm, handle, ptr, nbytes)
+
+
+def map_cuda_fd(fd: int, nbytes: int, *, device: int = 0) -> torch.Tensor:
+    """Import a VMM fd and map it as a flat uint8 CUDA tensor; closes `fd`."""
+    import torch
+
+    try:
+        torch.cuda.set_device(device)
+        torch.cuda.init()  # type: ignore[no-untyped-call]
+        vmm = CudaVmm.open(device)
+    except BaseException:
+        os.close(fd)
+        raise
+    return torch.as_tensor(import_mapping(vmm, fd, nbytes), device=f"cuda:{device}")

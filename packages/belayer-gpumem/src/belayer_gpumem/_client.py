@@ -20,10 +20,10 @@ from typing import Any, Self
 import attrs
 import torch
 
-from belayer_gpumem.backends import map_region
-from belayer_gpumem.connection import Connection
-from belayer_gpumem.errors import BelayerGpumemError, ServerStartError
-from belayer_gpumem.layout import KVLayout, WeightLayout
+from belayer_gpumem._backends import map_region
+from belayer_gpumem._connection import Connection
+from belayer_gpumem._errors import BelayerGpumemError, ServerStartError
+from belayer_gpumem._layout import KVLayout, WeightLayout
 
 __all__ = ["KVClient", "WeightClient", "WeightUpdate", "ping"]
 
