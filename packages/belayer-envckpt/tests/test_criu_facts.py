@@ -15,6 +15,7 @@ from belayer_envckpt._criu import (
     first_error_line,
     kernel_fit,
     kernel_release,
+    log_named_in,
     parse_version,
     runc_conf_options,
     unrestorable_connection,
@@ -59,6 +60,16 @@ def test_the_first_error_line_skips_what_criu_carries_on_from(tmp_path):
         is None
     )
     assert first_error_line(tmp_path / "absent.log") == ""
+
+
+def test_the_log_an_engine_error_names_is_found(tmp_path):
+    log = tmp_path / "criu-dump.log"
+    log.write_text("x")
+    said = f"runc did not terminate successfully: exit status 1: criu failed: type NOTIFY errno 0 path= {log}: unknown"
+    assert log_named_in(said) == log
+    assert log_named_in(f"criu failed\nlog file: {log}") == log
+    assert log_named_in(f"path= {tmp_path}/absent.log: unknown") is None
+    assert log_named_in("no log here") is None
 
 
 def test_a_socket_is_described_by_its_address():

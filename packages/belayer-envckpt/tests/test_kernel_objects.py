@@ -119,8 +119,11 @@ time.sleep(100000)
 """
 
 
-def test_a_connection_that_cannot_be_restored_is_named_and_the_log_kept(engine, tmp_path):
+@pytest.mark.parametrize("dump_method", ["runc", "engine"])
+def test_a_connection_that_cannot_be_restored_is_named_and_the_log_kept(tmp_path, dump_method):
+    # runc leaves CRIU's log in the partial checkpoint; the engine names its own copy in its error.
     store = CheckpointStore(tmp_path)
+    engine = Engine.connect(dump_method=dump_method)
     sandbox = start(engine, IN_FLIGHT, "inflight")
     try:
         wait_for(lambda: sandbox.probe("test -e /tmp/ready").ok, timeout=120)
@@ -137,6 +140,7 @@ def test_a_connection_that_cannot_be_restored_is_named_and_the_log_kept(engine, 
         assert not log.exists()
     finally:
         sandbox.remove()
+        engine.close()
 
 
 def test_a_failed_dump_quotes_criu_first_error(engine, tmp_path):

@@ -7,7 +7,7 @@ import time
 import uuid
 from pathlib import Path
 
-from ._criu import describe_inet_socket, first_error_line, unrestorable_connection
+from ._criu import describe_inet_socket, first_error_line, log_named_in, unrestorable_connection
 from ._engine import Engine
 from ._errors import (
     BelayerEnvckptError,
@@ -126,7 +126,8 @@ def full_checkpoint(
 
 def _keep_criu_log(store: CheckpointStore, trajectory: str, exc: Exception, tmp: Path | None) -> Path | None:
     """Copy CRIU's log of a failed dump into the store's failed area before the partial goes."""
-    log = exc.log_path if isinstance(exc, CommandError) else None
+    # runc's dump leaves the log in the partial checkpoint; the engine's names it in its error.
+    log = exc.log_path if isinstance(exc, CommandError) else log_named_in(str(exc))
     if log is None or tmp is None or not log.is_file():
         return None
     try:

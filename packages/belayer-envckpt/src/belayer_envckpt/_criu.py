@@ -110,6 +110,15 @@ def first_error_line(log: Path) -> str:
     return ""
 
 
+def log_named_in(message: str) -> Path | None:
+    """The CRIU log an engine's error message points at (``path= ...criu-dump.log``), if it exists."""
+    match = re.search(r"(?:log file|path)[:=]\s*(/\S+?\.log)\b", message)
+    if match is None:
+        return None
+    path = Path(match.group(1))
+    return path if path.is_file() else None
+
+
 def unrestorable_connection(error_line: str) -> int | None:
     """The socket inode of a connection CRIU refused to dump: None if the line is about something
     else, 0 if CRIU did not name the socket.
