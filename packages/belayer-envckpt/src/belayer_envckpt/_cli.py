@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from ._checkpoint import full_checkpoint, full_restore
-from ._criu import doctor_checks
+from ._criu import check_criu, doctor_checks
 from ._demo import run_demo
-from ._engine import Engine, check_criu
+from ._engine import Engine
 from ._errors import (
     BelayerEnvckptError,
     CheckpointNotFoundError,

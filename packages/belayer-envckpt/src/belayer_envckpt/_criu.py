@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ._boundary import SETUP_HINT
+from ._errors import CriuUnavailableError
 from ._run import run_command
 
 # runc hands this file to CRIU on every dump and restore (Docker passes no CRIU options itself).
@@ -28,6 +29,20 @@ def criu_binary() -> str | None:
     override = os.environ.get("BELAYER_CRIU")
     search = os.environ.get("PATH", "") + ":/usr/local/bin:/usr/sbin:/sbin"
     return shutil.which(override) if override else shutil.which("criu", path=search)
+
+
+def check_criu() -> str:
+    """Run `criu check` (``$BELAYER_CRIU`` or ``criu`` on PATH); raise `CriuUnavailableError` if it fails."""
+    criu = criu_binary()
+    if criu is None:
+        raise CriuUnavailableError(f"criu is not installed. {SETUP_HINT}")
+    result = run_command([criu, "check"], timeout=60, check=False)
+    if result.returncode != 0:
+        raise CriuUnavailableError(
+            f"`criu check` fails on this kernel: {(result.stderr or result.stdout).strip()[-500:]}. "
+            f"CRIU 4.2 or newer is needed (Debian 12's 3.17 fails on new kernels). {SETUP_HINT}"
+        )
+    return (result.stdout + result.stderr).strip()
 
 
 def criu_version(criu: str) -> str:

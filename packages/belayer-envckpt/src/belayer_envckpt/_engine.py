@@ -18,12 +18,11 @@ import docker
 from docker.models.containers import Container
 
 from ._boundary import SETUP_HINT, engine_errors
-from ._criu import criu_binary
+from ._criu import check_criu
 from ._errors import (
     CommandError,
     ContainerEngineError,
     ContainerNotFoundError,
-    CriuUnavailableError,
     ExperimentalDisabledError,
     ImageNotFoundError,
     InvalidConfigError,
@@ -311,17 +310,3 @@ class Engine:
         except ContainerNotFoundError:
             return False
         return True
-
-
-def check_criu() -> str:
-    """Run `criu check` (``$BELAYER_CRIU`` or ``criu`` on PATH); raise `CriuUnavailableError` if it fails."""
-    criu = criu_binary()
-    if criu is None:
-        raise CriuUnavailableError(f"criu is not installed. {SETUP_HINT}")
-    result = run_command([criu, "check"], timeout=60, check=False)
-    if result.returncode != 0:
-        raise CriuUnavailableError(
-            f"`criu check` fails on this kernel: {(result.stderr or result.stdout).strip()[-500:]}. "
-            f"CRIU 4.x is needed (Debian 12's 3.17 fails on new kernels). {SETUP_HINT}"
-        )
-    return (result.stdout + result.stderr).strip()
