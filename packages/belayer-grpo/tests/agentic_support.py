@@ -9,12 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_policy_worker import STOP, FakePolicyWorker, running_policy_worker
+from agent_script import STOP, running_policy_worker
 
 from belayer_envckpt import BelayerEnvckptError, Engine
-from belayer_grpo.agentic import AgenticConfig
-from belayer_grpo.agentic.pool import POOL_LABEL
+from belayer_grpo._agentic import AgenticConfig
+from belayer_grpo._agentic.pool import POOL_LABEL
 from belayer_router import RouterClient, RouterConfig, running_router
+from belayer_router.testing import FakeWorker
 
 ADMIN = "agentic-test-token"
 # Trajectory ids of this test session carry it, so the leak check ignores concurrent sessions.
@@ -36,7 +37,7 @@ def connect_engine() -> Iterator[Engine]:
     yield engine
     leaked = [
         c.name
-        for c in engine.client.containers.list(all=True, filters={"label": POOL_LABEL})
+        for c in engine.list_containers([POOL_LABEL])
         if SESSION in c.labels.get("belayer.trajectory", "")
     ]
     engine.close()
@@ -46,10 +47,10 @@ def connect_engine() -> Iterator[Engine]:
 @asynccontextmanager
 async def router_with_worker(
     **worker_options: Any,
-) -> AsyncIterator[tuple[RouterClient, FakePolicyWorker, str]]:
-    """A real router (in this process) with one `FakePolicyWorker` registered in slot ``s0``."""
+) -> AsyncIterator[tuple[RouterClient, FakeWorker, str]]:
+    """A real router (in this process) with one scripted `FakeWorker` registered in slot ``s0``."""
     async with (
-        running_router(RouterConfig(admin_token=ADMIN, resume_wait=10.0)) as (url, _app),
+        running_router(RouterConfig(admin_token=ADMIN, resume_wait_s=10.0)) as (url, _app),
         running_policy_worker(epoch=1, **worker_options) as (worker_url, worker),
         RouterClient(url, admin_token=ADMIN) as client,
     ):
@@ -65,7 +66,7 @@ def agentic_config(checkpoint_root: Path, **overrides: Any) -> AgenticConfig:
         "max_response_tokens": 200,
         "stop_token_ids": (STOP,),
         "max_concurrency": 3,
-        "action_timeout": 30.0,
-        "test_timeout": 60.0,
+        "action_timeout_s": 30.0,
+        "test_timeout_s": 60.0,
     }
     return AgenticConfig(**(settings | overrides))

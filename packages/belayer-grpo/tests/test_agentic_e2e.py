@@ -15,11 +15,11 @@ from pathlib import Path
 
 import anyio
 import pytest
+from agent_script import running_policy_worker
 from agentic_support import agentic_config, connect_engine, router_with_worker, run_id
-from fake_policy_worker import running_policy_worker
 
 from belayer_envckpt import Engine
-from belayer_grpo.agentic import (
+from belayer_grpo._agentic import (
     AgenticTrajectory,
     build_task_image,
     builtin_tasks,
@@ -83,7 +83,7 @@ async def test_chaos_every_trajectory_completes_prefix_consistent(
     config = agentic_config(
         tmp_path / "ckpt", image=image, checkpoint_policy=policy, sandbox_kill_probability=0.2, seed=7
     )
-    async with router_with_worker(token_delay=0.01) as (client, _worker, _url):
+    async with router_with_worker(token_delay_s=0.01) as (client, _worker, _url):
         trajectories = await run_agentic_rollouts(
             builtin_tasks(), client, config, num_samples=1, engine=engine, run_id=run_id(f"chaos-{policy}")
         )
@@ -127,7 +127,7 @@ async def test_worker_killed_mid_rollout_is_replaced_and_nothing_is_lost(
         tmp_path / "ckpt", image=image, checkpoint_policy="adaptive", sandbox_kill_probability=0.2, seed=3
     )
     async with (
-        router_with_worker(die_after=300, token_delay=0.002) as (client, first, _url),
+        router_with_worker(die_after_total=300, token_delay_s=0.002) as (client, first, _url),
         running_policy_worker(epoch=2) as (shadow_url, shadow),
     ):
 

@@ -10,7 +10,7 @@ import pytest
 from agentic_support import agentic_config, connect_engine, router_with_worker, run_id
 
 from belayer_envckpt import CheckpointStore, Engine, full_checkpoint
-from belayer_grpo.agentic import (
+from belayer_grpo._agentic import (
     SandboxImageError,
     SandboxPool,
     build_task_image,
@@ -39,18 +39,15 @@ def image(engine: Engine) -> str:
 
 def test_the_image_is_built_once_per_content_and_holds_failing_tasks(engine: Engine, image: str) -> None:
     assert build_task_image(engine, builtin_tasks()) == image
-    output = engine.client.containers.run(
+    result = engine.run(
         image,
         [
             "sh",
             "-c",
             "ls /workspace /opt/belayer-tasks && cd /workspace/calc_add && python3 -m unittest -q; true",
         ],
-        network_mode="none",
-        remove=True,
-        stderr=True,
     )
-    text = output.decode()
+    text = result.stdout + result.stderr
     assert text.split()[:3] == ["/opt/belayer-tasks:", "calc_add", "countdown"]
     assert "FAILED (failures=1)" in text
 
@@ -79,7 +76,7 @@ async def test_pool_bounds_live_sandboxes_and_cleans_up_containers_and_checkpoin
             fresh = await lease.restart()
             assert fresh.id != first_id
             assert await anyio.to_thread.run_sync(repository_hash, fresh, workdir) == base
-            assert engine.client.containers.list(all=True, filters={"id": first_id}) == []
+            assert first_id not in [c.id for c in engine.list_containers()]
             ready.set()
             await release.wait()
 

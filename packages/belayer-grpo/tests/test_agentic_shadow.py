@@ -18,7 +18,7 @@ import pytest
 from agentic_support import ADMIN, agentic_config, connect_engine, run_id
 
 from belayer_envckpt import Engine
-from belayer_grpo.agentic import build_task_image, builtin_tasks, run_agentic_rollouts, summarize
+from belayer_grpo._agentic import build_task_image, builtin_tasks, run_agentic_rollouts, summarize
 from belayer_router import RouterClient, RouterConfig, running_router
 from belayer_shadow import ModelConfig, SlotConfig, SlotSupervisor
 
@@ -45,7 +45,7 @@ async def test_real_worker_killed_mid_rollout_shadow_takes_over_nothing_lost(
         tmp_path / "ckpt", image=image, invalid_action="feedback", max_rounds=4, max_response_tokens=24
     )
     async with (
-        running_router(RouterConfig(admin_token=ADMIN, resume_wait=30.0)) as (url, _app),
+        running_router(RouterConfig(admin_token=ADMIN, resume_wait_s=30.0)) as (url, _app),
         RouterClient(url, admin_token=ADMIN) as client,
     ):
         slot = SlotSupervisor(

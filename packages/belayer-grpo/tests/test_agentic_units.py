@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from belayer_envckpt import ExecResult
-from belayer_grpo.agentic import (
+from belayer_grpo._agentic import (
     AgenticConfig,
     AgenticTrajectory,
     BashAction,
@@ -27,7 +28,7 @@ from belayer_grpo.agentic import (
     render_observation,
     summarize,
 )
-from belayer_grpo.errors import DataError
+from belayer_grpo._errors import DataError
 from belayer_router import ByteTokenizer
 
 # -- actions -----------------------------------------------------------------------------------
@@ -176,7 +177,7 @@ def test_token_context_tracks_mask_and_logprobs_and_truncates_to_an_earlier_turn
 
 
 def test_observation_is_tail_truncated_and_names_the_exit_status() -> None:
-    result = ExecResult(stdout="a" * 50 + "END", stderr="", exit_code=3, duration=0.1)
+    result = ExecResult(stdout="a" * 50 + "END", stderr="", exit_code=3, duration_s=0.1)
     text = render_observation(result, max_chars=10)
     assert "<observation exit=3>" in text
     assert "[... 43 characters cut ...]" in text
@@ -203,7 +204,7 @@ def recovery(consistent: bool, *, tokens: int = 10, seconds: float = 1.0) -> Rec
         restored_prefix=2,
         restored_turn=2,
         from_checkpoint=True,
-        restore_seconds=seconds,
+        restore_s=seconds,
         tokens_regenerated=tokens,
         rounds_regenerated=1,
         expected_repo_hash="a" * 64,
@@ -234,8 +235,8 @@ def test_summarize_totals_a_batch() -> None:
     totals = summarize(batch)
     assert totals["num_failures"] == 2
     assert totals["tokens_regenerated"] == 12
-    assert totals["restore_seconds_mean"] == 2.0
-    assert totals["restore_seconds_max"] == 3.0
+    assert totals["restore_s_mean"] == 2.0
+    assert totals["restore_s_max"] == 3.0
     assert totals["reward_mean"] == 0.5
     assert totals["all_prefix_consistent"]
     assert not summarize([trajectory([recovery(False)], 1.0)])["all_prefix_consistent"]
@@ -268,7 +269,7 @@ def test_the_policy_is_told_the_injected_failure_probability(tmp_path: Path) -> 
 
 
 def test_to_samples_trains_only_on_generated_tokens() -> None:
-    from belayer_grpo.agentic import to_samples
+    from belayer_grpo._agentic import to_samples
 
     base = trajectory([], 1.0)
     agentic = AgenticTrajectory(
@@ -283,3 +284,24 @@ def test_to_samples_trains_only_on_generated_tokens() -> None:
     assert sample.logprobs == [-0.5, -0.25, 0.0, -1.0]
     assert (sample.reward, sample.finish_reason, sample.num_resumes) == (1.0, "submit", 1)
     assert to_samples([base])[0].completion_ids == [2]
+
+
+def test_a_trajectory_is_written_in_the_policy_simulators_trace_format(tmp_path: Path) -> None:
+    from belayer_policy import load_trace
+
+    recorded = attrs.evolve(
+        trajectory([recovery(True, seconds=1.5), recovery(True, seconds=2.5)], 1.0),
+        step_response_s=[1.0, 2.0, 3.0],
+        step_action_s=[0.1, 0.2, 0.3],
+        step_checkpoint_s=[None, 0.4, None],
+        failed_steps=[1, 3],  # step 3 is the final test run, outside the committed steps
+    )
+    path = tmp_path / "trace.jsonl"
+    path.write_text(json.dumps(recorded.trace_line(node="n1", meta={"step": 4})) + "\n")
+    (loaded,) = load_trace(path)
+    assert loaded.response_s == (1.0, 2.0, 3.0)
+    assert loaded.action_s == (0.1, 0.2, 0.3)
+    assert loaded.checkpoint_s == (0.4, 0.4, 0.4)  # the measured cost fills the steps without one
+    assert [(f.step, f.at) for f in loaded.failures] == [(1, 0.99)]
+    assert loaded.restore_s == (1.5, 2.5)
+    assert (loaded.task, loaded.node) == ("task", "n1")

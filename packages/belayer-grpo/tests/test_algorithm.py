@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from belayer_grpo.algorithm import group_advantages, grpo_loss, kl_k3
-from belayer_grpo.errors import BelayerGrpoError
+from belayer_grpo._algorithm import group_advantages, grpo_loss, kl_k3
+from belayer_grpo._errors import BelayerGrpoError
 
 
 def test_advantages_of_two_groups_by_hand() -> None:

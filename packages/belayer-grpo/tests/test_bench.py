@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from belayer_grpo.bench import EXPERIMENTS, load_bench_config, quick_config
-from belayer_grpo.bench.agent_worker import ScriptedAgentWorker, script_for
-from belayer_grpo.bench.env_failures import checkpoint_costs
-from belayer_grpo.bench.stats import relative_change, summarize
-from belayer_grpo.cli import main
-from belayer_grpo.errors import ConfigError
+from belayer_grpo._bench import EXPERIMENTS, load_bench_config, quick_config
+from belayer_grpo._bench.agent_worker import ScriptedAgentWorker, script_for
+from belayer_grpo._bench.env_failures import checkpoint_costs
+from belayer_grpo._bench.stats import relative_change, summarize
+from belayer_grpo._cli import main
+from belayer_grpo._errors import GrpoConfigError
 
 
 def test_small_and_full_configurations_load() -> None:
@@ -30,13 +30,13 @@ def test_small_and_full_configurations_load() -> None:
 def test_unknown_key_and_bad_value_name_the_key(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text("[overhead]\nrepeat = 3\n")
-    with pytest.raises(ConfigError, match=r"overhead\.repeat"):
+    with pytest.raises(GrpoConfigError, match=r"overhead\.repeat"):
         load_bench_config(bad)
     bad.write_text("[env_failures]\npolicies = ['sometimes']\n")
-    with pytest.raises(ConfigError, match=r"env_failures\.policies"):
+    with pytest.raises(GrpoConfigError, match=r"env_failures\.policies"):
         load_bench_config(bad)
     bad.write_text("[worker_failure]\nrepeats = 0\n")
-    with pytest.raises(ConfigError, match="worker_failure"):
+    with pytest.raises(GrpoConfigError, match="worker_failure"):
         load_bench_config(bad)
 
 
@@ -68,14 +68,29 @@ def test_scripted_agent_follows_the_script() -> None:
 
 def test_checkpoint_cost_accounts_hidden_and_exposed_time() -> None:
     runs = [{"checkpoints": [
-        {"seconds": 0.5, "hidden_s": 0.5, "exposed_s": 0.0, "response_s": 1.0, "turn": 1, "bytes": 10},
-        {"seconds": 2.0, "hidden_s": 1.0, "exposed_s": 1.0, "response_s": 1.0, "turn": 2, "bytes": 10},
+        {"seconds": 0.5, "waited_s": 0.0, "hidden_s": 0.5, "exposed_s": 0.0, "response_s": 1.0, "turn": 1,
+         "bytes": 10},
+        {"seconds": 2.0, "waited_s": 1.0, "hidden_s": 1.0, "exposed_s": 1.0, "response_s": 1.0, "turn": 2,
+         "bytes": 10},
     ]}]  # fmt: skip
     costs = checkpoint_costs(runs)
     assert costs["total_s"] == 2.5
     assert costs["hidden_s"] == 1.5
+    assert costs["critical_path_s"] == 1.0
     assert costs["fully_hidden"] == 1
     assert costs["hidden_fraction"] == pytest.approx(0.6)
+    assert costs["arms"] is None
+    variants = [
+        {"blocking": False, "rollout_s": 10.0, "checkpoints": runs[0]["checkpoints"]},
+        {"blocking": True, "rollout_s": 12.5, "checkpoints": [
+            {"seconds": 0.5, "waited_s": 0.5, "hidden_s": 0.0, "exposed_s": 0.5, "response_s": 1.0},
+            {"seconds": 2.0, "waited_s": 2.0, "hidden_s": 0.0, "exposed_s": 2.0, "response_s": 1.0},
+        ]},
+    ]  # fmt: skip
+    arms = checkpoint_costs(runs, variants)["arms"]
+    assert arms["overlapped"]["critical_path_s"] == 1.0
+    assert arms["blocking"]["critical_path_s"] == 2.5
+    assert arms["blocking"]["rollout_s"]["mean"] == 12.5
 
 
 def _tables(report: str) -> list[tuple[list[str], list[list[str]]]]:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from belayer_grpo.config import load_config, parse_override
-from belayer_grpo.errors import ConfigError
+from belayer_grpo import ExitCode, GrpoConfigError
+from belayer_grpo._config import load_config, parse_override
 
 
 def test_embedded_default_loads() -> None:
@@ -62,27 +63,27 @@ def test_override_values_are_toml_literals_or_strings() -> None:
     ],
 )
 def test_errors_name_the_key(overrides: list[str], key: str) -> None:
-    with pytest.raises(ConfigError) as caught:
+    with pytest.raises(GrpoConfigError) as caught:
         load_config(None, overrides)
     assert caught.value.key == key
     assert repr(key) in str(caught.value)
 
 
 def test_bad_files(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="no such file"):
+    with pytest.raises(GrpoConfigError, match="no such file"):
         load_config(tmp_path / "missing.toml")
     bad = tmp_path / "bad.toml"
     bad.write_text("[algorithm\n")
-    with pytest.raises(ConfigError, match="not valid TOML"):
+    with pytest.raises(GrpoConfigError, match="not valid TOML"):
         load_config(bad)
     unknown = tmp_path / "unknown.toml"
     unknown.write_text("[rollouts]\nbatch_size = 2\n")
-    with pytest.raises(ConfigError) as caught:
+    with pytest.raises(GrpoConfigError) as caught:
         load_config(unknown)
     assert caught.value.key == "rollouts"
     other = tmp_path / "run.ini"
     other.write_text("x")
-    with pytest.raises(ConfigError, match=r"\.toml, \.yaml or \.yml"):
+    with pytest.raises(GrpoConfigError, match=r"\.toml, \.yaml or \.yml"):
         load_config(other)
 
 
@@ -93,8 +94,28 @@ def test_cli_reports_config_errors_with_exit_status_2() -> None:
         text=True,
         timeout=120,
     )
-    assert done.returncode == 2
-    assert "'algorithm.steps'" in done.stderr
+    assert done.returncode == ExitCode.USAGE == 2
+    # The root README's contract: one line, `belayer-grpo: error: ...`, no traceback.
+    assert done.stderr.startswith("belayer-grpo: error: config key 'algorithm.steps'"), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert done.stdout == ""
+    debug = subprocess.run(
+        [sys.executable, "-m", "belayer_grpo", "--debug", "train", "algorithm.steps=0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert debug.returncode == 2
+    assert "Traceback" in debug.stderr
+    assert debug.stderr.strip().splitlines()[-1].startswith("belayer-grpo: error: ")
+    as_json = subprocess.run(
+        [sys.executable, "-m", "belayer_grpo", "config", "--json", "rollout.batch_size=3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert as_json.returncode == ExitCode.OK
+    assert json.loads(as_json.stdout)["rollout"]["batch_size"] == 3
     shown = subprocess.run(
         [sys.executable, "-m", "belayer_grpo", "config", "rollout.batch_size=3"],
         capture_output=True,
@@ -106,9 +127,9 @@ def test_cli_reports_config_errors_with_exit_status_2() -> None:
 
 
 def test_swe_workload_settings_reach_the_agent_loop(tmp_path: Path) -> None:
-    from belayer_grpo.data import BytePolicyTokenizer
-    from belayer_grpo.model import build_tokenizer
-    from belayer_grpo.swe import agentic_config, load_tasks
+    from belayer_grpo._data import BytePolicyTokenizer
+    from belayer_grpo._model import build_tokenizer
+    from belayer_grpo._swe import agentic_config, load_tasks
 
     config = load_config(
         None,
@@ -126,6 +147,6 @@ def test_swe_workload_settings_reach_the_agent_loop(tmp_path: Path) -> None:
     assert agentic.stop_token_ids == (256,)
     assert agentic.checkpoint_root == tmp_path / "env-checkpoints"
     assert [t.instance_id for t in load_tasks(config)][:1] == ["belayer__calc-1"]
-    with pytest.raises(ConfigError) as caught:
+    with pytest.raises(GrpoConfigError) as caught:
         load_tasks(load_config(None, ["data.workload=swe", "data.source=tasks.parquet"]))
     assert caught.value.key == "data.source"

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from belayer_grpo.checkpointing import find_latest, load_checkpoint, save_checkpoint
-from belayer_grpo.config import load_config
-from belayer_grpo.data import (
+from belayer_grpo._checkpointing import find_latest, load_checkpoint, save_checkpoint
+from belayer_grpo._config import load_config
+from belayer_grpo._data import (
     CharTokenizer,
     PromptSampler,
     extract_answer,
@@ -18,10 +18,10 @@ from belayer_grpo.data import (
     load_math_file,
     math_reward,
 )
-from belayer_grpo.errors import CheckpointError, DataError
-from belayer_grpo.model import build_policy, engine_model_config
-from belayer_grpo.rollout_math import Sample
-from belayer_grpo.trainer import GRPOTrainer
+from belayer_grpo._errors import CheckpointError, DataError
+from belayer_grpo._model import build_policy, engine_model_config
+from belayer_grpo._rollout_math import Sample
+from belayer_grpo._trainer import GRPOTrainer
 
 
 def test_arithmetic_problems_are_complete_and_correct() -> None:
@@ -135,3 +135,43 @@ def test_update_raises_the_likelihood_of_rewarded_samples_and_checkpoints_resume
     (tmp_path / "step_000009.pt").write_bytes(b"torn")
     with pytest.raises(CheckpointError, match="cannot read"):
         load_checkpoint(tmp_path / "step_000009.pt")
+
+
+def test_a_resumed_run_uses_the_same_kl_reference_as_an_uninterrupted_one(tmp_path: Path) -> None:
+    # KL on (beta > 0); the reference is the policy after a warm-up, which a resumed run skips:
+    # it rebuilds the model from the seed, so only the checkpoint can give it the same reference.
+    config = load_config(
+        None, ["algorithm.num_minibatches=1", "algorithm.learning_rate=0.01", "algorithm.beta=0.5"]
+    )
+    model_config = engine_model_config(config.model, CharTokenizer())
+    samples = _samples()
+
+    def warmed_up() -> torch.nn.Module:
+        model = build_policy(model_config, seed=0)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.mul_(1.5)  # stands in for the supervised warm-up
+        return model
+
+    uninterrupted = GRPOTrainer(warmed_up(), config.algorithm, group_size=2)
+    interrupted = GRPOTrainer(warmed_up(), config.algorithm, group_size=2)
+    uninterrupted.update(samples)
+    interrupted.update(samples)
+    path = save_checkpoint(tmp_path, 1, {**interrupted.state_dict(), "sampler": {}})
+    resumed = GRPOTrainer(build_policy(model_config, seed=0), config.algorithm, group_size=2)
+    resumed.load_state_dict(load_checkpoint(path))
+    for _ in range(2):
+        expected = uninterrupted.update(samples)
+        got = resumed.update(samples)
+        assert got.kl == pytest.approx(expected.kl, rel=1e-5, abs=1e-7)
+        assert got.loss == pytest.approx(expected.loss, rel=1e-5, abs=1e-7)
+    assert expected.kl > 0
+    for (name, a), b in zip(
+        uninterrupted.model.state_dict().items(), resumed.model.state_dict().values(), strict=True
+    ):
+        assert torch.allclose(a, b, atol=1e-6), name
+    # A checkpoint without a reference cannot silently resume a KL run with the wrong one.
+    state = load_checkpoint(path)
+    state["reference"] = None
+    with pytest.raises(CheckpointError, match="no KL reference"):
+        GRPOTrainer(build_policy(model_config, seed=0), config.algorithm, group_size=2).load_state_dict(state)

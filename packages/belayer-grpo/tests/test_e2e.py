@@ -10,8 +10,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from belayer_grpo.config import load_config
-from belayer_grpo.run import run_training
+from belayer_grpo._config import load_config
+from belayer_grpo._run import run_training
 
 pytestmark = pytest.mark.e2e
 

@@ -20,8 +20,9 @@ import pytest
 from test_sigint import _tagged_pids
 
 from belayer_envckpt import Engine
-from belayer_grpo.agentic.pool import POOL_LABEL
-from belayer_grpo.swe import run_tag
+from belayer_grpo._agentic.pool import POOL_LABEL
+from belayer_grpo._swe import run_tag
+from belayer_policy import load_trace
 
 pytestmark = [pytest.mark.e2e, pytest.mark.docker]
 
@@ -76,6 +77,20 @@ def test_swe_training_survives_sandbox_and_worker_kills_and_leaves_nothing(tmp_p
     assert "sandbox failures" in log
     assert "prefix-consistent: yes" in log
 
+    # The agentic trace, in belayer-policy's format (its own loader reads it): one line per
+    # trajectory that committed a step, with the measured step times.
+    lines = [json.loads(line) for line in (run_dir / "trace.jsonl").read_text().splitlines()]
+    trace = load_trace(run_dir / "trace.jsonl")
+    assert len(trace) == len(lines) == sum(1 for t in trajectories if t["num_actions"] >= 1)
+    for (
+        line,
+        loaded,
+    ) in zip(lines, trace, strict=True):
+        assert loaded.num_steps == len(line["response_s"]) >= 1
+        assert loaded.task in {t["task_id"] for t in trajectories}
+        assert line["meta"]["step"] in (1, 2)
+    assert sum(len(line["restore_s"]) for line in lines) <= env["sandbox_failures"]
+
     # The worker killed in step 1 was replaced by the shadow; responses in flight were resumed.
     (failure,) = report["failures"]
     assert (failure["step"], failure["recovery"]) == (1, "shadow")
@@ -87,7 +102,7 @@ def test_swe_training_survives_sandbox_and_worker_kills_and_leaves_nothing(tmp_p
     assert _tagged_pids(tag) == []
     engine = Engine.connect()
     try:
-        containers = engine.client.containers.list(all=True, filters={"label": POOL_LABEL})
+        containers = engine.list_containers([POOL_LABEL])
         ours = [
             c.name for c in containers if c.labels.get("belayer.trajectory", "").startswith(run_tag(run_dir))
         ]

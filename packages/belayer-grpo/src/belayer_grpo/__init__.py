@@ -1,17 +1,35 @@
 """belayer-grpo: GRPO training with rollouts through the Belayer router, and the system behind it.
 
 `belayer-grpo train` assembles the router, the engine slots (memory servers, main worker and shadow
-worker), the sandbox pool and the trainer, and shuts all of it down again on exit or Ctrl-C.
+worker), the sandbox pool and the trainer, and shuts all of it down again on exit or Ctrl-C; a
+small guardian process cleans up after a trainer that was killed outright.
+
+Public API: the configuration (`load_config`, `Config`), the training run (`run_training`), the
+agentic workload (`run_agentic_rollouts` and its records), the errors and the CLI's `ExitCode`.
+Everything else lives in private ``_modules``.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from importlib.metadata import version
+from typing import TYPE_CHECKING
+
+from belayer_grpo._errors import (
+    BelayerGrpoError,
+    CheckpointError,
+    DataError,
+    ExitCode,
+    GrpoConfigError,
+    RolloutError,
+    SandboxImageError,
+    SystemStartError,
+    TaskFormatError,
+    TrajectoryFailedError,
+)
+from belayer_grpo._lazy import lazy_getattr
 
 if TYPE_CHECKING:
-    # Agentic workload, then core.
-    from belayer_grpo.agentic import (
+    from belayer_grpo._agentic import (
         AgenticConfig,
         AgenticTrajectory,
         SweTask,
@@ -20,53 +38,48 @@ if TYPE_CHECKING:
         run_agentic_rollouts,
         to_samples,
     )
-    from belayer_grpo.errors import (
-        BelayerGrpoError,
-        CheckpointError,
-        ConfigError,
-        DataError,
-        RolloutError,
-        SystemStartError,
-    )
+    from belayer_grpo._config import Config, load_config
+    from belayer_grpo._run import run_training
 
-# name -> module; lazy so that `import belayer_grpo` stays cheap (no torch) for the CLI's parser.
-_EXPORTS = {
-    # Core.
-    "BelayerGrpoError": "belayer_grpo.errors",
-    "CheckpointError": "belayer_grpo.errors",
-    "ConfigError": "belayer_grpo.errors",
-    "DataError": "belayer_grpo.errors",
-    "RolloutError": "belayer_grpo.errors",
-    "SystemStartError": "belayer_grpo.errors",
-    # Agentic workload.
-    "AgenticConfig": "belayer_grpo.agentic",
-    "AgenticTrajectory": "belayer_grpo.agentic",
-    "SweTask": "belayer_grpo.agentic",
-    "builtin_tasks": "belayer_grpo.agentic",
-    "load_swegym": "belayer_grpo.agentic",
-    "run_agentic_rollouts": "belayer_grpo.agentic",
-    "to_samples": "belayer_grpo.agentic",
-}
+__version__ = version("belayer-grpo")
+
+# Heavy names (torch, Docker) are imported on first use, so the CLI's parser starts fast.
+__getattr__ = lazy_getattr(
+    __name__,
+    {
+        "Config": "belayer_grpo._config",
+        "load_config": "belayer_grpo._config",
+        "run_training": "belayer_grpo._run",
+        "AgenticConfig": "belayer_grpo._agentic",
+        "AgenticTrajectory": "belayer_grpo._agentic",
+        "SweTask": "belayer_grpo._agentic",
+        "builtin_tasks": "belayer_grpo._agentic",
+        "load_swegym": "belayer_grpo._agentic",
+        "run_agentic_rollouts": "belayer_grpo._agentic",
+        "to_samples": "belayer_grpo._agentic",
+    },
+)
 
 __all__ = [
     "AgenticConfig",
     "AgenticTrajectory",
     "BelayerGrpoError",
     "CheckpointError",
-    "ConfigError",
+    "Config",
     "DataError",
+    "ExitCode",
+    "GrpoConfigError",
     "RolloutError",
+    "SandboxImageError",
     "SweTask",
     "SystemStartError",
+    "TaskFormatError",
+    "TrajectoryFailedError",
+    "__version__",
     "builtin_tasks",
+    "load_config",
     "load_swegym",
     "run_agentic_rollouts",
+    "run_training",
     "to_samples",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'belayer_grpo' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)

@@ -4,6 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from belayer_grpo.cli import main
+from belayer_grpo._cli import main
 
 sys.exit(main())

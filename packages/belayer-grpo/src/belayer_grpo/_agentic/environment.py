@@ -1,0 +1,133 @@
+"""The environment side of a trajectory: actions, state hashes and full checkpoints.
+
+Blocking calls into belayer-envckpt (which translates every container-engine error into its own
+typed errors); the agent loop runs each function in a worker thread.  A sandbox failure is
+reported as a `SandboxFailure` value, never raised through the loop.
+"""
+
+from __future__ import annotations
+
+import time
+
+import attrs
+
+from belayer_envckpt import (
+    BelayerEnvckptError,
+    CheckpointStore,
+    ExecResult,
+    FaultInjector,
+    Sandbox,
+    full_checkpoint,
+)
+from belayer_grpo._agentic.records import CheckpointRecord
+from belayer_grpo._errors import SandboxCommandError
+
+__all__ = [
+    "REPO_HASH_SCRIPT",
+    "SandboxFailure",
+    "checkpoint_sandbox",
+    "context_ref",
+    "parse_context_ref",
+    "repository_hash",
+    "run_action",
+]
+
+# Content and names of every file of the repository (``.git`` aside), in a fixed order.
+REPO_HASH_SCRIPT = (
+    "find . -path ./.git -prune -o -type f -print0 | LC_ALL=C sort -z "
+    "| xargs -0 -r sha256sum | sha256sum | cut -d' ' -f1"
+)
+_REF_PREFIX = "router:contexts/"
+
+
+@attrs.frozen
+class SandboxFailure:
+    """The sandbox died (or could not run the action): ``reason`` says how it was detected."""
+
+    reason: str
+    action_s: float = 0.0
+
+
+def context_ref(trajectory: str, turn: int) -> str:
+    """The checkpoint's reference to the router's context log entry ``L_turn``."""
+    return f"{_REF_PREFIX}{trajectory}/{turn}"
+
+
+def parse_context_ref(ref: str) -> tuple[str, int]:
+    """``(trajectory, turn)`` of a `context_ref`; ValueError for anything else."""
+    if not ref.startswith(_REF_PREFIX):
+        raise ValueError(f"context reference {ref!r} does not name a router context")
+    trajectory, _, turn = ref.removeprefix(_REF_PREFIX).rpartition("/")
+    if not trajectory or not turn.isdigit():
+        raise ValueError(f"context reference {ref!r} is malformed")
+    return trajectory, int(turn)
+
+
+def repository_hash(sandbox: Sandbox, workdir: str) -> str:
+    """Hash of the repository's files, read between actions (it does not count as an action)."""
+    result = sandbox.probe(["/bin/sh", "-c", REPO_HASH_SCRIPT], workdir=workdir)
+    text = result.stdout.strip()
+    if result.exit_code != 0 or len(text) != 64:
+        raise SandboxCommandError(
+            f"hashing the repository {workdir} in sandbox {sandbox.id} failed (exit {result.exit_code}): "
+            f"{(text + result.stderr)[-200:]}"
+        )
+    return text
+
+
+def _is_running(sandbox: Sandbox) -> bool:
+    try:
+        return sandbox.is_running()
+    except BelayerEnvckptError:
+        return False
+
+
+def run_action(
+    sandbox: Sandbox, command: str, timeout_s: float, injector: FaultInjector | None
+) -> ExecResult | SandboxFailure:
+    """Run one action; then chaos may kill the sandbox; then check that it is still running.
+
+    An action whose container died (by itself or by chaos) has not committed: its output is
+    discarded and the trajectory goes back to its latest ready checkpoint.
+    """
+    started = time.perf_counter()
+    try:
+        result = sandbox.exec(command, timeout_s=timeout_s)
+    except BelayerEnvckptError as error:
+        return SandboxFailure(f"exec failed: {error}", time.perf_counter() - started)
+    if injector is not None and injector.step(sandbox):
+        return SandboxFailure("killed by chaos", result.duration_s)
+    if not _is_running(sandbox):
+        return SandboxFailure("container not running after the action", result.duration_s)
+    return result
+
+
+def checkpoint_sandbox(
+    sandbox: Sandbox,
+    store: CheckpointStore,
+    *,
+    trajectory: str,
+    prefix: int,
+    turn: int,
+    workdir: str,
+    context_hash: str,
+) -> CheckpointRecord:
+    """Hash the repository and take a full checkpoint of the same quiescent state, tied to ``L_turn``.
+
+    Both happen under the sandbox's action boundary, so no action runs in between.  Raises
+    a `belayer_envckpt.BelayerEnvckptError` (or `SandboxCommandError`) if it cannot be taken.
+    """
+    started = time.perf_counter()
+    ref = context_ref(trajectory, turn)
+    with sandbox.action_boundary():
+        repo_hash = repository_hash(sandbox, workdir)
+        checkpoint = full_checkpoint(sandbox, trajectory, prefix=prefix, context_ref=ref, store=store)
+    return CheckpointRecord(
+        prefix=prefix,
+        turn=turn,
+        context_ref=ref,
+        context_hash=context_hash,
+        repo_hash=repo_hash,
+        duration_s=time.perf_counter() - started,
+        checkpoint=checkpoint,
+    )

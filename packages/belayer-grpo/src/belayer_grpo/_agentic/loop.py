@@ -1,0 +1,333 @@
+"""The agent loop of one trajectory: response -> action -> observation, with recovery.
+
+Each round: the response comes from the router (``trajectory_id``/``turn`` set, so the router
+records ``L_turn``), the bash action runs in the trajectory's sandbox, the observation is appended
+and ``L_turn`` is stored again with it.  After every environment step the checkpoint policy
+decides; a decided full checkpoint overlaps the next response and is tied to ``L_turn``.  On a
+sandbox failure the latest ready checkpoint is restored, its ``L_turn`` reloaded from the router
+and generation resumes from there (from the base image and the prompt when there is none, which
+is always the case under ``never``).  At the end the task's tests give the reward.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import anyio
+import attrs
+
+from belayer_envckpt import BelayerEnvckptError, FaultInjector, Sandbox, full_restore
+from belayer_grpo._agentic import actions, environment
+from belayer_grpo._agentic.context import (
+    TokenContext,
+    context_digest,
+    render_feedback,
+    render_observation,
+    render_prompt,
+)
+from belayer_grpo._agentic.pool import SandboxLease
+from belayer_grpo._agentic.records import AgenticTrajectory, CheckpointRecord, RecoveryRecord
+from belayer_grpo._agentic.settings import AgenticConfig
+from belayer_grpo._agentic.swegym import SweTask
+from belayer_grpo._errors import SandboxCommandError, TrajectoryFailedError
+from belayer_policy import CheckpointPolicy, StepObservation
+from belayer_router import Completion, RouterClient, Tokenizer
+
+__all__ = ["AgentLoop", "derive_seed"]
+
+_FAILED = (BelayerEnvckptError, SandboxCommandError)
+
+
+def derive_seed(base: int, trajectory: str, turn: int) -> int:
+    """A response's sampling seed: the same on regeneration, so deterministic engines repeat it."""
+    digest = hashlib.sha256(f"{base}/{trajectory}/{turn}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+@attrs.define
+class AgentLoop:
+    """Rolls out one trajectory of ``task`` in the sandbox of ``lease``."""
+
+    task: SweTask
+    trajectory_id: str
+    config: AgenticConfig
+    router: RouterClient
+    tokenizer: Tokenizer
+    lease: SandboxLease
+    policy: CheckpointPolicy
+    injector: FaultInjector | None = None
+    group_index: int = 0
+    sample_index: int = 0
+    context: TokenContext = attrs.field(factory=TokenContext)
+    prefix: int = 0
+    turn: int = 0
+    checkpoints: list[CheckpointRecord] = attrs.field(factory=list)
+    recoveries: list[RecoveryRecord] = attrs.field(factory=list)
+    num_responses: int = 0
+    num_checkpoint_failures: int = 0
+    num_resumed_responses: int = 0
+    _base: CheckpointRecord | None = None
+    _pending: CheckpointRecord | None = None
+    _response_tokens: dict[int, int] = attrs.field(factory=dict)
+    # Per committed step: [response_s, action_s, checkpoint_s or None]; `_unspent_response_s` holds
+    # response time of rounds without an action (feedback), charged to the next step.
+    _steps: list[list[float | None]] = attrs.field(factory=list)
+    _unspent_response_s: float = 0.0
+    _failed_steps: list[int] = attrs.field(factory=list)
+    _started: float = attrs.field(factory=time.monotonic)
+
+    def _now(self) -> float:
+        return time.monotonic() - self._started
+
+    async def run(self) -> AgenticTrajectory:
+        """Roll out to the end (surviving sandbox failures) and score with the task's tests."""
+        await self._begin()
+        while True:
+            finish = await self._episode()
+            if isinstance(finish, environment.SandboxFailure):
+                await self._recover(finish)
+                continue
+            result = await anyio.to_thread.run_sync(self._run_tests)
+            if isinstance(result, environment.SandboxFailure):
+                await self._recover(result)
+                continue
+            break
+        await self.router.drop_trajectory(self.trajectory_id)
+        self.policy.on_trajectory_end(self.prefix)
+        return self._finish(finish, result.exit_code, result.stdout + result.stderr)
+
+    async def _begin(self) -> None:
+        self.context = TokenContext.from_prompt(self.tokenizer, render_prompt(self.task))
+        await self.router.put_context(self.trajectory_id, 0, self.context.token_ids)
+        repo_hash = await anyio.to_thread.run_sync(
+            environment.repository_hash, self.lease.sandbox, self.task.workdir
+        )
+        ref = environment.context_ref(self.trajectory_id, 0)
+        self._base = CheckpointRecord(0, 0, ref, self.context.digest(), repo_hash)
+
+    # -- rounds ----------------------------------------------------------------------------
+
+    async def _episode(self) -> str | environment.SandboxFailure:
+        while self.turn < self.config.max_rounds:
+            room = self.config.max_context_tokens - len(self.context)
+            if room < 1:
+                return "context_full"
+            turn = self.turn + 1
+            completion, response_s = await self._respond(turn, room)
+            self.context.add_generated(completion.token_ids, completion.logprobs)
+            self.turn = turn
+            self._response_tokens[turn] = len(completion.token_ids)
+            stops = set(self.config.stop_token_ids)
+            text = self.tokenizer.decode([t for t in completion.token_ids if t not in stops])
+            action = actions.parse_action(text)
+            if isinstance(action, actions.Submit):
+                return "submit"
+            if isinstance(action, actions.InvalidAction):
+                if self.config.invalid_action == "end":
+                    return "no_action"
+                self._unspent_response_s += response_s
+                self.context.add_text(self.tokenizer, render_feedback(action.feedback))
+                await self.router.put_context(self.trajectory_id, turn, self.context.token_ids)
+                continue
+            outcome = await anyio.to_thread.run_sync(
+                environment.run_action,
+                self.lease.sandbox,
+                action.command,
+                self.config.action_timeout_s,
+                self.injector,
+            )
+            if isinstance(outcome, environment.SandboxFailure):
+                return outcome
+            self.prefix = self.lease.sandbox.prefix
+            del self._steps[self.prefix - 1 :]
+            self._steps.append([self._unspent_response_s + response_s, outcome.duration_s, None])
+            self._unspent_response_s = 0.0
+            observation = render_observation(outcome, self.config.max_observation_chars)
+            self.context.add_text(self.tokenizer, observation)
+            await self.router.put_context(self.trajectory_id, turn, self.context.token_ids)
+            decision = self.policy.decide(
+                StepObservation(self.prefix, response_s, outcome.duration_s, self._now())
+            )
+            if decision.checkpoint:
+                ref = environment.context_ref(self.trajectory_id, turn)
+                self._pending = CheckpointRecord(self.prefix, turn, ref, self.context.digest(), "")
+        return "max_rounds"
+
+    async def _respond(self, turn: int, room: int) -> tuple[Completion, float]:
+        """The next response; a pending checkpoint runs meanwhile (or first, when blocking) and is
+        done when this returns.  What it added to the critical path is measured, not modelled."""
+        pending, self._pending = self._pending, None
+        if pending is not None and self.config.checkpoint_blocking:
+            started = time.monotonic()
+            await self._checkpoint(pending)
+            self._record_wait(pending, time.monotonic() - started)
+            pending = None
+        async with anyio.create_task_group() as group:
+            if pending is not None:
+                group.start_soon(self._checkpoint, pending)
+            started = time.monotonic()
+            completion = await self.router.generate(
+                self.context.token_ids,
+                min(self.config.max_response_tokens, room),
+                temperature=self.config.temperature,
+                top_p=self.config.top_p,
+                seed=derive_seed(self.config.seed, self.trajectory_id, turn),
+                stop_token_ids=self.config.stop_token_ids,
+                trajectory_id=self.trajectory_id,
+                turn=turn,
+            )
+            responded = time.monotonic()
+        if pending is not None:
+            self._record_wait(pending, time.monotonic() - responded)  # the next action waited this long
+        self.num_responses += 1
+        self.num_resumed_responses += completion.num_resumes > 0
+        return completion, responded - started
+
+    def _record_wait(self, pending: CheckpointRecord, waited_s: float) -> None:
+        if self.checkpoints and self.checkpoints[-1].turn == pending.turn:
+            self.checkpoints[-1] = attrs.evolve(self.checkpoints[-1], waited_s=waited_s)
+
+    async def _checkpoint(self, pending: CheckpointRecord) -> None:
+        sandbox = self.lease.sandbox
+        try:
+            record = await anyio.to_thread.run_sync(
+                lambda: environment.checkpoint_sandbox(
+                    sandbox,
+                    self.lease.pool.store,
+                    trajectory=self.trajectory_id,
+                    prefix=pending.prefix,
+                    turn=pending.turn,
+                    workdir=self.task.workdir,
+                    context_hash=pending.context_hash,
+                )
+            )
+        except _FAILED:
+            # The previous ready checkpoint stays in effect.  A dead sandbox is reported by the
+            # next action (on_failure); a live one starts the policy's cooldown.
+            self.num_checkpoint_failures += 1
+            if await anyio.to_thread.run_sync(sandbox.status) == "running":
+                self.policy.on_checkpoint_timeout(self._now())
+            return
+        self.checkpoints.append(record)
+        if 0 < record.prefix <= len(self._steps):
+            self._steps[record.prefix - 1][2] = record.duration_s
+        self.policy.on_checkpoint_ready(record.duration_s)  # the measured cost feeds the estimators
+
+    def _run_tests(self) -> environment.SandboxFailure | _TestResult:
+        try:
+            result = self.lease.sandbox.exec(self.task.test_command, timeout_s=self.config.test_timeout_s)
+        except _FAILED as error:
+            return environment.SandboxFailure(f"tests could not run: {error}")
+        if self.lease.sandbox.status() != "running":
+            return environment.SandboxFailure("container not running after the tests")
+        return _TestResult(result.exit_code, result.stdout, result.stderr)
+
+    # -- recovery --------------------------------------------------------------------------
+
+    async def _recover(self, failure: environment.SandboxFailure) -> None:
+        if len(self.recoveries) >= self.config.max_recoveries:
+            raise TrajectoryFailedError(
+                f"trajectory {self.trajectory_id} saw more than {self.config.max_recoveries} sandbox "
+                f"failures (last: {failure.reason}); raise agentic max_recoveries or lower the kill rate"
+            )
+        started = time.monotonic()
+        self.policy.on_failure(self._now(), exposure_s=failure.action_s)
+        self._pending = None
+        failed_prefix, failed_turn = self.prefix, self.turn
+        self._failed_steps.append(failed_prefix)  # the step being attempted (0-based)
+        self._unspent_response_s = 0.0
+        target, sandbox, timings = await self._restore_environment()
+        lost = sorted(t for t in self._response_tokens if t > target.turn)
+        tokens_lost = sum(self._response_tokens.pop(t) for t in lost)
+        turn, token_ids = await self.router.get_context(self.trajectory_id, target.turn)
+        context_matches = (
+            turn == target.turn
+            and context_digest(token_ids) == target.context_hash
+            and token_ids == self.context.token_ids[: len(token_ids)]
+        )
+        if not context_matches:
+            raise TrajectoryFailedError(
+                f"trajectory {self.trajectory_id}: the router's L_{target.turn} does not match the "
+                "context the checkpoint was taken with; the context log is not trustworthy"
+            )
+        self.context.truncate(len(token_ids))
+        actual_hash = await anyio.to_thread.run_sync(environment.repository_hash, sandbox, self.task.workdir)
+        restore_s = time.monotonic() - started
+        self.policy.on_restore(restore_s)  # the measured restore cost feeds the estimators
+        self.prefix, self.turn = target.prefix, target.turn
+        del self._steps[target.prefix :]
+        self.recoveries.append(
+            RecoveryRecord(
+                failed_prefix=failed_prefix,
+                failed_turn=failed_turn,
+                reason=failure.reason,
+                restored_prefix=target.prefix,
+                restored_turn=target.turn,
+                from_checkpoint=target.checkpoint is not None,
+                restore_s=restore_s,
+                tokens_regenerated=tokens_lost,
+                rounds_regenerated=len(lost),
+                expected_repo_hash=target.repo_hash,
+                actual_repo_hash=actual_hash,
+                context_matches=context_matches,
+                prefix_matches=sandbox.prefix == target.prefix
+                and (target.checkpoint is None or sandbox.context_ref == target.context_ref),
+                restore_timings_ms=timings,
+            )
+        )
+
+    async def _restore_environment(self) -> tuple[CheckpointRecord, Sandbox, dict[str, float]]:
+        """Restore the newest checkpoint that restores (older ones next), else start afresh."""
+        engine = self.lease.pool.engine
+        while self.checkpoints:
+            record = self.checkpoints[-1]
+            assert record.checkpoint is not None
+            checkpoint = record.checkpoint
+            try:
+                sandbox = await anyio.to_thread.run_sync(
+                    lambda: full_restore(checkpoint, engine=engine)  # noqa: B023  (awaited at once)
+                )
+            except _FAILED:
+                self.checkpoints.pop()  # unusable: fall back to the one before it
+                continue
+            await self.lease.replace(sandbox)
+            return record, sandbox, dict(sandbox.restore_timings_ms)
+        assert self._base is not None
+        return self._base, await self.lease.restart(), {}
+
+    def _finish(self, finish: str, exit_code: int, output: str) -> AgenticTrajectory:
+        return AgenticTrajectory(
+            trajectory_id=self.trajectory_id,
+            task_id=self.task.instance_id,
+            group_index=self.group_index,
+            sample_index=self.sample_index,
+            token_ids=list(self.context.token_ids),
+            loss_mask=[int(g) for g in self.context.generated],
+            logprobs=list(self.context.logprobs),
+            num_prompt_tokens=self.context.num_prompt_tokens,
+            reward=1.0 if exit_code == 0 else 0.0,
+            finish=finish,
+            rounds=self.turn,
+            num_actions=self.prefix,
+            num_responses=self.num_responses,
+            test_exit_code=exit_code,
+            test_output=output[-2000:],
+            policy=self.policy.name,
+            wall_s=self._now(),
+            checkpoints=list(self.checkpoints),
+            recoveries=list(self.recoveries),
+            num_checkpoint_failures=self.num_checkpoint_failures,
+            num_resumed_responses=self.num_resumed_responses,
+            step_response_s=[float(step[0] or 0.0) for step in self._steps],
+            step_action_s=[float(step[1] or 0.0) for step in self._steps],
+            step_checkpoint_s=[step[2] for step in self._steps],
+            failed_steps=list(self._failed_steps),
+        )
+
+
+@attrs.frozen
+class _TestResult:
+    exit_code: int
+    stdout: str
+    stderr: str

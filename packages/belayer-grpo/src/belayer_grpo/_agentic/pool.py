@@ -1,0 +1,120 @@
+"""`SandboxPool`: at most ``capacity`` live task sandboxes, each leased to one trajectory.
+
+A lease hands out the trajectory's current sandbox and follows it through failures (a restore or
+a fresh start replaces the container).  Leaving the lease removes the container and, unless asked
+to keep them, every checkpoint of the trajectory; closing the pool removes anything of it that
+is still there (containers carry the pool's label, restored ones included).
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+import attrs
+
+from belayer_envckpt import CheckpointStore, Engine, Sandbox, SandboxConfig
+
+__all__ = ["POOL_LABEL", "SandboxLease", "SandboxPool"]
+
+POOL_LABEL = "belayer.grpo.pool"
+
+
+@attrs.define(eq=False)
+class SandboxLease:
+    """One trajectory's hold on the pool: its current sandbox and how to make a fresh one."""
+
+    pool: SandboxPool
+    trajectory: str
+    config: SandboxConfig
+    sandbox: Sandbox
+
+    async def replace(self, sandbox: Sandbox) -> None:
+        """Adopt ``sandbox`` (restored by ``full_restore``) as the trajectory's sandbox."""
+        old, self.sandbox = self.sandbox, sandbox
+        if old.id != sandbox.id:
+            await anyio.to_thread.run_sync(old.remove)
+
+    async def restart(self) -> Sandbox:
+        """Remove the current container and start a fresh one from the base image."""
+        await anyio.to_thread.run_sync(self.sandbox.remove)
+        self.sandbox = await self.pool._create(self.config, self.trajectory)
+        return self.sandbox
+
+
+@attrs.define
+class SandboxPool:
+    """Creates, tracks and cleans up the sandboxes of a batch of trajectories."""
+
+    engine: Engine
+    store: CheckpointStore
+    capacity: int = 8
+    labels: dict[str, str] = attrs.field(factory=dict)
+    keep_checkpoints: bool = False
+    pool_id: str = attrs.field(factory=lambda: uuid.uuid4().hex[:12])
+    _limiter: anyio.CapacityLimiter = attrs.field(init=False)
+    _leases: dict[str, SandboxLease] = attrs.field(init=False, factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        if self.capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {self.capacity}")
+        self._limiter = anyio.CapacityLimiter(self.capacity)
+
+    @property
+    def num_live(self) -> int:
+        """Trajectories holding a sandbox now."""
+        return len(self._leases)
+
+    def sandbox_config(self, image: str, workdir: str) -> SandboxConfig:
+        """The configuration every sandbox of this pool is created with (and restored to)."""
+        return SandboxConfig(
+            image=image,
+            working_dir=workdir,
+            labels={**self.labels, POOL_LABEL: self.pool_id},
+        )
+
+    async def _create(self, config: SandboxConfig, trajectory: str) -> Sandbox:
+        return await anyio.to_thread.run_sync(
+            lambda: Sandbox.create(self.engine, config, trajectory=trajectory)
+        )
+
+    @asynccontextmanager
+    async def lease(self, trajectory: str, image: str, workdir: str) -> AsyncIterator[SandboxLease]:
+        """Wait for capacity, start a sandbox for ``trajectory``; clean it all up on exit."""
+        if trajectory in self._leases:
+            raise ValueError(f"trajectory {trajectory!r} already holds a sandbox of this pool")
+        async with self._limiter:
+            config = self.sandbox_config(image, workdir)
+            sandbox = await self._create(config, trajectory)
+            lease = SandboxLease(self, trajectory, config, sandbox)
+            self._leases[trajectory] = lease
+            try:
+                yield lease
+            finally:
+                del self._leases[trajectory]
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(lambda: self._clean(lease))
+
+    def _clean(self, lease: SandboxLease) -> None:
+        lease.sandbox.remove()
+        for container in self._containers(trajectory=lease.trajectory):
+            self.engine.remove(container)
+        if not self.keep_checkpoints:
+            # Not `store.gc`: it also sweeps partial checkpoints, which here are other
+            # trajectories' checkpoints in progress.
+            shutil.rmtree(self.store.trajectory_dir(lease.trajectory), ignore_errors=True)
+
+    def _containers(self, trajectory: str | None = None) -> list[str]:
+        filters = [f"{POOL_LABEL}={self.pool_id}"]
+        if trajectory is not None:
+            filters.append(f"belayer.trajectory={trajectory}")
+        return [container.id for container in self.engine.list_containers(filters)]
+
+    async def aclose(self) -> None:
+        """Remove every container this pool created that is still there."""
+        with anyio.CancelScope(shield=True):
+            for container in await anyio.to_thread.run_sync(self._containers):
+                await anyio.to_thread.run_sync(self.engine.remove, container)

@@ -1,0 +1,194 @@
+"""What a finished agentic trajectory reports: tokens for training, and its failure history."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from belayer_envckpt import Checkpoint
+
+__all__ = ["AgenticTrajectory", "CheckpointRecord", "RecoveryRecord", "summarize"]
+
+
+@attrs.frozen
+class CheckpointRecord:
+    """A ready full checkpoint at prefix ``prefix`` (actions), tied to the router's ``L_turn``.
+
+    ``repo_hash`` is the repository's content hash taken at the checkpoint's frozen moment,
+    ``context_hash`` that of ``L_turn``; both are compared after a restore.  The base record
+    (prefix 0, no checkpoint) stands for the task image and the prompt.
+    """
+
+    prefix: int
+    turn: int
+    context_ref: str
+    context_hash: str
+    repo_hash: str
+    duration_s: float = 0.0
+    # What the checkpoint added to the trajectory's critical path: how long the next action
+    # waited for it after the overlapping response was done (the whole checkpoint if blocking).
+    waited_s: float = 0.0
+    checkpoint: Checkpoint | None = attrs.field(default=None, eq=False, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        out = attrs.asdict(self, filter=lambda a, _v: a.name != "checkpoint")
+        out["checkpoint_id"] = None if self.checkpoint is None else self.checkpoint.checkpoint_id
+        out["checkpoint_bytes"] = 0 if self.checkpoint is None else self.checkpoint.total_bytes
+        return out
+
+
+@attrs.frozen
+class RecoveryRecord:
+    """One sandbox failure and the recovery from it.
+
+    ``from_checkpoint`` is False when the trajectory restarted from the base image and the
+    prompt.  The recovery is prefix-consistent when the restored repository hash equals the one
+    recorded with the checkpoint, the context reloaded from the router equals (by hash) the
+    ``L_turn`` the checkpoint names, and the sandbox's prefix equals the checkpoint's.
+    """
+
+    failed_prefix: int
+    failed_turn: int
+    reason: str
+    restored_prefix: int
+    restored_turn: int
+    from_checkpoint: bool
+    restore_s: float
+    tokens_regenerated: int
+    rounds_regenerated: int
+    expected_repo_hash: str
+    actual_repo_hash: str
+    context_matches: bool
+    prefix_matches: bool
+    restore_timings_ms: dict[str, float] = attrs.field(factory=dict)
+
+    @property
+    def prefix_consistent(self) -> bool:
+        """Environment, LLM context and prefix after the recovery all belong to the same prefix."""
+        return (
+            self.expected_repo_hash == self.actual_repo_hash and self.context_matches and self.prefix_matches
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return attrs.asdict(self) | {"prefix_consistent": self.prefix_consistent}
+
+
+@attrs.frozen
+class AgenticTrajectory:
+    """One finished agentic sample.
+
+    ``token_ids`` is the final context (prompt, responses, observations); ``loss_mask`` is 1 on the
+    tokens the model generated, whose rollout logprobs are in ``logprobs`` (0 elsewhere).
+    ``finish``: ``submit``, ``no_action``, ``max_rounds`` or ``context_full``.  ``rounds`` counts
+    the responses of the final context; ``num_responses`` every response generated, regenerated
+    ones included.
+    """
+
+    trajectory_id: str
+    task_id: str
+    group_index: int
+    sample_index: int
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    num_prompt_tokens: int
+    reward: float
+    finish: str
+    rounds: int
+    num_actions: int
+    num_responses: int
+    test_exit_code: int
+    test_output: str
+    policy: str
+    wall_s: float
+    checkpoints: list[CheckpointRecord]
+    recoveries: list[RecoveryRecord]
+    num_checkpoint_failures: int = 0
+    num_resumed_responses: int = 0
+    # Per committed step (action) of the final prefix, for the policy simulator's trace format.
+    step_response_s: list[float] = attrs.field(factory=list)
+    step_action_s: list[float] = attrs.field(factory=list)
+    step_checkpoint_s: list[float | None] = attrs.field(factory=list)
+    failed_steps: list[int] = attrs.field(factory=list)  # the step each sandbox failure hit
+
+    def trace_line(self, *, node: str | None = None, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The trajectory in belayer-policy's trace format (`belayer_policy.load_trace` reads it).
+
+        A sandbox kill comes after the action it ended, so its ``at`` is the end of the attempt.
+        Failures outside the committed steps (in the final test run) are left out.
+        """
+        n = len(self.step_response_s)
+        line: dict[str, Any] = {
+            "response_s": self.step_response_s,
+            "action_s": self.step_action_s,
+            "checkpoint_s": self.step_checkpoint_s,
+            "failures": [{"step": step, "at": 0.99} for step in self.failed_steps if step < n],
+            "restore_s": [r.restore_s for r in self.recoveries],
+            "task": self.task_id,
+            "trajectory_id": self.trajectory_id,
+            "meta": {"policy": self.policy, **(meta or {})},
+        }
+        if node is not None:
+            line["node"] = node
+        return line
+
+    @property
+    def num_failures(self) -> int:
+        """Sandbox failures seen (each was followed by a recovery)."""
+        return len(self.recoveries)
+
+    @property
+    def prefix_consistent(self) -> bool:
+        """Every recovery of the trajectory was prefix-consistent (True without failures)."""
+        return all(r.prefix_consistent for r in self.recoveries)
+
+    @property
+    def tokens_regenerated(self) -> int:
+        """Response tokens that failures made the model generate again."""
+        return sum(r.tokens_regenerated for r in self.recoveries)
+
+    def summary(self) -> dict[str, Any]:
+        """Counters and the failure history, JSON-ready (no token lists)."""
+        return {
+            "trajectory_id": self.trajectory_id,
+            "task_id": self.task_id,
+            "reward": self.reward,
+            "finish": self.finish,
+            "rounds": self.rounds,
+            "num_actions": self.num_actions,
+            "num_responses": self.num_responses,
+            "num_failures": self.num_failures,
+            "num_checkpoints": len(self.checkpoints),
+            "num_checkpoint_failures": self.num_checkpoint_failures,
+            "num_resumed_responses": self.num_resumed_responses,
+            "tokens_regenerated": self.tokens_regenerated,
+            "prefix_consistent": self.prefix_consistent,
+            "policy": self.policy,
+            "wall_s": self.wall_s,
+            "checkpoints": [c.to_dict() for c in self.checkpoints],
+            "recoveries": [r.to_dict() for r in self.recoveries],
+        }
+
+
+def summarize(trajectories: list[AgenticTrajectory]) -> dict[str, Any]:
+    """Batch totals for the trainer's summary line and metrics."""
+    recoveries = [r for t in trajectories for r in t.recoveries]
+    restore = [r.restore_s for r in recoveries]
+    n = len(trajectories)
+    return {
+        "num_trajectories": n,
+        "reward_mean": sum(t.reward for t in trajectories) / n if n else 0.0,
+        "rounds_mean": sum(t.rounds for t in trajectories) / n if n else 0.0,
+        "num_failures": len(recoveries),
+        "num_recoveries_from_checkpoint": sum(r.from_checkpoint for r in recoveries),
+        "num_checkpoints": sum(len(t.checkpoints) for t in trajectories),
+        "num_checkpoint_failures": sum(t.num_checkpoint_failures for t in trajectories),
+        "restore_s_mean": sum(restore) / len(restore) if restore else 0.0,
+        "restore_s_max": max(restore, default=0.0),
+        "tokens_regenerated": sum(r.tokens_regenerated for r in recoveries),
+        "num_resumed_responses": sum(t.num_resumed_responses for t in trajectories),
+        "all_prefix_consistent": all(t.prefix_consistent for t in trajectories),
+    }

@@ -1,0 +1,84 @@
+"""`AgenticConfig`: every knob of the agentic rollout, validated when it is built."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from belayer_policy import PolicySpec
+
+__all__ = ["AgenticConfig"]
+
+_ge0 = attrs.validators.ge(0)
+_ge1 = attrs.validators.ge(1)
+_float_ge0 = attrs.validators.ge(0.0)
+_float_gt0 = attrs.validators.gt(0.0)
+
+
+def _policy(_instance: object, _attribute: Any, value: str) -> None:
+    PolicySpec.parse(value)  # raises PolicyArgumentError (a ValueError) naming the bad value
+
+
+def _token_ids(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(int(token) for token in value)
+
+
+def _probability(_instance: object, attribute: Any, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{attribute.name} must be in [0, 1], got {value}")
+
+
+@attrs.frozen
+class AgenticConfig:
+    """How agentic trajectories are rolled out.
+
+    ``checkpoint_policy`` is a belayer-policy name (``adaptive``, ``always``, ``never``,
+    ``every:K``).  ``sandbox_kill_probability`` is the chaos knob: each environment step kills the
+    trajectory's sandbox with that probability.  ``policy_failure_probability``, when set, tells
+    the adaptive policy the per-step failure probability instead of learning a hazard online
+    (the fault-injection setting); it defaults to the kill probability when that is positive.
+    ``invalid_action``: ``end`` finishes the episode at a response without an action,
+    ``feedback`` answers it with a hint and goes on (it counts as a round).
+    """
+
+    checkpoint_root: Path = attrs.field(converter=Path)
+    image: str | None = None
+    base_image: str = "belayer/debian-python:latest"
+    max_rounds: int = attrs.field(default=20, validator=_ge1)
+    max_response_tokens: int = attrs.field(default=256, validator=_ge1)
+    max_context_tokens: int = attrs.field(default=8192, validator=_ge1)
+    temperature: float = attrs.field(default=1.0, validator=_float_ge0)
+    top_p: float = attrs.field(default=1.0, validator=[_float_gt0, attrs.validators.le(1.0)])
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_token_ids)
+    seed: int = attrs.field(default=0, validator=_ge0)
+    checkpoint_policy: str = attrs.field(default="adaptive", validator=_policy)
+    policy_extra_cost_s: float = attrs.field(default=0.0, validator=_float_ge0)
+    policy_cooldown_s: float = attrs.field(default=20.0, validator=_float_ge0)
+    policy_failure_probability: float | None = attrs.field(default=None)
+    sandbox_kill_probability: float = attrs.field(default=0.0, validator=_probability)
+    max_recoveries: int = attrs.field(default=100, validator=_ge0)
+    max_concurrency: int = attrs.field(default=8, validator=_ge1)
+    action_timeout_s: float = attrs.field(default=30.0, validator=_float_gt0)
+    test_timeout_s: float = attrs.field(default=120.0, validator=_float_gt0)
+    max_observation_chars: int = attrs.field(default=2000, validator=_ge1)
+    invalid_action: str = attrs.field(default="end", validator=attrs.validators.in_(("end", "feedback")))
+    keep_checkpoints: bool = False
+    # True: the next response waits for every decided checkpoint (the `blocking` baseline);
+    # False: the checkpoint overlaps the next response and only what is left of it is waited for.
+    checkpoint_blocking: bool = False
+    run_label: str = ""  # labels every sandbox `belayer.grpo.run=<run_label>`, so a dead run's are found
+
+    @policy_failure_probability.validator
+    def _check_failure_probability(self, attribute: Any, value: float | None) -> None:
+        if value is not None:
+            _probability(self, attribute, value)
+
+    @property
+    def failure_probability(self) -> float | None:
+        """The fixed per-step failure probability the policy is told, or None to learn it."""
+        if self.policy_failure_probability is not None:
+            return self.policy_failure_probability
+        return self.sandbox_kill_probability or None

@@ -1,0 +1,375 @@
+"""The training configuration: sections as frozen attrs classes, loaded from TOML or YAML.
+
+`load_config(path, overrides)` layers the embedded default (``default.toml``), an optional file and
+dotted ``key=value`` overrides, then validates every value; any problem raises `GrpoConfigError`
+naming the key (``algorithm.epsilon``), so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.resources
+import tomllib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import attrs
+from attrs import validators as v
+
+from belayer_grpo._errors import GrpoConfigError
+
+__all__ = [
+    "AlgorithmConfig",
+    "ChaosConfig",
+    "Config",
+    "DataConfig",
+    "LoggingConfig",
+    "ModelConfigSection",
+    "RolloutConfig",
+    "SystemConfig",
+    "default_config_text",
+    "load_config",
+    "merge_tables",
+    "parse_override",
+]
+
+_positive = v.gt(0)
+_non_negative = v.ge(0)
+_positive_float = v.gt(0.0)
+_non_negative_float = v.ge(0.0)
+_probability = [v.ge(0.0), v.le(1.0)]
+
+
+def _checkpoint_policy(_instance: object, attribute: attrs.Attribute[str], value: str) -> None:
+    from belayer_policy import PolicySpec
+
+    try:
+        PolicySpec.parse(value)
+    except ValueError as error:
+        raise ValueError(f"'{attribute.name}': {error}", attribute) from error
+
+
+@attrs.frozen
+class ModelConfigSection:
+    """The policy: a local Hugging Face model directory, or a fresh Qwen3-architecture model."""
+
+    path: str = ""
+    hidden_size: int = attrs.field(default=64, validator=_positive)
+    intermediate_size: int = attrs.field(default=192, validator=_positive)
+    num_hidden_layers: int = attrs.field(default=2, validator=_positive)
+    num_attention_heads: int = attrs.field(default=4, validator=_positive)
+    num_key_value_heads: int = attrs.field(default=2, validator=_positive)
+    head_dim: int = attrs.field(default=16, validator=_positive)
+    rope_theta: float = attrs.field(default=10000.0, validator=_positive_float)
+    seed: int = 0
+    warmup_steps: int = attrs.field(default=30, validator=_non_negative)
+    warmup_fraction: float = attrs.field(default=1.0, validator=[v.gt(0.0), v.le(1.0)])
+    warmup_learning_rate: float = attrs.field(default=3e-3, validator=_positive_float)
+    warmup_batch_size: int = attrs.field(default=32, validator=_positive)
+
+
+@attrs.frozen
+class DataConfig:
+    """Where prompts come from."""
+
+    workload: str = attrs.field(default="math", validator=v.in_(("math", "swe")))
+    source: str = "builtin"
+    operations: tuple[str, ...] = attrs.field(
+        default=("+",), validator=[v.min_len(1), v.deep_iterable(v.in_(("+", "-", "*")))]
+    )
+    min_operand: int = attrs.field(default=0, validator=_non_negative)
+    max_operand: int = attrs.field(default=9, validator=_non_negative)
+    seed: int = 0
+    max_prompt_tokens: int = attrs.field(default=256, validator=_positive)
+
+    @max_operand.validator
+    def _check_range(self, attribute: attrs.Attribute[int], value: int) -> None:
+        if value < self.min_operand:
+            raise ValueError(f"'max_operand' must be >= data.min_operand ({self.min_operand}), got {value}")
+
+
+@attrs.frozen
+class RolloutConfig:
+    """How many samples each step draws and how."""
+
+    batch_size: int = attrs.field(default=16, validator=_positive)
+    samples_per_prompt: int = attrs.field(default=8, validator=v.ge(2))
+    max_tokens: int = attrs.field(default=4, validator=_positive)
+    temperature: float = attrs.field(default=1.0, validator=v.gt(0.0))
+    top_p: float = attrs.field(default=1.0, validator=[v.gt(0.0), v.le(1.0)])
+    max_rounds: int = attrs.field(default=20, validator=_positive)
+    concurrency: int = attrs.field(default=64, validator=_positive)
+    max_context_tokens: int = attrs.field(default=2048, validator=_positive)
+    env_checkpoint_policy: str = attrs.field(default="adaptive", validator=_checkpoint_policy)
+    invalid_action: str = attrs.field(default="end", validator=v.in_(("end", "feedback")))
+    max_sandboxes: int = attrs.field(default=8, validator=_positive)
+
+
+@attrs.frozen
+class AlgorithmConfig:
+    """GRPO and the optimizer."""
+
+    steps: int = attrs.field(default=80, validator=_positive)
+    learning_rate: float = attrs.field(default=7e-4, validator=_positive_float)
+    weight_decay: float = attrs.field(default=0.0, validator=_non_negative_float)
+    adam_beta1: float = attrs.field(default=0.9, validator=[v.ge(0.0), v.lt(1.0)])
+    adam_beta2: float = attrs.field(default=0.99, validator=[v.ge(0.0), v.lt(1.0)])
+    max_grad_norm: float = attrs.field(default=1.0, validator=_positive_float)
+    epsilon: float = attrs.field(default=0.2, validator=[v.gt(0.0), v.lt(1.0)])
+    epsilon_high: float = attrs.field(default=0.28, validator=v.gt(0.0))
+    beta: float = attrs.field(default=0.0, validator=_non_negative_float)
+    loss_aggregation: str = attrs.field(
+        default="token_mean", validator=v.in_(("token_mean", "sequence_mean", "sequence_sum_norm"))
+    )
+    normalize_std: bool = True
+    num_minibatches: int = attrs.field(default=4, validator=_positive)
+    recompute_logprobs: bool = True
+
+
+@attrs.frozen
+class SystemConfig:
+    """The processes behind training and where they keep their files."""
+
+    run_dir: str = ""
+    num_slots: int = attrs.field(default=1, validator=_positive)
+    recovery: str = attrs.field(default="shadow", validator=v.in_(("shadow", "conventional")))
+    kv_num_blocks: int = attrs.field(default=256, validator=_positive)
+    kv_block_size: int = attrs.field(default=16, validator=_positive)
+    start_timeout_s: float = attrs.field(default=120.0, validator=_positive_float)
+    # A main worker whose heartbeat is older than this is taken for hung (crashes are seen at
+    # once, by waitpid).  0.5 s gave false hangs on a loaded 2-core machine; 2 s did not.
+    hang_threshold_s: float = attrs.field(default=2.0, validator=_positive_float)
+    checkpoint_every: int = attrs.field(default=10, validator=_non_negative)
+    resume: str = ""
+
+
+@attrs.frozen
+class ChaosConfig:
+    """Injected failures: worker kills and sandbox kills."""
+
+    kill_worker_at_steps: tuple[int, ...] = attrs.field(default=(), validator=v.deep_iterable(_non_negative))
+    kill_worker_at_s: tuple[float, ...] = attrs.field(
+        default=(), validator=v.deep_iterable(_non_negative_float)
+    )
+    kill_worker_rate_per_min: float = attrs.field(default=0.0, validator=_non_negative_float)
+    sandbox_kill_p: float = attrs.field(default=0.0, validator=_probability)
+    seed: int = 0
+
+
+@attrs.frozen
+class LoggingConfig:
+    """What the person at the terminal and the metrics files get."""
+
+    progress: bool = True
+    jsonl: bool = True
+    tensorboard: bool = True
+
+
+@attrs.frozen
+class Config:
+    """The whole configuration of one training run."""
+
+    model: ModelConfigSection = attrs.field(factory=ModelConfigSection)
+    data: DataConfig = attrs.field(factory=DataConfig)
+    rollout: RolloutConfig = attrs.field(factory=RolloutConfig)
+    algorithm: AlgorithmConfig = attrs.field(factory=AlgorithmConfig)
+    system: SystemConfig = attrs.field(factory=SystemConfig)
+    chaos: ChaosConfig = attrs.field(factory=ChaosConfig)
+    logging: LoggingConfig = attrs.field(factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (tuples as lists), e.g. to save next to a run."""
+        return attrs.asdict(self)
+
+
+def default_config_text() -> str:
+    """The embedded default configuration (TOML)."""
+    return importlib.resources.files("belayer_grpo").joinpath("default.toml").read_text()
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise GrpoConfigError("--config", f"no such file {str(path)!r}")
+    text = path.read_text()
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            raise GrpoConfigError("--config", f"{path} is not valid YAML: {error}") from error
+        data = {} if data is None else data
+    elif path.suffix == ".toml":
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as error:
+            raise GrpoConfigError("--config", f"{path} is not valid TOML: {error}") from error
+    else:
+        raise GrpoConfigError("--config", f"{path}: use a .toml, .yaml or .yml file")
+    if not isinstance(data, dict):
+        raise GrpoConfigError("--config", f"{path} must hold a table of sections, not {type(data).__name__}")
+    return data
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"algorithm.epsilon=0.3"`` -> ``("algorithm.epsilon", 0.3)``; values are TOML literals or strings."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or "." not in key:
+        raise GrpoConfigError(key or text, f"override {text!r} must look like section.key=value")
+    raw = raw.strip()
+    try:
+        value = tomllib.loads(f"value = {raw}")["value"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word: a string
+    return key, value
+
+
+def merge_tables(base: dict[str, Any], update: Mapping[str, Any], prefix: str = "") -> None:
+    """Update ``base`` in place with ``update``, table by table: the one merge rule of every
+    configuration file of belayer-grpo (training and bench).  Every key must already exist in
+    ``base`` (the embedded defaults name them all), a table replaces only a table, and a value
+    replaces a value; anything else raises `GrpoConfigError` naming the dotted key."""
+    for key, value in update.items():
+        dotted = f"{prefix}{key}"
+        if key not in base:
+            kind = "section" if isinstance(value, Mapping) else "key"
+            raise GrpoConfigError(dotted, f"unknown {kind} (known: {', '.join(sorted(base))})")
+        if isinstance(base[key], dict):
+            if not isinstance(value, Mapping):
+                raise GrpoConfigError(dotted, f"must be a table, got {value!r}")
+            merge_tables(base[key], value, dotted + ".")
+        elif isinstance(value, Mapping):
+            raise GrpoConfigError(dotted, f"is a value, not a table (got {dict(value)!r})")
+        else:
+            base[key] = value
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    section_name, _, rest = key.partition(".")
+    section = data.get(section_name)
+    if not isinstance(section, dict):
+        raise GrpoConfigError(key, f"unknown section {section_name!r} (known: {', '.join(sorted(data))})")
+    if "." in rest:
+        raise GrpoConfigError(key, "keys are section.key, one level deep")
+    section[rest] = value
+
+
+_T = TypeVar("_T")
+
+
+def _coerce(key: str, kind: Any, value: Any) -> Any:
+    origin = typing.get_origin(kind)
+    if origin is tuple:
+        item_kind = typing.get_args(kind)[0]
+        if isinstance(value, str) or not isinstance(value, Sequence):
+            raise GrpoConfigError(key, f"must be a list, got {value!r}")
+        return tuple(_coerce(f"{key}[{i}]", item_kind, item) for i, item in enumerate(value))
+    if origin in (typing.Union, types.UnionType):
+        raise GrpoConfigError(key, "union types are not supported in the configuration")
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        raise GrpoConfigError(key, f"must be true or false, got {value!r}")
+    if kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise GrpoConfigError(key, f"must be an integer, got {value!r}")
+    if kind is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise GrpoConfigError(key, f"must be a number, got {value!r}")
+    if kind is str:
+        if isinstance(value, str):
+            return value
+        raise GrpoConfigError(key, f"must be a string, got {value!r}")
+    raise GrpoConfigError(key, f"unsupported type {kind!r}")
+
+
+def _build(cls: type[_T], data: Any, prefix: str) -> _T:
+    if not isinstance(data, Mapping):
+        raise GrpoConfigError(prefix.rstrip("."), f"must be a table, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {field.name for field in attrs.fields(cls)}  # type: ignore[arg-type,misc]
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise GrpoConfigError(f"{prefix}{unknown[0]}", f"unknown key (known: {', '.join(sorted(fields))})")
+    values: dict[str, Any] = {}
+    for name, value in data.items():
+        kind = hints[name]
+        key = f"{prefix}{name}"
+        if attrs.has(kind):
+            values[name] = _build(kind, value, key + ".")
+        else:
+            values[name] = _coerce(key, kind, value)
+    try:
+        return cls(**values)
+    except (ValueError, TypeError) as error:
+        if isinstance(error, GrpoConfigError):
+            raise
+        # attrs validators name the attribute in args[1] (an attrs.Attribute) when they can.
+        name = _failing_attribute(error, fields)
+        message = str(error.args[0]) if error.args else str(error)
+        raise GrpoConfigError(f"{prefix}{name}" if name else prefix.rstrip("."), message) from error
+
+
+def _failing_attribute(error: Exception, fields: set[str]) -> str | None:
+    for arg in error.args[1:2]:
+        name = getattr(arg, "name", None)
+        if name in fields:
+            return str(name)
+    message = str(error)
+    for name in sorted(fields, key=len, reverse=True):
+        if f"'{name}'" in message:
+            return name
+    return None
+
+
+def _layer(base: dict[str, Any], path: str | Path | None, overrides: Sequence[str]) -> dict[str, Any]:
+    data = copy.deepcopy(base)
+    if path is not None:
+        merge_tables(data, _read_file(Path(path)))
+    for override in overrides:
+        _set_dotted(data, *parse_override(override))
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """The embedded default, updated by ``path`` (TOML/YAML) and then by ``key=value`` overrides.
+
+    When the result's ``data.workload`` is ``swe``, the embedded ``default-swe.toml`` (the swe
+    workload's own defaults: batch of the shipped tasks, longer responses, fewer steps) goes
+    between the default and the file, so the file and the overrides still win.
+    """
+    default = tomllib.loads(default_config_text())
+    data = _layer(default, path, overrides)
+    if data.get("data", {}).get("workload") == "swe":
+        swe = importlib.resources.files("belayer_grpo").joinpath("default-swe.toml").read_text()
+        merge_tables(default, tomllib.loads(swe))
+        data = _layer(default, path, overrides)
+    config = _build(Config, copy.deepcopy(data), "")
+    _check_cross_section(config)
+    return config
+
+
+def _check_cross_section(config: Config) -> None:
+    if config.algorithm.epsilon_high < config.algorithm.epsilon:
+        raise GrpoConfigError(
+            "algorithm.epsilon_high",
+            f"must be >= algorithm.epsilon ({config.algorithm.epsilon}), got {config.algorithm.epsilon_high}",
+        )
+    num_samples = config.rollout.batch_size * config.rollout.samples_per_prompt
+    if num_samples % config.algorithm.num_minibatches:
+        raise GrpoConfigError(
+            "algorithm.num_minibatches",
+            f"must divide rollout.batch_size * rollout.samples_per_prompt ({num_samples})",
+        )
+    if config.data.workload == "swe" and config.data.source == "arithmetic":
+        raise GrpoConfigError(
+            "data.source", "the swe workload takes 'builtin' (the shipped tasks) or a SWE-Gym .jsonl file"
+        )
+    if config.model.num_attention_heads % config.model.num_key_value_heads:
+        raise GrpoConfigError("model.num_key_value_heads", "must divide model.num_attention_heads")

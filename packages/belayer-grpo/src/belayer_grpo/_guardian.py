@@ -1,0 +1,230 @@
+"""Nothing orphaned: what a killed run left in its run folder is reaped, at once or at the next start.
+
+Every process of a training run carries ``BELAYER_GRPO_RUN=<marker>`` in its environment (the
+trainer sets it before it starts anything, and every descendant inherits it), every sandbox the
+run creates carries the label ``belayer.grpo.run=<tag>``.  `reap_run` finds both without any
+record that the dead trainer would have had to write, kills and removes them, and removes the
+run's sockets, memory folders, sandbox checkpoints and torn training checkpoints (never a
+complete ``step_*.pt``: a resumed run needs them).
+
+belayer-shadow's `reap_stale_processes` runs first on every slot folder (what each slot
+supervisor recorded in its ``processes.json``; shadow's own per-slot guardian covers the slots
+too).  Two callers: `belayer-grpo train` itself, before it starts anything in a run folder (an earlier
+run there may have been SIGKILLed), and a small guardian process (`guard_run`) that the trainer
+starts in a session of its own.  The guardian holds the read end of a pipe whose write end only
+the trainer has; it reads end-of-file the moment the trainer dies, however it dies, and then
+reaps.  A trainer that stops cleanly writes ``done`` first and the guardian just exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+import attrs
+
+__all__ = [
+    "RUN_ENV",
+    "RUN_LABEL",
+    "Guardian",
+    "ReapReport",
+    "find_run_processes",
+    "guard_run",
+    "reap_run",
+    "run_marker",
+    "run_processes_marked",
+]
+
+RUN_ENV = "BELAYER_GRPO_RUN"
+RUN_LABEL = "belayer.grpo.run"
+_DONE = b"done"
+
+
+def run_marker(run_dir: Path) -> str:
+    """The run folder's marker: the same for every run in that folder, different between folders."""
+    return "r" + hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:8]
+
+
+@attrs.frozen
+class ReapReport:
+    """What `reap_run` found and removed."""
+
+    pids: tuple[int, ...] = ()
+    sockets: tuple[str, ...] = ()
+    containers: tuple[str, ...] = ()
+    paths: tuple[str, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        """True when nothing was left behind."""
+        return not (self.pids or self.sockets or self.containers or self.paths)
+
+    def describe(self) -> str:
+        """One line for the log."""
+        return (
+            f"{len(self.pids)} process(es), {len(self.sockets)} socket(s), "
+            f"{len(self.containers)} sandbox(es), {len(self.paths)} folder(s)/file(s)"
+        )
+
+
+def find_run_processes(marker: str, *, exclude: tuple[int, ...] = ()) -> list[int]:
+    """Live processes whose environment carries ``BELAYER_GRPO_RUN=marker`` (zombies have none)."""
+    wanted = f"{RUN_ENV}={marker}".encode()
+    skip = {os.getpid(), *exclude}
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) in skip:
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if wanted in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
+
+
+def _kill_processes(marker: str, exclude: tuple[int, ...], timeout_s: float) -> list[int]:
+    killed: list[int] = []
+    deadline = time.monotonic() + timeout_s
+    while pids := find_run_processes(marker, exclude=exclude):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+            if pid not in killed:
+                killed.append(pid)
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    return killed
+
+
+def _remove_containers(run_dir: Path, marker: str) -> list[str]:
+    config = run_dir / "config.json"
+    try:
+        workload = json.loads(config.read_text())["data"]["workload"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    if workload != "swe":
+        return []  # only the swe workload creates sandboxes; a math run needs no container engine
+    from belayer_envckpt import BelayerEnvckptError, Engine
+
+    try:
+        with Engine.connect() as engine:
+            found = engine.list_containers([f"{RUN_LABEL}={marker}"])
+            for container in found:
+                engine.remove(container.id)
+    except BelayerEnvckptError as error:
+        print(f"belayer-grpo: cannot remove the run's sandboxes: {error}", file=sys.stderr)
+        return []
+    return [container.id for container in found]
+
+
+def reap_run(run_dir: Path, *, exclude: tuple[int, ...] = (), timeout_s: float = 20.0) -> ReapReport:
+    """Kill and remove everything of an earlier run in ``run_dir`` that is still there."""
+    from belayer_shadow import reap_stale_processes
+
+    marker = run_marker(run_dir)
+    # The slots' own records first (start-time checked), then everything that carries the marker.
+    pids = [pid for slot in sorted(run_dir.glob("slots/*")) for pid in reap_stale_processes(slot)]
+    pids += [pid for pid in _kill_processes(marker, exclude, timeout_s) if pid not in pids]
+    sockets = []
+    for socket in run_dir.rglob("*.sock"):
+        with contextlib.suppress(FileNotFoundError):
+            socket.unlink()
+            sockets.append(str(socket))
+    containers = _remove_containers(run_dir, marker)
+    paths = []
+    # Memory-server folders, sandbox checkpoints of trajectories that will never resume, torn
+    # training checkpoints (complete ones stay: `system.resume=latest` reads them).
+    for path in [
+        *run_dir.glob("slots/*/mem"),
+        run_dir / "env-checkpoints",
+        *run_dir.glob("checkpoints/.*.tmp"),
+    ]:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+            paths.append(str(path))
+        elif path.exists():
+            path.unlink(missing_ok=True)
+            paths.append(str(path))
+    return ReapReport(tuple(pids), tuple(sockets), tuple(containers), tuple(paths))
+
+
+@contextlib.contextmanager
+def run_processes_marked(run_dir: Path) -> Iterator[str]:
+    """Every process started inside carries the run's marker (the variable is restored after)."""
+    marker = run_marker(run_dir)
+    previous = os.environ.get(RUN_ENV)
+    os.environ[RUN_ENV] = marker
+    try:
+        yield marker
+    finally:
+        if previous is None:
+            os.environ.pop(RUN_ENV, None)
+        else:
+            os.environ[RUN_ENV] = previous
+
+
+@attrs.define
+class Guardian:
+    """The trainer's side of the guardian process of one run folder (a context manager)."""
+
+    run_dir: Path
+    _process: subprocess.Popen[bytes] | None = None
+    _pipe: IO[bytes] | None = None
+
+    def __enter__(self) -> Guardian:
+        env = {key: value for key, value in os.environ.items() if key != RUN_ENV}
+        with (self.run_dir / "guardian.log").open("ab") as log:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "belayer_grpo._guardian", str(self.run_dir), str(os.getpid())],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                env=env,
+                start_new_session=True,  # a signal to the trainer's process group does not reach it
+            )
+        self._pipe = self._process.stdin
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        # Clean stop: everything was stopped by the trainer itself; the guardian only exits.
+        if self._pipe is not None:
+            with contextlib.suppress(OSError):
+                self._pipe.write(_DONE)
+                self._pipe.close()
+        if self._process is not None:
+            try:
+                self._process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+
+
+def guard_run(run_dir: Path, trainer_pid: int) -> int:
+    """The guardian process: wait for the trainer's end; reap the run folder unless it said done."""
+    message = sys.stdin.buffer.read()  # end-of-file: the trainer exited or was killed
+    if message == _DONE:
+        return 0
+    report = reap_run(run_dir, exclude=(trainer_pid,))
+    print(
+        f"belayer-grpo guardian: trainer {trainer_pid} died; reaped {report.describe()}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(guard_run(Path(sys.argv[1]), int(sys.argv[2])))

@@ -1,0 +1,341 @@
+"""The training run: prepare the policy, assemble the system, loop over GRPO steps, report.
+
+Each step: rollout through the router (a worker may be killed meanwhile; the shadow takes over
+and the router resumes the interrupted requests) -> rewards -> GRPO update (in a thread) ->
+weights pushed to every weight server (the barrier before the next rollout) -> summary line.
+The rollout is one turn per math problem, or (``data.workload = "swe"``) multi-turn agentic
+trajectories in sandboxes (`belayer_grpo._swe`).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import anyio
+import attrs
+import torch
+
+from belayer_grpo._agentic import default_estimators
+from belayer_grpo._chaos import FailureRecord, WorkerChaos, match_recoveries
+from belayer_grpo._checkpointing import find_latest, load_checkpoint, save_checkpoint
+from belayer_grpo._config import Config
+from belayer_grpo._data import PolicyTokenizer, Problem, PromptSampler, generate_arithmetic, load_math_file
+from belayer_grpo._errors import GrpoConfigError
+from belayer_grpo._guardian import Guardian, reap_run, run_processes_marked
+from belayer_grpo._model import build_policy, build_tokenizer, engine_model_config, supervised_warmup
+from belayer_grpo._reporting import Reporter
+from belayer_grpo._rollout_math import Sample, greedy_accuracy, run_math_rollouts
+from belayer_grpo._swe import EnvTotals, action_warmup, agentic_config, load_tasks, run_swe_rollout, run_tag
+from belayer_grpo._system import RolloutSystem
+from belayer_grpo._trainer import GRPOTrainer
+from belayer_grpo._weight_sync import WeightSync
+
+__all__ = ["RunState", "load_problems", "resolve_run_dir", "run_training"]
+
+
+def resolve_run_dir(config: Config) -> Path:
+    """``system.run_dir``, or ``runs/<timestamp>`` under the current directory."""
+    path = (
+        Path(config.system.run_dir)
+        if config.system.run_dir
+        else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    return path.resolve()
+
+
+def load_problems(config: Config) -> list[Problem]:
+    """The math problems of ``data.source`` (the swe workload's tasks: `belayer_grpo._swe.load_tasks`)."""
+    data = config.data
+    if data.workload != "math":
+        raise GrpoConfigError("data.workload", "math problems are for workload = 'math'; swe reads tasks")
+    if data.source in ("builtin", "arithmetic"):
+        return generate_arithmetic(data.operations, data.min_operand, data.max_operand, seed=data.seed)
+    return load_math_file(data.source)
+
+
+@attrs.define
+class RunState:
+    """Everything the loop carries from step to step."""
+
+    config: Config
+    run_dir: Path
+    tokenizer: PolicyTokenizer
+    problems: list[Problem]
+    sampler: PromptSampler[Any]
+    trainer: GRPOTrainer
+    reporter: Reporter
+    start_step: int = 0
+    warmup_s: float = 0.0
+    num_resumed: int = 0
+    num_samples: int = 0
+    num_tokens: int = 0
+    rollout_s: float = 0.0
+    reported: set[int] = attrs.field(factory=set)
+    env: EnvTotals = attrs.field(factory=EnvTotals)
+    estimators: Any = None  # the agentic checkpoint policy's estimators, learning over the whole run
+
+
+def _prepare(config: Config, run_dir: Path, stream: TextIO) -> tuple[RunState, Any]:
+    # The workers and memory servers share the machine's cores with us: one intra-op thread each
+    # avoids oversubscription, which on a 2-core machine costs far more than it gains.
+    torch.set_num_threads(1)
+    torch.manual_seed(config.model.seed)
+    swe = config.data.workload == "swe"
+    tokenizer = build_tokenizer(config.model, config.data.workload)
+    positions = max(512, config.rollout.max_context_tokens) if swe else 512
+    model_config = engine_model_config(config.model, tokenizer, positions)
+    problems = [] if swe else load_problems(config)
+    tasks = load_tasks(config) if swe else []
+    model = build_policy(model_config, seed=config.model.seed, path=config.model.path)
+    sampler: PromptSampler[Any] = PromptSampler(tasks if swe else problems, seed=config.data.seed)
+    state = None
+    if config.system.resume:
+        path = (
+            find_latest(run_dir / "checkpoints")
+            if config.system.resume == "latest"
+            else Path(config.system.resume)
+        )
+        if path is None:
+            raise GrpoConfigError(
+                "system.resume", f"no checkpoint in {run_dir / 'checkpoints'} to resume from"
+            )
+        state = load_checkpoint(path)
+    warmup_s = 0.0
+    if state is None and config.model.warmup_steps and not config.model.path:
+        started = time.monotonic()
+        section = config.model
+        if swe:
+            action_warmup(
+                model, tokenizer, tasks, steps=section.warmup_steps, learning_rate=section.warmup_learning_rate,
+                batch_size=section.warmup_batch_size, seed=section.seed, max_rounds=config.rollout.max_rounds,
+            )  # fmt: skip
+        else:
+            subset = problems[: max(1, int(len(problems) * section.warmup_fraction))]
+            supervised_warmup(
+                model, tokenizer, subset, steps=section.warmup_steps, learning_rate=section.warmup_learning_rate,
+                batch_size=section.warmup_batch_size, seed=section.seed,
+            )  # fmt: skip
+        warmup_s = time.monotonic() - started
+    trainer = GRPOTrainer(model, config.algorithm, config.rollout.samples_per_prompt, seed=config.model.seed)
+    start_step = 0
+    if state is not None:
+        trainer.load_state_dict(state)
+        sampler.load_state_dict(state["sampler"])
+        start_step = int(state["step"])
+    reporter = Reporter(run_dir, config.logging, config.algorithm.steps, stream=stream)
+    run = RunState(config, run_dir, tokenizer, problems, sampler, trainer, reporter, start_step, warmup_s)
+    return run, model_config
+
+
+def _save_weights(model: torch.nn.Module, model_config: Any, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from belayer_shadow import weight_layout
+
+    names = [spec.name for spec in weight_layout(model_config).tensors]
+    state = model.state_dict()
+    save_file({name: state[name].detach().contiguous() for name in names}, str(path))
+
+
+async def _evaluate(run: RunState, router: Any) -> float:
+    """Greedy accuracy over (up to 256 of) the problems: the policy the workers serve now."""
+    return await greedy_accuracy(run.problems[:256], router, run.tokenizer, run.config.rollout)
+
+
+async def _math_rollout(
+    run: RunState, step: int, router: Any, chaos: WorkerChaos
+) -> tuple[list[Sample], dict[str, Any]]:
+    config = run.config
+    problems = run.sampler.next_batch(config.rollout.batch_size)
+    total = len(problems) * config.rollout.samples_per_prompt
+    kill_pending = chaos.wants_kill_at_step(step)
+    finished = 0
+    async with anyio.create_task_group() as group:
+
+        def on_sample(_sample: Sample) -> None:
+            nonlocal finished, kill_pending
+            finished += 1
+            run.reporter.advance()
+            if kill_pending and finished >= max(1, total // 4):
+                kill_pending = False  # mid-rollout: the rest of the batch is in flight on that worker
+                group.start_soon(anyio.to_thread.run_sync, chaos.kill_now, "step")
+
+        samples = await run_math_rollouts(
+            problems, router, run.tokenizer, config.rollout, seed=step, on_sample=on_sample
+        )
+    return samples, {}
+
+
+async def _swe_rollout(
+    run: RunState, step: int, router: Any, chaos: WorkerChaos
+) -> tuple[list[Sample], dict[str, Any]]:
+    config = run.config
+    settings = agentic_config(config, run.run_dir, run.tokenizer, step)
+    if run.estimators is None:
+        run.estimators = default_estimators(settings)
+    samples, metrics, trajectories = await run_swe_rollout(
+        run.sampler.next_batch(config.rollout.batch_size),
+        settings,
+        router,
+        run.tokenizer,
+        num_samples=config.rollout.samples_per_prompt,
+        run_id=f"{run_tag(run.run_dir)}-step{step}",
+        chaos=chaos if chaos.wants_kill_at_step(step) else None,
+        trajectories_file=run.run_dir / "trajectories.jsonl",
+        step=step,
+        on_trajectory=lambda _t: run.reporter.advance(),
+        estimators=run.estimators,
+    )
+    run.env.add(trajectories)
+    # The agentic trace in belayer-policy's format: what the simulator replays (issue 16).
+    with (run.run_dir / "trace.jsonl").open("a") as trace:
+        for trajectory in trajectories:
+            if trajectory.step_response_s:  # a trajectory without an action has no step to replay
+                line = trajectory.trace_line(node=platform.node(), meta={"step": step})
+                trace.write(json.dumps(line) + "\n")
+    return samples, metrics
+
+
+async def _step(
+    run: RunState, step: int, system: RolloutSystem, router: Any, chaos: WorkerChaos, sync: WeightSync
+) -> dict[str, Any]:
+    config = run.config
+    run.reporter.begin_step(step, config.rollout.batch_size * config.rollout.samples_per_prompt)
+    chaos.current_step = step
+    started = time.monotonic()
+    rollout = _swe_rollout if config.data.workload == "swe" else _math_rollout
+    samples, extra = await rollout(run, step, router, chaos)
+    rollout_s = time.monotonic() - started
+    run.reporter.advance("reward")
+    rewards = [s.reward for s in samples]
+    num_tokens = sum(sum(s.loss_mask) for s in samples)  # generated tokens (not observations)
+    run.reporter.advance("train")
+    train_started = time.monotonic()
+    update = await anyio.to_thread.run_sync(run.trainer.update, samples)
+    run.reporter.advance("sync")
+    sync_started = time.monotonic()
+    versions = await anyio.to_thread.run_sync(sync.push, run.trainer.model)
+    sync_s = time.monotonic() - sync_started
+    resumed = sum(1 for s in samples if s.num_resumes)
+    run.num_resumed += resumed
+    run.num_samples += len(samples)
+    run.num_tokens += num_tokens
+    run.rollout_s += rollout_s
+    if config.system.checkpoint_every and step % config.system.checkpoint_every == 0:
+        await anyio.to_thread.run_sync(_checkpoint, run, step)
+    return {
+        "reward_mean": sum(rewards) / len(rewards),
+        "accuracy": sum(1 for r in rewards if r >= 1.0) / len(rewards),
+        "tokens_per_s": num_tokens / max(rollout_s, 1e-9),
+        "rollout_s": rollout_s,
+        "train_s": sync_started - train_started,
+        "sync_s": sync_s,  # the weight push: waits for every reader to leave the slot it overwrites
+        "step_s": time.monotonic() - started,
+        "num_resumed": resumed,
+        "weight_version": min(versions),
+        **{key: value for key, value in attrs.asdict(update).items()},
+        "healthy_slots": len(system.healthy_slots()),
+        **extra,
+    }
+
+
+def _checkpoint(run: RunState, step: int) -> Path:
+    return save_checkpoint(
+        run.run_dir / "checkpoints", step, {**run.trainer.state_dict(), "sampler": run.sampler.state_dict()}
+    )
+
+
+def _new_failures(run: RunState, failures: Sequence[FailureRecord]) -> list[FailureRecord]:
+    shown = []
+    for index, failure in enumerate(failures):
+        if index not in run.reported:
+            shown.append(failure)
+            if failure.recovery_s is not None:
+                run.reported.add(index)
+    return shown
+
+
+async def run_training(config: Config, *, stream: TextIO, run_dir: Path | None = None) -> dict[str, Any]:
+    """Train as configured; returns the final report's data (also in ``run_dir/report.json``).
+
+    First reaps whatever an earlier, killed run left in the run folder; then every process of
+    this run carries the folder's marker and a guardian process reaps them should this one die.
+    """
+    run_dir = (run_dir or resolve_run_dir(config)).resolve()
+    leftovers = await anyio.to_thread.run_sync(reap_run, run_dir)
+    if not leftovers.empty:
+        print(f"belayer-grpo: reaped what an earlier run left in {run_dir}: {leftovers.describe()}",
+              file=stream, flush=True)  # fmt: skip
+    with run_processes_marked(run_dir), Guardian(run_dir):
+        return await _train(config, stream, run_dir)
+
+
+async def _train(config: Config, stream: TextIO, run_dir: Path) -> dict[str, Any]:
+    wall_start = time.monotonic()
+    (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    run, model_config = await anyio.to_thread.run_sync(_prepare, config, run_dir, stream)
+    run.reporter.message(f"belayer-grpo: run folder {run_dir}")
+    if run.warmup_s:
+        run.reporter.message(f"belayer-grpo: supervised warm-up done in {run.warmup_s:.1f}s")
+    weights_file = run_dir / "policy_init.safetensors"
+    await anyio.to_thread.run_sync(_save_weights, run.trainer.model, model_config, weights_file)
+    summary: dict[str, Any] = {"status": "interrupted", "run_dir": str(run_dir), "warmup_s": run.warmup_s}
+    try:
+        run.reporter.message(
+            f"belayer-grpo: starting the router and {config.system.num_slots} engine slot(s)"
+        )
+        async with (
+            RolloutSystem.start(config, run_dir, model_config, weights_file) as system,
+            system.client() as router,
+        ):
+            chaos = WorkerChaos(
+                config.chaos,
+                kill=lambda i: (system.slots[i].config.slot, system.slots[i].kill_main()),
+                num_slots=len(system.slots),
+            )
+            sync = WeightSync(system.weight_sockets)
+            if config.data.workload == "math":
+                summary["eval_accuracy_before"] = await _evaluate(run, router)
+                run.reporter.message(
+                    f"belayer-grpo: greedy accuracy before GRPO {summary['eval_accuracy_before']:.1%}"
+                )
+            async with anyio.create_task_group() as background:
+                background.start_soon(chaos.run_timed, time.time())
+                for step in range(run.start_step + 1, config.algorithm.steps + 1):
+                    metrics = await _step(run, step, system, router, chaos, sync)
+                    recent = [m["reward_mean"] for m in run.reporter.history[-9:]] + [metrics["reward_mean"]]
+                    metrics["reward_avg10"] = sum(recent) / len(recent)
+                    match_recoveries(chaos.failures, system.events())
+                    run.reporter.end_step(step, metrics, _new_failures(run, chaos.failures))
+                    summary["steps"] = step
+                background.cancel_scope.cancel()
+            if config.data.workload == "math":
+                summary["eval_accuracy_after"] = await _evaluate(run, router)
+            match_recoveries(chaos.failures, system.events())
+            summary["failures"] = [f.to_dict() for f in chaos.failures]
+            summary["status"] = "completed"
+        if config.system.checkpoint_every == 0 or summary.get("steps", 0) % config.system.checkpoint_every:
+            await anyio.to_thread.run_sync(_checkpoint, run, summary.get("steps", run.start_step))
+    finally:
+        history = run.reporter.history
+        if history:
+            summary |= {
+                "reward_first": history[0]["reward_mean"], "reward_last": history[-1]["reward_mean"],
+                "accuracy_first": history[0]["accuracy"], "accuracy_last": history[-1]["accuracy"],
+                "weight_version": history[-1]["weight_version"],
+            }  # fmt: skip
+        summary |= {
+            "wall_s": time.monotonic() - wall_start, "num_samples": run.num_samples, "num_resumed": run.num_resumed,
+            "tokens_per_s": run.num_tokens / max(run.rollout_s, 1e-9), "workload": config.data.workload,
+        }  # fmt: skip
+        if config.data.workload == "swe":
+            summary["env"] = run.env.to_dict()
+        run.reporter.message(run.reporter.final_report(summary))
+        run.reporter.close()
+    return summary

@@ -1,0 +1,249 @@
+"""The agentic (SWE) workload inside training: tasks, the action-format warm-up, one rollout.
+
+``data.workload = "swe"``: each step draws ``rollout.batch_size`` tasks, rolls out
+``rollout.samples_per_prompt`` trajectories per task with `run_agentic_rollouts` (sandboxes,
+checkpoint policy, sandbox chaos, recoveries) and turns them into the trainer's `Sample` groups
+with `to_samples`.  A worker kill scheduled for the step hits while responses are in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import attrs
+import torch
+
+from belayer_envckpt import ExecResult
+from belayer_grpo._agentic import (
+    AgenticConfig,
+    AgenticTrajectory,
+    SweTask,
+    builtin_tasks,
+    load_swegym,
+    render_observation,
+    render_prompt,
+    run_agentic_rollouts,
+    summarize,
+    to_samples,
+)
+from belayer_grpo._chaos import WorkerChaos
+from belayer_grpo._config import Config
+from belayer_grpo._data import PolicyTokenizer
+from belayer_grpo._errors import GrpoConfigError
+from belayer_grpo._guardian import run_marker
+from belayer_grpo._model import completion_logprobs, pack
+from belayer_grpo._rollout_math import Sample
+from belayer_policy import SharedEstimators
+from belayer_router import RouterClient
+
+__all__ = [
+    "WARMUP_COMMANDS",
+    "EnvTotals",
+    "action_warmup",
+    "agentic_config",
+    "format_env",
+    "load_tasks",
+    "run_swe_rollout",
+    "run_tag",
+]
+
+# Short, harmless commands: the warm-up teaches the action format, not how to fix a bug.
+WARMUP_COMMANDS = ("ls", "pwd", "wc -l *.py", "grep -n return *.py", "echo step >> notes.txt")
+_FAKE_OUTPUTS = ("", "notes.txt\n", "3 calc.py\n", "/workspace/calc_add\n", "1:def add(a, b):\n")
+
+
+def load_tasks(config: Config) -> list[SweTask]:
+    """``data.source``: ``builtin`` (the shipped tasks) or a SWE-Gym style ``.jsonl`` file."""
+    source = config.data.source
+    if source == "builtin":
+        return builtin_tasks()
+    if not source.endswith(".jsonl"):
+        raise GrpoConfigError("data.source", f"the swe workload reads a SWE-Gym .jsonl file, got {source!r}")
+    return load_swegym(source)
+
+
+def run_tag(run_dir: Path) -> str:
+    """A short tag of the run: its trajectory ids (and so its sandboxes' labels) start with it."""
+    return run_marker(run_dir)
+
+
+def agentic_config(config: Config, run_dir: Path, tokenizer: PolicyTokenizer, step: int) -> AgenticConfig:
+    """The agent loop's settings for one step, from the training configuration."""
+    rollout = config.rollout
+    return AgenticConfig(
+        checkpoint_root=run_dir / "env-checkpoints",
+        max_rounds=rollout.max_rounds,
+        max_response_tokens=rollout.max_tokens,
+        max_context_tokens=rollout.max_context_tokens,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        stop_token_ids=(tokenizer.eos_token_id,),
+        seed=config.chaos.seed * 100_003 + step,
+        checkpoint_policy=rollout.env_checkpoint_policy,
+        sandbox_kill_probability=config.chaos.sandbox_kill_p,
+        max_concurrency=rollout.max_sandboxes,
+        invalid_action=rollout.invalid_action,
+        run_label=run_marker(run_dir),
+    )
+
+
+def _warmup_example(
+    rng: random.Random, tokenizer: PolicyTokenizer, task: SweTask, max_rounds: int
+) -> tuple[list[int], list[int]]:
+    context = tokenizer.encode_prompt(render_prompt(task))
+    for _ in range(rng.randrange(max_rounds)):
+        context += [*tokenizer.encode(f"ACTION: {rng.choice(WARMUP_COMMANDS)}\n"), tokenizer.eos_token_id]
+        result = ExecResult(stdout=rng.choice(_FAKE_OUTPUTS), stderr="", exit_code=0, duration_s=0.0)
+        context += tokenizer.encode(render_observation(result, 2000))
+    target = [*tokenizer.encode(f"ACTION: {rng.choice(WARMUP_COMMANDS)}\n"), tokenizer.eos_token_id]
+    return context, target
+
+
+def action_warmup(
+    model: torch.nn.Module,
+    tokenizer: PolicyTokenizer,
+    tasks: Sequence[SweTask],
+    *,
+    steps: int,
+    learning_rate: float,
+    batch_size: int,
+    seed: int,
+    max_rounds: int,
+) -> list[float]:
+    """A brief supervised warm-up on the action format (``ACTION: <command>``), so that a fresh
+    model takes environment steps: after the prompt, or after 1 to ``max_rounds - 1`` earlier
+    rounds with their observations, it answers with one of `WARMUP_COMMANDS`.  Returns the losses.
+    """
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        examples = [_warmup_example(rng, tokenizer, rng.choice(tasks), max_rounds) for _ in range(batch_size)]
+        batch = pack([c for c, _ in examples], [t for _, t in examples])
+        logprobs, mask = completion_logprobs(model, batch, [len(t) for _, t in examples])
+        loss = -(logprobs * mask).sum() / mask.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+    return losses
+
+
+@attrs.define
+class EnvTotals:
+    """Sandbox failures, recoveries and checkpoints over the whole run."""
+
+    trajectories: int = 0
+    failures: int = 0
+    from_checkpoint: int = 0
+    restore_s: list[float] = attrs.field(factory=list)
+    tokens_regenerated: int = 0
+    checkpoints: int = 0
+    checkpoint_failures: int = 0
+    inconsistent: int = 0
+
+    def add(self, trajectories: Sequence[AgenticTrajectory]) -> None:
+        """Count one step's trajectories."""
+        for trajectory in trajectories:
+            self.trajectories += 1
+            self.failures += trajectory.num_failures
+            self.from_checkpoint += sum(r.from_checkpoint for r in trajectory.recoveries)
+            self.restore_s += [r.restore_s for r in trajectory.recoveries]
+            self.tokens_regenerated += trajectory.tokens_regenerated
+            self.checkpoints += len(trajectory.checkpoints)
+            self.checkpoint_failures += trajectory.num_checkpoint_failures
+            self.inconsistent += not trajectory.prefix_consistent
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report's ``env`` section."""
+        restore = self.restore_s
+        return {
+            "trajectories": self.trajectories,
+            "sandbox_failures": self.failures,
+            "recoveries_from_checkpoint": self.from_checkpoint,
+            "recoveries_from_scratch": self.failures - self.from_checkpoint,
+            "restore_s_mean": sum(restore) / len(restore) if restore else 0.0,
+            "restore_s_max": max(restore, default=0.0),
+            "tokens_regenerated": self.tokens_regenerated,
+            "checkpoints": self.checkpoints,
+            "checkpoint_failures": self.checkpoint_failures,
+            "all_prefix_consistent": self.inconsistent == 0,
+        }
+
+
+def format_env(metrics: dict[str, Any]) -> str:
+    """The summary line's part about sandboxes: failures, recoveries and checkpoints."""
+    text = f"env: {metrics['env_failures']} sandbox failures"
+    if metrics["env_failures"]:
+        text += (
+            f" -> {metrics['env_recoveries_from_checkpoint']} restored from checkpoint,"
+            f" {metrics['env_failures'] - metrics['env_recoveries_from_checkpoint']} from scratch"
+            f" (restore {metrics['env_restore_s_mean']:.2f}s avg), {metrics['env_tokens_regenerated']} tok"
+            " regenerated"
+        )
+    text += f", {metrics['env_checkpoints']} checkpoints"
+    if not metrics["env_prefix_consistent"]:
+        text += ", PREFIX INCONSISTENT"
+    return text
+
+
+async def _kill_while_generating(router: RouterClient, chaos: WorkerChaos) -> None:
+    """Kill a main worker as soon as it has responses in flight."""
+    while not any(slot.get("num_outstanding") for slot in await router.workers()):  # noqa: ASYNC110
+        await anyio.sleep(0.005)
+    await anyio.to_thread.run_sync(chaos.kill_now, "step")
+
+
+async def run_swe_rollout(
+    tasks: Sequence[SweTask],
+    config: AgenticConfig,
+    router: RouterClient,
+    tokenizer: PolicyTokenizer,
+    *,
+    num_samples: int,
+    run_id: str,
+    chaos: WorkerChaos | None,
+    trajectories_file: Path,
+    step: int,
+    on_trajectory: Any = None,
+    estimators: SharedEstimators | None = None,
+) -> tuple[list[Sample], dict[str, Any], list[AgenticTrajectory]]:
+    """One step's trajectories as `Sample`s, their step metrics, and the trajectories.
+
+    ``chaos``, when given, kills a worker while responses are being generated.  Every
+    trajectory's summary is appended to ``trajectories_file`` (JSON lines).  ``estimators``
+    (kept by the caller from step to step) keep learning the checkpoint and restore costs and
+    the hazard that the trajectories measure.
+    """
+    async with anyio.create_task_group() as group:
+        if chaos is not None:
+            group.start_soon(_kill_while_generating, router, chaos)
+        trajectories = await run_agentic_rollouts(
+            tasks, router, config, num_samples=num_samples, tokenizer=tokenizer, run_id=run_id,
+            on_trajectory=on_trajectory, estimators=estimators,
+        )  # fmt: skip
+        group.cancel_scope.cancel()
+    with trajectories_file.open("a") as out:
+        for trajectory in trajectories:
+            out.write(json.dumps({"step": step, **trajectory.summary()}) + "\n")
+    totals = summarize(trajectories)
+    metrics = {
+        "num_trajectories": len(trajectories),
+        "rounds_mean": totals["rounds_mean"],
+        "env_failures": totals["num_failures"],
+        "env_recoveries_from_checkpoint": totals["num_recoveries_from_checkpoint"],
+        "env_restore_s_mean": totals["restore_s_mean"],
+        "env_restore_s_max": totals["restore_s_max"],
+        "env_tokens_regenerated": totals["tokens_regenerated"],
+        "env_checkpoints": totals["num_checkpoints"],
+        "env_checkpoint_failures": totals["num_checkpoint_failures"],
+        "env_prefix_consistent": int(totals["all_prefix_consistent"]),
+    }
+    return to_samples(trajectories), metrics, trajectories
