@@ -40,10 +40,10 @@ def resident_bytes(address: int) -> int:
     raise AssertionError("mapping not found")
 
 
-def run_worker(*args: str, timeout: float = 120.0) -> str:
+def run_worker(*args: str, timeout_s: float = 120.0) -> str:
     """Run tests/worker.py in a fresh process; returns its stdout, fails the test on a non-zero exit."""
     done = subprocess.run(
-        [sys.executable, str(WORKER), *args], capture_output=True, text=True, timeout=timeout, check=False
+        [sys.executable, str(WORKER), *args], capture_output=True, text=True, timeout=timeout_s, check=False
     )
     assert done.returncode == 0, f"worker {args} failed ({done.returncode}):\n{done.stderr}"
     return done.stdout

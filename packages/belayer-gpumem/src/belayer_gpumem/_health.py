@@ -23,7 +23,7 @@ class HealthReport:
     """A passed health check."""
 
     device: int
-    seconds: float
+    elapsed_s: float
     detail: str
 
 
@@ -59,4 +59,6 @@ def check_gpu_health(device: int = 0, *, timeout_s: float = 5.0) -> HealthReport
             f"GPU {device}: wrong results (sum {got_total}, expected {_N * _N}; {got_mismatches} memory mismatches)"
         )
     elapsed = time.monotonic() - start
-    return HealthReport(device=device, seconds=elapsed, detail=f"kernels correct in {elapsed * 1000:.1f} ms")
+    return HealthReport(
+        device=device, elapsed_s=elapsed, detail=f"kernels correct in {elapsed * 1000:.1f} ms"
+    )
