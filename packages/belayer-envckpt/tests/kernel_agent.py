@@ -109,9 +109,9 @@ class Agent:
         self.ep = select.epoll()
         self.ep.register(self.ep_efd, select.EPOLLIN)
         # inotify on a directory.
-        os.makedirs("/etc/belayer-watched", exist_ok=True)
+        os.makedirs("/workspace/watched", exist_ok=True)
         self.ifd = LIBC.inotify_init1(0)
-        check(LIBC.inotify_add_watch(self.ifd, b"/etc/belayer-watched", IN_CREATE) >= 0, "inotify_add_watch")
+        check(LIBC.inotify_add_watch(self.ifd, b"/workspace/watched", IN_CREATE) >= 0, "inotify_add_watch")
         # memfd, mapped shared; anonymous shared memory with a child that echoes slot 0 to slot 1.
         self.mfd = os.memfd_create("belayer")
         os.write(self.mfd, b"memfd-content".ljust(4096, b"\0"))
@@ -264,7 +264,7 @@ class Agent:
 
     def probe_inotify(self):
         name = f"f{time.monotonic_ns()}"
-        open(f"/etc/belayer-watched/{name}", "w").close()
+        open(f"/workspace/watched/{name}", "w").close()
         os.set_blocking(self.ifd, True)
         event = os.read(self.ifd, 4096)
         _wd, mask, _cookie, length = struct.unpack("iIII", event[:16])

@@ -106,14 +106,14 @@ open("/tmp/ready", "w").close()
 time.sleep(100000)
 """
 
-# An inotify watch on a directory CRIU cannot find again (see the README): not under its
-# irmap scan paths, and overlayfs cannot reopen a file handle.
+# An inotify watch on a directory CRIU cannot find again (see the README): outside its search
+# paths (its own hints and those setup-system adds), and overlayfs cannot reopen a file handle.
 INOTIFY_ELSEWHERE = """
 import ctypes, os, time
 libc = ctypes.CDLL(None, use_errno=True)
-os.makedirs("/tmp/watched")
+os.makedirs("/var/lib/watched")
 fd = libc.inotify_init1(0)
-assert libc.inotify_add_watch(fd, b"/tmp/watched", 0x100) >= 0
+assert libc.inotify_add_watch(fd, b"/var/lib/watched", 0x100) >= 0
 open("/tmp/ready", "w").close()
 time.sleep(100000)
 """
