@@ -71,6 +71,11 @@ class Agent:
         self.tcp_client = socket.create_connection(("127.0.0.1", 7000))
         self.tcp_server, _ = self.tcp_listener.accept()
         self.tcp_client.sendall(b"queued-tcp")
+        # A half-closed connection: the client sent its last bytes and shut its side down.
+        self.half_client = socket.create_connection(("127.0.0.1", 7000))
+        self.half_server, _ = self.tcp_listener.accept()
+        self.half_client.sendall(b"last-words")
+        self.half_client.shutdown(socket.SHUT_WR)
         threading.Thread(target=self.serve_tcp, daemon=True).start()
         # unix stream listener + a connection through its path; a datagram socket; a socket pair.
         self.unix_listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -198,6 +203,19 @@ class Agent:
         self.tcp_client.sendall(b"forth")
         check(recv_exact(self.tcp_server, 5) == b"forth", "client -> server")
         return f"both directions; queued: {queued}"
+
+    def probe_tcp_half_closed(self):
+        def until_eof():
+            data = b""
+            while chunk := self.half_server.recv(64):
+                data += chunk
+            return data.decode()
+
+        queued = self.once("half", until_eof)
+        check(self.half_server.recv(64) == b"", "the client's side stays shut")
+        self.half_server.sendall(b"answer")
+        check(recv_exact(self.half_client, 6) == b"answer", "server -> client still open")
+        return f"read to EOF: {queued}; the other direction still carries data"
 
     def probe_unix_stream(self):
         queued = self.once("ustream", lambda: recv_exact(self.unix_server, 14).decode())

@@ -39,6 +39,7 @@ print(reply.decode())
 OBJECTS = [
     "tcp_listen",
     "tcp_established",
+    "tcp_half_closed",
     "unix_stream",
     "unix_dgram",
     "socketpair",
