@@ -36,7 +36,7 @@ def check_criu() -> str:
     criu = criu_binary()
     if criu is None:
         raise CriuUnavailableError(f"criu is not installed. {SETUP_HINT}")
-    result = run_command([criu, "check"], timeout=60, check=False)
+    result = run_command([criu, "check"], timeout_s=60, check=False)
     if result.returncode != 0:
         raise CriuUnavailableError(
             f"`criu check` fails on this kernel: {(result.stderr or result.stdout).strip()[-500:]}. "
@@ -47,7 +47,7 @@ def check_criu() -> str:
 
 def criu_version(criu: str) -> str:
     """What ``criu --version`` reports, e.g. ``"4.2.1"`` (empty if it says nothing readable)."""
-    result = run_command([criu, "--version"], timeout=60, check=False)
+    result = run_command([criu, "--version"], timeout_s=60, check=False)
     match = re.search(r"Version:\s*(\S+)", result.stdout + result.stderr)
     return match.group(1) if match else ""
 

@@ -256,7 +256,7 @@ class Engine:
                         str(work),
                         container.id,
                     ],
-                    timeout=600,
+                    timeout_s=600,
                 )
             except CommandError as exc:
                 # CRIU's log stays in the (partial) checkpoint directory for the caller to keep.

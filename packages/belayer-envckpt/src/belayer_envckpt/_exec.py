@@ -27,11 +27,6 @@ class ExecResult:
     timed_out: bool = False
 
     @property
-    def duration(self) -> float:
-        """Deprecated spelling of `duration_s`, kept until every caller has moved."""
-        return self.duration_s
-
-    @property
     def ok(self) -> bool:
         """Whether the command exited with 0 before its timeout."""
         return self.exit_code == 0 and not self.timed_out
