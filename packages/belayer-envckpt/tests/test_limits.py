@@ -185,6 +185,13 @@ def test_memory_hog_is_oom_killed_inside_only(make_sandbox, track, engine, tmp_p
         sandbox.exec(["python3", "-c", "b = b'x' * (400 * 2**20); print('survived')"])
     assert caught.value.cause is LimitCause.MEMORY
     assert "survived" not in caught.value.result.stdout
+    assert sandbox.exec("echo next").stdout == "next\n"  # reported once, not again
+    # A hog a previous action left in the background is reported by the next action.
+    sandbox.exec("(sleep 0.5; python3 -c \"b = b'x' * (400 * 2**20)\") >/dev/null 2>&1 &")
+    wait_for(lambda: "oom_kill 2" in cgroup_value(sandbox, "memory", "memory.oom_control"), timeout=120)
+    with pytest.raises(SandboxLimitError, match="OOM killer") as caught_later:
+        sandbox.exec("true")
+    assert caught_later.value.cause is LimitCause.MEMORY
     # Only the hog died: the sandbox's own init runs on, and nothing outside it saw an OOM kill.
     assert sandbox.is_running()
     assert "oom_kill 0" in cgroup_value(neighbour, "memory", "memory.oom_control")

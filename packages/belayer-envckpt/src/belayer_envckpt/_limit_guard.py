@@ -156,6 +156,10 @@ def _counter(directory: Path | None, files: tuple[str, ...], key: str) -> int:
 class LimitGuard:
     """Watches one action: polls the layer against the disk cap, then reads the cgroup counters.
 
+    ``seen`` are the counters (OOM kills, refused forks) the sandbox's previous action ended with,
+    so a limit a background process hit between two actions is reported by the next one; ``after``
+    are the counters this action ended with.
+
     On a hit it kills the processes the action started (those not in the container before it),
     so the sandbox is not left full of them, and `check` raises `SandboxLimitError`.
     """
@@ -165,6 +169,8 @@ class LimitGuard:
     init_pid: int
     upper: Path | None
     is_oom_killed: Callable[[], bool] = lambda: False
+    seen: tuple[int, int] | None = None
+    after: tuple[int, int] | None = attrs.field(default=None, init=False)
     _files: CgroupFiles | None = attrs.field(default=None, init=False)
     _before: tuple[int, int] = attrs.field(default=(0, 0), init=False)
     _procs_before: set[int] = attrs.field(factory=set, init=False)
@@ -175,7 +181,7 @@ class LimitGuard:
     def watching(self) -> Iterator[LimitGuard]:
         """Run the action inside this block; `check` afterwards."""
         self._files = CgroupFiles.of_pid(self.init_pid) if self.init_pid else CgroupFiles(None, None)
-        self._before = (self._files.oom_kills(), self._files.refused_forks())
+        self._before = self.seen if self.seen is not None else self._counters()
         self._procs_before = self._files.procs()
         poller = None
         if self.limits.disk_mb and self.upper is not None:
@@ -187,6 +193,10 @@ class LimitGuard:
             self._stop.set()
             if poller is not None:
                 poller.join(60)
+
+    def _counters(self) -> tuple[int, int]:
+        assert self._files is not None
+        return self._files.oom_kills(), self._files.refused_forks()
 
     def _over_disk(self) -> bool:
         assert self.upper is not None
@@ -214,7 +224,8 @@ class LimitGuard:
     def check(self, result: object = None) -> None:
         """Raise `SandboxLimitError` if the action hit a limit (its processes are killed first)."""
         assert self._files is not None
-        oom, forks = self._files.oom_kills() - self._before[0], self._files.refused_forks() - self._before[1]
+        self.after = self._counters()
+        oom, forks = self.after[0] - self._before[0], self.after[1] - self._before[1]
         over_disk = bool(self.limits.disk_mb and self.upper is not None and self._over_disk())
         gone = self._files.memory is not None and not self._files.memory.is_dir()
         if oom > 0 or (gone and self.is_oom_killed()):

@@ -116,6 +116,7 @@ class Sandbox:
     context_ref: str = ""
     restore_timings_ms: dict[str, float] = attrs.field(factory=dict)
     _boundary: threading.RLock = attrs.field(factory=threading.RLock, repr=False)
+    _limit_counters: tuple[int, int] | None = attrs.field(default=None, init=False, repr=False)
 
     @classmethod
     def create(
@@ -217,7 +218,10 @@ class Sandbox:
                     if self.limit_failure() is LimitCause.MEMORY:
                         raise init_killed_error(self.config.limits, self.id) from exc
                     raise
-            guard.check(result)
+            try:
+                guard.check(result)
+            finally:
+                self._limit_counters = guard.after
             self.prefix += 1
             return result
 
@@ -254,6 +258,7 @@ class Sandbox:
             int(self.container.attrs.get("State", {}).get("Pid") or 0),
             upper,
             is_oom_killed=lambda: bool(self.inspect().get("State", {}).get("OOMKilled")),
+            seen=self._limit_counters,
         )
         return guard.watching()
 
