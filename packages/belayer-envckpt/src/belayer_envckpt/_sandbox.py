@@ -203,17 +203,15 @@ class Sandbox:
         timeout_s: float = 60.0,
         *,
         workdir: str | None = None,
-        timeout: float | None = None,
     ) -> ExecResult:
         """Run one action; it completes (or is killed at ``timeout_s``) before a checkpoint starts.
 
         A string runs through ``/bin/sh -c``.  The action counts: ``prefix`` grows by one.
-        ``timeout`` is the deprecated spelling of ``timeout_s``.
         """
         with self._boundary:
             with self.limit_guard() as guard:
                 try:
-                    result = self._run(command, timeout_s if timeout is None else timeout, workdir)
+                    result = self._run(command, timeout_s, workdir)
                 except ContainerEngineError as exc:
                     if self.limit_failure() is LimitCause.MEMORY:
                         raise init_killed_error(self.config.limits, self.id) from exc
