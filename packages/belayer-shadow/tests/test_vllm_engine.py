@@ -99,6 +99,7 @@ def transformers_greedy(seed: int, prompt: list[int], max_tokens: int) -> list[i
 
 def test_parameters_are_views_of_the_weight_server(engine: VllmEngine) -> None:
     assert engine.weight_client is not None
+    assert engine.copied_params == []
     region = engine.weight_client.region
     start, end = region.data_ptr(), region.data_ptr() + region.numel()
 

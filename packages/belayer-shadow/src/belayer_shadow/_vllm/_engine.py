@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,13 @@ from belayer_gpumem import WeightClient
 from belayer_shadow._engine._config import ModelConfig
 from belayer_shadow._engine._sequence import SamplingParams, StepOutput
 from belayer_shadow._errors import LLMEngineError, ModelConfigError, RequestError, WeightsError
-from belayer_shadow._vllm._loader import LOAD_FORMAT, attached_client, point_params, register_loader
+from belayer_shadow._vllm._loader import (
+    LOAD_FORMAT,
+    attached_client,
+    copied_params,
+    point_params,
+    register_loader,
+)
 from belayer_shadow._vllm._sampling import KEY_EXTRA, processor_name
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "VllmEngine", "model_folder"]
@@ -83,6 +90,8 @@ class VllmEngine:
         self._socket = str(weights_socket)
         self.weight_client: WeightClient | None = None
         self._requests: dict[str, int] = {}  # request id -> completion tokens emitted so far
+        self._num_threads = num_threads
+        self._threads = threading.local()
         self._engine = _start_engine(
             folder,
             self._socket,
@@ -94,6 +103,8 @@ class VllmEngine:
             num_threads=num_threads,
         )
         self.weight_client = attached_client(self._socket)
+        # Parameters vLLM holds as private copies (fused parts not back to back at the server).
+        self.copied_params = copied_params()
 
     # Requests.
 
@@ -161,6 +172,11 @@ class VllmEngine:
 
     def step(self) -> list[StepOutput]:
         """One vLLM engine step: at most one new token per running request."""
+        if not getattr(self._threads, "ready", False):
+            # OpenMP's thread count is per calling thread, and vLLM's CPU attention checks that
+            # the count it planned with is the one it runs with: set it in every stepping thread.
+            torch.set_num_threads(self._num_threads)
+            self._threads.ready = True
         outputs: list[StepOutput] = []
         for result in self._engine.step():
             index = self._requests.get(result.request_id)

@@ -27,13 +27,23 @@ from belayer_shadow._engine._config import ModelConfig, parameter_shapes
 from belayer_shadow._engine._model import stacked_view
 from belayer_shadow._errors import WeightsError
 
-__all__ = ["LOAD_FORMAT", "attached_client", "param_views", "point_params", "register_loader"]
+__all__ = [
+    "LOAD_FORMAT",
+    "attached_client",
+    "copied_params",
+    "param_views",
+    "point_params",
+    "register_loader",
+]
 
 LOAD_FORMAT = "belayer"
 
 # The weight clients the loader attached in this process, by socket path: the engine that asked
 # for the load takes its client from here (vLLM builds the loader itself, from a name).
 _CLIENTS: dict[str, WeightClient] = {}
+
+# Parameters the last load had to copy (not views of the server), for the engine to report.
+_COPIED: list[str] = []
 
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -44,6 +54,11 @@ def attached_client(weights_socket: str) -> WeightClient:
     if client is None:
         raise WeightsError(f"no vLLM model was loaded from the weight server at {weights_socket}")
     return client
+
+
+def copied_params() -> list[str]:
+    """The parameters the last load in this process could not make views of the server (copies)."""
+    return list(_COPIED)
 
 
 def _source(name: str, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -65,10 +80,10 @@ def _source(name: str, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         views.append(tensors[key])
     stacked = stacked_view(views)
     if stacked is None:
-        raise WeightsError(
-            f"the weight server's {', '.join(parts)} of {module_prefix} are not back to back; "
-            "fill the server with belayer_shadow.weight_layout's table"
-        )
+        # The server's table does not hold the parts back to back (e.g. a table read from a
+        # safetensors file, whose names are sorted): a private fused copy, made again on every
+        # weight update. `weight_layout`'s table avoids it.
+        return torch.cat(views)
     return stacked
 
 
@@ -93,12 +108,15 @@ def _linear_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
-def point_params(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Make every parameter of `model` a view of `tensors` (the server's), zero copy.
+def point_params(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """Make every parameter of `model` a view of `tensors` (the server's); returns the names that
+    had to be copied instead (fused parts not back to back in the server's table).
 
     Also used for a weight update: the same modules re-pointed at the new version's views.
     """
     views = param_views(model, tensors)
+    regions = {t.untyped_storage().data_ptr() for t in tensors.values()}
+    copied = sorted(n for n, v in views.items() if v.untyped_storage().data_ptr() not in regions)
     modules = dict(model.named_modules())
     for name, view in views.items():
         module_name, _, leaf = name.rpartition(".")
@@ -108,6 +126,7 @@ def point_params(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
         setattr(module, leaf, nn.Parameter(view, requires_grad=False))
     for _, module in _linear_modules(model):
         vars(module)["cpu_linear"] = F.linear  # the oneDNN packed copy is dropped with its closure
+    return copied
 
 
 def _register() -> type[Any]:
@@ -147,7 +166,7 @@ def _register() -> type[Any]:
 
         def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> nn.Module:
             model: nn.Module = super().load_model(vllm_config, model_config, prefix)
-            point_params(model, _CLIENTS[self._socket()].tensors())
+            _COPIED[:] = point_params(model, _CLIENTS[self._socket()].tensors())
             return model
 
     register_model_loader(LOAD_FORMAT)(BelayerWeightLoader)
