@@ -163,7 +163,7 @@ def _slot_config(url: str, run_dir: Path, slot: str, **options: Any) -> SlotConf
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "prompts"}}
-    config = RouterConfig(admin_token=TOKEN, resume_wait=300)
+    config = RouterConfig(admin_token=TOKEN, resume_wait_s=300)
     with tempfile.TemporaryDirectory(prefix="bench-handover-") as tmp:
         root = Path(tmp)
         async with running_router(config) as (url, _app):

@@ -18,7 +18,7 @@ PROMPTS = [[10 + i, 20 + 3 * i, 30, 40 + i, 50] for i in range(4)]
 @asynccontextmanager
 async def router(resume_wait_s: float = 30.0) -> AsyncIterator[tuple[str, RouterApp]]:
     """A router in this process on loopback."""
-    async with running_router(RouterConfig(admin_token=TOKEN, resume_wait=resume_wait_s)) as (url, app):
+    async with running_router(RouterConfig(admin_token=TOKEN, resume_wait_s=resume_wait_s)) as (url, app):
         yield url, app
 
 

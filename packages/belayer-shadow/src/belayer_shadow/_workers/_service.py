@@ -19,7 +19,8 @@ import anyio.abc
 import attrs
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from belayer_router import InvalidRequestError, read_json
+from belayer_router import InvalidRequestError
+from belayer_router.worker import read_json
 from belayer_shadow._engine._sequence import SamplingParams, StepOutput
 from belayer_shadow._errors import RequestError
 from belayer_shadow._workers._events import EventLog

@@ -16,7 +16,8 @@ import anyio
 import attrs
 import torch
 
-from belayer_router import RouterClient, RouterClientError, serving
+from belayer_router import RouterClient, RouterClientError
+from belayer_router.asgi import serving
 from belayer_shadow._engine._config import ModelConfig
 from belayer_shadow._engine._llm_engine import LLMEngine
 from belayer_shadow._errors import WorkerError
