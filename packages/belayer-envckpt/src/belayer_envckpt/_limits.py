@@ -227,8 +227,9 @@ def engine_warnings(info: Mapping[str, Any], limits: SandboxLimits) -> list[str]
     if limits.disk_mb:
         warnings.append(
             f"disk cap ({limits.disk_mb} MB): {info.get('Driver', '?')} has no per-container quota here, so "
-            f"the cap is enforced by measuring the writable layer every {limits.disk_poll_s} s during an "
-            "action and before each checkpoint; an action can overshoot by what it writes in one interval"
+            f"the cap is enforced by measuring the writable layer every {limits.disk_poll_s} s (longer for "
+            "large layers) during an action, at its end and before each checkpoint; an action can "
+            "overshoot by what it writes in one interval"
         )
     if not host_has_cap_sys_resource():
         warnings.append(
