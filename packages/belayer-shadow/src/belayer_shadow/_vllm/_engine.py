@@ -77,7 +77,7 @@ class VllmEngine:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 8192,
         max_model_len: int | None = None,
-        kv_cache_bytes: int = 256 * 1024 * 1024,
+        kv_cache_bytes: int = 512 * 1024 * 1024,
         num_threads: int = 1,
     ) -> None:
         self.config = config
