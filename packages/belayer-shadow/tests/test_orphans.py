@@ -129,6 +129,25 @@ def test_reap_kills_recorded_leftovers_but_never_a_recycled_pid(tmp_path: Path) 
             process.wait()
 
 
+def test_reap_refuses_a_run_folder_whose_supervisor_still_runs(tmp_path: Path) -> None:
+    owner, child = _sleeper(), _sleeper()
+    try:
+        entry = {"pid": child.pid, "start_time": process_start_time(child.pid), "role": "main", "group": True}
+        supervisor = {"pid": owner.pid, "start_time": process_start_time(owner.pid)}
+        (tmp_path / "processes.json").write_text(json.dumps({"supervisor": supervisor, "processes": [entry]}))
+        with pytest.raises(SupervisorError, match=f"running supervisor \\(pid {owner.pid}\\)"):
+            reap_stale_processes(tmp_path)
+        assert child.poll() is None
+        owner.kill()
+        owner.wait()
+        assert reap_stale_processes(tmp_path) == [child.pid]  # its owner is gone: a leftover now
+        assert child.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        for process in (owner, child):
+            process.kill()
+            process.wait()
+
+
 def test_new_supervisor_reaps_an_earlier_run_and_survives_its_starting_thread(tmp_path: Path) -> None:
     leftover = _sleeper()
     try:

@@ -108,30 +108,54 @@ class ProcessTable:
                 self._write()
 
     def _write(self) -> None:
-        document = {"supervisor": os.getpid(), "processes": list(self._entries.values())}
+        owner = {"pid": os.getpid(), "start_time": process_start_time(os.getpid())}
+        document = {"supervisor": owner, "processes": list(self._entries.values())}
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(document))
         os.replace(tmp, self.path)
 
 
-def _recorded(run_dir: Path) -> list[dict[str, Any]]:
+def _document(run_dir: Path) -> dict[str, Any]:
     try:
         document = json.loads((run_dir / PROCESSES_FILE).read_text())
     except (FileNotFoundError, ValueError):
-        return []
-    processes = document.get("processes", []) if isinstance(document, dict) else []
+        return {}
+    return document if isinstance(document, dict) else {}
+
+
+def _recorded(run_dir: Path) -> list[dict[str, Any]]:
+    processes = _document(run_dir).get("processes", [])
     return [p for p in processes if isinstance(p, dict) and isinstance(p.get("pid"), int)]
 
 
-def reap_stale_processes(run_dir: str | Path, *, timeout_s: float = 30.0) -> list[int]:
+def _live_owner(run_dir: Path) -> int | None:
+    """The pid of another supervisor that recorded `run_dir` and still runs (None if there is none)."""
+    owner = _document(run_dir).get("supervisor")
+    if not isinstance(owner, dict) or not isinstance(owner.get("pid"), int) or owner["pid"] == os.getpid():
+        return None
+    start = owner.get("start_time")
+    return owner["pid"] if start is not None and process_start_time(owner["pid"]) == start else None
+
+
+def reap_stale_processes(
+    run_dir: str | Path, *, timeout_s: float = 30.0, owner_gone: bool = False
+) -> list[int]:
     """Kill every process an earlier run recorded in `run_dir/processes.json` that still runs.
 
     A process is killed (SIGKILL, with its process group if it leads one) only if its start time
     equals the recorded one, so a pid the kernel has since given to another process is left alone.
     Then the files recorded with the processes (sockets) are removed. Returns the pids killed, once
-    they are gone (SupervisorError if one outlives `timeout_s`).
+    they are gone (SupervisorError if one outlives `timeout_s`). A run folder whose supervisor still
+    runs in another process is refused (SupervisorError): its children are not leftovers
+    (`owner_gone=True`, the guardian's case, reaps anyway).
     """
     run_dir = Path(run_dir)
+    owner = None if owner_gone else _live_owner(run_dir)
+    if owner is not None:
+        raise SupervisorError(
+            f"run folder {run_dir} belongs to a running supervisor (pid {owner}); "
+            "stop it first or use another run folder"
+        )
     killed: list[tuple[int, int]] = []
     recorded = _recorded(run_dir)
     for entry in recorded:
@@ -256,7 +280,7 @@ def _guard(run_dir: Path, fd: int) -> None:
     with contextlib.suppress(OSError):
         while os.read(fd, 4096):
             pass
-    reap_stale_processes(run_dir)
+    reap_stale_processes(run_dir, owner_gone=True)
 
 
 if __name__ == "__main__":  # python -m belayer_shadow._workers._processes RUN_DIR FD
