@@ -15,6 +15,7 @@ from conftest import BUSYBOX, DEBIAN, TEST_LABELS, wait_for
 from belayer_envckpt import (
     CheckpointFailedError,
     CheckpointStore,
+    CheckpointTooLargeError,
     InvalidConfigError,
     LimitCause,
     OutsideGuaranteeError,
@@ -243,6 +244,22 @@ def test_disk_filler_stops_at_the_cap(make_sandbox, track, engine, tmp_path):
     store.verify(ready)
     restored = track(full_restore(ready, engine=engine))
     assert restored.exec("cat /tmp/marker; test -e /tmp/fill || echo no-fill").stdout == "before\nno-fill\n"
+
+
+def test_a_checkpoint_over_its_cap_is_not_published(make_sandbox, tmp_path):
+    limits = SandboxLimits(pids=48, memory_mb=96, cpus=0.5, disk_mb=64, checkpoint_mb=8)
+    sandbox = make_sandbox(BUSYBOX, "ckpt-cap", limits=limits)
+    store = CheckpointStore(tmp_path)
+    ready = full_checkpoint(sandbox, "ckpt-cap", store=store)
+    assert ready.total_bytes < 8 * MIB
+    manifest = (ready.path / "manifest.json").read_bytes()
+    sandbox.exec("dd if=/dev/zero of=/tmp/ten bs=1048576 count=10 2>/dev/null")  # within disk_mb
+    with pytest.raises(CheckpointTooLargeError, match="over its cap of 8 MB"):
+        full_checkpoint(sandbox, "ckpt-cap", store=store)
+    assert [c.checkpoint_id for c in store.list("ckpt-cap")] == [ready.checkpoint_id]
+    assert store.leftovers() == []
+    assert (ready.path / "manifest.json").read_bytes() == manifest
+    assert sandbox.is_running()
 
 
 def test_a_sparse_file_counts_at_its_full_size(make_sandbox):
