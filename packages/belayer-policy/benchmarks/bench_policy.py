@@ -4,12 +4,16 @@ Workloads (64 trajectories a batch unless a trace gives them, restore 2 s):
   swe     20 rounds, responses 5-60 s, actions 0.1-10 s, checkpoints 0.3-1 s (hidden by responses)
   math    6 rounds, responses 2-20 s, actions 0.05-1 s, checkpoints 0.3-1.5 s (short tool calls)
   stress  20 rounds, responses 1-5 s, actions 0.1-2 s, checkpoints 2-8 s (mostly visible)
-  recorded traces (``--trace NAME=PATH``, default: the shipped ``traces/*.jsonl``)
+  recorded traces (``--trace NAME=PATH``, default: the shipped ``traces/*.jsonl``): their measured
+  response, action and checkpoint times; their recorded failures (injected at the recording run's
+  chaos rate) are dropped so that p decides here too
 at p = 0.01 and 0.05 failures per step.  Policies: adaptive, paper (the round-1 rule), never,
 always, every:2..every:8, all on the same seeded batches and failure streams.  The failure
 probability is known to the policies as it is in ``belayer-grpo``'s fault-injection runs
-(``FixedStepProbability``); ``adaptive-learned`` learns it online from a prior of one failure per
-container hour instead.  Then the cost of one ``decide()`` call per rule.
+(``FixedStepProbability``), and each policy keeps its estimators over the runs as a training run
+does; ``adaptive-learned`` learns the hazard online from a prior of one failure per container hour
+instead, ``adaptive-cold`` starts every batch with fresh estimators.  Then the cost of one
+``decide()`` call per rule.
 
     python benchmarks/bench_policy.py [--runs 100] [--out benchmarks/results/bench_policy.json]
 """
@@ -24,6 +28,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+import attrs
 
 from belayer_policy import (
     FixedStepProbability,
@@ -56,6 +62,7 @@ def _run(
     runs: int,
     workload: Workload | None,
     trace: list[Trajectory] | None,
+    carry: bool = True,
 ) -> list[PolicySummary]:
     return compare_policies(
         [PolicySpec.parse(s) for s in specs],
@@ -66,17 +73,24 @@ def _run(
         num_trajectories=64,
         trace=trace,
         estimators=estimators,
+        carry_estimators=carry,
     )
 
 
 def _scenario(
     name: str, p: float, runs: int, workload: Workload | None = None, trace: list[Trajectory] | None = None
 ) -> dict[str, Any]:
-    summaries = _run(
-        POLICIES, lambda: SharedEstimators(failure_model=FixedStepProbability(p)), p, runs, workload, trace
-    )
+    def known() -> SharedEstimators:
+        return SharedEstimators(failure_model=FixedStepProbability(p))
+
+    summaries = _run(POLICIES, known, p, runs, workload, trace)
     learned = _run(("adaptive",), SharedEstimators, p, runs, workload, trace)[0]
-    records = [s.to_dict() for s in summaries] + [learned.to_dict() | {"policy": "adaptive-learned"}]
+    cold = _run(("adaptive",), known, p, runs, workload, trace, carry=False)[0]
+    records = [s.to_dict() for s in summaries]
+    records += [
+        learned.to_dict() | {"policy": "adaptive-learned"},
+        cold.to_dict() | {"policy": "adaptive-cold"},
+    ]
     by_name = {r["policy"]: r for r in records}
     best = min(FIXED, key=lambda n: by_name[n]["rollout_s_mean"])
     best_rollout = by_name[best]["rollout_s_mean"]
@@ -98,7 +112,10 @@ def _scenario(
         "runs": runs,
         "best_fixed": best,
         "policies": records,
-        "judged": {policy: judged(policy) for policy in ("adaptive", "adaptive-learned", "paper", best)},
+        "judged": {
+            policy: judged(policy)
+            for policy in ("adaptive", "adaptive-learned", "adaptive-cold", "paper", best)
+        },
     }
 
 
@@ -130,7 +147,7 @@ def _table(results: list[dict[str, Any]]) -> list[str]:
     ]
     for r in results:
         by_name = {p["policy"]: p for p in r["policies"]}
-        for policy in ("adaptive", "adaptive-learned", "paper", r["best_fixed"], "never"):
+        for policy in ("adaptive", "adaptive-learned", "adaptive-cold", "paper", r["best_fixed"], "never"):
             rec = by_name[policy]
             j = r["judged"].get(policy)
             vs = f"{j['vs_best_fixed_pct']:+.2f} %" if j else "-"
@@ -164,7 +181,9 @@ def main() -> None:
         for name in args.workloads:
             results.append(_scenario(name, p, args.runs, workload=WORKLOADS[name]))
         for name, path in traces.items():
-            results.append(_scenario(name, p, args.runs, trace=load_trace(path)))
+            # The recorded failures were injected at the recording run's chaos rate; here p decides.
+            replayed = [attrs.evolve(t, failures=()) for t in load_trace(path)]
+            results.append(_scenario(name, p, args.runs, trace=replayed))
     simulate_s = time.perf_counter() - started
     decision_us = {
         name: _decision_cost(name, args.calls) for name in ("adaptive", "paper", "always", "never")
@@ -180,7 +199,7 @@ def main() -> None:
     out.write_text(
         json.dumps(
             {
-                "command": "python benchmarks/bench_policy.py " + " ".join(f"--runs {args.runs}".split()),
+                "command": "python benchmarks/bench_policy.py --runs " + str(args.runs),
                 "python": platform.python_version(),
                 "machine": platform.machine(),
                 "runs": args.runs,

@@ -165,3 +165,11 @@ def test_binary_trace_is_refused(tmp_path: Path) -> None:
 def test_missing_trace_is_refused(tmp_path: Path) -> None:
     with pytest.raises(TraceFormatError, match="cannot be read"):
         load_trace(tmp_path / "absent.jsonl")
+
+
+def test_the_shipped_recorded_trace_loads() -> None:
+    path = Path(__file__).parent.parent / "benchmarks" / "traces" / "grpo-swe.jsonl"
+    trajectories = load_trace(path)
+    assert len(trajectories) == 12
+    assert all(t.task is not None and t.node is not None for t in trajectories)
+    assert sum(len(t.failures) for t in trajectories) == 9
