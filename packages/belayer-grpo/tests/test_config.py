@@ -150,3 +150,23 @@ def test_swe_workload_settings_reach_the_agent_loop(tmp_path: Path) -> None:
     with pytest.raises(GrpoConfigError) as caught:
         load_tasks(load_config(None, ["data.workload=swe", "data.source=tasks.parquet"]))
     assert caught.value.key == "data.source"
+
+
+def test_each_recovery_mode_is_matched_to_its_slot_event() -> None:
+    from belayer_grpo._chaos import FailureRecord, match_recoveries
+
+    assert load_config(None, ["system.recovery=restart"]).system.recovery == "restart"
+    failures = [FailureRecord("slot0", 1, 10.0, "step"), FailureRecord("slot1", 2, 20.0, "step"),
+                FailureRecord("slot0", 3, 30.0, "step")]  # fmt: skip
+    events = [
+        {"slot": "slot0", "event": "restart.restart", "time": 9.0},  # before the kill: not this one
+        {"slot": "slot0", "event": "restart.restart", "time": 11.5},
+        {"slot": "slot1", "event": "conventional.restart", "time": 50.0},
+        {"slot": "slot0", "event": "handover.complete", "time": 30.25},
+    ]
+    match_recoveries(failures, events)
+    assert [(f.recovery, f.recovery_s) for f in failures] == [
+        ("restart", 1.5),
+        ("conventional", 30.0),
+        ("shadow", 0.25),
+    ]

@@ -31,7 +31,7 @@ class FailureRecord:
     killed_at: float  # wall-clock seconds (time.time())
     trigger: str  # "step", "time" or "rate"
     recovered_at: float | None = None
-    recovery: str | None = None  # "shadow" / "conventional"
+    recovery: str | None = None  # "shadow" / "restart" / "conventional"
 
     @property
     def recovery_s(self) -> float | None:
@@ -96,7 +96,7 @@ class WorkerChaos:
 
 def match_recoveries(failures: Sequence[FailureRecord], events: Sequence[dict[str, Any]]) -> None:
     """Fill in each failure's recovery from the slots' event logs (``handover.complete`` and the
-    conventional baseline's ``conventional.restart``), first match after the kill."""
+    restart baselines' ``restart.restart`` / ``conventional.restart``), first match after the kill."""
     used: set[int] = set()
     for failure in failures:
         if failure.recovered_at is not None:
@@ -109,8 +109,8 @@ def match_recoveries(failures: Sequence[FailureRecord], events: Sequence[dict[st
                 continue
             if name == "handover.complete":
                 failure.recovery = "shadow"
-            elif name == "conventional.restart":
-                failure.recovery = "conventional"
+            elif name in ("restart.restart", "conventional.restart"):
+                failure.recovery = name.partition(".")[0]
             else:
                 continue
             failure.recovered_at = float(event["time"])

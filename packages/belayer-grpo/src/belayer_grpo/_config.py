@@ -135,13 +135,14 @@ class SystemConfig:
 
     run_dir: str = ""
     num_slots: int = attrs.field(default=1, validator=_positive)
-    recovery: str = attrs.field(default="shadow", validator=v.in_(("shadow", "conventional")))
+    recovery: str = attrs.field(default="shadow", validator=v.in_(("shadow", "restart", "conventional")))
     kv_num_blocks: int = attrs.field(default=256, validator=_positive)
     kv_block_size: int = attrs.field(default=16, validator=_positive)
     start_timeout_s: float = attrs.field(default=120.0, validator=_positive_float)
     # A main worker whose heartbeat is older than this is taken for hung (crashes are seen at
-    # once, by waitpid).  0.5 s gave false hangs on a loaded 2-core machine; 2 s did not.
-    hang_threshold_s: float = attrs.field(default=2.0, validator=_positive_float)
+    # once, by waitpid).  On a 2-core machine at load 15, 0.5 s and even 2 s gave false hangs
+    # (two within a minute mark the slot unhealthy and end a one-slot run).
+    hang_threshold_s: float = attrs.field(default=5.0, validator=_positive_float)
     checkpoint_every: int = attrs.field(default=10, validator=_non_negative)
     resume: str = ""
 

@@ -34,6 +34,7 @@ from belayer_grpo._swe import EnvTotals, action_warmup, agentic_config, load_tas
 from belayer_grpo._system import RolloutSystem
 from belayer_grpo._trainer import GRPOTrainer
 from belayer_grpo._weight_sync import WeightSync
+from belayer_router import RouterClient
 
 __all__ = ["RunState", "load_problems", "resolve_run_dir", "run_training"]
 
@@ -143,13 +144,13 @@ def _save_weights(model: torch.nn.Module, model_config: Any, path: Path) -> None
     save_file({name: state[name].detach().contiguous() for name in names}, str(path))
 
 
-async def _evaluate(run: RunState, router: Any) -> float:
+async def _evaluate(run: RunState, router: RouterClient) -> float:
     """Greedy accuracy over (up to 256 of) the problems: the policy the workers serve now."""
     return await greedy_accuracy(run.problems[:256], router, run.tokenizer, run.config.rollout)
 
 
 async def _math_rollout(
-    run: RunState, step: int, router: Any, chaos: WorkerChaos
+    run: RunState, step: int, router: RouterClient, chaos: WorkerChaos
 ) -> tuple[list[Sample], dict[str, Any]]:
     config = run.config
     problems = run.sampler.next_batch(config.rollout.batch_size)
@@ -173,7 +174,7 @@ async def _math_rollout(
 
 
 async def _swe_rollout(
-    run: RunState, step: int, router: Any, chaos: WorkerChaos
+    run: RunState, step: int, router: RouterClient, chaos: WorkerChaos
 ) -> tuple[list[Sample], dict[str, Any]]:
     config = run.config
     settings = agentic_config(config, run.run_dir, run.tokenizer, step)
@@ -203,7 +204,12 @@ async def _swe_rollout(
 
 
 async def _step(
-    run: RunState, step: int, system: RolloutSystem, router: Any, chaos: WorkerChaos, sync: WeightSync
+    run: RunState,
+    step: int,
+    system: RolloutSystem,
+    router: RouterClient,
+    chaos: WorkerChaos,
+    sync: WeightSync,
 ) -> dict[str, Any]:
     config = run.config
     run.reporter.begin_step(step, config.rollout.batch_size * config.rollout.samples_per_prompt)

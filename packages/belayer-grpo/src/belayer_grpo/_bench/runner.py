@@ -94,7 +94,7 @@ async def run_bench(
                 overhead.append(await run_swe_overhead(bench, work))
             results["experiments"]["overhead"] = overhead
         if "worker-failure" in experiments:
-            _say(stream, "rollout-worker failure: shadow handover vs conventional recovery")
+            _say(stream, "rollout-worker failure: shadow handover vs the restart and conventional baselines")
             results["experiments"]["worker-failure"] = await run_worker_failure(bench, work)
         if "env-failures" in experiments or "checkpoint-cost" in experiments:
             _say(stream, "environment failures under never / always / every-k / adaptive")
