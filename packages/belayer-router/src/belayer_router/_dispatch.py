@@ -20,9 +20,11 @@ from belayer_router._errors import NoHealthyWorkerError, WorkerStreamError
 from belayer_router._journal import Journal, RequestRecord
 from belayer_router._metrics import Metrics
 from belayer_router._protocol import (
+    MAX_FRAME_BYTES,
     FinishEvent,
     TokenEvent,
     WorkerFinish,
+    WorkerTokens,
     parse_worker_event,
     worker_request_body,
 )
@@ -151,6 +153,8 @@ class Dispatcher:
                     finish = self._handle(worker, line, record, emit, num_received)
                     if finish is not None:
                         return finish
+                if len(pending) > MAX_FRAME_BYTES:
+                    raise WorkerStreamError(f"worker {worker.url} sent a line over {MAX_FRAME_BYTES} bytes")
         raise WorkerStreamError(f"worker {worker.url} ended its stream without a finish event")
 
     def _handle(
@@ -165,13 +169,47 @@ class Dispatcher:
             )
         if isinstance(event, WorkerFinish):
             return event.finish_reason
+        if isinstance(event, WorkerTokens):
+            self._check_frame(worker, record, event)
+            for offset, token_id in enumerate(event.token_ids):
+                index = event.index + offset
+                reason = self._token(
+                    worker, record, emit, num_received, index, token_id, event.logprobs[offset]
+                )
+                if reason is not None:
+                    return reason
+            return None
+        return self._token(worker, record, emit, num_received, event.index, event.token_id, event.logprob)
+
+    @staticmethod
+    def _check_frame(worker: Worker, record: RequestRecord, frame: WorkerTokens) -> None:
+        """A frame is used whole or not at all: index, room left, no stop token before its end."""
+        index, request = len(record.token_ids), record.request
+        if frame.index != index or index + len(frame.token_ids) > request.max_tokens:
+            raise WorkerStreamError(
+                f"worker {worker.url} sent a frame of {len(frame.token_ids)} tokens at index "
+                f"{frame.index}; expected index {index} and at most {request.max_tokens - index} tokens"
+            )
+        if any(t in request.stop_token_ids for t in frame.token_ids[:-1]):
+            raise WorkerStreamError(f"worker {worker.url} sent tokens after a stop token in one frame")
+
+    def _token(
+        self,
+        worker: Worker,
+        record: RequestRecord,
+        emit: Emit,
+        num_received: int,
+        at: int,
+        token_id: int,
+        logprob: float,
+    ) -> str | None:
         index = len(record.token_ids)
-        if event.index != index or index >= record.request.max_tokens:
-            raise WorkerStreamError(f"worker {worker.url} sent token index {event.index}, expected {index}")
-        self.journal.append(record, event.token_id, event.logprob)
+        if at != index or index >= record.request.max_tokens:
+            raise WorkerStreamError(f"worker {worker.url} sent token index {at}, expected {index}")
+        self.journal.append(record, token_id, logprob)
         if index >= num_received:
             self.metrics.num_tokens += 1
-            emit(TokenEvent(index, event.token_id, event.logprob))
+            emit(TokenEvent(index, token_id, logprob))
         else:
             self.metrics.num_tokens_regenerated += 1
         if record.request.stop and self._stop_string_ends(record):

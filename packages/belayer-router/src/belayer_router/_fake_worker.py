@@ -21,7 +21,7 @@ import anyio
 import attrs
 
 from belayer_router._asgi import Receive, Send
-from belayer_router._protocol import encode_worker_finish, encode_worker_token
+from belayer_router._protocol import encode_worker_finish, encode_worker_token, encode_worker_tokens
 from belayer_router._server import serving
 from belayer_router._tokenizer import Tokenizer
 
@@ -88,6 +88,7 @@ class FakeWorker:
     pause_at: int | None = None  # streams pause before completion index pause_at until resumed
     poison_after_pause: bool = False  # after the pause, stream POISON tokens (a zombie)
     claimed_epoch: int | None = None  # epoch written into events (default: the real one)
+    frame_tokens: int = 1  # > 1: send ``tokens`` frames of up to this many tokens
     dead: bool = False
     gate: anyio.Event = attrs.field(factory=anyio.Event)
     died: anyio.Event = attrs.field(factory=anyio.Event)
@@ -144,6 +145,7 @@ class FakeWorker:
             end = min(end, len(scripted))
         poisoned = False
         reason = "length" if scripted is None or end < len(scripted) else "stop"
+        frame: list[int] = []
         for index in range(start, end):
             if index == self.pause_at:
                 self.num_paused += 1
@@ -155,15 +157,25 @@ class FakeWorker:
             token = POISON if poisoned else token_at(request["seed"], index)
             if scripted is not None and not poisoned:
                 token = scripted[index]
-            line = encode_worker_token(epoch, index, token, logprob_of(token))
-            await send({"type": "http.response.body", "body": line, "more_body": True})
+            frame.append(token)
             self.num_tokens_sent += 1
-            if token in request["stop_token_ids"]:
+            stop = token in request["stop_token_ids"]
+            if stop or len(frame) >= self.frame_tokens or index == end - 1:
+                await send(
+                    {"type": "http.response.body", "body": self._line(epoch, index, frame), "more_body": True}
+                )
+                frame = []
+            if stop:
                 reason = "stop"
                 break
             await anyio.sleep(self.token_delay_s)
         final = encode_worker_finish(epoch, reason)
         await send({"type": "http.response.body", "body": final, "more_body": False})
+
+    def _line(self, epoch: int, last: int, frame: list[int]) -> bytes:
+        if self.frame_tokens == 1:
+            return encode_worker_token(epoch, last, frame[0], logprob_of(frame[0]))
+        return encode_worker_tokens(epoch, last - len(frame) + 1, frame, [logprob_of(t) for t in frame])
 
 
 @asynccontextmanager

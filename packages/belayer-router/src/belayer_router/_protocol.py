@@ -23,16 +23,20 @@ __all__ = [
     "TokenEvent",
     "WorkerFinish",
     "WorkerToken",
+    "WorkerTokens",
     "encode_event",
     "encode_worker_error",
     "encode_worker_finish",
     "encode_worker_token",
+    "encode_worker_tokens",
     "parse_generate_request",
     "parse_worker_event",
     "worker_request_body",
 ]
 
 FINISH_REASONS = ("stop", "length")
+MAX_FRAME_TOKENS = 4096  # tokens in one ``tokens`` frame
+MAX_FRAME_BYTES = 1 << 20  # one NDJSON line from a worker
 _MAX_SEED = 2**63 - 1
 
 
@@ -82,6 +86,16 @@ class WorkerToken:
     index: int
     token_id: int
     logprob: float
+
+
+@attrs.frozen
+class WorkerTokens:
+    """A ``tokens`` frame: the tokens one engine step produced, at indices ``index, index+1, ...``."""
+
+    epoch: int
+    index: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
 
 
 @attrs.frozen
@@ -197,23 +211,46 @@ def _event_int(event: Mapping[str, Any], name: str) -> int:
     return value
 
 
-def parse_worker_event(line: bytes) -> WorkerToken | WorkerFinish:
-    """Decode one NDJSON line from a worker; raise `WorkerStreamError` on anything malformed."""
+def _frame(event: Mapping[str, Any], epoch: int) -> WorkerTokens:
+    token_ids, logprobs = event["token_ids"], event["logprobs"]
+    if not isinstance(token_ids, list) or not isinstance(logprobs, list):
+        raise ValueError("'token_ids' and 'logprobs' must be lists")
+    if not token_ids or len(token_ids) != len(logprobs) or len(token_ids) > MAX_FRAME_TOKENS:
+        raise ValueError(
+            f"a tokens frame needs 1..{MAX_FRAME_TOKENS} token ids and as many logprobs, "
+            f"got {len(token_ids)} and {len(logprobs)}"
+        )
+    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in token_ids):
+        raise ValueError("'token_ids' must be non-negative integers")
+    values = tuple(float(v) for v in logprobs if not isinstance(v, bool))
+    if len(values) != len(logprobs):
+        raise ValueError("'logprobs' must be numbers")
+    return WorkerTokens(epoch, _event_int(event, "index"), tuple(token_ids), values)
+
+
+def parse_worker_event(line: bytes) -> WorkerToken | WorkerTokens | WorkerFinish:
+    """Decode one NDJSON line from a worker; raise `WorkerStreamError` on anything malformed.
+
+    A frame is checked whole before any of its tokens is used, so a malformed frame leaves
+    nothing behind.
+    """
     try:
         event = json.loads(line)
         kind = event["type"]
+        if kind == "error":
+            raise WorkerStreamError(f"worker reported an error: {event.get('message')!r}")
         epoch = _event_int(event, "epoch")
         if kind == "token":
             return WorkerToken(
                 epoch, _event_int(event, "index"), _event_int(event, "token_id"), float(event["logprob"])
             )
+        if kind == "tokens":
+            return _frame(event, epoch)
         if kind == "finish":
             reason = event["finish_reason"]
             if reason not in FINISH_REASONS:
                 raise WorkerStreamError(f"worker sent unknown finish_reason {reason!r}")
             return WorkerFinish(epoch, reason)
-        if kind == "error":
-            raise WorkerStreamError(f"worker reported an error: {event.get('message')!r}")
     except (ValueError, KeyError, TypeError) as error:
         raise WorkerStreamError(f"worker sent a malformed event {line[:200]!r}: {error}") from error
     raise WorkerStreamError(f"worker sent an unknown event type {kind!r}")
@@ -236,6 +273,12 @@ def encode_event(event: TokenEvent | FinishEvent) -> bytes:
 def encode_worker_token(epoch: int, index: int, token_id: int, logprob: float) -> bytes:
     """One NDJSON ``token`` line of a worker's stream (what `parse_worker_event` reads)."""
     payload = {"type": "token", "epoch": epoch, "index": index, "token_id": token_id, "logprob": logprob}
+    return json.dumps(payload, separators=(",", ":")).encode() + b"\n"
+
+
+def encode_worker_tokens(epoch: int, index: int, token_ids: list[int], logprobs: list[float]) -> bytes:
+    """One NDJSON ``tokens`` frame: the tokens a step produced, the first at ``index``."""
+    payload = {"type": "tokens", "epoch": epoch, "index": index, "token_ids": token_ids, "logprobs": logprobs}
     return json.dumps(payload, separators=(",", ":")).encode() + b"\n"
 
 
