@@ -88,9 +88,6 @@ _EXPORTS = {
     "run_worker": "belayer_shadow._workers._worker",
 }
 
-# Old names, kept until every caller has moved to the distinct ones (issue 18); not in `__all__`.
-_RENAMED = {"ConfigError": "ModelConfigError", "EngineError": "LLMEngineError"}
-
 __all__ = [
     "BelayerShadowError",
     "EngineService",
@@ -132,7 +129,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(_RENAMED.get(name, name))
+    module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'belayer_shadow' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), _RENAMED.get(name, name))
+    return getattr(importlib.import_module(module), name)
