@@ -1,0 +1,38 @@
+"""belayer-cluster: Belayer's rollout slots on Ray, one placement-group bundle per slot.
+
+`LocalRayCluster` starts simulated nodes on this machine; `RolloutCluster` places one `SlotHost`
+actor per slot (a belayer-shadow `SlotSupervisor` with its memory servers, main and shadow, all on
+the actor's node) and reports a lost node's slots to the driver's router, which resumes their
+requests token-exact on the other slots. Only this package imports ray.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import version as _version
+
+from belayer_cluster._cli import ExitCode
+from belayer_cluster._cluster import NodeLoss, RolloutCluster
+from belayer_cluster._config import LocalClusterConfig
+from belayer_cluster._errors import BelayerClusterError, ClusterConfigError, ClusterStartError, SlotHostError
+from belayer_cluster._local import LocalRayCluster
+from belayer_cluster._router import DriverRouter
+from belayer_cluster._slot_host import SlotHost, SlotInfo, node_run_dir
+
+__version__ = _version("belayer-cluster")
+
+__all__ = [
+    "BelayerClusterError",
+    "ClusterConfigError",
+    "ClusterStartError",
+    "DriverRouter",
+    "ExitCode",
+    "LocalClusterConfig",
+    "LocalRayCluster",
+    "NodeLoss",
+    "RolloutCluster",
+    "SlotHost",
+    "SlotHostError",
+    "SlotInfo",
+    "__version__",
+    "node_run_dir",
+]

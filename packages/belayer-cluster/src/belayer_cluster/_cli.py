@@ -1,0 +1,109 @@
+"""`belayer-cluster status`: the nodes of a Ray cluster, alive or lost.
+
+The CLI contract of the root README: one error line `belayer-cluster: error: ...` on stderr (a
+traceback only with `--debug` or `BELAYER_DEBUG=1`), named exit codes (`ExitCode`), `--json`
+prints exactly one JSON document, `python -m belayer_cluster` is the same command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import json
+import logging
+import os
+import socket
+import sys
+from typing import Any
+
+from belayer_cluster._errors import BelayerClusterError, ClusterConfigError, ClusterStartError
+
+__all__ = ["ExitCode", "main"]
+
+PROG = "belayer-cluster"
+
+
+class ExitCode(enum.IntEnum):
+    """The exit codes every Belayer command shares (root README, "One CLI contract")."""
+
+    OK = 0
+    FAILED = 1  # the command ran and failed
+    USAGE = 2  # bad arguments: nothing was started
+    UNHEALTHY = 3  # a check found a problem (a node of the cluster is dead)
+    INTERRUPTED = 130  # SIGINT or SIGTERM
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # argparse's usage errors keep the one-line contract
+        raise ClusterConfigError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Belayer's rollout slots on Ray.")
+    parser.add_argument("--debug", action="store_true", help="tracebacks for errors")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    status = commands.add_parser("status", help="the nodes of a Ray cluster (exit 3 if one is dead)")
+    status.add_argument("--address", required=True, help="the Ray GCS address, HOST:PORT")
+    status.add_argument("--connect-timeout-s", type=float, default=10.0)
+    status.add_argument("--json", action="store_true", help="print one JSON document")
+    return parser
+
+
+def _check_reachable(address: str, timeout_s: float) -> None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ClusterConfigError(f"--address must be HOST:PORT (got {address!r})")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise ClusterConfigError(
+            f"no Ray cluster answers at {address} ({exc.strerror or exc}); start one (`ray start --head`) "
+            "or pass the GCS address `ray status` prints"
+        ) from exc
+
+
+def status(address: str, connect_timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    """Connect to the Ray cluster at `address` and list its nodes: id, alive, address, CPUs."""
+    import ray
+
+    _check_reachable(address, connect_timeout_s)
+    try:
+        ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+    except (ConnectionError, RuntimeError) as exc:
+        raise ClusterStartError(f"could not join the Ray cluster at {address}: {exc}") from exc
+    try:
+        return [
+            {
+                "node_id": node["NodeID"],
+                "alive": bool(node["Alive"]),
+                "address": node.get("NodeManagerAddress"),
+                "cpus": float(node.get("Resources", {}).get("CPU", 0.0)),
+            }
+            for node in ray.nodes()  # type: ignore[no-untyped-call]
+        ]
+    finally:
+        ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `belayer-cluster`; returns the exit code."""
+    debug = os.environ.get("BELAYER_DEBUG") == "1" or "--debug" in (sys.argv[1:] if argv is None else argv)
+    try:
+        args = _parser().parse_args(argv)
+        nodes = status(args.address, args.connect_timeout_s)
+    except KeyboardInterrupt:
+        return ExitCode.INTERRUPTED
+    except BelayerClusterError as exc:
+        if debug:
+            raise
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return ExitCode.USAGE if isinstance(exc, ClusterConfigError) else ExitCode.FAILED
+    dead = [n for n in nodes if not n["alive"]]
+    if args.json:
+        print(json.dumps({"address": args.address, "nodes": nodes, "num_dead": len(dead)}))
+    else:
+        for node in nodes:
+            state = "alive" if node["alive"] else "DEAD"
+            print(f"{node['node_id'][:12]}  {state:5}  {node['address']}  cpus={node['cpus']:g}")
+    return ExitCode.UNHEALTHY if dead else ExitCode.OK

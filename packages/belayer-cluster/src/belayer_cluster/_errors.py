@@ -1,0 +1,21 @@
+"""Every error belayer-cluster raises, rooted at `BelayerClusterError`."""
+
+from __future__ import annotations
+
+__all__ = ["BelayerClusterError", "ClusterConfigError", "ClusterStartError", "SlotHostError"]
+
+
+class BelayerClusterError(Exception):
+    """Base of every belayer-cluster error."""
+
+
+class ClusterConfigError(BelayerClusterError, ValueError):
+    """A cluster setting that cannot work (the message names the field and what to change)."""
+
+
+class ClusterStartError(BelayerClusterError):
+    """Ray could not be started or joined, or the slots could not be placed."""
+
+
+class SlotHostError(BelayerClusterError):
+    """A slot host failed to start its slot, or its node is gone."""

@@ -1,0 +1,106 @@
+"""`LocalRayCluster`: a Ray cluster of simulated nodes on this machine (`ray.cluster_utils.Cluster`)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.cluster_utils import Cluster
+
+from belayer_cluster._config import LocalClusterConfig
+from belayer_cluster._errors import ClusterStartError
+
+__all__ = ["LocalRayCluster"]
+
+
+class LocalRayCluster:
+    """A head node (no CPUs: nothing is placed on it) and `num_nodes` simulated worker nodes.
+
+    Each simulated node is its own raylet with its own worker processes, so a node can be removed
+    (`remove_node`) the way a machine is lost: its raylet dies and every Ray worker on it exits.
+    Use as a context manager, or call `start` / `shutdown`.
+    """
+
+    def __init__(self, config: LocalClusterConfig | None = None) -> None:
+        self.config = config or LocalClusterConfig()
+        self._cluster: Cluster | None = None
+        self._nodes: dict[str, Any] = {}  # node id (hex) -> ray's node handle, in start order
+        self._session_dir: Path | None = None
+
+    @property
+    def address(self) -> str:
+        """The GCS address (`ray.init(address=...)`, `belayer-cluster status --address`)."""
+        return str(self._require().address)
+
+    @property
+    def node_ids(self) -> list[str]:
+        """The simulated worker nodes still in the cluster, in start order (hex ids)."""
+        return list(self._nodes)
+
+    def start(self) -> LocalRayCluster:
+        """Start the head and the nodes, wait until Ray sees them all, connect this process."""
+        if self._cluster is not None:
+            raise ClusterStartError("this LocalRayCluster is already started; call shutdown() first")
+        if ray.is_initialized():
+            raise ClusterStartError("this process is already connected to Ray; call ray.shutdown() first")
+        config = self.config
+        try:
+            cluster = Cluster(
+                initialize_head=True,
+                head_node_args={
+                    "num_cpus": 0,
+                    "include_dashboard": False,
+                    "object_store_memory": config.object_store_bytes,
+                    "_system_config": config.system_config(),
+                },
+            )
+            self._cluster = cluster
+            head = cluster.head_node
+            assert head is not None  # initialize_head=True
+            self._session_dir = Path(head.get_session_dir_path())
+            for _ in range(config.num_nodes):
+                node = cluster.add_node(
+                    num_cpus=config.cpus_per_node, object_store_memory=config.object_store_bytes
+                )
+                self._nodes[node.node_id] = node
+            cluster.wait_for_nodes()
+            cluster.connect()  # type: ignore[no-untyped-call]
+        except Exception as exc:  # ray raises plain exceptions of many kinds while starting
+            self.shutdown()
+            raise ClusterStartError(f"could not start a local Ray cluster: {exc}") from exc
+        return self
+
+    def raylet_pid(self, node_id: str) -> int:
+        """The pid of a simulated node's raylet (every Ray worker of that node is its child)."""
+        node = self._nodes[node_id]
+        return int(node.all_processes["raylet"][0].process.pid)
+
+    def remove_node(self, node_id: str) -> None:
+        """Lose a node: its raylet is killed without a graceful drain, its workers exit."""
+        node = self._nodes.pop(node_id)
+        self._require().remove_node(node, allow_graceful=False)
+
+    def shutdown(self) -> None:
+        """Disconnect, stop every node and remove the session's folder."""
+        if ray.is_initialized():
+            ray.shutdown()
+        if self._cluster is not None:
+            self._cluster.shutdown()  # type: ignore[no-untyped-call]
+            self._cluster = None
+        self._nodes.clear()
+        if self._session_dir is not None:
+            shutil.rmtree(self._session_dir, ignore_errors=True)
+            self._session_dir = None
+
+    def _require(self) -> Cluster:
+        if self._cluster is None:
+            raise ClusterStartError("the LocalRayCluster is not started; call start() first")
+        return self._cluster
+
+    def __enter__(self) -> LocalRayCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,165 @@
+"""belayer-cluster on a real local Ray cluster of simulated nodes: placement, handover, node loss.
+
+One Ray cluster (3 nodes of 1 CPU), one driver-owned router and two slots are shared by the module;
+the tests run in file order and the last one removes a node.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import ray
+from cluster_helpers import PROMPTS, TOKEN, ancestors, gone, rollout, wait_until
+from cluster_helpers import Rollout as Streams
+
+from belayer_cluster import DriverRouter, LocalClusterConfig, LocalRayCluster, RolloutCluster
+
+pytestmark = pytest.mark.timeout(300)
+MAX_TOKENS = 96
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[LocalRayCluster]:
+    with LocalRayCluster(LocalClusterConfig(num_nodes=3, cpus_per_node=1)) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("shared")
+
+
+@pytest.fixture(scope="module")
+def router(shared_dir: Path) -> Iterator[DriverRouter]:
+    with DriverRouter(shared_dir / "router.jsonl", admin_token=TOKEN) as driver_router:
+        yield driver_router
+
+
+@pytest.fixture(scope="module")
+def slots(local_ray: LocalRayCluster, router: DriverRouter, shared_dir: Path) -> Iterator[RolloutCluster]:
+    cluster = RolloutCluster(
+        ["a", "b"],
+        router_url=router.url,
+        shared_dir=shared_dir,
+        admin_token=TOKEN,
+        slot_options={"num_kv_blocks": 256},
+    )
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(slots: RolloutCluster, router: DriverRouter) -> list[list[int]]:
+    """The failure-free greedy outputs (both slots serve the same seed-0 weights)."""
+    run = rollout(router.url, PROMPTS, MAX_TOKENS)
+    assert all(len(tokens) == MAX_TOKENS for tokens in run.tokens)
+    return run.tokens
+
+
+def _pids(slots: RolloutCluster, slot: str) -> dict[str, int]:
+    pids: dict[str, int] = ray.get(slots.hosts[slot].pids.remote(), timeout=60)
+    return pids
+
+
+def test_status_lists_every_node_alive(local_ray: LocalRayCluster) -> None:
+    code, report = _status(local_ray)
+    assert code == 0, report
+    assert report["num_dead"] == 0
+    assert set(local_ray.node_ids) <= {n["node_id"] for n in report["nodes"]}
+    assert len(report["nodes"]) == 4  # the head (0 CPUs) and 3 nodes
+
+
+def test_each_slot_lands_on_one_node_named_in_its_sockets(
+    local_ray: LocalRayCluster, slots: RolloutCluster, reference: list[list[int]]
+) -> None:
+    infos = slots.infos
+    assert infos["a"].node_id != infos["b"].node_id  # SPREAD across nodes
+    for slot, info in infos.items():
+        assert info.node_id in local_ray.node_ids
+        assert f"n-{info.node_id[:12]}" in info.run_dir.parts
+        assert (info.run_dir / "mem" / "weights.sock").exists()
+        assert (info.run_dir / "mem" / "kv.sock").exists()
+        pids = _pids(slots, slot)
+        assert set(pids) == {"main", "shadow", "weights", "kv"}
+        raylet = local_ray.raylet_pid(info.node_id)
+        others = {local_ray.raylet_pid(n) for n in local_ray.node_ids if n != info.node_id}
+        for role, pid in pids.items():
+            chain = ancestors(pid)
+            # Every process is the supervisor's child (the memory servers never the main worker's).
+            assert chain[0] == info.pid, (slot, role, chain)
+            assert raylet in chain, (slot, role)
+            assert not others & set(chain), (slot, role)
+
+
+def test_a_killed_main_is_replaced_by_the_shadow_on_the_same_node(
+    local_ray: LocalRayCluster, slots: RolloutCluster, router: DriverRouter, reference: list[list[int]]
+) -> None:
+    host, info = slots.hosts["a"], slots.infos["a"]
+    before = _pids(slots, "a")
+    streams = Streams(router.url, PROMPTS, MAX_TOKENS).start()
+    streams.wait_tokens(4)
+    ray.get(host.kill_main.remote(), timeout=60)
+    streams.join(240)
+    assert streams.tokens == reference
+    assert all(indices == list(range(MAX_TOKENS)) for indices in streams.indices)
+    assert ray.get(host.wait_handovers.remote(1), timeout=120) >= 1
+    events = [e["event"] for e in ray.get(host.events.remote(), timeout=60)]
+    assert "handover.complete" in events
+    after = _pids(slots, "a")
+    assert after["main"] == before["shadow"]  # the shadow took over in place
+    assert after["weights"] == before["weights"]
+    assert after["kv"] == before["kv"]
+    assert local_ray.raylet_pid(info.node_id) in ancestors(after["main"])
+
+
+def test_a_node_removed_mid_rollout_resumes_on_another_node_exactly(
+    local_ray: LocalRayCluster, slots: RolloutCluster, router: DriverRouter, reference: list[list[int]]
+) -> None:
+    lost = slots.infos["b"]
+    wait_until(lambda: "shadow" in _pids(slots, "b"), 120, "slot b's shadow")
+    doomed = [*_pids(slots, "b").values(), lost.pid]
+    streams = Streams(router.url, PROMPTS, MAX_TOKENS).start()
+    streams.wait_tokens(4)
+    local_ray.remove_node(lost.node_id)
+    streams.join(240)
+    assert streams.tokens == reference  # exactly the failure-free greedy output
+    assert all(indices == list(range(MAX_TOKENS)) for indices in streams.indices)
+    assert any(f is not None and f.num_resumes >= 1 for f in streams.finishes)
+    (loss,) = slots.wait_node_loss(1, timeout_s=60)
+    assert loss.node_id == lost.node_id
+    assert loss.slots == ("b",)
+    admin = {"Authorization": f"Bearer {TOKEN}"}
+    workers = httpx.get(f"{router.url}/workers", headers=admin, timeout=30).json()["slots"]
+    health = {w["slot"]: w["healthy"] for w in workers}
+    assert health == {"a": True, "b": False}
+    wait_until(lambda: all(gone(pid) for pid in doomed), 60, "every process of the lost node to exit")
+    # The run after the loss is served by the slot that is left, still exactly.
+    assert rollout(router.url, PROMPTS[:2], MAX_TOKENS).tokens == reference[:2]
+
+
+def _status(local_ray: LocalRayCluster) -> tuple[int, dict[str, Any]]:
+    argv = [sys.executable, "-m", "belayer_cluster", "status", "--address", local_ray.address, "--json"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    return done.returncode, json.loads(done.stdout)
+
+
+def test_status_reports_the_lost_node_and_exits_unhealthy(
+    local_ray: LocalRayCluster, slots: RolloutCluster
+) -> None:
+    code, report = _status(local_ray)
+    assert code == 3, report
+    assert report["num_dead"] == 1
+    dead = [n["node_id"] for n in report["nodes"] if not n["alive"]]
+    assert dead == [slots.infos["b"].node_id]
+    alive = {n["node_id"] for n in report["nodes"] if n["alive"]}
+    assert set(local_ray.node_ids) <= alive
