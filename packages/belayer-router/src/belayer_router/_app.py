@@ -5,16 +5,13 @@ from __future__ import annotations
 import hmac
 import json
 import uuid
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import anyio
 import attrs
 import httpx
 
 from belayer_router._asgi import Receive, Send, read_json, send_json, send_text, stream_response
-from belayer_router._chat import ChatRenderer, parse_chat_request
+from belayer_router._config import RouterConfig
 from belayer_router._dispatch import Dispatcher, Emit, new_seed
 from belayer_router._errors import (
     BelayerRouterError,
@@ -25,8 +22,7 @@ from belayer_router._errors import (
 )
 from belayer_router._journal import Journal, RequestRecord
 from belayer_router._metrics import Metrics
-from belayer_router._openai import ChoiceEvent, CompletionRenderer, parse_completion_request
-from belayer_router._params import OpenAIParams, split_choices
+from belayer_router._openai_routes import OpenAIRoutes
 from belayer_router._protocol import (
     FinishEvent,
     GenerateRequest,
@@ -36,47 +32,10 @@ from belayer_router._protocol import (
 )
 from belayer_router._registry import Registry
 from belayer_router._store import JournalStore
-from belayer_router._tokenizer import ChatTokenizer, Tokenizer
 
 __all__ = ["RouterApp", "RouterConfig"]
 
 Event = TokenEvent | FinishEvent
-
-
-def _config_alias(config: RouterConfig, old: str, new: str) -> None:
-    value = getattr(config, old)
-    if value is not None:  # the pre-0.2 spelling wins when given: callers that still use it
-        object.__setattr__(config, new, value)
-
-
-@attrs.frozen
-class RouterConfig:
-    """Everything a router is configured with; the CLI flags map one to one.
-
-    ``max_body_bytes`` caps every request body (413 past it), ``max_prompt_tokens`` a prompt's
-    length (400), ``max_choices`` the choices of one OpenAI request (``n`` times the prompts).
-    ``resume_wait`` and ``worker_read_timeout`` are the old spellings of the ``*_s`` fields,
-    still accepted (they win when given) until the next minor release.
-    """
-
-    admin_token: str | None = None
-    journal_path: Path | None = None
-    prefix_interval: int = attrs.field(default=256, validator=attrs.validators.ge(1))
-    resume_wait_s: float = attrs.field(default=5.0, validator=attrs.validators.ge(0))
-    worker_read_timeout_s: float = attrs.field(default=120.0, validator=attrs.validators.gt(0))
-    fsync: bool = False
-    tokenizer: Tokenizer | None = None
-    model_name: str = "belayer"
-    max_body_bytes: int = attrs.field(default=8 * 1024 * 1024, validator=attrs.validators.ge(1024))
-    max_prompt_tokens: int = attrs.field(default=131_072, validator=attrs.validators.ge(1))
-    max_choices: int = attrs.field(default=64, validator=attrs.validators.ge(1))
-    default_max_tokens: int = attrs.field(default=4096, validator=attrs.validators.ge(1))
-    resume_wait: float | None = attrs.field(default=None, kw_only=True)
-    worker_read_timeout: float | None = attrs.field(default=None, kw_only=True)
-
-    def __attrs_post_init__(self) -> None:
-        _config_alias(self, "resume_wait", "resume_wait_s")
-        _config_alias(self, "worker_read_timeout", "worker_read_timeout_s")
 
 
 def _int_field(body: dict[str, Any], name: str) -> int:
@@ -104,7 +63,7 @@ def _error_line(error: BelayerRouterError) -> bytes:
 
 
 @attrs.define
-class RouterApp:
+class RouterApp(OpenAIRoutes):
     """The router as an ASGI app; serve it with `serve_router` or any ASGI server."""
 
     config: RouterConfig = attrs.field(factory=RouterConfig)
@@ -320,85 +279,6 @@ class RouterApp:
             _error_line,
             "application/x-ndjson",
         )
-
-    async def _completions(self, body: Any, receive: Receive, send: Send) -> None:
-        tokenizer = self.config.tokenizer
-        params, prompts, logprobs = parse_completion_request(
-            body, tokenizer, default_model=self.config.model_name
-        )
-        requests = self._choices(params, prompts)
-        renderer = CompletionRenderer(params, requests, tokenizer, logprobs, f"cmpl-{params.request_id}")
-        await self._openai(requests, renderer, params.stream, receive, send)
-
-    async def _chat_completions(self, body: Any, receive: Receive, send: Send) -> None:
-        tokenizer = self.config.tokenizer
-        params, prompt, tools, logprobs = parse_chat_request(
-            body,
-            tokenizer,
-            default_model=self.config.model_name,
-            default_max_tokens=self.config.default_max_tokens,
-        )
-        assert isinstance(tokenizer, ChatTokenizer)  # parse_chat_request refuses any other
-        requests = self._choices(params, [prompt])
-        renderer = ChatRenderer(params, requests, tokenizer, tools, logprobs, f"chatcmpl-{params.request_id}")
-        await self._openai(requests, renderer, params.stream, receive, send)
-
-    def _choices(self, params: OpenAIParams, prompts: list[list[int]]) -> list[GenerateRequest]:
-        return split_choices(
-            params,
-            prompts,
-            max_choices=self.config.max_choices,
-            max_prompt_tokens=self.config.max_prompt_tokens,
-        )
-
-    async def _openai(
-        self,
-        requests: list[GenerateRequest],
-        renderer: CompletionRenderer | ChatRenderer,
-        stream: bool,
-        receive: Receive,
-        send: Send,
-    ) -> None:
-        records: list[RequestRecord] = []
-        try:
-            for request in requests:
-                records.append(self._begin(request))
-        except BelayerRouterError:
-            for record in records:  # e.g. choice 2's request id conflicts: free choices 0 and 1
-                self.journal.release(record)
-            raise
-
-        async def produce(emit: Callable[[ChoiceEvent], None]) -> None:
-            await self._run_choices(records, emit)
-
-        if not stream:
-            events: list[ChoiceEvent] = []
-            await produce(events.append)
-            await send_json(send, 200, renderer.whole(events))
-            return
-        await stream_response(
-            receive, send, produce, renderer.chunks, renderer.error_chunk, "text/event-stream"
-        )
-
-    async def _run_choices(self, records: list[RequestRecord], emit: Callable[[ChoiceEvent], None]) -> None:
-        """Run every choice's request at once; the first error cancels the rest and is raised."""
-        if len(records) == 1:
-            await self._run(records[0], lambda event: emit((0, event)), 0)
-            return
-        failures: list[BelayerRouterError] = []
-
-        async def one(index: int, record: RequestRecord, scope: anyio.CancelScope) -> None:
-            try:
-                await self._run(record, lambda event: emit((index, event)), 0)
-            except BelayerRouterError as error:
-                failures.append(error)
-                scope.cancel()
-
-        async with anyio.create_task_group() as group:
-            for index, record in enumerate(records):
-                group.start_soon(one, index, record, group.cancel_scope)
-        if failures:
-            raise failures[0]
 
 
 def _parse_turn(turn: str) -> int:

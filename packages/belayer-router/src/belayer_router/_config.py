@@ -1,0 +1,47 @@
+"""`RouterConfig`: everything a router is configured with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+
+from belayer_router._tokenizer import Tokenizer
+
+__all__ = ["RouterConfig"]
+
+
+def _config_alias(config: RouterConfig, old: str, new: str) -> None:
+    value = getattr(config, old)
+    if value is not None:  # the pre-0.2 spelling wins when given: callers that still use it
+        object.__setattr__(config, new, value)
+
+
+@attrs.frozen
+class RouterConfig:
+    """Everything a router is configured with; the CLI flags map one to one.
+
+    ``max_body_bytes`` caps every request body (413 past it), ``max_prompt_tokens`` a prompt's
+    length (400), ``max_choices`` the choices of one OpenAI request (``n`` times the prompts).
+    ``resume_wait`` and ``worker_read_timeout`` are the old spellings of the ``*_s`` fields,
+    still accepted (they win when given) until the next minor release.
+    """
+
+    admin_token: str | None = None
+    journal_path: Path | None = None
+    prefix_interval: int = attrs.field(default=256, validator=attrs.validators.ge(1))
+    resume_wait_s: float = attrs.field(default=5.0, validator=attrs.validators.ge(0))
+    worker_read_timeout_s: float = attrs.field(default=120.0, validator=attrs.validators.gt(0))
+    fsync: bool = False
+    tokenizer: Tokenizer | None = None
+    model_name: str = "belayer"
+    max_body_bytes: int = attrs.field(default=8 * 1024 * 1024, validator=attrs.validators.ge(1024))
+    max_prompt_tokens: int = attrs.field(default=131_072, validator=attrs.validators.ge(1))
+    max_choices: int = attrs.field(default=64, validator=attrs.validators.ge(1))
+    default_max_tokens: int = attrs.field(default=4096, validator=attrs.validators.ge(1))
+    resume_wait: float | None = attrs.field(default=None, kw_only=True)
+    worker_read_timeout: float | None = attrs.field(default=None, kw_only=True)
+
+    def __attrs_post_init__(self) -> None:
+        _config_alias(self, "resume_wait", "resume_wait_s")
+        _config_alias(self, "worker_read_timeout", "worker_read_timeout_s")
