@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -191,3 +192,27 @@ def test_a_journal_with_an_unreplayable_registration_raises_journal_error(tmp_pa
 def test_put_context_rejects_bad_turns() -> None:
     with pytest.raises(InvalidRequestError):
         Journal().put_context("t", -1, [])
+
+
+@pytest.mark.parametrize("durability", ["none", "group", "fsync"])
+def test_every_durability_mode_persists_and_reloads(tmp_path: Path, durability: str) -> None:
+    store = JournalStore(tmp_path / "j.jsonl", durability=durability)  # type: ignore[arg-type]
+    ops = [{"op": "context", "trajectory_id": "t", "turn": i, "token_ids": [i]} for i in range(50)]
+    for op in ops:
+        store.append(op)
+    if durability == "group":  # the background thread commits the group without a close
+        deadline = time.monotonic() + 60
+        while store.num_fsyncs == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert store.num_fsyncs >= 1
+    store.close()
+    assert list(JournalStore(tmp_path / "j.jsonl").read()) == ops
+    if durability == "fsync":
+        assert store.num_fsyncs == 50
+    if durability == "none":
+        assert store.num_fsyncs == 0
+
+
+def test_an_unknown_durability_mode_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="durability"):
+        JournalStore(tmp_path / "j.jsonl", durability="sometimes")  # type: ignore[arg-type]

@@ -75,7 +75,8 @@ class RouterApp(OpenAIRoutes):
     def __attrs_post_init__(self) -> None:
         store = None
         if self.config.journal_path is not None:
-            store = JournalStore(self.config.journal_path, fsync=self.config.fsync)
+            durability = "fsync" if self.config.fsync else self.config.durability
+            store = JournalStore(self.config.journal_path, durability=durability)
         self.journal = Journal(store, prefix_interval=self.config.prefix_interval)
         for op in self.journal.load():
             try:

@@ -64,7 +64,13 @@ def _parser() -> argparse.ArgumentParser:
         default=5.0,
         help="seconds a broken request waits for its slot's replacement",
     )
-    serve.add_argument("--fsync", action="store_true", help="fsync the journal on every write")
+    serve.add_argument("--fsync", action="store_true", help="the same as --durability fsync")
+    serve.add_argument(
+        "--durability",
+        choices=["none", "group", "fsync"],
+        default="none",
+        help="journal: flush per record (none), group commit every 10 ms (group), fsync per record",
+    )
     serve.add_argument(
         "--tokenizer",
         help="'bytes', a tokenizer.json, or a tokenizer folder (with a chat template: chat API)",
@@ -85,6 +91,7 @@ def _serve(args: argparse.Namespace) -> ExitCode:
             prefix_interval=args.prefix_interval,
             resume_wait_s=args.resume_wait_s,
             fsync=args.fsync,
+            durability=args.durability,
             tokenizer=None if args.tokenizer is None else load_tokenizer(args.tokenizer),
             model_name=args.model_name,
             max_body_bytes=args.max_body_bytes,

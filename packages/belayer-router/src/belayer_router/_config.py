@@ -6,6 +6,7 @@ from pathlib import Path
 
 import attrs
 
+from belayer_router._store import DURABILITY_MODES, Durability
 from belayer_router._tokenizer import Tokenizer
 
 __all__ = ["RouterConfig"]
@@ -32,7 +33,8 @@ class RouterConfig:
     prefix_interval: int = attrs.field(default=256, validator=attrs.validators.ge(1))
     resume_wait_s: float = attrs.field(default=5.0, validator=attrs.validators.ge(0))
     worker_read_timeout_s: float = attrs.field(default=120.0, validator=attrs.validators.gt(0))
-    fsync: bool = False
+    fsync: bool = False  # the old spelling of durability="fsync"
+    durability: Durability = attrs.field(default="none", validator=attrs.validators.in_(DURABILITY_MODES))
     tokenizer: Tokenizer | None = None
     model_name: str = "belayer"
     max_body_bytes: int = attrs.field(default=8 * 1024 * 1024, validator=attrs.validators.ge(1024))

@@ -9,24 +9,64 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 import attrs
 
 from belayer_router._errors import JournalError
 
-__all__ = ["JournalStore"]
+__all__ = ["DURABILITY_MODES", "Durability", "JournalStore"]
+
+Durability = Literal["none", "group", "fsync"]
+DURABILITY_MODES: tuple[Durability, ...] = ("none", "group", "fsync")
 
 
 @attrs.define
 class JournalStore:
-    """An open append-only journal file; ``fsync=True`` also survives a machine crash."""
+    """An open append-only journal file.
+
+    ``durability``: ``"none"`` (every record is flushed to the OS: survives a router crash, not a
+    machine crash), ``"group"`` (group commit: a background thread fsyncs whatever was appended at
+    most every ``group_commit_s``; a machine crash loses at most that window), ``"fsync"`` (every
+    record is fsynced before ``append`` returns).  ``fsync=True`` is the old spelling of
+    ``durability="fsync"``.
+    """
 
     path: Path
     fsync: bool = False
+    durability: Durability = attrs.field(default="none", validator=attrs.validators.in_(DURABILITY_MODES))
+    group_commit_s: float = attrs.field(default=0.01, validator=attrs.validators.gt(0))
+    num_fsyncs: int = 0
     _file: IO[bytes] | None = attrs.field(default=None, alias="_file")
+    _dirty: threading.Event = attrs.field(factory=threading.Event, alias="_dirty")
+    _lock: threading.Lock = attrs.field(factory=threading.Lock, alias="_lock")
+    _syncer: threading.Thread | None = attrs.field(default=None, alias="_syncer")
+
+    def __attrs_post_init__(self) -> None:
+        if self.fsync:
+            self.durability = "fsync"
+
+    def _sync_loop(self) -> None:
+        while self._file is not None:
+            if not self._dirty.wait(1.0):
+                continue
+            time.sleep(self.group_commit_s)  # let the group gather
+            self._dirty.clear()
+            self._fsync()
+
+    def _fsync(self) -> None:
+        with self._lock:
+            if self._file is None:
+                return
+            try:
+                os.fsync(self._file.fileno())
+            except OSError:
+                return  # the next append (or close) reports a broken file
+            self.num_fsyncs += 1
 
     def read(self) -> Iterator[dict[str, Any]]:
         """Yield every complete operation already in the file, oldest first."""
@@ -59,13 +99,22 @@ class JournalStore:
                 self._file = self.path.open("ab")
             except OSError as error:
                 raise JournalError(f"cannot open journal {self.path} for appending: {error}") from error
+            if self.durability == "group":
+                self._syncer = threading.Thread(
+                    target=self._sync_loop, name="journal-group-commit", daemon=True
+                )
+                self._syncer.start()
         try:
-            self._file.write(json.dumps(op, separators=(",", ":")).encode() + b"\n")
-            self._file.flush()
-            if self.fsync:
-                os.fsync(self._file.fileno())
+            with self._lock:
+                self._file.write(json.dumps(op, separators=(",", ":")).encode() + b"\n")
+                self._file.flush()
+                if self.durability == "fsync":
+                    os.fsync(self._file.fileno())
+                    self.num_fsyncs += 1
         except OSError as error:
             raise JournalError(f"cannot append to journal {self.path}: {error}") from error
+        if self.durability == "group":
+            self._dirty.set()
 
     def _drop_torn_tail(self) -> None:
         """Cut a last line left half-written by a crash, so new lines start on a clean line."""
@@ -78,7 +127,15 @@ class JournalStore:
                 file.truncate(end)
 
     def close(self) -> None:
-        """Close the file (appending again reopens it)."""
-        if self._file is not None:
+        """Close the file (after a last fsync in group mode); appending again reopens it."""
+        if self._file is None:
+            return
+        if self.durability == "group":
+            self._fsync()
+        with self._lock:
             self._file.close()
             self._file = None
+        if self._syncer is not None:
+            self._dirty.set()  # wake the thread so it sees the closed file and ends
+            self._syncer.join(5.0)
+            self._syncer = None
