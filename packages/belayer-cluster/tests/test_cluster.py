@@ -22,7 +22,7 @@ from cluster_helpers import Rollout as Streams
 from belayer_cluster import DriverRouter, LocalClusterConfig, LocalRayCluster, RolloutCluster
 
 pytestmark = pytest.mark.timeout(300)
-MAX_TOKENS = 96
+MAX_TOKENS = 160
 
 
 @pytest.fixture(scope="module")

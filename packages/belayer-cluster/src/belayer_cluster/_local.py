@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +81,17 @@ class LocalRayCluster:
         return int(node.all_processes["raylet"][0].process.pid)
 
     def remove_node(self, node_id: str) -> None:
-        """Lose a node: its raylet is killed without a graceful drain, its workers exit."""
+        """Lose a node as a machine is lost: its Ray worker processes and its raylet are SIGKILLed.
+
+        No graceful drain. What the workers started themselves (a slot's supervisor children) is
+        left to its own cleanup, as processes of a crashed worker would be; the tests check that
+        belayer-shadow's death signal and guardian leave nothing behind.
+        """
+        raylet = self.raylet_pid(node_id)
         node = self._nodes.pop(node_id)
+        for pid in _children(raylet):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         self._require().remove_node(node, allow_graceful=False)
 
     def shutdown(self) -> None:
@@ -104,3 +116,16 @@ class LocalRayCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _children(pid: int) -> list[int]:
+    """The pids whose parent is `pid` (read from /proc)."""
+    found: list[int] = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # the process exited meanwhile
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
