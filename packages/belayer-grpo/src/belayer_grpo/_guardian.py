@@ -33,6 +33,8 @@ from typing import IO
 
 import attrs
 
+from belayer_grpo._errors import SystemStartError
+
 __all__ = [
     "RUN_ENV",
     "RUN_LABEL",
@@ -130,13 +132,36 @@ def _remove_containers(run_dir: Path, marker: str) -> list[str]:
     return [container.id for container in found]
 
 
-def reap_run(run_dir: Path, *, exclude: tuple[int, ...] = (), timeout_s: float = 20.0) -> ReapReport:
-    """Kill and remove everything of an earlier run in ``run_dir`` that is still there."""
-    from belayer_shadow import reap_stale_processes
+def _reap_slots(run_dir: Path, owner_gone: bool) -> list[int]:
+    from belayer_shadow import BelayerShadowError, reap_stale_processes
 
+    pids: list[int] = []
+    for slot in sorted(run_dir.glob("slots/*")):
+        try:
+            pids += reap_stale_processes(slot, owner_gone=owner_gone)
+        except BelayerShadowError as error:
+            if not owner_gone:  # a live trainer owns the folder: its processes are not leftovers
+                raise SystemStartError(
+                    f"{error}; another `belayer-grpo train` seems to use {run_dir}: stop it or pick "
+                    "another system.run_dir"
+                ) from error
+            # The guardian keeps going: the marker scan below kills what this left.
+            print(f"belayer-grpo guardian: {slot}: {error}", file=sys.stderr, flush=True)
+    return pids
+
+
+def reap_run(
+    run_dir: Path, *, exclude: tuple[int, ...] = (), timeout_s: float = 20.0, owner_gone: bool = False
+) -> ReapReport:
+    """Kill and remove everything of an earlier run in ``run_dir`` that is still there.
+
+    ``owner_gone``: the caller knows the trainer is dead (the guardian), so a slot folder whose
+    recorded owner still looks alive (an unreaped zombie) is reaped anyway; otherwise such a
+    folder raises `SystemStartError`.
+    """
     marker = run_marker(run_dir)
     # The slots' own records first (start-time checked), then everything that carries the marker.
-    pids = [pid for slot in sorted(run_dir.glob("slots/*")) for pid in reap_stale_processes(slot)]
+    pids = _reap_slots(run_dir, owner_gone)
     pids += [pid for pid in _kill_processes(marker, exclude, timeout_s) if pid not in pids]
     sockets = []
     for socket in run_dir.rglob("*.sock"):
@@ -217,7 +242,7 @@ def guard_run(run_dir: Path, trainer_pid: int) -> int:
     message = sys.stdin.buffer.read()  # end-of-file: the trainer exited or was killed
     if message == _DONE:
         return 0
-    report = reap_run(run_dir, exclude=(trainer_pid,))
+    report = reap_run(run_dir, exclude=(trainer_pid,), owner_gone=True)
     print(
         f"belayer-grpo guardian: trainer {trainer_pid} died; reaped {report.describe()}",
         file=sys.stderr,
