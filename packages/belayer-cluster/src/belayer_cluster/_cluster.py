@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -136,10 +137,17 @@ class RolloutCluster:
             except RayError:
                 continue
             for node_id in sorted(dead - handled):
-                handled.add(node_id)
                 slots = tuple(s for s, info in self.infos.items() if info.node_id == node_id)
-                if slots:
-                    self._report(NodeLoss(node_id, slots))
+                try:
+                    if slots:
+                        self._report(NodeLoss(node_id, slots))
+                except httpx.HTTPError as exc:  # the router is away for now: try again next poll
+                    print(
+                        f"belayer-cluster: router did not take node loss {node_id[:12]}: {exc}",
+                        file=sys.stderr,
+                    )
+                    continue
+                handled.add(node_id)
 
     def _report(self, loss: NodeLoss) -> None:
         headers = {} if self.admin_token is None else {"Authorization": f"Bearer {self.admin_token}"}
