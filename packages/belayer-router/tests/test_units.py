@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -211,6 +212,24 @@ def test_every_durability_mode_persists_and_reloads(tmp_path: Path, durability: 
         assert store.num_fsyncs == 50
     if durability == "none":
         assert store.num_fsyncs == 0
+
+
+def test_a_failed_group_commit_is_reported_by_the_next_append(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken_fsync(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    store = JournalStore(tmp_path / "j.jsonl", durability="group")
+    store.append({"op": "context", "trajectory_id": "t", "turn": 0, "token_ids": [0]})
+    monkeypatch.setattr(os, "fsync", broken_fsync)
+    deadline = time.monotonic() + 60
+    with pytest.raises(JournalError, match="could not fsync"):  # noqa: PT012 - poll until reported
+        while time.monotonic() < deadline:
+            store.append({"op": "context", "trajectory_id": "t", "turn": 1, "token_ids": [1]})
+            time.sleep(0.02)
+    monkeypatch.undo()
+    store.close()  # the error was reported once; a good fsync afterwards closes cleanly
 
 
 def test_an_unknown_durability_mode_is_refused(tmp_path: Path) -> None:

@@ -45,6 +45,7 @@ class JournalStore:
     _dirty: threading.Event = attrs.field(factory=threading.Event, alias="_dirty")
     _lock: threading.Lock = attrs.field(factory=threading.Lock, alias="_lock")
     _syncer: threading.Thread | None = attrs.field(default=None, alias="_syncer")
+    _sync_error: OSError | None = attrs.field(default=None, alias="_sync_error")
 
     def __attrs_post_init__(self) -> None:
         if self.fsync:
@@ -64,9 +65,18 @@ class JournalStore:
                 return
             try:
                 os.fsync(self._file.fileno())
-            except OSError:
-                return  # the next append (or close) reports a broken file
+            except OSError as error:  # the background thread cannot raise: the next append or close does
+                self._sync_error = error
+                return
             self.num_fsyncs += 1
+
+    def _raise_sync_error(self) -> None:
+        error, self._sync_error = self._sync_error, None
+        if error is not None:
+            raise JournalError(
+                f"group commit could not fsync journal {self.path} ({error}): records since the "
+                "last good fsync may not survive a machine crash; check the disk"
+            ) from error
 
     def read(self) -> Iterator[dict[str, Any]]:
         """Yield every complete operation already in the file, oldest first."""
@@ -92,6 +102,7 @@ class JournalStore:
 
     def append(self, op: dict[str, Any]) -> None:
         """Write one operation durably enough for the configured guarantee."""
+        self._raise_sync_error()
         if self._file is None:
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -139,3 +150,4 @@ class JournalStore:
             self._dirty.set()  # wake the thread so it sees the closed file and ends
             self._syncer.join(5.0)
             self._syncer = None
+        self._raise_sync_error()
