@@ -80,6 +80,18 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+def wait_for_layer_file(sandbox: Sandbox, member: str, timeout_s: float = 60.0) -> None:
+    """Poll the container's writable layer until an action running in it has written ``member``.
+
+    An action holds the sandbox, so a probe inside it would wait; the host sees the layer directly.
+    """
+    path = sandbox.engine.upper_dir(sandbox.container) / member
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{member} never appeared in the sandbox's layer"
+        time.sleep(0.02)
+
+
 def read_from_layer(layer: Path, member: str) -> bytes:
     """A file's bytes as the checkpoint captured them."""
     with tarfile.open(layer) as tar:

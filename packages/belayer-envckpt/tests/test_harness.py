@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import threading
 
+from conftest import wait_for_layer_file
+
 from belayer_envckpt import CheckpointStore
 from belayer_envckpt.harness import ActionStep, SandboxEnvironment
 
@@ -65,9 +67,15 @@ def test_a_sandbox_killed_under_an_action_reruns_it_after_the_restore(make_sandb
     env = SandboxEnvironment(make_sandbox(trajectory="under"), CheckpointStore(tmp_path), "under")
     try:
         env.execute({"command": "echo before > /work/f"})
-        killer = threading.Timer(1.0, env.sandbox.kill)
+        sandbox = env.sandbox
+
+        def kill_under_the_action() -> None:
+            wait_for_layer_file(sandbox, "work/started")  # the action runs: kill under it
+            sandbox.kill()
+
+        killer = threading.Thread(target=kill_under_the_action)
         killer.start()
-        output = env.execute({"command": "sleep 4; echo after >> /work/f; cat /work/f"})
+        output = env.execute({"command": "touch /work/started; sleep 4; echo after >> /work/f; cat /work/f"})
         killer.join()
         assert output == {"output": "before\nafter\n", "returncode": 0, "exception_info": ""}
         assert env.state.num_restores == 1

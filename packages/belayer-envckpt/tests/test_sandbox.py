@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
-from conftest import read_from_layer
+from conftest import read_from_layer, wait_for_layer_file
 
 from belayer_envckpt import CheckpointStore, FaultAction, FaultInjector, InvalidConfigError, full_checkpoint
 
@@ -35,12 +34,12 @@ def test_checkpoint_waits_for_the_action_boundary(make_sandbox, tmp_path):
 
     def action() -> None:
         started.set()
-        sandbox.exec("sleep 1; echo done > /work/done")
+        sandbox.exec("mkdir -p /work && touch /work/started; sleep 1; echo done > /work/done")
 
     worker = threading.Thread(target=action)
     worker.start()
     started.wait()
-    time.sleep(0.2)
+    wait_for_layer_file(sandbox, "work/started")  # the action is under way, not about to start
     ckpt = full_checkpoint(sandbox, "boundary", store=CheckpointStore(tmp_path))
     worker.join()
     # The checkpoint saw the action's effect and its committed boundary, never the middle of it.
