@@ -113,7 +113,7 @@ async def run_bench(
                      "is a scripted agent (the CPU policy cannot write shell commands) streaming one byte "
                      f"token every {bench.swe.token_delay_s} s.")  # fmt: skip
     if bench.quick:
-        notes.append(f"Quick mode (`--quick`): {bench.overhead.repeats} repeats per arm, {bench.overhead.math_steps} "
+        notes.append(f"Quick mode (`--quick`): {bench.overhead.repeats} repeats per arm of the overhead experiment (one run per arm elsewhere), {bench.overhead.math_steps} "
                      f"math steps per run ({bench.overhead.math_discard_steps} dropped), agentic batches of "
                      f"{bench.swe.samples_per_task} samples x {bench.swe.rounds} rounds per task, one seed; sandbox "
                      f"kill probabilities {', '.join(str(p) for p in bench.env_failures.probabilities)} per step "
