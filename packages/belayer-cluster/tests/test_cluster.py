@@ -49,7 +49,7 @@ def slots(local_ray: LocalRayCluster, router: DriverRouter, shared_dir: Path) ->
         router_url=router.url,
         shared_dir=shared_dir,
         admin_token=TOKEN,
-        slot_options={"num_kv_blocks": 256},
+        slot_options={"num_kv_blocks": 256, "stale_s": 5.0},  # a loaded machine is no hang
     )
     cluster.start()
     try:

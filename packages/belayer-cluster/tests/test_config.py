@@ -11,10 +11,10 @@ from belayer_cluster import BelayerClusterError, ClusterConfigError, LocalCluste
 
 def test_local_cluster_config_defaults_detect_a_dead_node_fast() -> None:
     config = LocalClusterConfig()
-    assert config.system_config() == {
-        "health_check_period_ms": 500,
-        "health_check_timeout_ms": 500,
-        "health_check_failure_threshold": 3,
+    assert config.system_config() == {  # dead in about 5 s instead of Ray's 15 s
+        "health_check_period_ms": 1000,
+        "health_check_timeout_ms": 2000,
+        "health_check_failure_threshold": 5,
         "health_check_initial_delay_ms": 0,
     }
 

@@ -70,6 +70,7 @@ class RolloutCluster:
         self._group: PlacementGroup | None = None
         self._stop = threading.Event()
         self._lost = threading.Condition()
+        self._refused: str | None = None  # why the router refused a node loss (a 4xx), if it did
         self._watcher: threading.Thread | None = None
 
     def start(self) -> dict[str, SlotInfo]:
@@ -106,7 +107,12 @@ class RolloutCluster:
     def wait_node_loss(self, count: int = 1, timeout_s: float = 60.0) -> list[NodeLoss]:
         """Block until `count` node losses have been handled (slots marked unhealthy)."""
         with self._lost:
-            if not self._lost.wait_for(lambda: len(self.losses) >= count, timeout=timeout_s):
+            seen = self._lost.wait_for(
+                lambda: len(self.losses) >= count or self._refused is not None, timeout=timeout_s
+            )
+            if self._refused is not None:
+                raise SlotHostError(self._refused)
+            if not seen:
                 raise SlotHostError(f"fewer than {count} node losses seen within {timeout_s} s")
             return list(self.losses)
 
@@ -141,19 +147,40 @@ class RolloutCluster:
                 try:
                     if slots:
                         self._report(NodeLoss(node_id, slots))
-                except httpx.HTTPError as exc:  # the router is away for now: try again next poll
-                    print(
-                        f"belayer-cluster: router did not take node loss {node_id[:12]}: {exc}",
-                        file=sys.stderr,
-                    )
+                except httpx.HTTPStatusError as exc:
+                    if exc.response.status_code >= 500:  # the router is busy or restarting: retry
+                        self._warn(node_id, exc)
+                        continue
+                    # a 4xx (bad admin token, unknown slot) will not mend itself: waiters get the
+                    # reason instead of a timeout
+                    self._warn(node_id, exc)
+                    with self._lost:
+                        self._refused = (
+                            f"the router refused to mark the slots {list(slots)} of lost node "
+                            f"{node_id[:12]} unhealthy ({exc.response.status_code}): check the "
+                            "admin token and the slot names"
+                        )
+                        self._lost.notify_all()
+                except httpx.TransportError as exc:  # the router is away for now: try again next poll
+                    self._warn(node_id, exc)
+                    continue
+                except Exception as exc:  # never let the watcher die silently: node loss must be seen
+                    self._warn(node_id, exc)
                     continue
                 handled.add(node_id)
+
+    @staticmethod
+    def _warn(node_id: str, exc: BaseException) -> None:
+        print(f"belayer-cluster: router did not take node loss {node_id[:12]}: {exc}", file=sys.stderr)
+
+    def _record(self, loss: NodeLoss) -> None:
+        with self._lost:
+            self.losses.append(loss)
+            self._lost.notify_all()
 
     def _report(self, loss: NodeLoss) -> None:
         headers = {} if self.admin_token is None else {"Authorization": f"Bearer {self.admin_token}"}
         with httpx.Client(timeout=30.0, headers=headers) as client:
             for slot in loss.slots:
                 client.post(f"{self.router_url}/slots/{slot}/unhealthy").raise_for_status()
-        with self._lost:
-            self.losses.append(loss)
-            self._lost.notify_all()
+        self._record(loss)

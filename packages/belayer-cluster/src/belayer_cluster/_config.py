@@ -29,9 +29,11 @@ class LocalClusterConfig:
     num_nodes: int = 2
     cpus_per_node: int = 1
     object_store_bytes: int = 80 * 1024 * 1024
-    health_check_period_s: float = 0.5
-    health_check_timeout_s: float = 0.5
-    health_check_failures: int = 3
+    # Tight enough that a removed node is dead within about 5 s, loose enough that a live node on a
+    # loaded 2-core machine (CI) is never declared dead for a slow answer.
+    health_check_period_s: float = 1.0
+    health_check_timeout_s: float = 2.0
+    health_check_failures: int = 5
 
     def __attrs_post_init__(self) -> None:
         if self.num_nodes < 1:
