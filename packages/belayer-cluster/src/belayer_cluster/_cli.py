@@ -1,4 +1,4 @@
-"""`belayer-cluster status`: the nodes of a Ray cluster, alive or lost.
+"""`belayer-cluster status`: the nodes of a Ray cluster, alive or lost; `simulate`: the scale simulation.
 
 The CLI contract of the root README: one error line `belayer-cluster: error: ...` on stderr (a
 traceback only with `--debug` or `BELAYER_DEBUG=1`), named exit codes (`ExitCode`), `--json`
@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 from belayer_cluster._errors import BelayerClusterError, ClusterConfigError, ClusterStartError
+from belayer_cluster._simulate_cli import add_simulate_parser, run_simulate
 
 __all__ = ["ExitCode", "main"]
 
@@ -46,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--address", required=True, help="the Ray GCS address, HOST:PORT")
     status.add_argument("--connect-timeout-s", type=float, default=10.0)
     status.add_argument("--json", action="store_true", help="print one JSON document")
+    add_simulate_parser(commands)
     return parser
 
 
@@ -91,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     debug = os.environ.get("BELAYER_DEBUG") == "1" or "--debug" in (sys.argv[1:] if argv is None else argv)
     try:
         args = _parser().parse_args(argv)
+        if args.command == "simulate":
+            return run_simulate(args)
         nodes = status(args.address, args.connect_timeout_s)
     except KeyboardInterrupt:
         return ExitCode.INTERRUPTED
