@@ -1,7 +1,8 @@
 """belayer-cluster on a real local Ray cluster of simulated nodes: placement, handover, node loss.
 
-One Ray cluster (3 nodes of 1 CPU), one driver-owned router and two slots are shared by the module;
-the tests run in file order and the last one removes a node.
+One Ray cluster (3 nodes of 1 CPU), one driver-owned router, two slots and a sandbox host per node
+are shared by the module; the tests run in file order: the node-loss test removes a node, the
+tests after it run on what is left.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import ray
 from cluster_helpers import PROMPTS, TOKEN, ancestors, gone, rollout, wait_until
 from cluster_helpers import Rollout as Streams
 
-from belayer_cluster import DriverRouter, LocalClusterConfig, LocalRayCluster, RolloutCluster
+from belayer_cluster import DriverRouter, LocalClusterConfig, LocalRayCluster, RolloutCluster, SandboxCluster
 
 pytestmark = pytest.mark.timeout(300)
 MAX_TOKENS = 160
@@ -43,13 +44,27 @@ def router(shared_dir: Path) -> Iterator[DriverRouter]:
 
 
 @pytest.fixture(scope="module")
-def slots(local_ray: LocalRayCluster, router: DriverRouter, shared_dir: Path) -> Iterator[RolloutCluster]:
+def sandboxes(local_ray: LocalRayCluster, shared_dir: Path) -> Iterator[SandboxCluster]:
+    hosts = SandboxCluster(shared_dir)
+    hosts.start()
+    try:
+        yield hosts
+    finally:
+        hosts.stop()
+        assert hosts.containers() == []
+
+
+@pytest.fixture(scope="module")
+def slots(
+    local_ray: LocalRayCluster, router: DriverRouter, shared_dir: Path, sandboxes: SandboxCluster
+) -> Iterator[RolloutCluster]:
     cluster = RolloutCluster(
         ["a", "b"],
         router_url=router.url,
         shared_dir=shared_dir,
         admin_token=TOKEN,
         slot_options={"num_kv_blocks": 256, "stale_s": 5.0},  # a loaded machine is no hang
+        sandboxes=sandboxes,
     )
     cluster.start()
     try:
@@ -122,12 +137,28 @@ def test_a_killed_main_is_replaced_by_the_shadow_on_the_same_node(
     assert local_ray.raylet_pid(info.node_id) in ancestors(after["main"])
 
 
+def test_a_sandbox_host_runs_on_every_node(local_ray: LocalRayCluster, sandboxes: SandboxCluster) -> None:
+    assert sorted(sandboxes.hosts) == sorted(local_ray.node_ids)
+
+
 def test_a_node_removed_mid_rollout_resumes_on_another_node_exactly(
-    local_ray: LocalRayCluster, slots: RolloutCluster, router: DriverRouter, reference: list[list[int]]
+    local_ray: LocalRayCluster,
+    slots: RolloutCluster,
+    router: DriverRouter,
+    sandboxes: SandboxCluster,
+    reference: list[list[int]],
 ) -> None:
     lost = slots.infos["b"]
     wait_until(lambda: "shadow" in _pids(slots, "b"), 120, "slot b's shadow")
     doomed = [*_pids(slots, "b").values(), lost.pid]
+    # A live sandbox on the doomed node: files and a process, checkpointed at prefix 2 and tied to
+    # the LLM context "traj-b/turn-2"; one more action after the checkpoint is not in it.
+    box = sandboxes.create("traj-b", lost.node_id)
+    sandboxes.exec("traj-b", "echo kept > /kept.txt")
+    sandboxes.exec("traj-b", "sleep 1000 > /dev/null 2>&1 & echo $! > /sleeper.pid")
+    checkpointed = sandboxes.checkpoint("traj-b", "traj-b/turn-2")
+    assert (checkpointed.node_id, checkpointed.prefix) == (lost.node_id, 2)
+    sandboxes.exec("traj-b", "echo late > /late.txt")
     streams = Streams(router.url, PROMPTS, MAX_TOKENS).start()
     streams.wait_tokens(4)
     local_ray.remove_node(lost.node_id)
@@ -135,16 +166,48 @@ def test_a_node_removed_mid_rollout_resumes_on_another_node_exactly(
     assert streams.tokens == reference  # exactly the failure-free greedy output
     assert all(indices == list(range(MAX_TOKENS)) for indices in streams.indices)
     assert any(f is not None and f.num_resumes >= 1 for f in streams.finishes)
-    (loss,) = slots.wait_node_loss(1, timeout_s=60)
+    (loss,) = slots.wait_node_loss(1, timeout_s=120)
     assert loss.node_id == lost.node_id
     assert loss.slots == ("b",)
+    assert loss.detected_by in ("ray", "worker probe")
+    assert loss.slots_left == ("a",) == slots.healthy_slots  # no spare: continues on what is left
     admin = {"Authorization": f"Bearer {TOKEN}"}
     workers = httpx.get(f"{router.url}/workers", headers=admin, timeout=30).json()["slots"]
     health = {w["slot"]: w["healthy"] for w in workers}
     assert health == {"a": True, "b": False}
     wait_until(lambda: all(gone(pid) for pid in doomed), 60, "every process of the lost node to exit")
+    # The sandbox is back on another node, from its latest ready checkpoint, tied to its prefix.
+    (restore,) = loss.sandboxes
+    assert (restore.trajectory, restore.from_node) == ("traj-b", lost.node_id)
+    assert restore.to_node in sandboxes.hosts
+    assert restore.to_node != lost.node_id
+    assert (restore.prefix, restore.context_ref) == (2, "traj-b/turn-2")
+    assert sandboxes.where("traj-b").node_id == restore.to_node
+    assert sandboxes.exec("traj-b", "cat /kept.txt")["stdout"] == "kept\n"
+    assert sandboxes.exec("traj-b", "test -e /late.txt")["exit_code"] == 1
+    assert sandboxes.exec("traj-b", "kill -0 $(cat /sleeper.pid)")["exit_code"] == 0  # its process too
+    containers = sandboxes.containers()
+    assert box.container_id not in containers  # nothing of the lost node's sandbox is left
+    assert containers == [restore.container_id]
     # The run after the loss is served by the slot that is left, still exactly.
     assert rollout(router.url, PROMPTS[:2], MAX_TOKENS).tokens == reference[:2]
+
+
+def test_the_router_lost_with_its_node_restarts_on_its_journal(
+    slots: RolloutCluster, router: DriverRouter, reference: list[list[int]]
+) -> None:
+    streams = Streams(router.url, PROMPTS[:3], MAX_TOKENS).start()
+    streams.wait_tokens(4)
+    url = router.url
+    router.kill()  # its machine is gone; the journal is on the shared directory
+    router.start()  # on another machine: same journal, same address
+    assert router.url == url
+    streams.join(240)
+    assert streams.tokens == reference[:3]
+    assert all(indices == list(range(MAX_TOKENS)) for indices in streams.indices)
+    admin = {"Authorization": f"Bearer {TOKEN}"}
+    workers = httpx.get(f"{router.url}/workers", headers=admin, timeout=30).json()["slots"]
+    assert {w["slot"]: w["healthy"] for w in workers} == {"a": True, "b": False}  # the fence holds
 
 
 def _status(local_ray: LocalRayCluster) -> tuple[int, dict[str, Any]]:
@@ -156,6 +219,8 @@ def _status(local_ray: LocalRayCluster) -> tuple[int, dict[str, Any]]:
 def test_status_reports_the_lost_node_and_exits_unhealthy(
     local_ray: LocalRayCluster, slots: RolloutCluster
 ) -> None:
+    # the loss may have been seen first by the worker probe: Ray's node table follows
+    wait_until(lambda: _status(local_ray)[0] == 3, 120, "Ray to declare the node dead")
     code, report = _status(local_ray)
     assert code == 3, report
     assert report["num_dead"] == 1

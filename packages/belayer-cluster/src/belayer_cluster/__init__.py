@@ -13,9 +13,17 @@ from importlib.metadata import version as _version
 from belayer_cluster._cli import ExitCode
 from belayer_cluster._cluster import NodeLoss, RolloutCluster
 from belayer_cluster._config import LocalClusterConfig
-from belayer_cluster._errors import BelayerClusterError, ClusterConfigError, ClusterStartError, SlotHostError
+from belayer_cluster._errors import (
+    BelayerClusterError,
+    ClusterConfigError,
+    ClusterStartError,
+    SandboxHostError,
+    SlotHostError,
+)
 from belayer_cluster._local import LocalRayCluster
 from belayer_cluster._router import DriverRouter
+from belayer_cluster._sandbox_host import SandboxHost, SandboxInfo
+from belayer_cluster._sandboxes import SandboxCluster, SandboxRestore
 from belayer_cluster._slot_host import SlotHost, SlotInfo, node_run_dir
 
 __version__ = _version("belayer-cluster")
@@ -30,6 +38,11 @@ __all__ = [
     "LocalRayCluster",
     "NodeLoss",
     "RolloutCluster",
+    "SandboxCluster",
+    "SandboxHost",
+    "SandboxHostError",
+    "SandboxInfo",
+    "SandboxRestore",
     "SlotHost",
     "SlotHostError",
     "SlotInfo",

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,8 @@ from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from belayer_cluster._errors import ClusterConfigError, ClusterStartError, SlotHostError
+from belayer_cluster._errors import ClusterConfigError, ClusterStartError, SandboxHostError, SlotHostError
+from belayer_cluster._sandboxes import SandboxCluster, SandboxRestore
 from belayer_cluster._slot_host import SlotHost, SlotInfo
 
 __all__ = ["NodeLoss", "RolloutCluster"]
@@ -24,10 +27,27 @@ __all__ = ["NodeLoss", "RolloutCluster"]
 
 @attrs.frozen
 class NodeLoss:
-    """A node Ray declared dead and the slots that were on it (marked unhealthy at the router)."""
+    """A lost node: how it was seen, the slots fenced at the router, the sandboxes restored elsewhere.
+
+    `detected_by` is `"ray"` (Ray's node table said dead) or `"worker probe"` (a slot's worker
+    stopped answering and its host actor too, which is how the router's broken streams show up
+    first). `slots_left` are the slots still serving: no replacement is started, so with no spare
+    capacity the rollout continues on them. `recover_s`: detection to every slot fenced and every
+    sandbox restored.
+    """
 
     node_id: str
     slots: tuple[str, ...]
+    detected_by: str = "ray"
+    sandboxes: tuple[SandboxRestore, ...] = ()
+    slots_left: tuple[str, ...] = ()
+    recover_s: float = 0.0
+    detected_at: float = 0.0  # time.time() of the detection
+    error: str = ""  # why a sandbox could not be restored, if one could not
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {**attrs.asdict(self, recurse=False), "sandboxes": [r.to_dict() for r in self.sandboxes]}
 
 
 class RolloutCluster:
@@ -39,8 +59,12 @@ class RolloutCluster:
     is the caller's (the driver owns it, its journal on `shared_dir` or other storage that outlives
     any node); `start` registers nothing itself: each slot's main worker registers.
 
-    A watcher thread polls Ray's node table every `poll_s`; when a node with slots dies, those
-    slots are marked unhealthy at the router, which resumes their requests on the other slots.
+    A watcher thread polls Ray's node table every `poll_s` and probes each slot's registered
+    worker; a slot whose worker refuses connections and whose host actor does not answer within
+    `probe_timeout_s` has lost its node (the router sees that as broken streams). Whichever comes
+    first, the node's slots are marked unhealthy at the router, which resumes their requests on
+    the other slots, and the node's sandboxes (`sandboxes`) are restored on another node. No
+    replacement slot is started: the rollout continues on the slots left, and says so.
     """
 
     def __init__(
@@ -54,16 +78,19 @@ class RolloutCluster:
         slot_options: Mapping[str, Any] | None = None,
         poll_s: float = 0.2,
         start_timeout_s: float = 180.0,
+        probe_timeout_s: float = 3.0,
+        sandboxes: SandboxCluster | None = None,
     ) -> None:
         if not slots or len(set(slots)) != len(slots):
             raise ClusterConfigError(f"slots must be distinct names, at least one (got {list(slots)!r})")
-        if cpus_per_slot <= 0 or poll_s <= 0 or start_timeout_s <= 0:
-            raise ClusterConfigError("cpus_per_slot, poll_s and start_timeout_s must be > 0")
+        if cpus_per_slot <= 0 or poll_s <= 0 or start_timeout_s <= 0 or probe_timeout_s <= 0:
+            raise ClusterConfigError("cpus_per_slot, poll_s, start_timeout_s and probe_timeout_s must be > 0")
         self.slots = tuple(slots)
         self.router_url, self.admin_token = router_url.rstrip("/"), admin_token
         self.shared_dir = Path(shared_dir)
         self.cpus_per_slot, self.poll_s, self.start_timeout_s = cpus_per_slot, poll_s, start_timeout_s
         self.slot_options = dict(slot_options or {})
+        self.probe_timeout_s, self.sandboxes = probe_timeout_s, sandboxes
         self.infos: dict[str, SlotInfo] = {}
         self.hosts: dict[str, Any] = {}  # slot -> the SlotHost actor handle
         self.losses: list[NodeLoss] = []
@@ -134,40 +161,94 @@ class RolloutCluster:
             remove_placement_group(self._group)
             self._group = None
 
+    @property
+    def healthy_slots(self) -> tuple[str, ...]:
+        """The slots not on a lost node (no replacement is started for a lost one)."""
+        lost = {slot for loss in self.losses for slot in loss.slots}
+        return tuple(slot for slot in self.slots if slot not in lost)
+
     def _watch(self) -> None:
         handled: set[str] = set()
         while not self._stop.wait(self.poll_s):
             try:
                 nodes = ray.nodes()  # type: ignore[no-untyped-call]
-                dead = {n["NodeID"] for n in nodes if not n["Alive"]}
+                found = {n["NodeID"]: "ray" for n in nodes if not n["Alive"] and n["NodeID"] not in handled}
             except RayError:
+                found = {}
+            if not found:
+                found = {node: "worker probe" for node in self._probe(handled)}
+            for node_id in sorted(found):
+                if self._handle(node_id, found[node_id]):
+                    handled.add(node_id)
+
+    def _probe(self, handled: set[str]) -> set[str]:
+        """Nodes whose slot's worker refuses connections and whose slot host does not answer."""
+        headers = {} if self.admin_token is None else {"Authorization": f"Bearer {self.admin_token}"}
+        try:
+            answer = httpx.get(f"{self.router_url}/workers", headers=headers, timeout=5.0)
+            urls = {w["slot"]: w["url"] for w in answer.raise_for_status().json()["slots"]}
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return set()  # the router is away: Ray's node table still works
+        suspects: set[str] = set()
+        for slot, info in self.infos.items():
+            if info.node_id in handled or info.node_id in suspects or _reachable(urls.get(slot)):
                 continue
-            for node_id in sorted(dead - handled):
-                slots = tuple(s for s, info in self.infos.items() if info.node_id == node_id)
-                try:
-                    if slots:
-                        self._report(NodeLoss(node_id, slots))
-                except httpx.HTTPStatusError as exc:
-                    if exc.response.status_code >= 500:  # the router is busy or restarting: retry
-                        self._warn(node_id, exc)
-                        continue
-                    # a 4xx (bad admin token, unknown slot) will not mend itself: waiters get the
-                    # reason instead of a timeout
-                    self._warn(node_id, exc)
-                    with self._lost:
-                        self._refused = (
-                            f"the router refused to mark the slots {list(slots)} of lost node "
-                            f"{node_id[:12]} unhealthy ({exc.response.status_code}): check the "
-                            "admin token and the slot names"
-                        )
-                        self._lost.notify_all()
-                except httpx.TransportError as exc:  # the router is away for now: try again next poll
-                    self._warn(node_id, exc)
-                    continue
-                except Exception as exc:  # never let the watcher die silently: node loss must be seen
-                    self._warn(node_id, exc)
-                    continue
-                handled.add(node_id)
+            try:  # a handover also leaves the worker away for a moment, but its host answers
+                ray.get(self.hosts[slot].ping.remote(), timeout=self.probe_timeout_s)
+            except (RayError, KeyError):
+                suspects.add(info.node_id)
+        return suspects
+
+    def _handle(self, node_id: str, detected_by: str) -> bool:
+        """Fence the node's slots and restore its sandboxes; False to try again on the next poll."""
+        began, detected_at = time.monotonic(), time.time()
+        slots = tuple(s for s, info in self.infos.items() if info.node_id == node_id)
+        has_sandboxes = self.sandboxes is not None and any(
+            info.node_id == node_id for info in self.sandboxes.placed.values()
+        )
+        if not slots and not has_sandboxes:
+            return True
+        try:
+            if slots:
+                self._fence(slots)
+        except httpx.HTTPStatusError as exc:
+            self._warn(node_id, exc)
+            if exc.response.status_code >= 500:  # the router is busy or restarting: retry
+                return False
+            # a 4xx (bad admin token, unknown slot) will not mend itself: waiters get the
+            # reason instead of a timeout
+            with self._lost:
+                self._refused = (
+                    f"the router refused to mark the slots {list(slots)} of lost node "
+                    f"{node_id[:12]} unhealthy ({exc.response.status_code}): check the "
+                    "admin token and the slot names"
+                )
+                self._lost.notify_all()
+            return True
+        except Exception as exc:  # router away (transport) or anything else: try again next poll
+            self._warn(node_id, exc)
+            return False
+        restored: list[SandboxRestore] = []
+        error = ""
+        if self.sandboxes is not None:
+            try:
+                restored = self.sandboxes.recover_node(node_id)
+            except SandboxHostError as exc:
+                error = str(exc)
+                print(f"belayer-cluster: sandboxes of lost node {node_id[:12]}: {exc}", file=sys.stderr)
+        lost = {slot for loss in self.losses for slot in loss.slots} | set(slots)
+        left = tuple(slot for slot in self.slots if slot not in lost)
+        loss = NodeLoss(
+            node_id, slots, detected_by, tuple(restored), left, time.monotonic() - began, detected_at, error
+        )
+        print(
+            f"belayer-cluster: node {node_id[:12]} lost ({detected_by}): slots {list(slots)} fenced, "
+            f"{len(restored)} sandboxes restored elsewhere; continuing on {len(left)} of {len(self.slots)} "
+            "slots (no replacement started)",
+            file=sys.stderr,
+        )
+        self._record(loss)
+        return True
 
     @staticmethod
     def _warn(node_id: str, exc: BaseException) -> None:
@@ -178,9 +259,20 @@ class RolloutCluster:
             self.losses.append(loss)
             self._lost.notify_all()
 
-    def _report(self, loss: NodeLoss) -> None:
+    def _fence(self, slots: tuple[str, ...]) -> None:
         headers = {} if self.admin_token is None else {"Authorization": f"Bearer {self.admin_token}"}
         with httpx.Client(timeout=30.0, headers=headers) as client:
-            for slot in loss.slots:
+            for slot in slots:
                 client.post(f"{self.router_url}/slots/{slot}/unhealthy").raise_for_status()
-        self._record(loss)
+
+
+def _reachable(url: str | None) -> bool:
+    """True when something accepts TCP connections at the worker URL's host and port."""
+    if not url:
+        return False
+    parsed = httpx.URL(url)
+    try:
+        with socket.create_connection((parsed.host, parsed.port or 80), timeout=2.0):
+            return True
+    except OSError:
+        return False

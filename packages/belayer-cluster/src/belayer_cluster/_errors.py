@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-__all__ = ["BelayerClusterError", "ClusterConfigError", "ClusterStartError", "SlotHostError"]
+__all__ = [
+    "BelayerClusterError",
+    "ClusterConfigError",
+    "ClusterStartError",
+    "SandboxHostError",
+    "SlotHostError",
+]
 
 
 class BelayerClusterError(Exception):
@@ -19,3 +25,7 @@ class ClusterStartError(BelayerClusterError):
 
 class SlotHostError(BelayerClusterError):
     """A slot host failed to start its slot, or its node is gone."""
+
+
+class SandboxHostError(BelayerClusterError):
+    """A sandbox host could not create, run, checkpoint or restore a sandbox (the message says why)."""

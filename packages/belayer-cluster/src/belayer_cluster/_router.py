@@ -30,17 +30,33 @@ class DriverRouter:
         admin_token: str | None = None,
         resume_wait_s: float = 30.0,
         host: str = "127.0.0.1",
+        port: int = 0,
         start_timeout_s: float = 60.0,
     ) -> None:
         self.journal_path, self.admin_token = Path(journal_path), admin_token
         self.resume_wait_s, self.host, self.start_timeout_s = resume_wait_s, host, start_timeout_s
+        self.port = port  # 0: any free port at the first start, then kept for restarts
         self._process: subprocess.Popen[str] | None = None
         self.url = ""
 
     def start(self) -> DriverRouter:
-        """Start the router and wait until it listens (`url` is then its base URL)."""
+        """Start the router and wait until it listens (`url` is then its base URL).
+
+        A restart (after `stop` or `kill`) listens on the same port and reads the same journal:
+        clients reconnect to the same URL, and every request continues (belayer-router's
+        restart on its journal).
+        """
         self.journal_path.parent.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, "-m", "belayer_router", "serve", "--host", self.host, "--port", "0"]
+        argv = [
+            sys.executable,
+            "-m",
+            "belayer_router",
+            "serve",
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+        ]
         argv += ["--journal", str(self.journal_path), "--resume-wait-s", str(self.resume_wait_s), "--json"]
         env = dict(os.environ)
         if self.admin_token is not None:
@@ -57,13 +73,25 @@ class DriverRouter:
             self.url = str(json.loads(line[0])["url"]) if line and line[0] else ""
         except (ValueError, KeyError):
             self.url = ""
-        if not self.url:
+        if self.url:
+            self.port = int(self.url.rstrip("/").rsplit(":", 1)[1])
+        else:
             self.stop()
             raise ClusterStartError(
                 f"belayer-router did not start within {self.start_timeout_s} s (exit code "
                 f"{process.poll()}); run `python -m belayer_router serve` by hand to see why"
             )
         return self
+
+    def kill(self) -> None:
+        """Chaos: SIGKILL the router, as when the machine it runs on is lost (the journal stays)."""
+        process, self._process = self._process, None
+        if process is None:
+            return
+        process.kill()
+        process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
 
     def stop(self) -> None:
         """SIGTERM the router (it shuts down cleanly, the journal stays) and wait for it."""

@@ -79,6 +79,10 @@ class SlotHost:
             raise SlotHostError(f"slot {self.slot!r} on node {node_id[:12]} did not start: {exc}") from exc
         return SlotInfo(self.slot, node_id, os.getpid(), run_dir, str(supervisor.main_url))
 
+    def ping(self) -> str:
+        """This host's node id: an answer proves the actor (and its node) is alive."""
+        return str(ray.get_runtime_context().get_node_id())
+
     def pids(self) -> dict[str, int]:
         """The live pids of the slot's processes, by role (main, shadow, weights, kv)."""
         supervisor = self._require()
