@@ -237,6 +237,15 @@ def test_measured_inputs_are_read_from_the_committed_results_files(tmp_path: Pat
         measured_inputs(tmp_path)
 
 
+def test_the_node_loss_benchmark_is_read_when_it_has_the_key(tmp_path: Path) -> None:
+    results = tmp_path / "packages/belayer-cluster/benchmarks/results"
+    results.mkdir(parents=True)
+    (results / "bench_node_loss.json").write_text(json.dumps({"belayer": {"resumed_s": 4.5}}))
+    assert measured_inputs(tmp_path)["node_loss_resume_s"][0] == 4.5
+    (results / "bench_node_loss.json").write_text(json.dumps({"another": "shape"}))
+    assert "node_loss_resume_s" not in measured_inputs(tmp_path)
+
+
 def test_cli_json_is_one_document_with_sourced_inputs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -258,7 +267,10 @@ def test_cli_json_is_one_document_with_sourced_inputs(
     assert all(len(r["ratios"]) == 2 and 0 < r["ratio_mean"] <= 1 for r in document["results"])
 
 
-def test_cli_usage_errors_are_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_usage_errors_are_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # no checkout here: the built-in copies of the measured inputs
     assert main(["simulate", "--gpus", "1001", "--days", "1", "--reps", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("belayer-cluster: error: gpus must be a multiple")

@@ -196,8 +196,8 @@ def measured_inputs(repo_root: Path) -> dict[str, tuple[float, str]]:
     """Belayer's measured recovery times, read from the committed results files of a checkout.
 
     Returns {input name: (value, "file: key")}; a file that is not there is left out (the built-in
-    default, a copy of the committed value, stays), a file that is there but unreadable raises
-    `ClusterConfigError`.
+    default, a copy of the committed value, stays), a shadow or envckpt file that is there but
+    unreadable raises `ClusterConfigError`.
     """
     found: dict[str, tuple[float, str]] = {}
     shadow = repo_root / _SHADOW_VLLM
@@ -229,12 +229,10 @@ def measured_inputs(repo_root: Path) -> dict[str, tuple[float, str]]:
         found["sandbox_restart_s"] = (restore_s, INPUT_SOURCES["sandbox_restart_s"].source)
     node_loss = repo_root / _NODE_LOSS
     if node_loss.is_file():
+        # The node-loss benchmark belongs to the cluster engineer: a shape without the key keeps the
+        # named default (its source says so) rather than breaking the simulation.
         data = _load(node_loss)
-        try:
-            found["node_loss_resume_s"] = (
-                float(data["belayer"]["resumed_s"]),
-                f"{_NODE_LOSS}: belayer.resumed_s",
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ClusterConfigError(f"{node_loss} lacks belayer.resumed_s ({exc!r})") from exc
+        resumed = data.get("belayer", {}) if isinstance(data, dict) else {}
+        if isinstance(resumed, dict) and isinstance(resumed.get("resumed_s"), int | float):
+            found["node_loss_resume_s"] = (float(resumed["resumed_s"]), f"{_NODE_LOSS}: belayer.resumed_s")
     return found
