@@ -39,7 +39,7 @@ async def _math_once(
     from belayer_grpo._run import run_training
 
     oh = bench.overhead
-    overrides = [*extra, f"algorithm.steps={oh.math_steps}", "chaos.kill_worker_at_steps=[]",
+    overrides = ["data.workload=math", *extra, f"algorithm.steps={oh.math_steps}", "chaos.kill_worker_at_steps=[]",
                  f"system.recovery={recovery}", f"system.run_dir={run_dir}", "logging.progress=false",
                  "logging.tensorboard=false", "system.checkpoint_every=0"]  # fmt: skip
     config = load_config(bench.math_config or None, overrides)

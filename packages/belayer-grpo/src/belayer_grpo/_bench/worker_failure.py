@@ -58,7 +58,7 @@ async def run_worker_failure(bench: BenchConfig, work_dir: Path) -> dict[str, An
     import torch
 
     torch.set_num_threads(1)
-    train = load_config(bench.math_config or None)
+    train = load_config(bench.math_config or None, ["data.workload=math"])
     tokenizer = build_tokenizer(train.model)
     model_config = engine_model_config(train.model, tokenizer)
     model = build_policy(model_config, seed=train.model.seed, path=train.model.path)
