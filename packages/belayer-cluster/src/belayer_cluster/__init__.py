@@ -25,6 +25,9 @@ from belayer_cluster._router import DriverRouter
 from belayer_cluster._sandbox_host import SandboxHost, SandboxInfo
 from belayer_cluster._sandboxes import SandboxCluster, SandboxRestore
 from belayer_cluster._slot_host import SlotHost, SlotInfo, node_run_dir
+from belayer_cluster._weightsync import WeightReport, WeightSync, WeightUpdateResult
+from belayer_cluster._weightsync_agent import WeightAgent
+from belayer_cluster._weightsync_errors import WeightSyncError, WeightSyncTimeoutError
 
 __version__ = _version("belayer-cluster")
 
@@ -46,6 +49,12 @@ __all__ = [
     "SlotHost",
     "SlotHostError",
     "SlotInfo",
+    "WeightAgent",
+    "WeightReport",
+    "WeightSync",
+    "WeightSyncError",
+    "WeightSyncTimeoutError",
+    "WeightUpdateResult",
     "__version__",
     "node_run_dir",
 ]

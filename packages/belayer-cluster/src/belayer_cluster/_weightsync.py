@@ -1,0 +1,456 @@
+"""`WeightSync`: the trainer's side of weight updates to every node (issue 22).
+
+Each node has one long-lived `WeightAgent` (a Ray actor beside the node's weight servers) and one
+two-member gloo group with the trainer, formed through a fresh TCP rendezvous (a new `TCPStore`)
+per group generation. An update sends the packed version over every node's group at once (one
+thread per node), each agent commits it with its checksum, and the trainer checks every checksum
+against its own. The groups are independent: a node lost mid-update breaks only its own group, so
+the others finish without waiting for a timeout, and the lost node is dropped (its agent killed,
+its slots marked unhealthy at the router before `update` returns: the stale-version barrier).
+A handover inside a node touches none of this: the agent and its group stay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import ray
+import torch
+import torch.distributed as dist
+from ray.exceptions import GetTimeoutError, RayError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from belayer_cluster._weightsync_agent import WeightAgent
+from belayer_cluster._weightsync_errors import WeightSyncError, WeightSyncTimeoutError
+from belayer_cluster._weightsync_pack import checksum, pack
+from belayer_gpumem import WeightLayout
+
+__all__ = ["WeightReport", "WeightSync", "WeightUpdateResult"]
+
+AfterChunk = Callable[[str, int], None]
+
+
+@attrs.frozen
+class WeightReport:
+    """What one node's agent committed: the trainer's version and the checksum of its slot."""
+
+    node_id: str
+    generation: int
+    version: int
+    checksum: str
+    server_versions: tuple[int, ...] = ()
+
+
+@attrs.frozen
+class WeightUpdateResult:
+    """One update: the version, its checksum and size, every node that committed it, those dropped."""
+
+    version: int
+    checksum: str
+    nbytes: int
+    elapsed_s: float
+    nodes: tuple[WeightReport, ...]
+    dropped: tuple[str, ...]
+    reasons: Mapping[str, str] = attrs.field(factory=dict)
+
+
+@attrs.define
+class _Member:
+    node_id: str
+    agent: Any
+    slots: tuple[str, ...]
+    generation: int = 0
+    version: int = 0
+    checksum: str = ""
+    group: Any = None
+
+
+class WeightSync:
+    """Weight versions from this process (the trainer, rank 0) to a `WeightAgent` on every node.
+
+    Call it from one thread, between rollouts: `add_node`, `update`, `attach`, `drop_node`.
+    `timeout_s` bounds every rendezvous and every transfer (each collective carries it, and the
+    trainer waits no longer for a node's commit); a node that does not answer is named and dropped.
+    With `router_url`, a dropped node's slots are marked unhealthy at the router before `update`
+    returns, so no request is served by an old version after the step moved on.
+    """
+
+    def __init__(
+        self,
+        *,
+        timeout_s: float = 60.0,
+        chunk_bytes: int = 64 << 20,
+        host: str | None = None,
+        router_url: str | None = None,
+        admin_token: str | None = None,
+    ) -> None:
+        if timeout_s <= 0 or chunk_bytes <= 0:
+            raise WeightSyncError("timeout_s and chunk_bytes must be > 0")
+        self.timeout_s, self.chunk_bytes = timeout_s, chunk_bytes
+        self.host = host
+        self.router_url = None if router_url is None else router_url.rstrip("/")
+        self.admin_token = admin_token
+        self.version = 0  # 0: what the servers started with; every update adds one
+        self.checksum = ""
+        self.layout: WeightLayout | None = None
+        self.members: dict[str, _Member] = {}
+        self.dropped: dict[str, str] = {}  # node id -> why
+        self.num_updates = 0
+        self.last_update_s = 0.0
+        self._flat: torch.Tensor | None = None  # the current version, kept for nodes that join later
+        self._spare: torch.Tensor | None = None
+        self._next_generation = 0
+        self._lock = threading.Lock()
+
+    # -- membership ---------------------------------------------------------------------------
+
+    def add_node(
+        self,
+        node_id: str,
+        *,
+        sockets: Sequence[str | Path] = (),
+        slots: Sequence[str] = (),
+        serve_dir: str | Path | None = None,
+    ) -> WeightReport:
+        """Start the node's agent, attach it to `sockets` (the node's slots' weight servers), form
+        its group through a fresh rendezvous and, if a version exists, send it in full.
+
+        A node without slots yet gets a weight server of the agent's own in `serve_dir` (the table
+        must be known: attach a node with sockets first). Raises WeightSyncError (the agent
+        removed again) when the node cannot join or does not commit the current version.
+        """
+        with self._lock:
+            if node_id in self.members:
+                raise WeightSyncError(f"node {node_id[:12]} is already a member; drop_node it first")
+            actor: Any = ray.remote(WeightAgent)
+            agent: Any = actor.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                num_cpus=0,
+                max_concurrency=4,
+                max_restarts=0,
+            ).remote(node_id)
+            member = _Member(node_id, agent, tuple(slots))
+            try:
+                if sockets:
+                    info = self._call(member, agent.attach.remote([str(s) for s in sockets]))
+                elif serve_dir is not None and self.layout is not None:
+                    info = self._call(member, agent.serve.remote(self.layout.to_json(), str(serve_dir)))
+                else:
+                    raise WeightSyncError(
+                        f"node {node_id[:12]}: give its weight server sockets, or serve_dir once a node "
+                        "with sockets has told the table"
+                    )
+                layout = WeightLayout.from_json(info["layout"])
+                if self.layout is None:
+                    self.layout = layout
+                elif layout != self.layout:
+                    raise WeightSyncError(f"node {node_id[:12]}: its weight servers have another table")
+                self._connect(member)
+                if self._flat is not None:
+                    self._transfer(member, self.version, self._flat)
+                else:
+                    member.checksum = str(info["live"][0]["checksum"]) if info["live"] else ""
+            except BaseException:
+                ray.kill(agent, no_restart=True)
+                raise
+            self.members[node_id] = member
+            self.dropped.pop(node_id, None)
+            return WeightReport(node_id, member.generation, member.version, member.checksum)
+
+    def attach(self, node_id: str, sockets: Sequence[str | Path], slots: Sequence[str] = ()) -> list[str]:
+        """Add a member node's new slots (their weight servers); returns their live checksums.
+
+        Each must already hold the current version (start the slot from `write_weights_file`):
+        otherwise its slots are marked unhealthy and WeightSyncError is raised.
+        """
+        with self._lock:
+            member = self._member(node_id)
+            info = self._call(member, member.agent.attach.remote([str(s) for s in sockets]))
+            found = [str(live["checksum"]) for live in info["live"]]
+            if self.version > 0 and any(value != self.checksum for value in found):
+                self._fence(slots)
+                raise WeightSyncError(
+                    f"node {node_id[:12]}: slots {list(slots)} hold {found}, not version {self.version} "
+                    f"({self.checksum}); start a slot from write_weights_file(...)"
+                )
+            member.slots += tuple(slots)
+            return found
+
+    def detach(self, node_id: str, sockets: Sequence[str | Path], slots: Sequence[str] = ()) -> None:
+        """Forget a member node's stopped slots (their weight servers); the node stays a member."""
+        with self._lock:
+            member = self._member(node_id)
+            self._call(member, member.agent.detach.remote([str(s) for s in sockets]))
+            member.slots = tuple(s for s in member.slots if s not in set(slots))
+
+    def write_weights_file(self, node_id: str, path: str | Path) -> str:
+        """Write the node's committed current version to `path` (safetensors, on that node), the
+        `weights` a new slot there starts from; returns its checksum (equal to the trainer's)."""
+        with self._lock:
+            member = self._member(node_id)
+            written = str(self._call(member, member.agent.save_safetensors.remote(str(path))))
+            if self.version > 0 and written != self.checksum:
+                raise WeightSyncError(f"node {node_id[:12]} wrote {written}, not version {self.version}")
+            return written
+
+    def drop_node(self, node_id: str, reason: str = "dropped by the caller") -> None:
+        """Remove a node: its agent is killed and its slots are marked unhealthy at the router."""
+        with self._lock:
+            self._drop(self._member(node_id), reason)
+
+    # -- updates ------------------------------------------------------------------------------
+
+    def update(
+        self, tensors: Mapping[str, torch.Tensor], *, after_chunk: AfterChunk | None = None
+    ) -> WeightUpdateResult:
+        """Send `tensors` as the next version to every member node; returns when each has committed
+        it or has been dropped. `after_chunk(node_id, index)` runs after each chunk is sent (chaos).
+
+        Raises WeightSyncTimeoutError / WeightSyncError (naming the nodes) when no node committed.
+        """
+        with self._lock:
+            if not self.members or self.layout is None:
+                raise WeightSyncError("no node to update: add_node first")
+            start = time.monotonic()
+            # two pack buffers: a failed pack never touches the current version a joining node gets
+            flat = pack(tensors, self.layout, self._spare)
+            version, value = self.version + 1, checksum(flat)
+            self.version, self.checksum, self._flat, self._spare = version, value, flat, self._flat
+            reports, reasons = self._send_all(list(self.members.values()), version, flat, after_chunk, start)
+            for node_id, reason in reasons.items():
+                self._drop(self.members[node_id], reason)
+            self.num_updates += 1
+            self.last_update_s = time.monotonic() - start
+            if not reports:
+                names = tuple(reasons)
+                raise WeightSyncTimeoutError(
+                    f"no node committed version {version}: {reasons}; the nodes were dropped, add them again",
+                    names,
+                )
+            return WeightUpdateResult(
+                version, value, int(flat.numel()), self.last_update_s, tuple(reports), tuple(reasons), reasons
+            )
+
+    # -- status -------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """Versions and checksums by node (the run report prints it): `{version, checksum, nbytes,
+        num_updates, last_update_s, nodes: [{node_id, generation, version, checksum, current,
+        slots}], dropped: {node_id: reason}}`."""
+        nodes = [
+            {
+                "node_id": m.node_id,
+                "generation": m.generation,
+                "version": m.version,
+                "checksum": m.checksum,
+                "current": m.version == self.version,
+                "slots": list(m.slots),
+            }
+            for m in self.members.values()
+        ]
+        return {
+            "version": self.version,
+            "checksum": self.checksum,
+            "nbytes": 0 if self.layout is None else self.layout.slot_bytes,
+            "num_updates": self.num_updates,
+            "last_update_s": self.last_update_s,
+            "nodes": nodes,
+            "dropped": dict(self.dropped),
+        }
+
+    def verify(self) -> dict[str, list[str]]:
+        """Read every member's weight servers back: {node_id: [checksum of each live slot]}."""
+        with self._lock:
+            return {
+                node_id: [str(live["checksum"]) for live in self._call(member, member.agent.live.remote())]
+                for node_id, member in self.members.items()
+            }
+
+    def metrics(self) -> dict[str, float]:
+        """Numbers for a metrics line: version, checksum (crc32 as an integer), nodes, current nodes,
+        dropped nodes, last update seconds."""
+        current = sum(1 for m in self.members.values() if m.version == self.version)
+        crc = int(self.checksum.removeprefix("crc32:"), 16) if self.checksum else 0
+        return {
+            "weights_version": float(self.version),
+            "weights_checksum_crc32": float(crc),
+            "weights_nodes": float(len(self.members)),
+            "weights_nodes_current": float(current),
+            "weights_nodes_dropped": float(len(self.dropped)),
+            "weights_update_s": self.last_update_s,
+        }
+
+    def close(self) -> None:
+        """Close every agent (they detach; their own servers stop) and forget the groups."""
+        with self._lock:
+            refs = [m.agent.close.remote() for m in self.members.values()]
+            for ref in refs:
+                with contextlib.suppress(RayError):  # its node is gone already
+                    ray.get(ref, timeout=30)
+            for member in self.members.values():
+                ray.kill(member.agent, no_restart=True)
+            self.members.clear()
+            self._flat = self._spare = None
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _member(self, node_id: str) -> _Member:
+        if node_id not in self.members:
+            raise WeightSyncError(f"node {node_id[:12]} is not a member; add_node it first")
+        return self.members[node_id]
+
+    def _call(self, member: _Member, ref: Any) -> Any:
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except GetTimeoutError as exc:
+            raise WeightSyncTimeoutError(
+                f"node {member.node_id[:12]}'s agent did not answer within {self.timeout_s} s",
+                (member.node_id,),
+            ) from exc
+        except RayError as exc:
+            raise WeightSyncError(f"node {member.node_id[:12]}'s agent failed: {exc}") from exc
+
+    def _connect(self, member: _Member) -> None:
+        """A fresh rendezvous: a new TCPStore on a free port, the agent joins as rank 1."""
+        self._next_generation += 1
+        generation = self._next_generation
+        host = self.host or ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        timeout = timedelta(seconds=self.timeout_s)
+        store = dist.TCPStore(host, 0, 2, True, timeout=timeout, wait_for_workers=False)  # type: ignore[attr-defined]
+        ref = member.agent.connect.remote(generation, host, int(store.port), self.timeout_s)
+        try:
+            member.group = dist.ProcessGroupGloo(store, 0, 2, timeout)
+        except RuntimeError as exc:
+            raise WeightSyncTimeoutError(
+                f"node {member.node_id[:12]} did not join the rendezvous at {host}:{store.port} within "
+                f"{self.timeout_s} s: {str(exc).splitlines()[0]}",
+                (member.node_id,),
+            ) from exc
+        self._call(member, ref)
+        member.generation = generation
+
+    def _send_all(
+        self,
+        members: list[_Member],
+        version: int,
+        flat: torch.Tensor,
+        after_chunk: AfterChunk | None,
+        start: float,
+    ) -> tuple[list[WeightReport], dict[str, str]]:
+        """Send to every member at once; a member fails when its send fails, its agent fails or
+        dies (Ray reports it), or it has not committed by the deadline. Never waits past it."""
+        deadline = start + self.timeout_s
+        refs = {
+            m.node_id: m.agent.receive.remote(m.generation, version, self.chunk_bytes, self.timeout_s)
+            for m in members
+        }
+        send_errors: dict[str, str] = {}
+        for member in members:
+            # daemon threads: a send to a hung node ends at the group's own timeout, nobody joins it
+            threading.Thread(
+                target=self._send, args=(member, version, flat, after_chunk, send_errors), daemon=True
+            ).start()
+        reports: list[WeightReport] = []
+        reasons: dict[str, str] = {}
+        pending = {refs[member.node_id]: member for member in members}
+        while pending:
+            for member in [m for m in pending.values() if m.node_id in send_errors]:
+                reasons[member.node_id] = send_errors[member.node_id]
+                pending = {r: m for r, m in pending.items() if m is not member}
+            if not pending:
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                for member in pending.values():
+                    reasons[member.node_id] = f"no commit within {self.timeout_s} s"
+                break
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(0.2, remaining))
+            for ref in ready:
+                member = pending.pop(ref)
+                try:
+                    report = self._report(member, ray.get(ref))
+                    self._check(report)
+                    reports.append(report)
+                except (WeightSyncError, RayError) as exc:
+                    reasons[member.node_id] = str(exc).splitlines()[0][:300]
+        return reports, reasons
+
+    def _send(
+        self,
+        member: _Member,
+        version: int,
+        flat: torch.Tensor,
+        after_chunk: AfterChunk | None,
+        errors: dict[str, str],
+    ) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        try:
+            for index, start in enumerate(range(0, int(flat.numel()), self.chunk_bytes)):
+                member.group.broadcast([flat[start : start + self.chunk_bytes]], options).wait()
+                if after_chunk is not None:
+                    after_chunk(member.node_id, index)
+        except Exception as exc:  # gloo raises RuntimeError subclasses; a chaos hook anything
+            errors[member.node_id] = f"sending version {version} failed: {str(exc).splitlines()[0][:200]}"
+
+    def _transfer(self, member: _Member, version: int, flat: torch.Tensor) -> WeightReport:
+        """Send the whole version to one member (a node joining); raises on any failure."""
+        reports, reasons = self._send_all([member], version, flat, None, time.monotonic())
+        if reasons:
+            raise WeightSyncTimeoutError(
+                f"node {member.node_id[:12]}: {reasons[member.node_id]}", (member.node_id,)
+            )
+        return reports[0]
+
+    def _report(self, member: _Member, found: dict[str, Any]) -> WeightReport:
+        report = WeightReport(
+            member.node_id,
+            int(found["generation"]),
+            int(found["version"]),
+            str(found["checksum"]),
+            tuple(int(v) for v in found["server_versions"]),
+        )
+        member.version, member.checksum = report.version, report.checksum
+        return report
+
+    def _check(self, report: WeightReport) -> None:
+        if report.version != self.version or report.checksum != self.checksum:
+            raise WeightSyncError(
+                f"node {report.node_id[:12]} committed version {report.version} with {report.checksum}, "
+                f"expected version {self.version} with {self.checksum}"
+            )
+
+    def _drop(self, member: _Member, reason: str) -> None:
+        self.members.pop(member.node_id, None)
+        self.dropped[member.node_id] = reason
+        member.group = None
+        ray.kill(member.agent, no_restart=True)
+        self._fence(member.slots)
+
+    def _fence(self, slots: Sequence[str]) -> None:
+        """Mark `slots` unhealthy at the router: out of rotation before the next rollout."""
+        if self.router_url is None or not slots:
+            return
+        headers = {} if self.admin_token is None else {"Authorization": f"Bearer {self.admin_token}"}
+        with httpx.Client(timeout=30.0, headers=headers) as client:
+            for slot in slots:
+                try:
+                    reply = client.post(f"{self.router_url}/slots/{slot}/unhealthy")
+                except httpx.TransportError as exc:
+                    raise WeightSyncError(
+                        f"could not take stale slot {slot!r} out of the router's rotation: {exc}; "
+                        "do not start the next rollout until the router is back"
+                    ) from exc
+                if reply.status_code not in (200, 204, 404):  # 404: never registered, never served
+                    raise WeightSyncError(
+                        f"the router refused to take stale slot {slot!r} out of rotation ({reply.status_code}): "
+                        "check the admin token; do not start the next rollout"
+                    )

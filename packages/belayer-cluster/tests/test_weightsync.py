@@ -1,0 +1,215 @@
+"""Weight sync on a real local Ray cluster (issue 22): agents, gloo groups, real slots and router.
+
+One Ray cluster of 3 nodes (1 CPU each), one router, slots "a" and "b" on two nodes and a spare
+node whose agent has a weight server of its own. The tests run in file order and build on each
+other: an update, a handover between updates, a stale node fenced and a new slot that starts from
+the current version, a node lost mid-update.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import ray
+import torch
+from cluster_helpers import PROMPTS, TOKEN, gone, rollout, wait_until
+
+from belayer_cluster import (
+    DriverRouter,
+    LocalClusterConfig,
+    LocalRayCluster,
+    RolloutCluster,
+    WeightSync,
+    WeightSyncError,
+)
+
+pytestmark = pytest.mark.timeout(300)
+MAX_TOKENS = 24
+SLOT_OPTIONS = {"num_kv_blocks": 128, "stale_s": 5.0}  # a loaded machine is no hang
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[LocalRayCluster]:
+    with LocalRayCluster(LocalClusterConfig(num_nodes=3, cpus_per_node=1)) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("shared")
+
+
+@pytest.fixture(scope="module")
+def router(shared_dir: Path) -> Iterator[DriverRouter]:
+    with DriverRouter(shared_dir / "router.jsonl", admin_token=TOKEN) as driver_router:
+        yield driver_router
+
+
+@pytest.fixture(scope="module")
+def slots(local_ray: LocalRayCluster, router: DriverRouter, shared_dir: Path) -> Iterator[RolloutCluster]:
+    cluster = RolloutCluster(
+        ["a", "b"], router_url=router.url, shared_dir=shared_dir, admin_token=TOKEN, slot_options=SLOT_OPTIONS
+    )
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def spare(local_ray: LocalRayCluster, slots: RolloutCluster) -> str:
+    used = {info.node_id for info in slots.infos.values()}
+    return next(node for node in local_ray.node_ids if node not in used)
+
+
+@pytest.fixture(scope="module")
+def sync(slots: RolloutCluster, router: DriverRouter, shared_dir: Path, spare: str) -> Iterator[WeightSync]:
+    weight_sync = WeightSync(timeout_s=60.0, chunk_bytes=256 << 10, router_url=router.url, admin_token=TOKEN)
+    try:
+        for slot, info in slots.infos.items():
+            weight_sync.add_node(info.node_id, sockets=[info.run_dir / "mem" / "weights.sock"], slots=[slot])
+        weight_sync.add_node(spare, serve_dir=shared_dir / "agents" / spare[:12])
+        yield weight_sync
+    finally:
+        weight_sync.close()
+
+
+def weights(sync: WeightSync, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded random weights in the servers' table (a trainer step's output, as far as sync cares)."""
+    assert sync.layout is not None
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        spec.name: (torch.randn(spec.shape, generator=generator) * 0.1).to(getattr(torch, spec.dtype))
+        for spec in sync.layout.tensors
+    }
+
+
+def greedy(router: DriverRouter) -> list[list[int]]:
+    return rollout(router.url, PROMPTS, MAX_TOKENS).tokens
+
+
+def slot_states(router: DriverRouter) -> dict[str, dict[str, object]]:
+    reply = httpx.get(f"{router.url}/workers", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    reply.raise_for_status()
+    return {s["slot"]: s for s in reply.json()["slots"]}
+
+
+def test_update_reaches_every_node(sync: WeightSync, router: DriverRouter, slots: RolloutCluster) -> None:
+    before = greedy(router)
+    result = sync.update(weights(sync, 1))
+    assert result.version == 1
+    assert result.dropped == ()
+    assert len(result.nodes) == 3
+    assert {report.checksum for report in result.nodes} == {result.checksum}
+    # read back from every weight server's live slot, not just what the agents said
+    assert {value for values in sync.verify().values() for value in values} == {result.checksum}
+    assert all(len(report.server_versions) == 1 for report in result.nodes)
+    after = greedy(router)
+    assert after != before, "the slots still serve the old weights after the update"
+    status = sync.status()
+    assert status["version"] == 1
+    assert status["checksum"] == result.checksum
+    assert all(node["current"] and node["checksum"] == result.checksum for node in status["nodes"])
+    metrics = sync.metrics()
+    assert metrics["weights_version"] == 1.0
+    assert metrics["weights_nodes_current"] == 3.0
+    assert metrics["weights_checksum_crc32"] == float(int(result.checksum.removeprefix("crc32:"), 16))
+
+
+def test_handover_needs_no_group_change(sync: WeightSync, slots: RolloutCluster) -> None:
+    node_a = slots.infos["a"].node_id
+    agent_pid = ray.get(sync.members[node_a].agent.pid.remote(), timeout=60)
+    generations = {node: member.generation for node, member in sync.members.items()}
+    old_main = ray.get(slots.hosts["a"].pids.remote(), timeout=60)["main"]
+    ray.get(slots.hosts["a"].kill_main.remote(), timeout=60)
+    assert ray.get(slots.hosts["a"].wait_handovers.remote(1), timeout=120) >= 1
+    result = sync.update(weights(sync, 2))
+    assert result.version == 2
+    assert result.dropped == ()
+    assert {report.checksum for report in result.nodes} == {result.checksum}
+    assert {node: report.generation for node, report in ((r.node_id, r) for r in result.nodes)} == generations
+    assert {node: member.generation for node, member in sync.members.items()} == generations
+    assert ray.get(sync.members[node_a].agent.pid.remote(), timeout=60) == agent_pid
+    assert ray.get(slots.hosts["a"].pids.remote(), timeout=60)["main"] != old_main
+    assert {value for values in sync.verify().values() for value in values} == {result.checksum}
+
+
+def test_stale_node_is_fenced_and_a_new_slot_starts_current(
+    sync: WeightSync, router: DriverRouter, slots: RolloutCluster, shared_dir: Path, spare: str
+) -> None:
+    node_b = slots.infos["b"].node_id
+    agent_pid = ray.get(sync.members[node_b].agent.pid.remote(), timeout=60)
+    os.kill(agent_pid, signal.SIGSTOP)  # b's agent hangs; b's slot still serves version 2
+    sync.timeout_s = 15.0
+    try:
+        result = sync.update(weights(sync, 3))
+    finally:
+        sync.timeout_s = 60.0
+    assert result.dropped == (node_b,)
+    assert "15.0 s" in result.reasons[node_b]
+    assert {report.node_id for report in result.nodes} == set(sync.members)
+    assert node_b not in sync.members
+    assert {report.checksum for report in result.nodes} == {result.checksum}
+    wait_until(lambda: gone(agent_pid), 60, "the hung agent killed")
+    assert "main" in ray.get(slots.hosts["b"].pids.remote(), timeout=60)  # alive, stale: fenced
+    states = slot_states(router)
+    assert states["b"]["healthy"] is False
+    assert states["a"]["healthy"] is True
+    served = greedy(router)  # the step moved on: only version 3 may answer
+
+    # a new slot on the spare node starts from the version its agent committed, then serves
+    path = shared_dir / "agents" / f"{spare[:12]}-v3.safetensors"
+    assert sync.write_weights_file(spare, path) == result.checksum
+    new = RolloutCluster(
+        ["c"],
+        router_url=router.url,
+        shared_dir=shared_dir,
+        admin_token=TOKEN,
+        slot_options={**SLOT_OPTIONS, "weights": path},
+    )
+    try:
+        info = new.start()["c"]
+        assert info.node_id == spare
+        assert sync.attach(spare, [info.run_dir / "mem" / "weights.sock"], ["c"]) == [result.checksum]
+        httpx.post(
+            f"{router.url}/slots/a/unhealthy", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30
+        ).raise_for_status()
+        only_c = greedy(router)
+        assert only_c == served, "a request after the update was served by another version than 3"
+        with pytest.raises(WeightSyncError, match="not a member"):
+            sync.attach(node_b, [info.run_dir / "mem" / "weights.sock"])
+    finally:
+        new.stop()
+    sync.detach(spare, [info.run_dir / "mem" / "weights.sock"], ["c"])
+    assert sync.members[spare].slots == ()
+
+
+def test_node_lost_mid_update_and_a_node_rejoins(
+    sync: WeightSync, local_ray: LocalRayCluster, slots: RolloutCluster, shared_dir: Path, spare: str
+) -> None:
+    node_a, node_b = slots.infos["a"].node_id, slots.infos["b"].node_id
+    spare_generation = sync.members[spare].generation
+    # b's node lives on (its agent was dropped): it rejoins through a fresh rendezvous, in full
+    joined = sync.add_node(node_b, serve_dir=shared_dir / "agents" / f"{node_b[:12]}-rejoin")
+    assert joined.version == sync.version == 3
+    assert joined.checksum == sync.checksum
+    assert joined.generation > spare_generation
+
+    def lose_a(node_id: str, index: int) -> None:
+        if node_id == node_a and index == 0:
+            local_ray.remove_node(node_a)
+
+    result = sync.update(weights(sync, 4), after_chunk=lose_a)
+    assert result.version == 4
+    assert result.dropped == (node_a,)
+    assert {report.node_id for report in result.nodes} == {spare, node_b}
+    assert {report.checksum for report in result.nodes} == {result.checksum}
+    assert sync.members[spare].generation == spare_generation  # the others' groups stay
+    assert {value for values in sync.verify().values() for value in values} == {result.checksum}
+    assert set(sync.status()["dropped"]) == {node_a}
