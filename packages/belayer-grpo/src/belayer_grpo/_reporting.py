@@ -140,6 +140,14 @@ class Reporter:
                 f"{'':>22}  {failure['slot']} killed at step {failure['step']} ({failure['trigger']}): {done}"
             )
         lines.append(f"{'resumed requests':>22}: {summary.get('num_resumed', 0)}")
+        for loss in summary.get("node_losses", []):
+            lines.append(
+                f"{'node lost':>22}: {loss['node_id'][:12]} at step {loss['step']} ({loss['detected_by']}):"
+                f" {loss['requests_resumed']} requests resumed elsewhere,"
+                f" {loss['sandboxes_restored']} sandboxes restored elsewhere, tokens lost {loss['tokens_lost']},"
+                f" recovered in {loss['time_to_recover_s']:.2f}s; continuing on {len(loss['slots_left'])} slot(s)"
+                " (no spare capacity)"
+            )
         env = summary.get("env")
         if env:
             lines.append(
@@ -152,9 +160,27 @@ class Reporter:
                 f" {env['tokens_regenerated']} tokens regenerated"
             )
             lines.append(
-                f"{'env checkpoints':>22}: {env['checkpoints']} ({env['checkpoint_failures']} failed);"
+                f"{'env checkpoints':>22}: {env['checkpoints']} ({env['checkpoint_failures']} failed),"
+                f" {env.get('checkpoint_s_total', 0.0):.1f}s taking them,"
+                f" {env.get('checkpoint_waited_s_total', 0.0):.2f}s of it on the critical path;"
                 f" prefix-consistent: {'yes' if env['all_prefix_consistent'] else 'NO'}"
             )
+            for r in env.get("recoveries", [])[:20]:
+                source = (
+                    f"checkpoint at action {r['restored_prefix']} (turn {r['restored_turn']})"
+                    if r["from_checkpoint"]
+                    else f"image, turn {r['restored_turn']}"
+                )
+                lines.append(
+                    f"{'':>22}  step {r['step']} {'-'.join(r['trajectory'].rsplit('-', 2)[-2:])}: {r['reason']} at turn"
+                    f" {r['failed_turn']} -> from {source}, {r['turns_replayed']} turns /"
+                    f" {r['tokens_regenerated']} tokens regenerated, {r['restore_s']:.2f}s,"
+                    f" {'consistent' if r['prefix_consistent'] else 'INCONSISTENT'}, reward {r['reward']:.0f}"
+                )
+            if len(env.get("recoveries", [])) > 20:
+                lines.append(f"{'':>22}  ... (all of them in report.json)")
+        if "plot" in summary:
+            lines.append(f"{'plot':>22}: {summary['plot']}")
         lines.append(f"{'run folder':>22}: {self.run_dir}")
         lines.append("=" * 72)
         return "\n".join(lines)

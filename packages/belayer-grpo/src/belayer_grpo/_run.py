@@ -3,8 +3,8 @@
 Each step: rollout through the router (a worker may be killed meanwhile; the shadow takes over
 and the router resumes the interrupted requests) -> rewards -> GRPO update (in a thread) ->
 weights pushed to every weight server (the barrier before the next rollout) -> summary line.
-The rollout is one turn per math problem, or (``data.workload = "swe"``) multi-turn agentic
-trajectories in sandboxes (`belayer_grpo._swe`).
+The rollout is multi-turn agentic trajectories in sandboxes (``data.workload = "tooluse"``, the
+default, or ``"swe"``: `belayer_grpo._swe`), or one turn per math problem (``"math"``).
 """
 
 from __future__ import annotations
@@ -28,9 +28,22 @@ from belayer_grpo._data import PolicyTokenizer, Problem, PromptSampler, generate
 from belayer_grpo._errors import GrpoConfigError
 from belayer_grpo._guardian import Guardian, reap_run, run_processes_marked
 from belayer_grpo._model import build_policy, build_tokenizer, engine_model_config, supervised_warmup
+from belayer_grpo._plot import write_training_plot
 from belayer_grpo._reporting import Reporter
 from belayer_grpo._rollout_math import Sample, greedy_accuracy, run_math_rollouts
-from belayer_grpo._swe import EnvTotals, action_warmup, agentic_config, load_tasks, run_swe_rollout, run_tag
+from belayer_grpo._swe import (
+    EnvTotals,
+    action_warmup,
+    agentic_config,
+    close_pool,
+    evaluate_held_out,
+    held_out_tasks,
+    load_tasks,
+    open_pool,
+    run_swe_rollout,
+    run_tag,
+    tooluse_warmup,
+)
 from belayer_grpo._system import RolloutSystem
 from belayer_grpo._trainer import GRPOTrainer
 from belayer_grpo._weight_sync import WeightSync
@@ -54,7 +67,9 @@ def load_problems(config: Config) -> list[Problem]:
     """The math problems of ``data.source`` (the swe workload's tasks: `belayer_grpo._swe.load_tasks`)."""
     data = config.data
     if data.workload != "math":
-        raise GrpoConfigError("data.workload", "math problems are for workload = 'math'; swe reads tasks")
+        raise GrpoConfigError(
+            "data.workload", "math problems are for workload = 'math'; agentic ones read tasks"
+        )
     if data.source in ("builtin", "arithmetic"):
         return generate_arithmetic(data.operations, data.min_operand, data.max_operand, seed=data.seed)
     return load_math_file(data.source)
@@ -80,6 +95,13 @@ class RunState:
     reported: set[int] = attrs.field(factory=set)
     env: EnvTotals = attrs.field(factory=EnvTotals)
     estimators: Any = None  # the agentic checkpoint policy's estimators, learning over the whole run
+    pool: Any = None  # the agentic workloads' sandbox pool (a SandboxPool), kept over the whole run
+
+    async def sandbox_pool(self) -> Any:
+        """The run's sandbox pool, opened at first use."""
+        if self.pool is None:
+            self.pool = await anyio.to_thread.run_sync(open_pool, self.config, self.run_dir)
+        return self.pool
 
 
 def _prepare(config: Config, run_dir: Path, stream: TextIO) -> tuple[RunState, Any]:
@@ -87,7 +109,7 @@ def _prepare(config: Config, run_dir: Path, stream: TextIO) -> tuple[RunState, A
     # avoids oversubscription, which on a 2-core machine costs far more than it gains.
     torch.set_num_threads(1)
     torch.manual_seed(config.model.seed)
-    swe = config.data.workload == "swe"
+    swe = config.data.workload != "math"  # an agentic workload (tooluse or swe)
     tokenizer = build_tokenizer(config.model, config.data.workload)
     positions = max(512, config.rollout.max_context_tokens) if swe else 512
     model_config = engine_model_config(config.model, tokenizer, positions)
@@ -111,7 +133,12 @@ def _prepare(config: Config, run_dir: Path, stream: TextIO) -> tuple[RunState, A
     if state is None and config.model.warmup_steps and not config.model.path:
         started = time.monotonic()
         section = config.model
-        if swe:
+        if config.data.workload == "tooluse":
+            tooluse_warmup(
+                model, tokenizer, tasks, steps=section.warmup_steps, learning_rate=section.warmup_learning_rate,
+                batch_size=section.warmup_batch_size, seed=section.seed,
+            )  # fmt: skip
+        elif swe:
             action_warmup(
                 model, tokenizer, tasks, steps=section.warmup_steps, learning_rate=section.warmup_learning_rate,
                 batch_size=section.warmup_batch_size, seed=section.seed, max_rounds=config.rollout.max_rounds,
@@ -147,6 +174,15 @@ def _save_weights(model: torch.nn.Module, model_config: Any, path: Path) -> None
 async def _evaluate(run: RunState, router: RouterClient) -> float:
     """Greedy accuracy over (up to 256 of) the problems: the policy the workers serve now."""
     return await greedy_accuracy(run.problems[:256], router, run.tokenizer, run.config.rollout)
+
+
+async def _evaluate_agentic(run: RunState, router: RouterClient, when: str) -> float:
+    """Greedy accuracy on the held-out tasks, in real sandboxes (no chaos)."""
+    settings = agentic_config(run.config, run.run_dir, run.tokenizer, 0)
+    return await evaluate_held_out(
+        held_out_tasks(run.config), settings, router, run.tokenizer,
+        run_id=f"{run_tag(run.run_dir)}-eval-{when}", pool=await run.sandbox_pool(),
+    )  # fmt: skip
 
 
 async def _math_rollout(
@@ -192,8 +228,9 @@ async def _swe_rollout(
         step=step,
         on_trajectory=lambda _t: run.reporter.advance(),
         estimators=run.estimators,
+        pool=await run.sandbox_pool(),
     )
-    run.env.add(trajectories)
+    run.env.add(trajectories, step)
     # The agentic trace in belayer-policy's format: what the simulator replays (issue 16).
     with (run.run_dir / "trace.jsonl").open("a") as trace:
         for trajectory in trajectories:
@@ -215,7 +252,7 @@ async def _step(
     run.reporter.begin_step(step, config.rollout.batch_size * config.rollout.samples_per_prompt)
     chaos.current_step = step
     started = time.monotonic()
-    rollout = _swe_rollout if config.data.workload == "swe" else _math_rollout
+    rollout = _math_rollout if config.data.workload == "math" else _swe_rollout
     samples, extra = await rollout(run, step, router, chaos)
     rollout_s = time.monotonic() - started
     run.reporter.advance("reward")
@@ -306,8 +343,9 @@ async def _train(config: Config, stream: TextIO, run_dir: Path) -> dict[str, Any
                 num_slots=len(system.slots),
             )
             sync = WeightSync(system.weight_sockets)
-            if config.data.workload == "math":
-                summary["eval_accuracy_before"] = await _evaluate(run, router)
+            if config.data.workload == "tooluse":
+                summary["eval_accuracy_before"] = await _evaluate_agentic(run, router, "before")
+            if "eval_accuracy_before" in summary:
                 run.reporter.message(
                     f"belayer-grpo: greedy accuracy before GRPO {summary['eval_accuracy_before']:.1%}"
                 )
@@ -323,12 +361,17 @@ async def _train(config: Config, stream: TextIO, run_dir: Path) -> dict[str, Any
                 background.cancel_scope.cancel()
             if config.data.workload == "math":
                 summary["eval_accuracy_after"] = await _evaluate(run, router)
+            elif config.data.workload == "tooluse":
+                summary["eval_accuracy_after"] = await _evaluate_agentic(run, router, "after")
             match_recoveries(chaos.failures, system.events())
             summary["failures"] = [f.to_dict() for f in chaos.failures]
             summary["status"] = "completed"
         if config.system.checkpoint_every == 0 or summary.get("steps", 0) % config.system.checkpoint_every:
             await anyio.to_thread.run_sync(_checkpoint, run, summary.get("steps", run.start_step))
     finally:
+        if run.pool is not None:
+            with anyio.CancelScope(shield=True):
+                await close_pool(run.pool)
         history = run.reporter.history
         if history:
             summary |= {
@@ -340,8 +383,12 @@ async def _train(config: Config, stream: TextIO, run_dir: Path) -> dict[str, Any
             "wall_s": time.monotonic() - wall_start, "num_samples": run.num_samples, "num_resumed": run.num_resumed,
             "tokens_per_s": run.num_tokens / max(run.rollout_s, 1e-9), "workload": config.data.workload,
         }  # fmt: skip
-        if config.data.workload == "swe":
+        if config.data.workload != "math":
             summary["env"] = run.env.to_dict()
+        if history:
+            summary["plot"] = str(run_dir / "training.png")
         run.reporter.message(run.reporter.final_report(summary))
+        if history:
+            await anyio.to_thread.run_sync(write_training_plot, run_dir / "training.png", history, summary)
         run.reporter.close()
     return summary

@@ -1,6 +1,6 @@
-"""The agentic (SWE) workload inside training: tasks, the action-format warm-up, one rollout.
+"""The agentic workloads inside training: tasks, the warm-ups, one rollout, the held-out evaluation.
 
-``data.workload = "swe"``: each step draws ``rollout.batch_size`` tasks, rolls out
+``data.workload = "tooluse"`` (the default) or ``"swe"``: each step draws ``rollout.batch_size`` tasks, rolls out
 ``rollout.samples_per_prompt`` trajectories per task with `run_agentic_rollouts` (sandboxes,
 checkpoint policy, sandbox chaos, recoveries) and turns them into the trainer's `Sample` groups
 with `to_samples`.  A worker kill scheduled for the step hits while responses are in flight.
@@ -18,11 +18,12 @@ import anyio
 import attrs
 import torch
 
-from belayer_envckpt import ExecResult
+from belayer_envckpt import CheckpointStore, Engine, ExecResult
 from belayer_grpo._agentic import (
     AgenticConfig,
     AgenticTrajectory,
-    SweTask,
+    AgentTask,
+    SandboxPool,
     builtin_tasks,
     load_swegym,
     render_observation,
@@ -31,11 +32,12 @@ from belayer_grpo._agentic import (
     summarize,
     to_samples,
 )
+from belayer_grpo._agentic.tooluse import ToolUseTask, generate_tooluse_tasks, tooluse_transcript
 from belayer_grpo._chaos import WorkerChaos
 from belayer_grpo._config import Config
 from belayer_grpo._data import PolicyTokenizer
 from belayer_grpo._errors import GrpoConfigError
-from belayer_grpo._guardian import run_marker
+from belayer_grpo._guardian import RUN_LABEL, run_marker
 from belayer_grpo._model import completion_logprobs, pack
 from belayer_grpo._rollout_math import Sample
 from belayer_policy import SharedEstimators
@@ -46,10 +48,15 @@ __all__ = [
     "EnvTotals",
     "action_warmup",
     "agentic_config",
+    "close_pool",
+    "evaluate_held_out",
     "format_env",
+    "held_out_tasks",
     "load_tasks",
+    "open_pool",
     "run_swe_rollout",
     "run_tag",
+    "tooluse_warmup",
 ]
 
 # Short, harmless commands: the warm-up teaches the action format, not how to fix a bug.
@@ -57,14 +64,24 @@ WARMUP_COMMANDS = ("ls", "pwd", "wc -l *.py", "grep -n return *.py", "echo step 
 _FAKE_OUTPUTS = ("", "notes.txt\n", "3 calc.py\n", "/workspace/calc_add\n", "1:def add(a, b):\n")
 
 
-def load_tasks(config: Config) -> list[SweTask]:
-    """``data.source``: ``builtin`` (the shipped tasks) or a SWE-Gym style ``.jsonl`` file."""
+def load_tasks(config: Config) -> list[AgentTask]:
+    """The training tasks.  tooluse: generated from ``data.seed`` (less the held-out ones); swe:
+    ``data.source``, ``builtin`` (the shipped tasks) or a SWE-Gym style ``.jsonl`` file."""
+    if config.data.workload == "tooluse":
+        return list(generate_tooluse_tasks(config.data.seed, config.data.held_out)[0])
     source = config.data.source
     if source == "builtin":
         return builtin_tasks()
     if not source.endswith(".jsonl"):
         raise GrpoConfigError("data.source", f"the swe workload reads a SWE-Gym .jsonl file, got {source!r}")
-    return load_swegym(source)
+    return list(load_swegym(source))
+
+
+def held_out_tasks(config: Config) -> list[AgentTask]:
+    """The tasks evaluated greedily before and after training (tooluse; none for swe)."""
+    if config.data.workload != "tooluse":
+        return []
+    return list(generate_tooluse_tasks(config.data.seed, config.data.held_out)[1])
 
 
 def run_tag(run_dir: Path) -> str:
@@ -86,14 +103,39 @@ def agentic_config(config: Config, run_dir: Path, tokenizer: PolicyTokenizer, st
         seed=config.chaos.seed * 100_003 + step,
         checkpoint_policy=rollout.env_checkpoint_policy,
         sandbox_kill_probability=config.chaos.sandbox_kill_p,
+        sandbox_kill_at_actions=config.chaos.sandbox_kill_at_actions,
+        sandbox_recovery=config.system.sandbox_recovery,
         max_concurrency=rollout.max_sandboxes,
         invalid_action=rollout.invalid_action,
         run_label=run_marker(run_dir),
     )
 
 
+def open_pool(config: Config, run_dir: Path) -> SandboxPool:
+    """The run's sandbox pool, kept from step to step.  tooluse reuses its sandboxes (the state
+    of a task lives in its working directory, which the pool empties between trajectories)."""
+    engine = Engine.connect()
+    try:
+        engine.require_checkpoint_support()
+    except BaseException:
+        engine.close()
+        raise
+    return SandboxPool(
+        engine, CheckpointStore(run_dir / "env-checkpoints"), capacity=config.rollout.max_sandboxes,
+        labels={RUN_LABEL: run_marker(run_dir)}, reuse=config.data.workload == "tooluse",
+    )  # fmt: skip
+
+
+async def close_pool(pool: SandboxPool) -> None:
+    """Remove every container of the pool and close its engine connection."""
+    try:
+        await pool.aclose()
+    finally:
+        pool.engine.close()
+
+
 def _warmup_example(
-    rng: random.Random, tokenizer: PolicyTokenizer, task: SweTask, max_rounds: int
+    rng: random.Random, tokenizer: PolicyTokenizer, task: AgentTask, max_rounds: int
 ) -> tuple[list[int], list[int]]:
     context = tokenizer.encode_prompt(render_prompt(task))
     for _ in range(rng.randrange(max_rounds)):
@@ -107,7 +149,7 @@ def _warmup_example(
 def action_warmup(
     model: torch.nn.Module,
     tokenizer: PolicyTokenizer,
-    tasks: Sequence[SweTask],
+    tasks: Sequence[AgentTask],
     *,
     steps: int,
     learning_rate: float,
@@ -136,6 +178,68 @@ def action_warmup(
     return losses
 
 
+def _tooluse_example(
+    rng: random.Random, tokenizer: PolicyTokenizer, task: ToolUseTask
+) -> tuple[list[int], list[int]]:
+    turns = tooluse_transcript(task)
+    target_turn = rng.randrange(len(turns))
+    context = tokenizer.encode_prompt(render_prompt(task))
+    for text, observation in turns[:target_turn]:
+        assert observation is not None
+        context += [*tokenizer.encode(text), tokenizer.eos_token_id]
+        context += tokenizer.encode(task.render_observation(observation.exit_code, observation.output))
+    return context, [*tokenizer.encode(turns[target_turn][0]), tokenizer.eos_token_id]
+
+
+def tooluse_warmup(
+    model: torch.nn.Module,
+    tokenizer: PolicyTokenizer,
+    tasks: Sequence[AgentTask],
+    *,
+    steps: int,
+    learning_rate: float,
+    batch_size: int,
+    seed: int,
+) -> list[float]:
+    """A brief supervised warm-up on right transcripts of the training tasks (one turn of one
+    task per example, the earlier turns with their observations as context): it teaches the
+    format and leaves the policy far from always right, so that GRPO has something to raise."""
+    tool_tasks = [t for t in tasks if isinstance(t, ToolUseTask)]
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        examples = [_tooluse_example(rng, tokenizer, rng.choice(tool_tasks)) for _ in range(batch_size)]
+        batch = pack([c for c, _ in examples], [t for _, t in examples])
+        logprobs, mask = completion_logprobs(model, batch, [len(t) for _, t in examples])
+        loss = -(logprobs * mask).sum() / mask.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+    return losses
+
+
+async def evaluate_held_out(
+    tasks: Sequence[AgentTask], settings: AgenticConfig, router: RouterClient, tokenizer: PolicyTokenizer,
+    *, run_id: str, pool: SandboxPool | None = None,
+) -> float:  # fmt: skip
+    """Greedy accuracy on ``tasks``: one trajectory each, in real sandboxes, without chaos."""
+    if not tasks:
+        return 0.0
+    greedy = attrs.evolve(
+        settings, temperature=0.0, sandbox_kill_probability=0.0, sandbox_kill_at_actions=(),
+        checkpoint_policy="never",
+    )  # fmt: skip
+    trajectories = await run_agentic_rollouts(
+        tasks, router, greedy, num_samples=1, tokenizer=tokenizer, run_id=run_id,
+        engine=None if pool is None else pool.engine, pool=pool,
+    )  # fmt: skip
+    return sum(t.reward for t in trajectories) / len(trajectories)
+
+
 @attrs.define
 class EnvTotals:
     """Sandbox failures, recoveries and checkpoints over the whole run."""
@@ -148,10 +252,24 @@ class EnvTotals:
     checkpoints: int = 0
     checkpoint_failures: int = 0
     inconsistent: int = 0
+    checkpoint_s: float = 0.0  # time spent taking checkpoints (mostly overlapped with responses)
+    checkpoint_waited_s: float = 0.0  # what of it the next action waited for: the visible cost
+    recoveries: list[dict[str, Any]] = attrs.field(factory=list)
 
-    def add(self, trajectories: Sequence[AgenticTrajectory]) -> None:
-        """Count one step's trajectories."""
+    def add(self, trajectories: Sequence[AgenticTrajectory], step: int = 0) -> None:
+        """Count one step's trajectories and list each sandbox failure with its recovery."""
         for trajectory in trajectories:
+            self.checkpoint_s += sum(c.duration_s for c in trajectory.checkpoints)
+            self.checkpoint_waited_s += sum(c.waited_s for c in trajectory.checkpoints)
+            for r in trajectory.recoveries:
+                self.recoveries.append({
+                    "step": step, "trajectory": trajectory.trajectory_id, "reason": r.reason,
+                    "failed_turn": r.failed_turn, "from_checkpoint": r.from_checkpoint,
+                    "restored_prefix": r.restored_prefix, "restored_turn": r.restored_turn,
+                    "turns_replayed": r.rounds_regenerated, "tokens_regenerated": r.tokens_regenerated,
+                    "restore_s": r.restore_s, "prefix_consistent": r.prefix_consistent,
+                    "reward": trajectory.reward,
+                })  # fmt: skip
             self.trajectories += 1
             self.failures += trajectory.num_failures
             self.from_checkpoint += sum(r.from_checkpoint for r in trajectory.recoveries)
@@ -174,7 +292,10 @@ class EnvTotals:
             "tokens_regenerated": self.tokens_regenerated,
             "checkpoints": self.checkpoints,
             "checkpoint_failures": self.checkpoint_failures,
+            "checkpoint_s_total": self.checkpoint_s,
+            "checkpoint_waited_s_total": self.checkpoint_waited_s,
             "all_prefix_consistent": self.inconsistent == 0,
+            "recoveries": self.recoveries,
         }
 
 
@@ -202,7 +323,7 @@ async def _kill_while_generating(router: RouterClient, chaos: WorkerChaos) -> No
 
 
 async def run_swe_rollout(
-    tasks: Sequence[SweTask],
+    tasks: Sequence[AgentTask],
     config: AgenticConfig,
     router: RouterClient,
     tokenizer: PolicyTokenizer,
@@ -214,6 +335,7 @@ async def run_swe_rollout(
     step: int,
     on_trajectory: Any = None,
     estimators: SharedEstimators | None = None,
+    pool: SandboxPool | None = None,
 ) -> tuple[list[Sample], dict[str, Any], list[AgenticTrajectory]]:
     """One step's trajectories as `Sample`s, their step metrics, and the trajectories.
 
@@ -228,6 +350,7 @@ async def run_swe_rollout(
         trajectories = await run_agentic_rollouts(
             tasks, router, config, num_samples=num_samples, tokenizer=tokenizer, run_id=run_id,
             on_trajectory=on_trajectory, estimators=estimators,
+            engine=None if pool is None else pool.engine, pool=pool,
         )  # fmt: skip
         group.cancel_scope.cancel()
     with trajectories_file.open("a") as out:

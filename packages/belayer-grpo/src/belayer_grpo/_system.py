@@ -72,6 +72,7 @@ class RolloutSystem:
                         max_num_seqs=min(config.rollout.concurrency, 256),
                         start_timeout_s=config.system.start_timeout_s,
                         stale_s=config.system.hang_threshold_s,
+                        engine=config.system.engine,
                     )
                 )
                 system.slots.append(supervisor)

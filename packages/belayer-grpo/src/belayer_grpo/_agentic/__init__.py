@@ -6,8 +6,15 @@ the latest ready full checkpoint and the router's matching ``L_k``.
 
 from __future__ import annotations
 
-from belayer_grpo._agentic.actions import BashAction, InvalidAction, ParsedAction, Submit, parse_action
-from belayer_grpo._agentic.context import TokenContext, render_observation, render_prompt
+from belayer_grpo._agentic.actions import (
+    Answer,
+    BashAction,
+    InvalidAction,
+    ParsedAction,
+    Submit,
+    parse_action,
+)
+from belayer_grpo._agentic.context import AgentTask, TokenContext, render_observation, render_prompt
 from belayer_grpo._agentic.environment import SandboxFailure, context_ref, parse_context_ref, repository_hash
 from belayer_grpo._agentic.image import DEFAULT_BASE_IMAGE, build_task_image
 from belayer_grpo._agentic.loop import AgentLoop
@@ -17,13 +24,16 @@ from belayer_grpo._agentic.rollout import default_estimators, run_agentic_rollou
 from belayer_grpo._agentic.samples import to_samples
 from belayer_grpo._agentic.settings import AgenticConfig
 from belayer_grpo._agentic.swegym import SweTask, builtin_tasks, load_swegym
+from belayer_grpo._agentic.tooluse import ToolObservation, ToolUseTask, generate_tooluse_tasks
 from belayer_grpo._errors import SandboxImageError, TaskFormatError, TrajectoryFailedError
 
 __all__ = [
     "DEFAULT_BASE_IMAGE",
     "AgentLoop",
+    "AgentTask",
     "AgenticConfig",
     "AgenticTrajectory",
+    "Answer",
     "BashAction",
     "CheckpointRecord",
     "InvalidAction",
@@ -37,11 +47,14 @@ __all__ = [
     "SweTask",
     "TaskFormatError",
     "TokenContext",
+    "ToolObservation",
+    "ToolUseTask",
     "TrajectoryFailedError",
     "build_task_image",
     "builtin_tasks",
     "context_ref",
     "default_estimators",
+    "generate_tooluse_tasks",
     "load_swegym",
     "parse_action",
     "parse_context_ref",

@@ -14,13 +14,27 @@ import attrs
 from belayer_envckpt import ExecResult
 from belayer_grpo._agentic.actions import FORMAT_HINT
 from belayer_grpo._agentic.swegym import SweTask
+from belayer_grpo._agentic.tooluse import ToolUseTask
 from belayer_router import Tokenizer
 
-__all__ = ["TokenContext", "context_digest", "render_feedback", "render_observation", "render_prompt"]
+__all__ = [
+    "AgentTask",
+    "TokenContext",
+    "context_digest",
+    "render_feedback",
+    "render_observation",
+    "render_prompt",
+]
 
 
-def render_prompt(task: SweTask) -> str:
-    """The first user turn: the problem statement and the rules of the interaction."""
+AgentTask = SweTask | ToolUseTask
+
+
+def render_prompt(task: AgentTask) -> str:
+    """The first user turn: the problem statement and the rules of the interaction (a tool-use
+    task's statement is its whole prompt: it names the actions itself)."""
+    if isinstance(task, ToolUseTask):
+        return task.problem_statement
     return (
         "You are fixing a bug in the repository in the current directory.\n"
         f"Problem:\n{task.problem_statement.strip()}\n\n"

@@ -8,6 +8,7 @@ reported as a `SandboxFailure` value, never raised through the loop.
 from __future__ import annotations
 
 import time
+from typing import Protocol
 
 import attrs
 
@@ -24,6 +25,7 @@ from belayer_grpo._errors import SandboxCommandError
 
 __all__ = [
     "REPO_HASH_SCRIPT",
+    "SandboxChaos",
     "SandboxFailure",
     "checkpoint_sandbox",
     "context_ref",
@@ -46,6 +48,30 @@ class SandboxFailure:
 
     reason: str
     action_s: float = 0.0
+
+
+class StepFault(Protocol):
+    """Called after each action; True when it failed the sandbox (`FaultInjector`, `SandboxChaos`)."""
+
+    def step(self, sandbox: Sandbox) -> bool: ...
+
+
+@attrs.define
+class SandboxChaos:
+    """Kills the sandbox after the actions numbered ``at_actions`` (each once), and otherwise
+    as ``injector`` (a probability per action) decides."""
+
+    at_actions: tuple[int, ...] = ()
+    injector: FaultInjector | None = None
+    _fired: set[int] = attrs.field(factory=set)
+
+    def step(self, sandbox: Sandbox) -> bool:
+        """Call after each action (``sandbox.prefix`` counts it already)."""
+        if sandbox.prefix in self.at_actions and sandbox.prefix not in self._fired:
+            self._fired.add(sandbox.prefix)
+            sandbox.kill()
+            return True
+        return self.injector is not None and self.injector.step(sandbox)
 
 
 def context_ref(trajectory: str, turn: int) -> str:
@@ -83,7 +109,7 @@ def _is_running(sandbox: Sandbox) -> bool:
 
 
 def run_action(
-    sandbox: Sandbox, command: str, timeout_s: float, injector: FaultInjector | None
+    sandbox: Sandbox, command: str, timeout_s: float, injector: StepFault | None
 ) -> ExecResult | SandboxFailure:
     """Run one action; then chaos may kill the sandbox; then check that it is still running.
 

@@ -6,7 +6,10 @@ and ``L_turn`` is stored again with it.  After every environment step the checkp
 decides; a decided full checkpoint overlaps the next response and is tied to ``L_turn``.  On a
 sandbox failure the latest ready checkpoint is restored, its ``L_turn`` reloaded from the router
 and generation resumes from there (from the base image and the prompt when there is none, which
-is always the case under ``never``).  At the end the task's tests give the reward.
+is always the case under ``never``).  At the end the task's tests give the reward (a tool-use
+task scores the answer against what its actions really returned).  With ``sandbox_recovery =
+"image"`` (the control without recovery) a failed sandbox is replaced by a fresh one from the image
+and only the failed turn is taken again: the agent's context keeps what the lost state held.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ import time
 import anyio
 import attrs
 
-from belayer_envckpt import BelayerEnvckptError, FaultInjector, Sandbox, full_restore
+from belayer_envckpt import BelayerEnvckptError, Sandbox, full_restore
 from belayer_grpo._agentic import actions, environment
 from belayer_grpo._agentic.context import (
+    AgentTask,
     TokenContext,
     context_digest,
     render_feedback,
@@ -29,7 +33,7 @@ from belayer_grpo._agentic.context import (
 from belayer_grpo._agentic.pool import SandboxLease
 from belayer_grpo._agentic.records import AgenticTrajectory, CheckpointRecord, RecoveryRecord
 from belayer_grpo._agentic.settings import AgenticConfig
-from belayer_grpo._agentic.swegym import SweTask
+from belayer_grpo._agentic.tooluse import ToolObservation, ToolUseTask
 from belayer_grpo._errors import SandboxCommandError, TrajectoryFailedError
 from belayer_policy import CheckpointPolicy, StepObservation
 from belayer_router import Completion, RouterClient, Tokenizer
@@ -49,14 +53,14 @@ def derive_seed(base: int, trajectory: str, turn: int) -> int:
 class AgentLoop:
     """Rolls out one trajectory of ``task`` in the sandbox of ``lease``."""
 
-    task: SweTask
+    task: AgentTask
     trajectory_id: str
     config: AgenticConfig
     router: RouterClient
     tokenizer: Tokenizer
     lease: SandboxLease
     policy: CheckpointPolicy
-    injector: FaultInjector | None = None
+    injector: environment.StepFault | None = None
     group_index: int = 0
     sample_index: int = 0
     context: TokenContext = attrs.field(factory=TokenContext)
@@ -75,6 +79,10 @@ class AgentLoop:
     _steps: list[list[float | None]] = attrs.field(factory=list)
     _unspent_response_s: float = 0.0
     _failed_steps: list[int] = attrs.field(factory=list)
+    # Tool-use tasks: what each turn's action returned, and the final answer.
+    _observations: dict[int, ToolObservation] = attrs.field(factory=dict)
+    _answer: str | None = None
+    _round_start: int = 0  # context length before the current response
     _started: float = attrs.field(factory=time.monotonic)
 
     def _now(self) -> float:
@@ -88,21 +96,35 @@ class AgentLoop:
             if isinstance(finish, environment.SandboxFailure):
                 await self._recover(finish)
                 continue
+            if isinstance(self.task, ToolUseTask):
+                observations = [self._observations[t] for t in sorted(self._observations)]
+                reward = self.task.score(self._answer, observations)
+                steps = "; ".join(f"{o.command} -> {o.output.strip()[:40]!r}" for o in observations)
+                result = _TestResult(0 if reward else 1, f"{steps}; answer {self._answer!r}", "")
+                break
             result = await anyio.to_thread.run_sync(self._run_tests)
             if isinstance(result, environment.SandboxFailure):
                 await self._recover(result)
                 continue
+            reward = 1.0 if result.exit_code == 0 else 0.0
             break
         await self.router.drop_trajectory(self.trajectory_id)
         self.policy.on_trajectory_end(self.prefix)
-        return self._finish(finish, result.exit_code, result.stdout + result.stderr)
+        return self._finish(finish, reward, result.exit_code, result.stdout + result.stderr)
 
     async def _begin(self) -> None:
         self.context = TokenContext.from_prompt(self.tokenizer, render_prompt(self.task))
         await self.router.put_context(self.trajectory_id, 0, self.context.token_ids)
-        repo_hash = await anyio.to_thread.run_sync(
-            environment.repository_hash, self.lease.sandbox, self.task.workdir
-        )
+        for attempt in range(3):
+            try:
+                repo_hash = await anyio.to_thread.run_sync(
+                    environment.repository_hash, self.lease.sandbox, self.task.workdir
+                )
+                break
+            except _FAILED:
+                if attempt == 2:
+                    raise
+                await self.lease.restart()  # a sandbox that cannot even be read is replaced
         ref = environment.context_ref(self.trajectory_id, 0)
         self._base = CheckpointRecord(0, 0, ref, self.context.digest(), repo_hash)
 
@@ -114,6 +136,7 @@ class AgentLoop:
             if room < 1:
                 return "context_full"
             turn = self.turn + 1
+            self._round_start = len(self.context)
             completion, response_s = await self._respond(turn, room)
             self.context.add_generated(completion.token_ids, completion.logprobs)
             self.turn = turn
@@ -123,6 +146,9 @@ class AgentLoop:
             action = actions.parse_action(text)
             if isinstance(action, actions.Submit):
                 return "submit"
+            if isinstance(action, actions.Answer):
+                self._answer = action.text
+                return "answer" if isinstance(self.task, ToolUseTask) else "submit"
             if isinstance(action, actions.InvalidAction):
                 if self.config.invalid_action == "end":
                     return "no_action"
@@ -140,10 +166,16 @@ class AgentLoop:
             if isinstance(outcome, environment.SandboxFailure):
                 return outcome
             self.prefix = self.lease.sandbox.prefix
+            self._observations[turn] = ToolObservation(
+                action.command, outcome.exit_code, outcome.stdout + outcome.stderr
+            )
             del self._steps[self.prefix - 1 :]
             self._steps.append([self._unspent_response_s + response_s, outcome.duration_s, None])
             self._unspent_response_s = 0.0
-            observation = render_observation(outcome, self.config.max_observation_chars)
+            if isinstance(self.task, ToolUseTask):
+                observation = self.task.render_observation(outcome.exit_code, outcome.stdout + outcome.stderr)
+            else:
+                observation = render_observation(outcome, self.config.max_observation_chars)
             self.context.add_text(self.tokenizer, observation)
             await self.router.put_context(self.trajectory_id, turn, self.context.token_ids)
             decision = self.policy.decide(
@@ -215,6 +247,7 @@ class AgentLoop:
         self.policy.on_checkpoint_ready(record.duration_s)  # the measured cost feeds the estimators
 
     def _run_tests(self) -> environment.SandboxFailure | _TestResult:
+        assert not isinstance(self.task, ToolUseTask)  # scored from its answer, without tests
         try:
             result = self.lease.sandbox.exec(self.task.test_command, timeout_s=self.config.test_timeout_s)
         except _FAILED as error:
@@ -237,9 +270,14 @@ class AgentLoop:
         failed_prefix, failed_turn = self.prefix, self.turn
         self._failed_steps.append(failed_prefix)  # the step being attempted (0-based)
         self._unspent_response_s = 0.0
+        if self.config.sandbox_recovery == "image":
+            await self._restart_without_state(failure, started)
+            return
         target, sandbox, timings = await self._restore_environment()
         lost = sorted(t for t in self._response_tokens if t > target.turn)
         tokens_lost = sum(self._response_tokens.pop(t) for t in lost)
+        for t in lost:
+            self._observations.pop(t, None)
         turn, token_ids = await self.router.get_context(self.trajectory_id, target.turn)
         context_matches = (
             turn == target.turn
@@ -277,6 +315,36 @@ class AgentLoop:
             )
         )
 
+    async def _restart_without_state(self, failure: environment.SandboxFailure, started: float) -> None:
+        """The control without recovery: a fresh sandbox from the image, the context kept but for
+        the failed turn, so the agent goes on believing in the state the old sandbox held."""
+        failed_prefix, failed_turn = self.prefix, self.turn
+        sandbox = await self.lease.restart()
+        sandbox.prefix = self.prefix  # the agent's count of committed actions goes on
+        self.context.truncate(self._round_start)
+        tokens_lost = self._response_tokens.pop(failed_turn, 0)
+        self._observations.pop(failed_turn, None)
+        self.turn = failed_turn - 1
+        actual_hash = await anyio.to_thread.run_sync(environment.repository_hash, sandbox, self.task.workdir)
+        restore_s = time.monotonic() - started
+        self.recoveries.append(
+            RecoveryRecord(
+                failed_prefix=failed_prefix,
+                failed_turn=failed_turn,
+                reason=failure.reason,
+                restored_prefix=self.prefix,
+                restored_turn=self.turn,
+                from_checkpoint=False,
+                restore_s=restore_s,
+                tokens_regenerated=tokens_lost,
+                rounds_regenerated=1,
+                expected_repo_hash=self._base.repo_hash if self._base and self.prefix == 0 else "",
+                actual_repo_hash=actual_hash,
+                context_matches=True,
+                prefix_matches=self.prefix == 0,  # a fresh sandbox holds the state of prefix 0 only
+            )
+        )
+
     async def _restore_environment(self) -> tuple[CheckpointRecord, Sandbox, dict[str, float]]:
         """Restore the newest checkpoint that restores (older ones next), else start afresh."""
         engine = self.lease.pool.engine
@@ -296,7 +364,7 @@ class AgentLoop:
         assert self._base is not None
         return self._base, await self.lease.restart(), {}
 
-    def _finish(self, finish: str, exit_code: int, output: str) -> AgenticTrajectory:
+    def _finish(self, finish: str, reward: float, exit_code: int, output: str) -> AgenticTrajectory:
         return AgenticTrajectory(
             trajectory_id=self.trajectory_id,
             task_id=self.task.instance_id,
@@ -306,7 +374,7 @@ class AgentLoop:
             loss_mask=[int(g) for g in self.context.generated],
             logprobs=list(self.context.logprobs),
             num_prompt_tokens=self.context.num_prompt_tokens,
-            reward=1.0 if exit_code == 0 else 0.0,
+            reward=reward,
             finish=finish,
             rounds=self.turn,
             num_actions=self.prefix,

@@ -4,10 +4,17 @@ A lease hands out the trajectory's current sandbox and follows it through failur
 a fresh start replaces the container).  Leaving the lease removes the container and, unless asked
 to keep them, every checkpoint of the trajectory; closing the pool removes anything of it that
 is still there (containers carry the pool's label, restored ones included).
+
+With ``reuse`` a sandbox the pool created that is still running when its trajectory ends is not
+removed: its working directory is emptied (``rm -rf`` and ``mkdir``) and the next trajectory of
+the same image and working directory gets it, which saves a container start and removal per
+trajectory.  Only the working directory is reset, so reuse suits tasks whose state lives there
+(the tool-use tasks); a container restored from a checkpoint is never reused.
 """
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import uuid
 from collections.abc import AsyncIterator
@@ -16,7 +23,7 @@ from contextlib import asynccontextmanager
 import anyio
 import attrs
 
-from belayer_envckpt import CheckpointStore, Engine, Sandbox, SandboxConfig
+from belayer_envckpt import BelayerEnvckptError, CheckpointStore, Engine, Sandbox, SandboxConfig
 
 __all__ = ["POOL_LABEL", "SandboxLease", "SandboxPool"]
 
@@ -40,8 +47,11 @@ class SandboxLease:
 
     async def restart(self) -> Sandbox:
         """Remove the current container and start a fresh one from the base image."""
+        self.pool._created.discard(self.sandbox.id)
         await anyio.to_thread.run_sync(self.sandbox.remove)
         self.sandbox = await self.pool._create(self.config, self.trajectory)
+        if self.pool.reuse:
+            self.pool._created.add(self.sandbox.id)  # fresh from the image: reusable
         return self.sandbox
 
 
@@ -54,9 +64,13 @@ class SandboxPool:
     capacity: int = 8
     labels: dict[str, str] = attrs.field(factory=dict)
     keep_checkpoints: bool = False
+    reuse: bool = False
     pool_id: str = attrs.field(factory=lambda: uuid.uuid4().hex[:12])
     _limiter: anyio.CapacityLimiter = attrs.field(init=False)
     _leases: dict[str, SandboxLease] = attrs.field(init=False, factory=dict)
+    _idle: dict[tuple[str, str], list[Sandbox]] = attrs.field(init=False, factory=dict)
+    _created: set[str] = attrs.field(init=False, factory=set)
+    num_reused: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         if self.capacity < 1:
@@ -81,6 +95,31 @@ class SandboxPool:
             lambda: Sandbox.create(self.engine, config, trajectory=trajectory)
         )
 
+    async def _take(self, config: SandboxConfig, trajectory: str) -> Sandbox:
+        idle = self._idle.get((config.image, config.working_dir))
+        if idle:
+            sandbox = idle.pop()
+            sandbox.trajectory, sandbox.prefix, sandbox.context_ref = trajectory, 0, ""
+            self.num_reused += 1
+            return sandbox
+        sandbox = await self._create(config, trajectory)
+        if self.reuse:
+            self._created.add(sandbox.id)
+        return sandbox
+
+    def _reset(self, sandbox: Sandbox) -> bool:
+        """Empty the working directory of a sandbox this pool created; False if it cannot be reused."""
+        if sandbox.id not in self._created:
+            return False
+        workdir = shlex.quote(sandbox.config.working_dir)
+        try:
+            result = sandbox.probe(
+                ["/bin/sh", "-c", f"rm -rf {workdir} && mkdir -p {workdir}"], timeout_s=30.0
+            )
+            return result.exit_code == 0 and sandbox.is_running()
+        except BelayerEnvckptError:
+            return False
+
     @asynccontextmanager
     async def lease(self, trajectory: str, image: str, workdir: str) -> AsyncIterator[SandboxLease]:
         """Wait for capacity, start a sandbox for ``trajectory``; clean it all up on exit."""
@@ -88,7 +127,7 @@ class SandboxPool:
             raise ValueError(f"trajectory {trajectory!r} already holds a sandbox of this pool")
         async with self._limiter:
             config = self.sandbox_config(image, workdir)
-            sandbox = await self._create(config, trajectory)
+            sandbox = await self._take(config, trajectory)
             lease = SandboxLease(self, trajectory, config, sandbox)
             self._leases[trajectory] = lease
             try:
@@ -99,9 +138,16 @@ class SandboxPool:
                     await anyio.to_thread.run_sync(lambda: self._clean(lease))
 
     def _clean(self, lease: SandboxLease) -> None:
-        lease.sandbox.remove()
+        sandbox = lease.sandbox
+        if self.reuse and self._reset(sandbox):
+            self._idle.setdefault((lease.config.image, lease.config.working_dir), []).append(sandbox)
+        else:
+            self._created.discard(sandbox.id)
+            sandbox.remove()
+        idle = {s.id for pool in self._idle.values() for s in pool}
         for container in self._containers(trajectory=lease.trajectory):
-            self.engine.remove(container)
+            if container not in idle:
+                self.engine.remove(container)
         if not self.keep_checkpoints:
             # Not `store.gc`: it also sweeps partial checkpoints, which here are other
             # trajectories' checkpoints in progress.
@@ -115,6 +161,8 @@ class SandboxPool:
 
     async def aclose(self) -> None:
         """Remove every container this pool created that is still there."""
+        self._idle.clear()
+        self._created.clear()
         with anyio.CancelScope(shield=True):
             for container in await anyio.to_thread.run_sync(self._containers):
                 await anyio.to_thread.run_sync(self.engine.remove, container)

@@ -157,6 +157,7 @@ class AgenticTrajectory:
             "task_id": self.task_id,
             "reward": self.reward,
             "finish": self.finish,
+            "outcome": self.test_output[-300:],
             "rounds": self.rounds,
             "num_actions": self.num_actions,
             "num_responses": self.num_responses,

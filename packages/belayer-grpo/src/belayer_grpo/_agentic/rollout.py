@@ -9,6 +9,8 @@ import anyio
 import attrs
 
 from belayer_envckpt import CheckpointStore, Engine, FaultInjector
+from belayer_grpo._agentic.context import AgentTask
+from belayer_grpo._agentic.environment import SandboxChaos
 from belayer_grpo._agentic.image import build_task_image
 from belayer_grpo._agentic.loop import AgentLoop, derive_seed
 from belayer_grpo._agentic.pool import SandboxPool
@@ -30,7 +32,7 @@ def default_estimators(config: AgenticConfig) -> SharedEstimators:
 
 
 async def run_agentic_rollouts(
-    tasks: Sequence[SweTask],
+    tasks: Sequence[AgentTask],
     router: RouterClient,
     config: AgenticConfig,
     *,
@@ -82,7 +84,7 @@ async def run_agentic_rollouts(
 
 @attrs.frozen
 class _Job:
-    task: SweTask
+    task: AgentTask
     image: str
     group_index: int
     sample_index: int
@@ -90,7 +92,7 @@ class _Job:
 
 
 async def _roll_out(
-    tasks: Sequence[SweTask],
+    tasks: Sequence[AgentTask],
     router: RouterClient,
     config: AgenticConfig,
     num_samples: int,
@@ -103,7 +105,9 @@ async def _roll_out(
     built = config.image
     if built is None and any(t.image is None for t in tasks):
         built = await anyio.to_thread.run_sync(
-            lambda: build_task_image(pool.engine, tasks, base_image=config.base_image)
+            lambda: build_task_image(
+                pool.engine, [t for t in tasks if isinstance(t, SweTask)], base_image=config.base_image
+            )
         )
     jobs = [
         _Job(task, task.image or built or "", g, s, f"{run_id}-g{g}-s{s}")
@@ -124,11 +128,12 @@ async def _roll_out(
             # Keyed by the sample's place, not its id, so a batch sees the same faults in every run.
             seed = derive_seed(config.seed, f"chaos-g{job.group_index}-s{job.sample_index}", -1)
             injector = FaultInjector(config.sandbox_kill_probability, seed=seed)
+        chaos = SandboxChaos(config.sandbox_kill_at_actions, injector)
         try:
             async with pool.lease(job.trajectory_id, job.image, job.task.workdir) as lease:
                 loop = AgentLoop(
                     job.task, job.trajectory_id, config, router, tokenizer, lease,
-                    spec.build(estimators), injector, job.group_index, job.sample_index,
+                    spec.build(estimators), chaos, job.group_index, job.sample_index,
                 )  # fmt: skip
                 results[index] = await loop.run()
         except Exception as error:  # every other trajectory still finishes

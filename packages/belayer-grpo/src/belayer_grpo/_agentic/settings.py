@@ -42,6 +42,12 @@ class AgenticConfig:
     (the fault-injection setting); it defaults to the kill probability when that is positive.
     ``invalid_action``: ``end`` finishes the episode at a response without an action,
     ``feedback`` answers it with a hint and goes on (it counts as a round).
+    ``sandbox_kill_at_actions``: deterministic chaos, each trajectory's sandbox is killed right
+    after its action number k (once per k), e.g. to compare recoveries on the same failures.
+    ``sandbox_recovery``: ``checkpoint`` (restore the latest ready checkpoint and its ``L_turn``,
+    or start over from the image and the prompt: always prefix-consistent) or ``image``, the
+    control without recovery: a fresh container from the image while the agent keeps its context
+    (only the failed turn is taken again), so the sandbox's state is silently lost.
     """
 
     checkpoint_root: Path = attrs.field(converter=Path)
@@ -59,6 +65,10 @@ class AgenticConfig:
     policy_cooldown_s: float = attrs.field(default=20.0, validator=_float_ge0)
     policy_failure_probability: float | None = attrs.field(default=None)
     sandbox_kill_probability: float = attrs.field(default=0.0, validator=_probability)
+    sandbox_kill_at_actions: tuple[int, ...] = attrs.field(default=(), converter=_token_ids)
+    sandbox_recovery: str = attrs.field(
+        default="checkpoint", validator=attrs.validators.in_(("checkpoint", "image"))
+    )
     max_recoveries: int = attrs.field(default=100, validator=_ge0)
     max_concurrency: int = attrs.field(default=8, validator=_ge1)
     action_timeout_s: float = attrs.field(default=30.0, validator=_float_gt0)

@@ -1,0 +1,103 @@
+"""The tool-use tasks in real sandboxes with a scripted agent: the task depends on the sandbox's
+state, so a recovery that loses it (the `image` control) turns right answers into wrong ones,
+while checkpoint recovery (or a replay from scratch) keeps every answer right."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import pytest
+from agent_script import STOP
+from agentic_support import ADMIN, agentic_config, connect_engine, run_id
+
+from belayer_envckpt import CheckpointStore, Engine
+from belayer_grpo._agentic import SandboxPool, generate_tooluse_tasks, run_agentic_rollouts
+from belayer_router import ByteTokenizer, RouterClient, RouterConfig, running_router
+from belayer_router.testing import running_worker, text_script
+
+pytestmark = [pytest.mark.docker, pytest.mark.anyio]
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    yield from connect_engine()
+
+
+def tooluse_response(prompt: str) -> str:
+    """A perfect agent: store the value, read it back, answer from what it read."""
+    task = re.match(r"Save (\d+) to file a, .* then (\d+)\n", prompt)
+    if task is None:
+        return "I do not know this task."
+    observations = re.findall(r"OUT (-?\d+): (.*)\n", prompt)
+    if not observations:
+        return f"ACTION: echo {task.group(1)} > a\n"
+    if len(observations) == 1:
+        return "ACTION: cat a\n"
+    exit_code, output = observations[-1]
+    read = output.strip() if exit_code == "0" else ""
+    return f"ANSWER: {read}{task.group(2)}\n"
+
+
+@asynccontextmanager
+async def router_with_tooluse_agent() -> AsyncIterator[RouterClient]:
+    script = text_script(ByteTokenizer(), tooluse_response, STOP)
+    async with (
+        running_router(RouterConfig(admin_token=ADMIN, resume_wait_s=10.0)) as (url, _app),
+        running_worker(1, script=script) as (worker_url, _worker),
+        RouterClient(url, admin_token=ADMIN) as client,
+    ):
+        await client.register("s0", worker_url, 1)
+        yield client
+
+
+@pytest.mark.parametrize(
+    ("recovery", "policy", "reward", "consistent", "from_checkpoint", "restored_prefix"),
+    [
+        ("checkpoint", "always", 1.0, True, True, 1),  # restored after the store: only `cat` again
+        ("checkpoint", "never", 1.0, True, False, 0),  # no checkpoint: replayed from the image and prompt
+        ("image", "always", 0.0, False, False, 1),  # the control: state lost, the agent goes on
+    ],
+)
+async def test_a_kill_after_the_read_is_harmless_only_when_the_state_comes_back(
+    engine: Engine, tmp_path: Path, recovery: str, policy: str, reward: float, consistent: bool,
+    from_checkpoint: bool, restored_prefix: int,
+) -> None:  # fmt: skip
+    tasks = generate_tooluse_tasks(0, held_out=3)[1]
+    config = agentic_config(
+        tmp_path / "ckpt", max_rounds=4, max_response_tokens=40, checkpoint_policy=policy,
+        sandbox_kill_at_actions=(2,), sandbox_recovery=recovery, max_concurrency=3,
+    )  # fmt: skip
+    pool = SandboxPool(engine, CheckpointStore(tmp_path / "ckpt"), capacity=3, reuse=True)
+    try:
+        async with router_with_tooluse_agent() as client:
+            with anyio.fail_after(240):
+                trajectories = await run_agentic_rollouts(
+                    tasks, client, config, num_samples=2, engine=engine, pool=pool,
+                    run_id=run_id(f"tool-{recovery}-{policy}"),
+                )  # fmt: skip
+    finally:
+        await pool.aclose()
+    assert len(trajectories) == 6
+    if not from_checkpoint:  # 6 trajectories on at most 3 sandboxes (restored ones are not reused)
+        assert pool.num_reused >= 1
+    for trajectory in trajectories:
+        assert trajectory.finish == "answer", trajectory.test_output
+        (recovery_record,) = trajectory.recoveries  # the forced kill, once per trajectory
+        assert recovery_record.failed_prefix == 1
+        assert recovery_record.failed_turn == 2
+        assert recovery_record.from_checkpoint is from_checkpoint
+        assert recovery_record.restored_prefix == restored_prefix
+        assert recovery_record.prefix_consistent is consistent
+        assert trajectory.reward == reward, trajectory.test_output
+    if recovery == "image":
+        assert all("can't open" in t.test_output for t in trajectories)
+    assert not list((tmp_path / "ckpt").glob("*/*"))  # every trajectory's checkpoints went with it

@@ -1,0 +1,83 @@
+"""`belayer-grpo train` on its default, the agentic tool-use workload, end to end with fewer steps:
+the real router, engine slot (main and shadow worker), Docker + CRIU sandboxes reused through the
+pool, the adaptive checkpoint policy and the GRPO trainer, while sandboxes are killed (at p per
+action and, to be sure some are, after every trajectory's second action in one step) and the main
+worker is killed mid-rollout.  The held-out greedy accuracy rises; every sandbox failure is
+recovered prefix-consistently; the report, the plot and the logs are there; nothing is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from test_sigint import _tagged_pids
+
+from belayer_envckpt import Engine
+from belayer_grpo._agentic.pool import POOL_LABEL
+from belayer_grpo._swe import run_tag
+
+pytestmark = [pytest.mark.e2e, pytest.mark.docker]
+
+STEPS = 8
+
+
+def test_the_default_agentic_run_learns_through_sandbox_and_worker_kills_and_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    tag = uuid.uuid4().hex
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "belayer_grpo", "train", f"system.run_dir={str(run_dir)!r}",
+            f"algorithm.steps={STEPS}", "system.checkpoint_every=0", "logging.progress=false"]  # fmt: skip
+    result = subprocess.run(
+        argv, capture_output=True, text=True, timeout=900, env={**os.environ, "BELAYER_TEST_TAG": tag}
+    )
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["status"] == "completed"
+    assert report["workload"] == "tooluse"
+
+    # The policy learned: greedy accuracy on the held-out tasks rose.
+    assert report["eval_accuracy_after"] > report["eval_accuracy_before"], log
+
+    # Sandboxes failed and every recovery put environment and context back on the same prefix.
+    env = report["env"]
+    assert env["sandbox_failures"] >= 1, log
+    assert env["sandbox_failures"] == len(env["recoveries"])
+    assert env["all_prefix_consistent"] is True
+    assert all(r["prefix_consistent"] for r in env["recoveries"])
+    assert env["checkpoints"] >= 1
+    assert "prefix-consistent: yes" in log
+
+    # The worker killed mid-rollout was replaced by its shadow.
+    (failure,) = report["failures"]
+    assert failure["recovery"] == "shadow"
+    assert failure["recovery_s"] is not None
+    assert "recovered by shadow" in log
+
+    # What the run leaves for the person: metrics, TensorBoard, the plot.
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run_dir / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # Nothing left behind: no process of the run, no sandbox container, no socket, no checkpoint.
+    assert _tagged_pids(tag) == []
+    engine = Engine.connect()
+    try:
+        ours = [
+            c.name
+            for c in engine.list_containers([POOL_LABEL])
+            if c.labels.get("belayer.trajectory", "").startswith(run_tag(run_dir))
+        ]
+    finally:
+        engine.close()
+    assert ours == []
+    assert not list(run_dir.rglob("*.sock"))
+    assert not list((run_dir / "env-checkpoints").rglob("*"))
