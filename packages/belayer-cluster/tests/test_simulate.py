@@ -240,7 +240,7 @@ def test_measured_inputs_are_read_from_the_committed_results_files(tmp_path: Pat
 def test_the_node_loss_benchmark_is_read_when_it_has_the_key(tmp_path: Path) -> None:
     results = tmp_path / "packages/belayer-cluster/benchmarks/results"
     results.mkdir(parents=True)
-    (results / "bench_node_loss.json").write_text(json.dumps({"belayer": {"resumed_s": 4.5}}))
+    (results / "bench_node_loss.json").write_text(json.dumps({"summary": {"node_loss_recovery_s": 4.5}}))
     assert measured_inputs(tmp_path)["node_loss_resume_s"][0] == 4.5
     (results / "bench_node_loss.json").write_text(json.dumps({"another": "shape"}))
     assert "node_loss_resume_s" not in measured_inputs(tmp_path)

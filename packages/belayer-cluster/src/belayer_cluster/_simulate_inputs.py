@@ -103,7 +103,8 @@ INPUT_SOURCES: dict[str, InputSource] = {
     "node_loss_resume_s": InputSource(
         "s",
         "belayer-cluster LocalClusterConfig defaults (1 s health period x 5 misses = 5 s) + 1 s router resume",
-        f"named input until {_NODE_LOSS} is committed (then read from it: belayer.resumed_s)",
+        f"named input until {_NODE_LOSS} is committed (then read from it: summary.node_loss_recovery_s,"
+        " node lost -> every affected request streaming again and its sandboxes restored on another node)",
     ),
     "sandbox_restore_s": InputSource(
         "s",
@@ -232,7 +233,10 @@ def measured_inputs(repo_root: Path) -> dict[str, tuple[float, str]]:
         # The node-loss benchmark belongs to the cluster engineer: a shape without the key keeps the
         # named default (its source says so) rather than breaking the simulation.
         data = _load(node_loss)
-        resumed = data.get("belayer", {}) if isinstance(data, dict) else {}
-        if isinstance(resumed, dict) and isinstance(resumed.get("resumed_s"), int | float):
-            found["node_loss_resume_s"] = (float(resumed["resumed_s"]), f"{_NODE_LOSS}: belayer.resumed_s")
+        summary = data.get("summary", {}) if isinstance(data, dict) else {}
+        if isinstance(summary, dict) and isinstance(summary.get("node_loss_recovery_s"), int | float):
+            found["node_loss_resume_s"] = (
+                float(summary["node_loss_recovery_s"]),
+                f"{_NODE_LOSS}: summary.node_loss_recovery_s (requests streaming again + sandboxes restored)",
+            )
     return found
