@@ -18,6 +18,7 @@ The API is synchronous (threads); from async code call `start`/`stop` via `anyio
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -31,8 +32,13 @@ import attrs
 
 from belayer_gpumem import ServerConfig, ServerProcess
 from belayer_router import RouterClient
-from belayer_shadow._engine._config import ModelConfig, kv_layout
-from belayer_shadow._engine._loader import init_weights, save_safetensors
+from belayer_shadow._engine._config import ModelConfig, kv_layout, weight_layout
+from belayer_shadow._engine._loader import (
+    fill_weight_server,
+    init_weights,
+    load_safetensors,
+    save_safetensors,
+)
 from belayer_shadow._workers._baseline import ConventionalRecovery
 from belayer_shadow._workers._children import Child, spawn_worker
 from belayer_shadow._workers._events import EventLog, read_events
@@ -221,22 +227,34 @@ class SlotSupervisor:
     # Memory servers.
 
     def start_memory_servers(self) -> None:
-        """Allocate the weight region (loaded from the checkpoint) and the KV arena."""
+        """Allocate the weight region (`weight_layout`'s table, filled from the checkpoint) and the
+        KV arena. A checkpoint that does not match the model is a WeightsError here."""
         config = self.config
         model = ModelConfig.default() if config.model is None else ModelConfig.from_json_file(config.model)
         if config.weights is None and not self.checkpoint.exists():
             save_safetensors(init_weights(model, config.seed), self.checkpoint)
         with self.log.step("memory.start"):
             backend, device = config.backend, config.device
+            # The table is `weight_layout`'s (fused parts back to back: q|k|v, gate|up), not the
+            # checkpoint's sorted names, so that both engines' fused weights are views of it.
+            layout_file = self.weights_socket.parent / "weights-layout.json"
+            layout_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            layout_file.write_text(json.dumps(weight_layout(model).to_json()))
             self.weights_server = ServerProcess.start(
                 ServerConfig(
                     kind="weights",
                     socket=self.weights_socket,
-                    safetensors=self.checkpoint,
+                    layout_file=layout_file,
                     backend=backend,
                     device=device,
                 )
             )
+            try:
+                fill_weight_server(self.weights_socket, load_safetensors(self.checkpoint))
+            except BaseException:
+                self.weights_server.stop(timeout_s=10)
+                self.weights_server = None
+                raise
             layout = kv_layout(model, config.num_kv_blocks, config.block_size)
             self.kv_server = ServerProcess.start(
                 ServerConfig(
