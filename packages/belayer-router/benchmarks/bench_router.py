@@ -1,9 +1,11 @@
 """Router overhead and resume latency, against calling the worker directly, in the same run.
 
     python benchmarks/bench_router.py [--streams 1 256] [--tokens 200] [--step-ms 30]
+        [--frame-tokens 1] [--loop auto|asyncio|uvloop]
 
-Processes: a paced worker (one token per stream every ``--step-ms``, like a continuously
-batched engine), the router (``belayer-router serve``) and this client.  For each concurrency
+Processes: a paced worker (``--frame-tokens`` tokens per stream every ``--step-ms``, in one
+``tokens`` frame, like a continuously batched engine), the router (``belayer-router serve``) and
+this client (which asks the router for ``tokens`` frames too).  For each concurrency
 it streams the same requests straight from the worker and through the router and reports
 throughput, inter-token latency and the router's CPU time per token.  Then it measures the
 time from a broken stream to the first resumed token on a ready replacement.  Prints a
@@ -24,8 +26,17 @@ from typing import Any
 
 import anyio
 import httpx
+import orjson
 
-from belayer_router import RouterClient, TokenEvent, bind_socket, serve_asgi, serving
+from belayer_router import (
+    RouterClient,
+    RouterFleet,
+    TokenEvent,
+    bind_socket,
+    owner_index,
+    serve_asgi,
+    serving,
+)
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -33,8 +44,10 @@ RESULTS = Path(__file__).parent / "results"
 class PacedWorker:
     """The engine stand-in: deterministic tokens, one per ``step`` s per stream; can break/hang."""
 
-    def __init__(self, epoch: int, step: float, break_at: int | None = None, hang: bool = False) -> None:
-        self.epoch, self.step, self.break_at, self.hang = epoch, step, break_at, hang
+    def __init__(
+        self, epoch: int, step: float, break_at: int | None = None, hang: bool = False, frame: int = 1
+    ) -> None:
+        self.epoch, self.step, self.break_at, self.hang, self.frame = epoch, step, break_at, hang, frame
         self.broken = anyio.Event()
         self.break_time = 0.0
 
@@ -55,19 +68,28 @@ class PacedWorker:
             {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"x-ndjson")]}
         )
         start = len(request["generated_token_ids"])
-        for index in range(start, start + request["max_tokens"]):
-            if index == self.break_at:
+        end = start + request["max_tokens"]
+        for index in range(start, end, self.frame):
+            if self.break_at is not None and index <= self.break_at < index + self.frame:
                 self.break_time = time.monotonic()
                 self.broken.set()
                 if self.hang:
                     await anyio.sleep_forever()
                 raise ConnectionAbortedError("worker died (benchmark)")
-            token = (request["seed"] * 7919 + index * 104729) % 32000
-            line = (
-                f'{{"type":"token","epoch":{self.epoch},"index":{index},"token_id":{token},"logprob":-1.0}}\n'
-            )
-            await send({"type": "http.response.body", "body": line.encode(), "more_body": True})
-            await anyio.sleep(self.step)
+            seed = request["seed"]
+            if self.frame == 1:
+                token = (seed * 7919 + index * 104729) % 32000
+                line = (
+                    f'{{"type":"token","epoch":{self.epoch},"index":{index},"token_id":{token},"logprob":-1.0}}\n'
+                ).encode()
+            else:
+                count = min(self.frame, end - index)
+                tokens = [(seed * 7919 + i * 104729) % 32000 for i in range(index, index + count)]
+                frame = {"type": "tokens", "epoch": self.epoch, "index": index, "token_ids": tokens}
+                line = orjson.dumps(frame | {"logprobs": [-1.0] * count}, option=orjson.OPT_APPEND_NEWLINE)
+            await send({"type": "http.response.body", "body": line, "more_body": True})
+            if self.step:
+                await anyio.sleep(self.step)
         final = f'{{"type":"finish","epoch":{self.epoch},"finish_reason":"length"}}\n'.encode()
         await send({"type": "http.response.body", "body": final, "more_body": False})
 
@@ -78,19 +100,30 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def stream_one(http: httpx.AsyncClient, url: str, body: dict[str, Any], gaps: list[float]) -> int:
+    """Stream one request; ``gaps`` gets the time between token arrivals (0 within one frame)."""
     count = 0
     last = time.monotonic()
     async with http.stream("POST", url, json=body) as response:
-        async for line in response.aiter_lines():
-            if line.startswith('{"type":"token"'):
-                now = time.monotonic()
-                if count:
-                    gaps.append(now - last)
-                last, count = now, count + 1
+        pending = b""
+        async for chunk in response.aiter_raw():
+            *lines, pending = (pending + chunk).split(b"\n")
+            now = time.monotonic()
+            for line in lines:
+                if line.startswith(b'{"type":"token"'):
+                    event = orjson.loads(line)
+                    size = len(event["token_ids"]) if event["type"] == "tokens" else 1
+                    if count:
+                        gaps.append(now - last)
+                    gaps.extend([0.0] * (size - 1))
+                    last, count = now, count + size
     return count
 
 
-async def throughput(url: str, streams: int, tokens: int, via_router: bool) -> dict[str, float]:
+async def throughput(
+    url: str | list[str], streams: int, tokens: int, via_router: bool, tag: str = ""
+) -> dict[str, float]:
+    """Stream ``streams`` requests at once; with several router URLs each goes to its owner."""
+    urls = [url] if isinstance(url, str) else url
     gaps: list[float] = []
     counts: list[int] = []
     limits = httpx.Limits(max_connections=None)
@@ -98,10 +131,15 @@ async def throughput(url: str, streams: int, tokens: int, via_router: bool) -> d
 
         async def one(i: int) -> None:
             body: dict[str, Any] = {"prompt_token_ids": [1, 2, 3], "max_tokens": tokens, "seed": i}
+            body["frames"] = True
+            request_id = f"{tag}{i}"
             if not via_router:
                 body |= {"generated_token_ids": [], "temperature": 1.0, "top_p": 1.0}
-                body |= {"stop_token_ids": [], "epoch": 1, "request_id": str(i)}
-            counts.append(await stream_one(http, f"{url}/generate", body, gaps))
+                body |= {"stop_token_ids": [], "epoch": 1, "request_id": request_id}
+            elif tag:
+                body["request_id"] = request_id
+            owner = urls[owner_index(urls, request_id)] if tag else urls[0]
+            counts.append(await stream_one(http, f"{owner}/generate", body, gaps))
 
         began = time.monotonic()
         async with anyio.create_task_group() as group:
@@ -148,33 +186,70 @@ async def resume_latency(router_url: str, step: float, trials: int, hang: bool) 
 
 
 def start_process(argv: list[str]) -> tuple[subprocess.Popen[bytes], str]:
+    """Start a server process that prints its URL as the first stdout line (``--json`` or plain)."""
     process = subprocess.Popen(argv, stdout=subprocess.PIPE)
     assert process.stdout is not None
-    return process, process.stdout.readline().decode().split()[-1]
+    line = process.stdout.readline().decode()
+    return process, json.loads(line)["url"] if line.startswith("{") else line.split()[-1]
 
 
-def serve_worker(port: int, step: float) -> None:
+def serve_worker(port: int, step: float, frame: int) -> None:
     sock = bind_socket("127.0.0.1", port)
     print(f"worker listening on http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
-    anyio.run(serve_asgi, PacedWorker(1, step), sock, "critical")
+    anyio.run(serve_asgi, PacedWorker(1, step, frame=frame), sock, "critical")
+
+
+def router_argv(loop: str) -> list[str]:
+    argv = [sys.executable, "-m", "belayer_router._cli", "serve", "--port", "0", "--admin-token", "bench"]
+    return [*argv, "--json", "--loop", loop]
+
+
+async def fleet_rows(args: argparse.Namespace, worker_url: str) -> list[dict[str, Any]]:
+    """Tokens/s through 1..N router processes (requests spread by owner hash), against direct."""
+    rows = []
+    direct = await throughput(worker_url, args.fleet_streams, args.tokens, via_router=False)
+    print({"generator_ceiling": direct}, file=sys.stderr, flush=True)
+    for count in args.fleet:
+        started = [start_process(router_argv(args.loop)) for _ in range(count)]
+        try:
+            urls = [url for _, url in started]
+            async with RouterFleet(urls, admin_token="bench") as fleet:
+                await fleet.register("bench", worker_url, 1)
+            cpu_before = sum(cpu_seconds(p.pid) for p, _ in started)
+            routed = await throughput(
+                urls, args.fleet_streams, args.tokens, via_router=True, tag=f"f{count}-"
+            )
+            cpu = sum(cpu_seconds(p.pid) for p, _ in started) - cpu_before
+        finally:
+            for process, _ in started:
+                process.terminate()
+                process.wait()
+        rows.append(
+            {
+                "routers": count,
+                "direct_tokens_per_s": direct["tokens_per_s"],
+                "router": routed,
+                "router_cpu_us_per_token": cpu / (args.fleet_streams * args.tokens) * 1e6,
+            }
+        )
+        print(rows[-1], file=sys.stderr, flush=True)
+    return rows
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     step = args.step_ms / 1e3
     worker, worker_url = start_process(
-        [sys.executable, __file__, "--serve-worker", "--step-ms", str(args.step_ms)]
+        [
+            sys.executable,
+            __file__,
+            "--serve-worker",
+            "--step-ms",
+            str(args.step_ms),
+            "--frame-tokens",
+            str(args.frame_tokens),
+        ]
     )
-    router_argv = [
-        sys.executable,
-        "-m",
-        "belayer_router._cli",
-        "serve",
-        "--port",
-        "0",
-        "--admin-token",
-        "bench",
-    ]
-    router, router_url = start_process(router_argv)
+    router, router_url = start_process(router_argv(args.loop))
     try:
         async with RouterClient(router_url, admin_token="bench") as client:
             await client.register("bench", worker_url, 1)
@@ -193,15 +268,27 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 }
             )
             print(rows[-1], file=sys.stderr, flush=True)
-        resume = {
-            "break_then_register": await resume_latency(router_url, step, args.trials, hang=False),
-            "register_retires_hung_worker": await resume_latency(router_url, step, args.trials, hang=True),
-        }
+        fleet = await fleet_rows(args, worker_url) if args.fleet else []
+        resume = {}
+        if not args.skip_resume:
+            resume = {
+                "break_then_register": await resume_latency(router_url, step, args.trials, hang=False),
+                "register_retires_hung_worker": await resume_latency(
+                    router_url, step, args.trials, hang=True
+                ),
+            }
     finally:
         for process in (worker, router):
             process.terminate()
             process.wait()
-    return {"config": vars(args), "cpus": os.cpu_count(), "throughput": rows, "resume_ms": resume}
+    return {
+        "config": vars(args),
+        "cpus": os.cpu_count(),
+        "loadavg_1min_at_end": os.getloadavg()[0],
+        "throughput": rows,
+        "fleet": fleet,
+        "resume_ms": resume,
+    }
 
 
 def table(result: dict[str, Any]) -> str:
@@ -217,6 +304,20 @@ def table(result: dict[str, Any]) -> str:
             f"{d['itl_p50_ms']:.1f} / {r['itl_p50_ms']:.1f} | {d['itl_p99_ms']:.1f} / {r['itl_p99_ms']:.1f} | "
             f"{row['router_cpu_us_per_token']:.0f} |"
         )
+    if result["fleet"]:
+        lines += [
+            "",
+            "| routers | generator alone tok/s | through the routers tok/s | loss | router CPU per token (us) |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        for row in result["fleet"]:
+            d, r = row["direct_tokens_per_s"], row["router"]["tokens_per_s"]
+            lines.append(
+                f"| {row['routers']} | {d:.0f} | {r:.0f} | {100 * (1 - r / d):.1f}% | "
+                f"{row['router_cpu_us_per_token']:.1f} |"
+            )
+    if not result["resume_ms"]:
+        return "\n".join(lines)
     lines += ["", "| resume path | median (ms) | max (ms) |", "|---|---:|---:|"]
     for name, values in result["resume_ms"].items():
         lines.append(f"| {name} | {statistics.median(values):.1f} | {max(values):.1f} |")
@@ -231,16 +332,23 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--step-ms", type=float, default=30.0)
     parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--frame-tokens", type=int, default=1, help="tokens per worker event and step")
+    parser.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto")
+    parser.add_argument("--skip-resume", action="store_true", help="only the throughput rows")
+    parser.add_argument("--fleet", type=int, nargs="*", default=[], help="router counts to compare")
+    parser.add_argument("--fleet-streams", type=int, default=256, help="streams of the fleet rows")
+    parser.add_argument("--out", type=Path, default=RESULTS / "bench_router.json")
     parser.add_argument("--serve-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_worker:
-        serve_worker(0, args.step_ms / 1e3)
+        serve_worker(0, args.step_ms / 1e3, args.frame_tokens)
         return
     result = anyio.run(run, args)
     text = table(result)
     print(text)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "bench_router.json").write_text(json.dumps({**result, "table": text}, indent=2))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in result["config"].items()}
+    args.out.write_text(json.dumps({**result, "config": config, "table": text}, indent=2))
 
 
 if __name__ == "__main__":

@@ -31,11 +31,13 @@ from belayer_router._errors import (
     UnauthorizedError,
     WorkerStreamError,
 )
+from belayer_router._fleet import RouterFleet, owner_index
 from belayer_router._journal import Journal, RequestRecord
 from belayer_router._protocol import (
     FinishEvent,
     GenerateRequest,
     TokenEvent,
+    TokensEvent,
     WorkerFinish,
     WorkerToken,
     parse_generate_request,
@@ -80,11 +82,13 @@ __all__ = [
     "RouterClient",
     "RouterClientError",
     "RouterConfig",
+    "RouterFleet",
     "Slot",
     "StaleEpochError",
     "TokenEvent",
     "Tokenizer",
     "TokenizerError",
+    "TokensEvent",
     "UnauthorizedError",
     "Worker",
     "WorkerFinish",
@@ -93,6 +97,7 @@ __all__ = [
     "__version__",
     "bind_socket",
     "load_tokenizer",
+    "owner_index",
     "parse_generate_request",
     "parse_worker_event",
     "read_json",

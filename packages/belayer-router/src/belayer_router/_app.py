@@ -27,6 +27,7 @@ from belayer_router._protocol import (
     FinishEvent,
     GenerateRequest,
     TokenEvent,
+    TokensEvent,
     encode_event,
     parse_generate_request,
 )
@@ -35,7 +36,7 @@ from belayer_router._store import JournalStore
 
 __all__ = ["RouterApp", "RouterConfig"]
 
-Event = TokenEvent | FinishEvent
+Event = TokenEvent | TokensEvent | FinishEvent
 
 
 def _int_field(body: dict[str, Any], name: str) -> int:
@@ -96,6 +97,7 @@ class RouterApp(OpenAIRoutes):
             client,
             self.config.resume_wait_s,
             tokenizer=self.config.tokenizer,
+            read_timeout_s=self.config.worker_read_timeout_s,
         )
 
     def _apply_admin(self, op: dict[str, Any]) -> None:
@@ -262,10 +264,17 @@ class RouterApp(OpenAIRoutes):
         skip = request.num_received_tokens
         if not request.stream:
             events = await self._collect(record, skip)
-            tokens = [e for e in events if isinstance(e, TokenEvent)]
+            token_ids: list[int] = []
+            logprobs: list[float] = []
+            for event in events:
+                if isinstance(event, TokenEvent):
+                    token_ids.append(event.token_id)
+                    logprobs.append(event.logprob)
+                elif isinstance(event, TokensEvent):
+                    token_ids.extend(event.token_ids)
+                    logprobs.extend(event.logprobs)
             finish = next(e for e in events if isinstance(e, FinishEvent))
-            payload = {**attrs.asdict(finish), "token_ids": [t.token_id for t in tokens]}
-            payload["logprobs"] = [t.logprob for t in tokens]
+            payload = {**attrs.asdict(finish), "token_ids": token_ids, "logprobs": logprobs}
             await send_json(send, 200, payload)
             return
 

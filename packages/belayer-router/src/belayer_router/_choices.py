@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import attrs
 
-from belayer_router._protocol import FinishEvent, TokenEvent
+from belayer_router._protocol import FinishEvent, TokenEvent, TokensEvent
 from belayer_router._tokenizer import Tokenizer
 
 __all__ = ["ChoiceText", "cut_at_stop"]
@@ -43,10 +43,13 @@ class ChoiceText:
         if self.decode is None and self.tokenizer is not None:
             self.decode = self.tokenizer.decode
 
-    def add(self, event: TokenEvent | FinishEvent) -> None:
+    def add(self, event: TokenEvent | TokensEvent | FinishEvent) -> None:
         """Take one event of this choice's router stream."""
         if isinstance(event, FinishEvent):
             self.finish = event
+        elif isinstance(event, TokensEvent):
+            self.token_ids.extend(event.token_ids)
+            self.logprobs.extend(event.logprobs)
         else:
             self.token_ids.append(event.token_id)
             self.logprobs.append(event.logprob)

@@ -80,7 +80,25 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-prompt-tokens", type=int, default=131_072, help="400 past this")
     serve.add_argument("--log-level", default="warning")
     serve.add_argument("--json", action="store_true", help='print {"url": ...} once listening')
+    serve.add_argument(
+        "--loop",
+        choices=["auto", "asyncio", "uvloop"],
+        default="auto",
+        help="event loop: uvloop when installed (auto), or the standard asyncio loop",
+    )
     return parser
+
+
+def _use_uvloop(choice: str) -> bool:
+    if choice == "asyncio":
+        return False
+    try:
+        import uvloop  # noqa: F401  (optional: pip install belayer-router[fast])
+    except ImportError as error:
+        if choice == "uvloop":
+            raise _UsageError("--loop uvloop needs uvloop: pip install uvloop") from error
+        return False
+    return True
 
 
 def _serve(args: argparse.Namespace) -> ExitCode:
@@ -99,6 +117,7 @@ def _serve(args: argparse.Namespace) -> ExitCode:
         )
     except ValueError as error:  # attrs validators: a flag out of range
         raise _UsageError(str(error)) from error
+    use_uvloop = _use_uvloop(args.loop)
     app = RouterApp(config)
     try:
         sock = bind_socket(args.host, args.port)
@@ -109,7 +128,7 @@ def _serve(args: argparse.Namespace) -> ExitCode:
         print(json.dumps({"url": f"http://{host}:{port}"}), flush=True)
     else:
         print(f"belayer-router listening on http://{host}:{port}", file=sys.stderr, flush=True)
-    anyio.run(serve_asgi, app, sock, args.log_level)
+    anyio.run(serve_asgi, app, sock, args.log_level, backend_options={"use_uvloop": use_uvloop})
     return ExitCode.INTERRUPTED  # uvicorn returns only after Ctrl-C / SIGTERM, shut down cleanly
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
@@ -11,6 +10,7 @@ from typing import Any, Self
 import anyio
 import attrs
 import httpx
+import orjson
 
 from belayer_router._errors import RouterClientError
 from belayer_router._protocol import FinishEvent, TokenEvent
@@ -132,6 +132,7 @@ class RouterClient:
             "request_id": request_id or uuid.uuid4().hex,
             "trajectory_id": trajectory_id,
             "turn": turn,
+            "frames": True,  # several tokens per line when the worker sends frames
         }
         num_received = 0
         broken_since: float | None = None  # the reconnect window starts at a break, not at the start
@@ -162,9 +163,13 @@ class RouterClient:
             async for line in response.aiter_lines():
                 if not line:
                     continue
-                event = json.loads(line)
+                event = orjson.loads(line)
                 kind = event.pop("type")
-                if kind == "token":
+                if kind == "tokens":
+                    index, logprobs = event["index"], event["logprobs"]
+                    for offset, token_id in enumerate(event["token_ids"]):
+                        yield TokenEvent(index + offset, token_id, logprobs[offset])
+                elif kind == "token":
                     yield TokenEvent(**event)
                 elif kind == "finish":
                     yield FinishEvent(**event)

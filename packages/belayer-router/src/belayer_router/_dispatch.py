@@ -13,16 +13,20 @@ import secrets
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+import anyio
 import attrs
 import httpx
+import orjson
 
 from belayer_router._errors import NoHealthyWorkerError, WorkerStreamError
 from belayer_router._journal import Journal, RequestRecord
+from belayer_router._link import open_link
 from belayer_router._metrics import Metrics
 from belayer_router._protocol import (
     MAX_FRAME_BYTES,
     FinishEvent,
     TokenEvent,
+    TokensEvent,
     WorkerFinish,
     WorkerTokens,
     parse_worker_event,
@@ -34,7 +38,7 @@ from belayer_router._tokenizer import Tokenizer
 __all__ = ["Dispatcher", "Emit", "new_seed"]
 
 _T = TypeVar("_T")
-Emit = Callable[[TokenEvent | FinishEvent], None]
+Emit = Callable[[TokenEvent | TokensEvent | FinishEvent], None]
 
 
 def new_seed() -> int:
@@ -53,6 +57,8 @@ class Dispatcher:
     resume_wait_s: float = 5.0
     tokenizer: Tokenizer | None = None
     max_attempts: int = 32
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 120.0
 
     async def run(self, record: RequestRecord, emit: Emit, num_received: int = 0) -> None:
         """Drive ``record`` to completion, emitting every token with index >= ``num_received``."""
@@ -131,7 +137,7 @@ class Dispatcher:
         with self.registry.attempt(worker) as scope, scope:
             try:
                 finish = await self._stream(worker, body, record, emit, num_received)
-            except (httpx.HTTPError, OSError) as error:
+            except (httpx.HTTPError, OSError, anyio.BrokenResourceError) as error:
                 raise WorkerStreamError(f"stream from {worker.url} broke: {error!r}") from error
         if scope.cancelled_caught or finish is None:
             raise WorkerStreamError(f"worker {worker.url} (slot {worker.slot}) was retired mid-stream")
@@ -140,6 +146,27 @@ class Dispatcher:
     async def _stream(
         self, worker: Worker, body: dict[str, object], record: RequestRecord, emit: Emit, num_received: int
     ) -> str:
+        if not worker.url.startswith("http://"):
+            return await self._stream_httpx(worker, body, record, emit, num_received)
+        link_body = orjson.dumps(body)
+        async with open_link(
+            worker.url,
+            link_body,
+            connect_timeout_s=self.connect_timeout_s,
+            read_timeout_s=self.read_timeout_s,
+            max_line_bytes=MAX_FRAME_BYTES,
+        ) as link:
+            while (lines := await link.lines()) is not None:
+                for line in lines:
+                    finish = self._handle(worker, line, record, emit, num_received)
+                    if finish is not None:
+                        return finish
+        raise WorkerStreamError(f"worker {worker.url} ended its stream without a finish event")
+
+    async def _stream_httpx(
+        self, worker: Worker, body: dict[str, object], record: RequestRecord, emit: Emit, num_received: int
+    ) -> str:
+        """The same over httpx, for https:// workers."""
         async with self.client.stream("POST", f"{worker.url}/generate", json=body) as response:
             if response.status_code != 200:
                 await response.aread()
@@ -171,6 +198,9 @@ class Dispatcher:
             return event.finish_reason
         if isinstance(event, WorkerTokens):
             self._check_frame(worker, record, event)
+            if not record.request.stop:
+                self._frame(record, emit, num_received, event)
+                return None
             for offset, token_id in enumerate(event.token_ids):
                 index = event.index + offset
                 reason = self._token(
@@ -192,6 +222,23 @@ class Dispatcher:
             )
         if any(t in request.stop_token_ids for t in frame.token_ids[:-1]):
             raise WorkerStreamError(f"worker {worker.url} sent tokens after a stop token in one frame")
+
+    def _frame(self, record: RequestRecord, emit: Emit, num_received: int, frame: WorkerTokens) -> None:
+        """Journal and emit a checked frame whole: one event for a frames client, else per token."""
+        start, token_ids, logprobs = frame.index, frame.token_ids, frame.logprobs
+        self.journal.extend(record, token_ids, logprobs)
+        skip = min(len(token_ids), max(0, num_received - start))  # regenerated: the client has them
+        self.metrics.num_tokens_regenerated += skip
+        self.metrics.num_tokens += len(token_ids) - skip
+        if skip == len(token_ids):
+            return
+        if skip:
+            token_ids, logprobs = token_ids[skip:], logprobs[skip:]
+        if record.request.frames:
+            emit(TokensEvent(start + skip, token_ids, logprobs))
+        else:
+            for offset, token_id in enumerate(token_ids):
+                emit(TokenEvent(start + skip + offset, token_id, logprobs[offset]))
 
     def _token(
         self,

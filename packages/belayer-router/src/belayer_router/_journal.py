@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -103,6 +104,13 @@ class Journal:
         """Journal one streamed token; advance the preserved prefix every ``prefix_interval``."""
         record.token_ids.append(token_id)
         record.logprobs.append(logprob)
+        if len(record.token_ids) - record.num_preserved >= self.prefix_interval:
+            self.preserve(record)
+
+    def extend(self, record: RequestRecord, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
+        """Journal a frame of streamed tokens at once (one prefix record when it crosses the interval)."""
+        record.token_ids.extend(token_ids)
+        record.logprobs.extend(logprobs)
         if len(record.token_ids) - record.num_preserved >= self.prefix_interval:
             self.preserve(record)
 

@@ -18,12 +18,12 @@ import attrs
 from belayer_router._choices import ChoiceText
 from belayer_router._errors import BelayerRouterError, InvalidRequestError
 from belayer_router._params import OpenAIParams, parse_openai_params
-from belayer_router._protocol import FinishEvent, GenerateRequest, TokenEvent
+from belayer_router._protocol import FinishEvent, GenerateRequest, TokenEvent, TokensEvent
 from belayer_router._tokenizer import Tokenizer
 
 __all__ = ["ChoiceEvent", "CompletionRenderer", "parse_completion_request", "sse", "usage_of"]
 
-ChoiceEvent = tuple[int, TokenEvent | FinishEvent]
+ChoiceEvent = tuple[int, TokenEvent | TokensEvent | FinishEvent]
 
 
 def _is_ids(value: Any) -> bool:

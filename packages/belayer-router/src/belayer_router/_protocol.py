@@ -7,12 +7,12 @@ Both the router's ``/generate`` and every worker's ``/generate`` stream newline-
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
+import orjson
 
 from belayer_router._errors import InvalidRequestError, WorkerStreamError
 
@@ -21,6 +21,7 @@ __all__ = [
     "FinishEvent",
     "GenerateRequest",
     "TokenEvent",
+    "TokensEvent",
     "WorkerFinish",
     "WorkerToken",
     "WorkerTokens",
@@ -56,6 +57,7 @@ class GenerateRequest:
     num_received_tokens: int = 0
     stream: bool = True
     stop: tuple[str, ...] = ()  # stop strings (OpenAI endpoints; the router checks them)
+    frames: bool = False  # the client reads ``tokens`` frames (several tokens per line)
 
 
 @attrs.frozen
@@ -65,6 +67,18 @@ class TokenEvent:
     index: int
     token_id: int
     logprob: float
+
+
+@attrs.frozen
+class TokensEvent:
+    """Several tokens in one event (a worker's frame), at indices ``index, index+1, ...``.
+
+    Streamed to clients that asked for ``"frames": true`` as one ``tokens`` line.
+    """
+
+    index: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
 
 
 @attrs.frozen
@@ -158,6 +172,9 @@ def parse_generate_request(body: Any) -> GenerateRequest:
     stream = _field(body, "stream", True)
     if not isinstance(stream, bool):
         raise InvalidRequestError(f"field 'stream' must be true or false, got {stream!r}")
+    frames = _field(body, "frames", False)
+    if not isinstance(frames, bool):
+        raise InvalidRequestError(f"field 'frames' must be true or false, got {frames!r}")
     request = GenerateRequest(
         prompt_token_ids=_token_ids("prompt_token_ids", body["prompt_token_ids"], allow_empty=False),
         max_tokens=_int("max_tokens", body["max_tokens"], minimum=1),
@@ -170,6 +187,7 @@ def parse_generate_request(body: Any) -> GenerateRequest:
         turn=None if turn is None else _int("turn", turn, minimum=0),
         num_received_tokens=_int("num_received_tokens", _field(body, "num_received_tokens", 0), minimum=0),
         stream=stream,
+        frames=frames,
     )
     if (request.trajectory_id is None) != (request.turn is None):
         raise InvalidRequestError("fields 'trajectory_id' and 'turn' must be given together")
@@ -220,12 +238,13 @@ def _frame(event: Mapping[str, Any], epoch: int) -> WorkerTokens:
             f"a tokens frame needs 1..{MAX_FRAME_TOKENS} token ids and as many logprobs, "
             f"got {len(token_ids)} and {len(logprobs)}"
         )
-    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in token_ids):
+    if not all(type(t) is int for t in token_ids) or min(token_ids) < 0:
         raise ValueError("'token_ids' must be non-negative integers")
-    values = tuple(float(v) for v in logprobs if not isinstance(v, bool))
-    if len(values) != len(logprobs):
-        raise ValueError("'logprobs' must be numbers")
-    return WorkerTokens(epoch, _event_int(event, "index"), tuple(token_ids), values)
+    if not all(type(v) is float for v in logprobs):  # orjson: a JSON number with . or e is a float
+        if not all(type(v) in (float, int) for v in logprobs):
+            raise ValueError("'logprobs' must be numbers")
+        logprobs = [float(v) for v in logprobs]
+    return WorkerTokens(epoch, _event_int(event, "index"), tuple(token_ids), tuple(logprobs))
 
 
 def parse_worker_event(line: bytes) -> WorkerToken | WorkerTokens | WorkerFinish:
@@ -235,7 +254,7 @@ def parse_worker_event(line: bytes) -> WorkerToken | WorkerTokens | WorkerFinish
     nothing behind.
     """
     try:
-        event = json.loads(line)
+        event = orjson.loads(line)
         kind = event["type"]
         if kind == "error":
             raise WorkerStreamError(f"worker reported an error: {event.get('message')!r}")
@@ -251,12 +270,12 @@ def parse_worker_event(line: bytes) -> WorkerToken | WorkerTokens | WorkerFinish
             if reason not in FINISH_REASONS:
                 raise WorkerStreamError(f"worker sent unknown finish_reason {reason!r}")
             return WorkerFinish(epoch, reason)
-    except (ValueError, KeyError, TypeError) as error:
+    except (ValueError, KeyError, TypeError, IndexError) as error:  # orjson's error is a ValueError
         raise WorkerStreamError(f"worker sent a malformed event {line[:200]!r}: {error}") from error
     raise WorkerStreamError(f"worker sent an unknown event type {kind!r}")
 
 
-def encode_event(event: TokenEvent | FinishEvent) -> bytes:
+def encode_event(event: TokenEvent | TokensEvent | FinishEvent) -> bytes:
     """One NDJSON line of the router's client stream."""
     if isinstance(event, TokenEvent):
         payload: dict[str, Any] = {
@@ -265,21 +284,28 @@ def encode_event(event: TokenEvent | FinishEvent) -> bytes:
             "token_id": event.token_id,
             "logprob": event.logprob,
         }
+    elif isinstance(event, TokensEvent):
+        payload = {
+            "type": "tokens",
+            "index": event.index,
+            "token_ids": event.token_ids,
+            "logprobs": event.logprobs,
+        }
     else:
         payload = {"type": "finish", **attrs.asdict(event)}
-    return json.dumps(payload, separators=(",", ":")).encode() + b"\n"
+    return orjson.dumps(payload, option=orjson.OPT_APPEND_NEWLINE)
 
 
 def encode_worker_token(epoch: int, index: int, token_id: int, logprob: float) -> bytes:
     """One NDJSON ``token`` line of a worker's stream (what `parse_worker_event` reads)."""
     payload = {"type": "token", "epoch": epoch, "index": index, "token_id": token_id, "logprob": logprob}
-    return json.dumps(payload, separators=(",", ":")).encode() + b"\n"
+    return orjson.dumps(payload, option=orjson.OPT_APPEND_NEWLINE)
 
 
 def encode_worker_tokens(epoch: int, index: int, token_ids: list[int], logprobs: list[float]) -> bytes:
     """One NDJSON ``tokens`` frame: the tokens a step produced, the first at ``index``."""
     payload = {"type": "tokens", "epoch": epoch, "index": index, "token_ids": token_ids, "logprobs": logprobs}
-    return json.dumps(payload, separators=(",", ":")).encode() + b"\n"
+    return orjson.dumps(payload, option=orjson.OPT_APPEND_NEWLINE)
 
 
 def encode_worker_finish(epoch: int, finish_reason: str) -> bytes:
@@ -287,9 +313,9 @@ def encode_worker_finish(epoch: int, finish_reason: str) -> bytes:
     if finish_reason not in FINISH_REASONS:
         raise InvalidRequestError(f"finish_reason must be one of {FINISH_REASONS}, got {finish_reason!r}")
     payload = {"type": "finish", "epoch": epoch, "finish_reason": finish_reason}
-    return json.dumps(payload, separators=(",", ":")).encode() + b"\n"
+    return orjson.dumps(payload, option=orjson.OPT_APPEND_NEWLINE)
 
 
 def encode_worker_error(message: str) -> bytes:
     """An NDJSON ``error`` line: the worker gives up on the request (the router resumes it elsewhere)."""
-    return json.dumps({"type": "error", "message": message}, separators=(",", ":")).encode() + b"\n"
+    return orjson.dumps({"type": "error", "message": message}, option=orjson.OPT_APPEND_NEWLINE)
