@@ -15,62 +15,31 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from datetime import timedelta
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import attrs
-import httpx
 import ray
 import torch
-import torch.distributed as dist
-from ray.exceptions import GetTimeoutError, RayError
+from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from belayer_cluster._weightsync_agent import WeightAgent
 from belayer_cluster._weightsync_errors import WeightSyncError, WeightSyncTimeoutError
+from belayer_cluster._weightsync_link import (
+    AfterChunk,
+    NodeLink,
+    WeightReport,
+    WeightUpdateResult,
+    call,
+    connect,
+    fence,
+    send_all,
+)
 from belayer_cluster._weightsync_pack import checksum, pack
 from belayer_gpumem import WeightLayout
 
 __all__ = ["WeightReport", "WeightSync", "WeightUpdateResult"]
-
-AfterChunk = Callable[[str, int], None]
-
-
-@attrs.frozen
-class WeightReport:
-    """What one node's agent committed: the trainer's version and the checksum of its slot."""
-
-    node_id: str
-    generation: int
-    version: int
-    checksum: str
-    server_versions: tuple[int, ...] = ()
-
-
-@attrs.frozen
-class WeightUpdateResult:
-    """One update: the version, its checksum and size, every node that committed it, those dropped."""
-
-    version: int
-    checksum: str
-    nbytes: int
-    elapsed_s: float
-    nodes: tuple[WeightReport, ...]
-    dropped: tuple[str, ...]
-    reasons: Mapping[str, str] = attrs.field(factory=dict)
-
-
-@attrs.define
-class _Member:
-    node_id: str
-    agent: Any
-    slots: tuple[str, ...]
-    generation: int = 0
-    version: int = 0
-    checksum: str = ""
-    group: Any = None
 
 
 class WeightSync:
@@ -91,6 +60,7 @@ class WeightSync:
         host: str | None = None,
         router_url: str | None = None,
         admin_token: str | None = None,
+        layout: WeightLayout | None = None,
     ) -> None:
         if timeout_s <= 0 or chunk_bytes <= 0:
             raise WeightSyncError("timeout_s and chunk_bytes must be > 0")
@@ -100,11 +70,12 @@ class WeightSync:
         self.admin_token = admin_token
         self.version = 0  # 0: what the servers started with; every update adds one
         self.checksum = ""
-        self.layout: WeightLayout | None = None
-        self.members: dict[str, _Member] = {}
+        self.layout: WeightLayout | None = layout  # the servers' table; else the first node's
+        self.members: dict[str, NodeLink] = {}
         self.dropped: dict[str, str] = {}  # node id -> why
         self.num_updates = 0
         self.last_update_s = 0.0
+        self.last_join: dict[str, Any] = {}  # the last add_node's times: agent start, rendezvous, transfer
         self._flat: torch.Tensor | None = None  # the current version, kept for nodes that join later
         self._spare: torch.Tensor | None = None
         self._next_generation = 0
@@ -124,7 +95,7 @@ class WeightSync:
         its group through a fresh rendezvous and, if a version exists, send it in full.
 
         A node without slots yet gets a weight server of the agent's own in `serve_dir` (the table
-        must be known: attach a node with sockets first). Raises WeightSyncError (the agent
+        must be known: `layout=` or a node added with sockets first). Raises WeightSyncError (the agent
         removed again) when the node cannot join or does not commit the current version.
         """
         with self._lock:
@@ -137,7 +108,8 @@ class WeightSync:
                 max_concurrency=4,
                 max_restarts=0,
             ).remote(node_id)
-            member = _Member(node_id, agent, tuple(slots))
+            member = NodeLink(node_id, agent, tuple(slots))
+            times = [time.monotonic()]
             try:
                 if sockets:
                     info = self._call(member, agent.attach.remote([str(s) for s in sockets]))
@@ -153,7 +125,9 @@ class WeightSync:
                     self.layout = layout
                 elif layout != self.layout:
                     raise WeightSyncError(f"node {node_id[:12]}: its weight servers have another table")
+                times.append(time.monotonic())
                 self._connect(member)
+                times.append(time.monotonic())
                 if self._flat is not None:
                     self._transfer(member, self.version, self._flat)
                 else:
@@ -161,6 +135,13 @@ class WeightSync:
             except BaseException:
                 ray.kill(agent, no_restart=True)
                 raise
+            times.append(time.monotonic())
+            self.last_join = {
+                "node_id": node_id,
+                "agent_start_s": times[1] - times[0],
+                "rendezvous_s": times[2] - times[1],
+                "transfer_s": times[3] - times[2],
+            }
             self.members[node_id] = member
             self.dropped.pop(node_id, None)
             return WeightReport(node_id, member.generation, member.version, member.checksum)
@@ -223,8 +204,9 @@ class WeightSync:
             # two pack buffers: a failed pack never touches the current version a joining node gets
             flat = pack(tensors, self.layout, self._spare)
             version, value = self.version + 1, checksum(flat)
+            pack_s = time.monotonic() - start
             self.version, self.checksum, self._flat, self._spare = version, value, flat, self._flat
-            reports, reasons = self._send_all(list(self.members.values()), version, flat, after_chunk, start)
+            reports, reasons = self._send_all(list(self.members.values()), version, flat, after_chunk)
             for node_id, reason in reasons.items():
                 self._drop(self.members[node_id], reason)
             self.num_updates += 1
@@ -236,7 +218,14 @@ class WeightSync:
                     names,
                 )
             return WeightUpdateResult(
-                version, value, int(flat.numel()), self.last_update_s, tuple(reports), tuple(reasons), reasons
+                version,
+                value,
+                int(flat.numel()),
+                self.last_update_s,
+                tuple(reports),
+                tuple(reasons),
+                reasons,
+                pack_s,
             )
 
     # -- status -------------------------------------------------------------------------------
@@ -302,133 +291,41 @@ class WeightSync:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _member(self, node_id: str) -> _Member:
+    def _member(self, node_id: str) -> NodeLink:
         if node_id not in self.members:
             raise WeightSyncError(f"node {node_id[:12]} is not a member; add_node it first")
         return self.members[node_id]
 
-    def _call(self, member: _Member, ref: Any) -> Any:
-        try:
-            return ray.get(ref, timeout=self.timeout_s)
-        except GetTimeoutError as exc:
-            raise WeightSyncTimeoutError(
-                f"node {member.node_id[:12]}'s agent did not answer within {self.timeout_s} s",
-                (member.node_id,),
-            ) from exc
-        except RayError as exc:
-            raise WeightSyncError(f"node {member.node_id[:12]}'s agent failed: {exc}") from exc
+    def _call(self, member: NodeLink, ref: Any) -> Any:
+        return call(member, ref, self.timeout_s)
 
-    def _connect(self, member: _Member) -> None:
-        """A fresh rendezvous: a new TCPStore on a free port, the agent joins as rank 1."""
+    def _connect(self, member: NodeLink) -> None:
         self._next_generation += 1
-        generation = self._next_generation
         host = self.host or ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
-        timeout = timedelta(seconds=self.timeout_s)
-        store = dist.TCPStore(host, 0, 2, True, timeout=timeout, wait_for_workers=False)  # type: ignore[attr-defined]
-        ref = member.agent.connect.remote(generation, host, int(store.port), self.timeout_s)
-        try:
-            member.group = dist.ProcessGroupGloo(store, 0, 2, timeout)
-        except RuntimeError as exc:
-            raise WeightSyncTimeoutError(
-                f"node {member.node_id[:12]} did not join the rendezvous at {host}:{store.port} within "
-                f"{self.timeout_s} s: {str(exc).splitlines()[0]}",
-                (member.node_id,),
-            ) from exc
-        self._call(member, ref)
-        member.generation = generation
+        connect(member, self._next_generation, host, self.timeout_s)
 
     def _send_all(
-        self,
-        members: list[_Member],
-        version: int,
-        flat: torch.Tensor,
-        after_chunk: AfterChunk | None,
-        start: float,
+        self, members: list[NodeLink], version: int, flat: torch.Tensor, after_chunk: AfterChunk | None
     ) -> tuple[list[WeightReport], dict[str, str]]:
-        """Send to every member at once; a member fails when its send fails, its agent fails or
-        dies (Ray reports it), or it has not committed by the deadline. Never waits past it."""
-        deadline = start + self.timeout_s
-        refs = {
-            m.node_id: m.agent.receive.remote(m.generation, version, self.chunk_bytes, self.timeout_s)
-            for m in members
-        }
-        send_errors: dict[str, str] = {}
-        for member in members:
-            # daemon threads: a send to a hung node ends at the group's own timeout, nobody joins it
-            threading.Thread(
-                target=self._send, args=(member, version, flat, after_chunk, send_errors), daemon=True
-            ).start()
-        reports: list[WeightReport] = []
-        reasons: dict[str, str] = {}
-        pending = {refs[member.node_id]: member for member in members}
-        while pending:
-            for member in [m for m in pending.values() if m.node_id in send_errors]:
-                reasons[member.node_id] = send_errors[member.node_id]
-                pending = {r: m for r, m in pending.items() if m is not member}
-            if not pending:
-                break
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                for member in pending.values():
-                    reasons[member.node_id] = f"no commit within {self.timeout_s} s"
-                break
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(0.2, remaining))
-            for ref in ready:
-                member = pending.pop(ref)
-                try:
-                    report = self._report(member, ray.get(ref))
-                    self._check(report)
-                    reports.append(report)
-                except (WeightSyncError, RayError) as exc:
-                    reasons[member.node_id] = str(exc).splitlines()[0][:300]
-        return reports, reasons
+        return send_all(
+            members,
+            version,
+            flat,
+            expected=self.checksum,
+            chunk_bytes=self.chunk_bytes,
+            timeout_s=self.timeout_s,
+            after_chunk=after_chunk,
+        )
 
-    def _send(
-        self,
-        member: _Member,
-        version: int,
-        flat: torch.Tensor,
-        after_chunk: AfterChunk | None,
-        errors: dict[str, str],
-    ) -> None:
-        options = dist.BroadcastOptions()
-        options.rootRank = 0
-        try:
-            for index, start in enumerate(range(0, int(flat.numel()), self.chunk_bytes)):
-                member.group.broadcast([flat[start : start + self.chunk_bytes]], options).wait()
-                if after_chunk is not None:
-                    after_chunk(member.node_id, index)
-        except Exception as exc:  # gloo raises RuntimeError subclasses; a chaos hook anything
-            errors[member.node_id] = f"sending version {version} failed: {str(exc).splitlines()[0][:200]}"
-
-    def _transfer(self, member: _Member, version: int, flat: torch.Tensor) -> WeightReport:
-        """Send the whole version to one member (a node joining); raises on any failure."""
-        reports, reasons = self._send_all([member], version, flat, None, time.monotonic())
+    def _transfer(self, member: NodeLink, version: int, flat: torch.Tensor) -> None:
+        """Send the whole current version to one member (a node joining); raises on any failure."""
+        _, reasons = self._send_all([member], version, flat, None)
         if reasons:
             raise WeightSyncTimeoutError(
                 f"node {member.node_id[:12]}: {reasons[member.node_id]}", (member.node_id,)
             )
-        return reports[0]
 
-    def _report(self, member: _Member, found: dict[str, Any]) -> WeightReport:
-        report = WeightReport(
-            member.node_id,
-            int(found["generation"]),
-            int(found["version"]),
-            str(found["checksum"]),
-            tuple(int(v) for v in found["server_versions"]),
-        )
-        member.version, member.checksum = report.version, report.checksum
-        return report
-
-    def _check(self, report: WeightReport) -> None:
-        if report.version != self.version or report.checksum != self.checksum:
-            raise WeightSyncError(
-                f"node {report.node_id[:12]} committed version {report.version} with {report.checksum}, "
-                f"expected version {self.version} with {self.checksum}"
-            )
-
-    def _drop(self, member: _Member, reason: str) -> None:
+    def _drop(self, member: NodeLink, reason: str) -> None:
         self.members.pop(member.node_id, None)
         self.dropped[member.node_id] = reason
         member.group = None
@@ -436,21 +333,4 @@ class WeightSync:
         self._fence(member.slots)
 
     def _fence(self, slots: Sequence[str]) -> None:
-        """Mark `slots` unhealthy at the router: out of rotation before the next rollout."""
-        if self.router_url is None or not slots:
-            return
-        headers = {} if self.admin_token is None else {"Authorization": f"Bearer {self.admin_token}"}
-        with httpx.Client(timeout=30.0, headers=headers) as client:
-            for slot in slots:
-                try:
-                    reply = client.post(f"{self.router_url}/slots/{slot}/unhealthy")
-                except httpx.TransportError as exc:
-                    raise WeightSyncError(
-                        f"could not take stale slot {slot!r} out of the router's rotation: {exc}; "
-                        "do not start the next rollout until the router is back"
-                    ) from exc
-                if reply.status_code not in (200, 204, 404):  # 404: never registered, never served
-                    raise WeightSyncError(
-                        f"the router refused to take stale slot {slot!r} out of rotation ({reply.status_code}): "
-                        "check the admin token; do not start the next rollout"
-                    )
+        fence(self.router_url, self.admin_token, slots)

@@ -1,0 +1,212 @@
+"""The trainer's link to one node: its group's rendezvous, a version sent to many nodes at once.
+
+Every node has its own two-member gloo group with the trainer (rank 0), so one node's failure
+breaks only its own transfer; `send_all` runs one send thread per node and waits for each agent's
+commit (or its failure, or the deadline), never longer. `fence` takes slots out of the router's
+rotation through belayer-router's public admin API.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import attrs
+import httpx
+import ray
+import torch
+import torch.distributed as dist
+from ray.exceptions import GetTimeoutError, RayError
+
+from belayer_cluster._weightsync_errors import WeightSyncError, WeightSyncTimeoutError
+
+__all__ = [
+    "AfterChunk",
+    "NodeLink",
+    "WeightReport",
+    "WeightUpdateResult",
+    "call",
+    "connect",
+    "fence",
+    "send_all",
+]
+
+AfterChunk = Callable[[str, int], None]
+
+
+@attrs.frozen
+class WeightReport:
+    """What one node's agent committed: the trainer's version and the checksum of its slot."""
+
+    node_id: str
+    generation: int
+    version: int
+    checksum: str
+    server_versions: tuple[int, ...] = ()
+
+
+@attrs.frozen
+class WeightUpdateResult:
+    """One update: the version, its checksum and size, every node that committed it, those dropped."""
+
+    version: int
+    checksum: str
+    nbytes: int
+    elapsed_s: float
+    nodes: tuple[WeightReport, ...]
+    dropped: tuple[str, ...]
+    reasons: Mapping[str, str] = attrs.field(factory=dict)
+    pack_s: float = 0.0  # of elapsed_s: packing the tensors and the trainer's checksum
+
+
+@attrs.define
+class NodeLink:
+    """One member node: its agent, its slots, its group with the trainer and what it committed."""
+
+    node_id: str
+    agent: Any
+    slots: tuple[str, ...]
+    generation: int = 0
+    version: int = 0
+    checksum: str = ""
+    group: Any = None
+
+
+def call(link: NodeLink, ref: Any, timeout_s: float) -> Any:
+    """The result of one call to the node's agent; typed errors name the node."""
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except GetTimeoutError as exc:
+        raise WeightSyncTimeoutError(
+            f"node {link.node_id[:12]}'s agent did not answer within {timeout_s} s", (link.node_id,)
+        ) from exc
+    except RayError as exc:
+        raise WeightSyncError(f"node {link.node_id[:12]}'s agent failed: {exc}") from exc
+
+
+def connect(link: NodeLink, generation: int, host: str, timeout_s: float) -> None:
+    """A fresh rendezvous: a new TCPStore on a free port of `host`, the agent joins as rank 1."""
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, 0, 2, True, timeout=timeout, wait_for_workers=False)  # type: ignore[attr-defined]
+    ref = link.agent.connect.remote(generation, host, int(store.port), timeout_s)
+    try:
+        link.group = dist.ProcessGroupGloo(store, 0, 2, timeout)
+    except RuntimeError as exc:
+        raise WeightSyncTimeoutError(
+            f"node {link.node_id[:12]} did not join the rendezvous at {host}:{store.port} within "
+            f"{timeout_s} s: {str(exc).splitlines()[0]}",
+            (link.node_id,),
+        ) from exc
+    call(link, ref, timeout_s)
+    link.generation = generation
+
+
+def send_all(
+    links: Sequence[NodeLink],
+    version: int,
+    flat: torch.Tensor,
+    *,
+    expected: str,
+    chunk_bytes: int,
+    timeout_s: float,
+    after_chunk: AfterChunk | None = None,
+) -> tuple[list[WeightReport], dict[str, str]]:
+    """Send version `version` (`flat`, checksum `expected`) to every link at once.
+
+    Returns the reports of the nodes that committed it and, by node, why the others did not: a
+    failed send, an agent that failed or died (Ray reports it), a wrong checksum, or no commit
+    within `timeout_s`. Never waits past that deadline.
+    """
+    deadline = time.monotonic() + timeout_s
+    refs = {
+        link.node_id: link.agent.receive.remote(link.generation, version, chunk_bytes, timeout_s)
+        for link in links
+    }
+    send_errors: dict[str, str] = {}
+    for link in links:
+        # daemon threads: a send to a hung node ends at its group's own timeout, nobody joins it
+        threading.Thread(
+            target=_send, args=(link, version, flat, chunk_bytes, after_chunk, send_errors), daemon=True
+        ).start()
+    reports: list[WeightReport] = []
+    reasons: dict[str, str] = {}
+    pending = {refs[link.node_id]: link for link in links}
+    while pending:
+        for ref, link in list(pending.items()):
+            if link.node_id in send_errors:
+                reasons[link.node_id] = send_errors[link.node_id]
+                del pending[ref]
+        remaining = deadline - time.monotonic()
+        if pending and remaining <= 0:
+            for link in pending.values():
+                reasons[link.node_id] = f"no commit within {timeout_s} s"
+            break
+        if not pending:
+            break
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(0.2, remaining))
+        for ref in ready:
+            link = pending.pop(ref)
+            try:
+                found = ray.get(ref)
+            except RayError as exc:
+                reasons[link.node_id] = str(exc).splitlines()[0][:300]
+                continue
+            report = WeightReport(
+                link.node_id,
+                int(found["generation"]),
+                int(found["version"]),
+                str(found["checksum"]),
+                tuple(int(v) for v in found["server_versions"]),
+            )
+            link.version, link.checksum = report.version, report.checksum
+            if report.version != version or report.checksum != expected:
+                reasons[link.node_id] = (
+                    f"committed version {report.version} with {report.checksum}, expected version "
+                    f"{version} with {expected}"
+                )
+            else:
+                reports.append(report)
+    return reports, reasons
+
+
+def _send(
+    link: NodeLink,
+    version: int,
+    flat: torch.Tensor,
+    chunk_bytes: int,
+    after_chunk: AfterChunk | None,
+    errors: dict[str, str],
+) -> None:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    try:
+        for index, start in enumerate(range(0, int(flat.numel()), chunk_bytes)):
+            link.group.broadcast([flat[start : start + chunk_bytes]], options).wait()
+            if after_chunk is not None:
+                after_chunk(link.node_id, index)
+    except Exception as exc:  # gloo raises RuntimeError subclasses; a chaos hook anything
+        errors[link.node_id] = f"sending version {version} failed: {str(exc).splitlines()[0][:200]}"
+
+
+def fence(router_url: str | None, admin_token: str | None, slots: Sequence[str]) -> None:
+    """Mark `slots` unhealthy at the router: out of rotation before the next rollout."""
+    if router_url is None or not slots:
+        return
+    headers = {} if admin_token is None else {"Authorization": f"Bearer {admin_token}"}
+    with httpx.Client(timeout=30.0, headers=headers) as client:
+        for slot in slots:
+            try:
+                reply = client.post(f"{router_url}/slots/{slot}/unhealthy")
+            except httpx.TransportError as exc:
+                raise WeightSyncError(
+                    f"could not take stale slot {slot!r} out of the router's rotation: {exc}; "
+                    "do not start the next rollout until the router is back"
+                ) from exc
+            if reply.status_code not in (200, 204, 404):  # 404: never registered, never served
+                raise WeightSyncError(
+                    f"the router refused to take stale slot {slot!r} out of rotation ({reply.status_code}): "
+                    "check the admin token; do not start the next rollout"
+                )
