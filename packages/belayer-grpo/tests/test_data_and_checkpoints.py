@@ -175,3 +175,22 @@ def test_a_resumed_run_uses_the_same_kl_reference_as_an_uninterrupted_one(tmp_pa
     state["reference"] = None
     with pytest.raises(CheckpointError, match="no KL reference"):
         GRPOTrainer(build_policy(model_config, seed=0), config.algorithm, group_size=2).load_state_dict(state)
+
+
+def test_a_batch_without_signal_leaves_the_weights_alone_despite_adam_momentum() -> None:
+    config = load_config(None, ["algorithm.num_minibatches=1", "algorithm.learning_rate=0.01"])
+    model_config = engine_model_config(config.model, CharTokenizer())
+    trainer = GRPOTrainer(build_policy(model_config, seed=0), config.algorithm, group_size=2)
+    trainer.update(_samples())  # a real step: Adam now carries momentum
+    flat = [attrs_evolve_reward(s, 1.0) for s in _samples()]  # every group scored alike
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    result = trainer.update(flat)
+    assert result.num_zero_signal_groups == 2
+    for old, new in zip(before, trainer.model.parameters(), strict=True):
+        assert torch.equal(old, new)
+
+
+def attrs_evolve_reward(sample: Sample, reward: float) -> Sample:
+    import attrs
+
+    return attrs.evolve(sample, reward=reward)

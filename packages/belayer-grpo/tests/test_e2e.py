@@ -1,5 +1,5 @@
 """End to end on CPU: the real router, engine slots (memory servers, main and shadow workers) and
-trainer; GRPO raises the reward on the toy task while a worker is killed mid-rollout."""
+trainer; GRPO raises the reward on the math workload while a worker is killed mid-rollout."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ def test_short_run_raises_accuracy_and_survives_a_worker_kill(tmp_path: Path) ->
     config = load_config(
         None,
         [
+            "data.workload=math",
             f"system.run_dir={str(tmp_path / 'run')!r}",
             "algorithm.steps=12",
             "chaos.kill_worker_at_steps=[3]",

@@ -47,7 +47,14 @@ def test_sigint_during_training_leaves_nothing_behind(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     log = tmp_path / "train.log"
     env = {**os.environ, "BELAYER_TEST_TAG": tag}
-    argv = [sys.executable, "-m", "belayer_grpo", "train", f"system.run_dir={str(run_dir)!r}"]
+    argv = [
+        sys.executable,
+        "-m",
+        "belayer_grpo",
+        "train",
+        "data.workload=math",
+        f"system.run_dir={str(run_dir)!r}",
+    ]
     argv += ["algorithm.steps=200", "chaos.kill_worker_at_steps=[]", "logging.progress=false"]
     with log.open("w") as output:
         train = subprocess.Popen(argv, stdout=output, stderr=subprocess.STDOUT, env=env)
@@ -85,7 +92,14 @@ def test_sigkill_mid_rollout_is_reaped_and_the_folder_starts_cleanly_again(tmp_p
     run_dir = tmp_path / "run"
     log = tmp_path / "train.log"
     env = {**os.environ, "BELAYER_TEST_TAG": tag}
-    argv = [sys.executable, "-m", "belayer_grpo", "train", f"system.run_dir={str(run_dir)!r}"]
+    argv = [
+        sys.executable,
+        "-m",
+        "belayer_grpo",
+        "train",
+        "data.workload=math",
+        f"system.run_dir={str(run_dir)!r}",
+    ]
     argv += ["chaos.kill_worker_at_steps=[]", "logging.progress=false", "logging.tensorboard=false"]
     argv += ["model.warmup_steps=0", "system.checkpoint_every=0"]
     with log.open("w") as output:

@@ -166,11 +166,12 @@ class Reporter:
                 f" prefix-consistent: {'yes' if env['all_prefix_consistent'] else 'NO'}"
             )
             for r in env.get("recoveries", [])[:20]:
-                source = (
-                    f"checkpoint at action {r['restored_prefix']} (turn {r['restored_turn']})"
-                    if r["from_checkpoint"]
-                    else f"image, turn {r['restored_turn']}"
-                )
+                if r["from_checkpoint"]:
+                    source = f"checkpoint at action {r['restored_prefix']} (turn {r['restored_turn']})"
+                elif r["prefix_consistent"]:
+                    source = "the start (image and prompt)"
+                else:
+                    source = "a fresh image, context kept (state lost)"
                 lines.append(
                     f"{'':>22}  step {r['step']} {'-'.join(r['trajectory'].rsplit('-', 2)[-2:])}: {r['reason']} at turn"
                     f" {r['failed_turn']} -> from {source}, {r['turns_replayed']} turns /"

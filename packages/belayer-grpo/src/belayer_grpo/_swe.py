@@ -71,7 +71,7 @@ def load_tasks(config: Config) -> list[AgentTask]:
         return list(generate_tooluse_tasks(config.data.seed, config.data.held_out)[0])
     source = config.data.source
     if source == "builtin":
-        return builtin_tasks()
+        return list(builtin_tasks())
     if not source.endswith(".jsonl"):
         raise GrpoConfigError("data.source", f"the swe workload reads a SWE-Gym .jsonl file, got {source!r}")
     return list(load_swegym(source))

@@ -123,7 +123,11 @@ class GRPOTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()  # type: ignore[no-untyped-call]
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
-            self.optimizer.step()
+            # A minibatch without signal (every advantage 0, no KL term) has a zero gradient, yet
+            # Adam's momentum would still move the weights: a run whose groups all scored alike
+            # would drift for many steps.  No signal, no step.
+            if ref is not None or bool(advantages[rows].abs().sum() > 0):
+                self.optimizer.step()
             totals["loss"] += stats.loss
             totals["kl"] += stats.kl
             totals["clip"] += stats.clip_fraction

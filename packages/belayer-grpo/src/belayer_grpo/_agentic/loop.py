@@ -102,10 +102,11 @@ class AgentLoop:
                 steps = "; ".join(f"{o.command} -> {o.output.strip()[:40]!r}" for o in observations)
                 result = _TestResult(0 if reward else 1, f"{steps}; answer {self._answer!r}", "")
                 break
-            result = await anyio.to_thread.run_sync(self._run_tests)
-            if isinstance(result, environment.SandboxFailure):
-                await self._recover(result)
+            tested = await anyio.to_thread.run_sync(self._run_tests)
+            if isinstance(tested, environment.SandboxFailure):
+                await self._recover(tested)
                 continue
+            result = tested
             reward = 1.0 if result.exit_code == 0 else 0.0
             break
         await self.router.drop_trajectory(self.trajectory_id)
