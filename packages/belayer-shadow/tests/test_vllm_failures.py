@@ -12,7 +12,6 @@ import contextlib
 import os
 import signal
 from collections.abc import Iterator
-from pathlib import Path
 
 import anyio
 import attrs
