@@ -7,7 +7,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,7 @@ class RolloutCluster:
         start_timeout_s: float = 180.0,
         probe_timeout_s: float = 3.0,
         sandboxes: SandboxCluster | None = None,
+        on_node_loss: Callable[[NodeLoss], None] | None = None,
     ) -> None:
         if not slots or len(set(slots)) != len(slots):
             raise ClusterConfigError(f"slots must be distinct names, at least one (got {list(slots)!r})")
@@ -91,6 +92,7 @@ class RolloutCluster:
         self.cpus_per_slot, self.poll_s, self.start_timeout_s = cpus_per_slot, poll_s, start_timeout_s
         self.slot_options = dict(slot_options or {})
         self.probe_timeout_s, self.sandboxes = probe_timeout_s, sandboxes
+        self.on_node_loss = on_node_loss  # called in the watcher thread before waiters hear of it
         self.infos: dict[str, SlotInfo] = {}
         self.hosts: dict[str, Any] = {}  # slot -> the SlotHost actor handle
         self.losses: list[NodeLoss] = []
@@ -247,6 +249,11 @@ class RolloutCluster:
             "slots (no replacement started)",
             file=sys.stderr,
         )
+        if self.on_node_loss is not None:
+            try:
+                self.on_node_loss(loss)
+            except Exception as exc:  # the caller's hook must not end the watcher
+                print(f"belayer-cluster: on_node_loss hook failed: {exc!r}", file=sys.stderr)
         self._record(loss)
         return True
 
