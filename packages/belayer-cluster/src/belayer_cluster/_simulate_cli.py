@@ -73,6 +73,7 @@ def resolve_inputs(overrides: dict[str, float], repo: Path | None) -> tuple[SimI
         for name in (
             "detection_s",
             "worker_restart_s",
+            "node_loss_resume_s",
             "shadow_handover_s",
             "sandbox_restore_s",
             "sandbox_restart_s",

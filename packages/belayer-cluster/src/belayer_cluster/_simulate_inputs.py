@@ -102,9 +102,8 @@ INPUT_SOURCES: dict[str, InputSource] = {
     ),
     "node_loss_resume_s": InputSource(
         "s",
-        "belayer-cluster LocalClusterConfig defaults (1 s health period x 5 misses = 5 s) + 1 s router resume",
-        f"named input until {_NODE_LOSS} is committed (then read from it: summary.node_loss_recovery_s,"
-        " node lost -> every affected request streaming again and its sandboxes restored on another node)",
+        f"{_NODE_LOSS}: summary.node_loss_recovery_s",
+        "Belayer: node lost -> every affected request streaming again and its sandboxes restored elsewhere",
     ),
     "sandbox_restore_s": InputSource(
         "s",
@@ -161,7 +160,7 @@ class SimInputs:
     detection_s: float = attrs.field(default=29.582017183303833, validator=_non_negative)
     worker_restart_s: float = attrs.field(default=70.73594880104065, validator=_non_negative)
     shadow_handover_s: float = attrs.field(default=0.9032039642333984, validator=_non_negative)
-    node_loss_resume_s: float = attrs.field(default=6.0, validator=_non_negative)
+    node_loss_resume_s: float = attrs.field(default=5.144996881484985, validator=_non_negative)
     sandbox_restore_s: float = attrs.field(default=5.355012, validator=_non_negative)
     sandbox_restart_s: float = attrs.field(default=5.355012, validator=_non_negative)
 
@@ -237,6 +236,6 @@ def measured_inputs(repo_root: Path) -> dict[str, tuple[float, str]]:
         if isinstance(summary, dict) and isinstance(summary.get("node_loss_recovery_s"), int | float):
             found["node_loss_resume_s"] = (
                 float(summary["node_loss_recovery_s"]),
-                f"{_NODE_LOSS}: summary.node_loss_recovery_s (requests streaming again + sandboxes restored)",
+                INPUT_SOURCES["node_loss_resume_s"].source,
             )
     return found
