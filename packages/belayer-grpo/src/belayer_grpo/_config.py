@@ -168,6 +168,17 @@ class ChaosConfig:
     # Deterministic sandbox kills: every trajectory's sandbox dies right after these actions.
     sandbox_kill_at_actions: tuple[int, ...] = attrs.field(default=(), validator=v.deep_iterable(v.gt(0)))
     seed: int = 0
+    kill_node_at_step: int = attrs.field(default=0, validator=_non_negative)  # 0: never
+
+
+@attrs.frozen
+class ClusterConfig:
+    """Where the rollout slots run: this machine (the default, no Ray) or a Ray cluster."""
+
+    # > 0: a local Ray cluster of N simulated nodes on this machine
+    nodes: int = attrs.field(default=0, validator=_non_negative)
+    address: str = ""  # join an existing Ray cluster (its GCS address, HOST:PORT)
+    shared_dir: str = ""  # a folder every node reads (router journal, slot folders); "" = a temp folder
 
 
 @attrs.frozen
@@ -189,6 +200,7 @@ class Config:
     algorithm: AlgorithmConfig = attrs.field(factory=AlgorithmConfig)
     system: SystemConfig = attrs.field(factory=SystemConfig)
     chaos: ChaosConfig = attrs.field(factory=ChaosConfig)
+    cluster: ClusterConfig = attrs.field(factory=ClusterConfig)
     logging: LoggingConfig = attrs.field(factory=LoggingConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -394,5 +406,17 @@ def _check_cross_section(config: Config) -> None:
         raise GrpoConfigError(
             "data.source", "the swe workload takes 'builtin' (the shipped tasks) or a SWE-Gym .jsonl file"
         )
+    if config.cluster.nodes and config.cluster.address:
+        raise GrpoConfigError(
+            "cluster.address", "set cluster.nodes (a local cluster) or cluster.address, not both"
+        )
+    if config.chaos.kill_node_at_step:
+        if config.cluster.nodes < 2:
+            raise GrpoConfigError(
+                "chaos.kill_node_at_step",
+                "needs cluster.nodes >= 2 (a local cluster whose nodes can be removed)",
+            )
+        if config.system.num_slots < 2:
+            raise GrpoConfigError("chaos.kill_node_at_step", "needs system.num_slots >= 2 (one must be left)")
     if config.model.num_attention_heads % config.model.num_key_value_heads:
         raise GrpoConfigError("model.num_key_value_heads", "must divide model.num_attention_heads")

@@ -23,6 +23,7 @@ import torch
 from belayer_grpo._agentic import default_estimators
 from belayer_grpo._chaos import FailureRecord, WorkerChaos, match_recoveries
 from belayer_grpo._checkpointing import find_latest, load_checkpoint, save_checkpoint
+from belayer_grpo._cluster_system import ClusterSystem, rollout_system
 from belayer_grpo._config import Config
 from belayer_grpo._data import PolicyTokenizer, Problem, PromptSampler, generate_arithmetic, load_math_file
 from belayer_grpo._errors import GrpoConfigError
@@ -243,7 +244,7 @@ async def _swe_rollout(
 async def _step(
     run: RunState,
     step: int,
-    system: RolloutSystem,
+    system: RolloutSystem | ClusterSystem,
     router: RouterClient,
     chaos: WorkerChaos,
     sync: WeightSync,
@@ -251,6 +252,8 @@ async def _step(
     config = run.config
     run.reporter.begin_step(step, config.rollout.batch_size * config.rollout.samples_per_prompt)
     chaos.current_step = step
+    if isinstance(system, ClusterSystem):  # chaos.kill_node_at_step
+        system.before_rollout(step)
     started = time.monotonic()
     rollout = _math_rollout if config.data.workload == "math" else _swe_rollout
     samples, extra = await rollout(run, step, router, chaos)
@@ -334,7 +337,7 @@ async def _train(config: Config, stream: TextIO, run_dir: Path) -> dict[str, Any
             f"belayer-grpo: starting the router and {config.system.num_slots} engine slot(s)"
         )
         async with (
-            RolloutSystem.start(config, run_dir, model_config, weights_file) as system,
+            rollout_system(config, run_dir, model_config, weights_file) as system,
             system.client() as router,
         ):
             chaos = WorkerChaos(
@@ -365,6 +368,8 @@ async def _train(config: Config, stream: TextIO, run_dir: Path) -> dict[str, Any
                 summary["eval_accuracy_after"] = await _evaluate_agentic(run, router, "after")
             match_recoveries(chaos.failures, system.events())
             summary["failures"] = [f.to_dict() for f in chaos.failures]
+            if isinstance(system, ClusterSystem):
+                summary["node_losses"] = await anyio.to_thread.run_sync(system.node_losses)
             summary["status"] = "completed"
         if config.system.checkpoint_every == 0 or summary.get("steps", 0) % config.system.checkpoint_every:
             await anyio.to_thread.run_sync(_checkpoint, run, summary.get("steps", run.start_step))

@@ -1,0 +1,374 @@
+"""`ClusterSystem`: the rollout system on Ray (belayer-cluster), chosen by `cluster.nodes` / `cluster.address`.
+
+The same face as `RolloutSystem` (router URL, slots that can be killed, weight sockets, events,
+healthy slots, a router client), with the slots placed one per Ray bundle and the router a process
+of this driver, its journal on the shared directory. `cluster.nodes = N` starts a local Ray
+cluster of N simulated nodes on this machine; `cluster.address` joins an existing one.
+`chaos.kill_node_at_step = K` removes the node of the last healthy slot mid-rollout of step K:
+its requests resume token-exact on the slots left (no replacement is started: training continues
+on what is left and says so), and the run report says what happened. Ray is imported only here,
+only when the cluster is asked for: the default run stays single-machine without Ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import attrs
+import httpx
+
+from belayer_grpo._config import Config
+from belayer_grpo._errors import SystemStartError
+from belayer_grpo._system import RolloutSystem
+from belayer_router import RouterClient
+
+if TYPE_CHECKING:
+    from belayer_cluster import DriverRouter, LocalRayCluster, NodeLoss, RolloutCluster
+    from belayer_shadow import ModelConfig
+
+__all__ = ["ClusterSystem", "cluster_wanted", "rollout_system"]
+
+KILL_AFTER_TOKENS = 24  # the node is removed once this many tokens of the step have streamed
+
+
+def cluster_wanted(config: Config) -> bool:
+    """True when the run asks for Ray (`cluster.nodes > 0` or `cluster.address`)."""
+    return config.cluster.nodes > 0 or bool(config.cluster.address)
+
+
+def rollout_system(
+    config: Config, run_dir: Path, model_config: ModelConfig, weights_file: Path
+) -> AbstractAsyncContextManager[RolloutSystem | ClusterSystem]:
+    """`ClusterSystem.start` when the run asks for Ray, else the single-machine `RolloutSystem.start`."""
+    if cluster_wanted(config):
+        return ClusterSystem.start(config, run_dir, model_config, weights_file)
+    return RolloutSystem.start(config, run_dir, model_config, weights_file)
+
+
+class LiveSockets(Sequence[Path]):
+    """The weight sockets of the slots in service, read when a push iterates them.
+
+    A push first waits for a node removal under way (`chaos.kill_node_at_step`) to be handled, so
+    it never writes to a lost node's weight server; a lost node's sockets leave the list.
+    """
+
+    def __init__(self) -> None:
+        self.paths: list[Path] = []
+        self.pending: threading.Thread | None = None
+
+    def _settle(self) -> list[Path]:
+        if self.pending is not None:
+            self.pending.join(timeout=240)
+        return list(self.paths)
+
+    def __iter__(self) -> Iterator[Path]:
+        return iter(self._settle())
+
+    def __len__(self) -> int:
+        return len(self._settle())
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._settle()[index]
+
+
+@attrs.frozen
+class _SlotName:
+    slot: str
+
+
+@attrs.define
+class RemoteSlot:
+    """A slot on a Ray node, as `WorkerChaos` sees a slot: its name and `kill_main`."""
+
+    config: _SlotName
+    host: Any  # the belayer_cluster.SlotHost actor handle
+
+    def kill_main(self) -> float:
+        """SIGKILL the slot's main worker (its shadow on the same node takes over)."""
+        import ray
+
+        return float(ray.get(self.host.kill_main.remote(), timeout=60))
+
+
+@attrs.define
+class ClusterSystem:
+    """The running router and slots of one training run, on Ray."""
+
+    router_url: str
+    admin_token: str
+    slots: list[RemoteSlot]
+    run_dir: Path
+    rollout: RolloutCluster
+    router: DriverRouter
+    local: LocalRayCluster | None
+    kill_node_at_step: int
+    weight_sockets: LiveSockets  # a lost node's sockets leave it, so pushes skip them
+    _losses: list[dict[str, Any]] = attrs.field(factory=list)
+    _events: dict[str, list[dict[str, Any]]] = attrs.field(factory=dict)
+    _killer: threading.Thread | None = None
+
+    @classmethod
+    @asynccontextmanager
+    async def start(
+        cls, config: Config, run_dir: Path, model_config: ModelConfig, weights_file: Path
+    ) -> AsyncIterator[ClusterSystem]:
+        """Start (or join) Ray, the router and `system.num_slots` slots; stop them all at exit."""
+        import json
+
+        from belayer_cluster import BelayerClusterError
+
+        model_file = run_dir / "model.json"
+        model_file.write_text(json.dumps(model_config.to_dict(), indent=2))
+        # Unix socket paths are short (107 bytes): the shared folder is short too.
+        own_shared = not config.cluster.shared_dir
+        shared = Path(config.cluster.shared_dir or tempfile.mkdtemp(prefix="belayer-grpo-cluster-"))
+        parts = _Parts()
+        try:
+            _start_ray(config, parts)  # Ray sets signal handlers: only from the main thread
+            system = await anyio.to_thread.run_sync(
+                _start_sync, config, run_dir, shared, model_file, weights_file, parts
+            )
+        except BaseException as exc:
+            _stop_all(parts)
+            if own_shared:
+                shutil.rmtree(shared, ignore_errors=True)
+            if isinstance(exc, BelayerClusterError):
+                raise SystemStartError(f"the cluster did not start: {exc}") from exc
+            raise
+        try:
+            yield system
+        finally:
+            _stop_all(parts)  # blocking on purpose: Ray is stopped from the main thread
+            if own_shared:
+                shutil.rmtree(shared, ignore_errors=True)
+
+    def client(self, timeout_s: float = 600.0) -> RouterClient:
+        """A router client for rollouts (use as ``async with``)."""
+        return RouterClient(self.router_url, self.admin_token, timeout_s=timeout_s)
+
+    def events(self) -> list[dict[str, Any]]:
+        """Every reachable slot's events (a lost slot's as last seen), tagged with the slot."""
+        import ray
+        from ray.exceptions import RayError
+
+        lost = {slot for loss in self.rollout.losses for slot in loss.slots}
+        for remote in self.slots:
+            name = remote.config.slot
+            if name in lost:
+                continue
+            with contextlib.suppress(RayError):
+                self._events[name] = [
+                    {**event, "slot": name} for event in ray.get(remote.host.events.remote(), timeout=30)
+                ]
+        merged = [event for events in self._events.values() for event in events]
+        return sorted(merged, key=lambda event: float(event.get("time", 0.0)))
+
+    def num_handovers(self) -> int:
+        """Completed handovers seen in the slots' events."""
+        return sum(1 for event in self.events() if event.get("event") == "handover.complete")
+
+    def healthy_slots(self) -> list[int]:
+        """Indices of slots still in service (a lost node's are not)."""
+        healthy = set(self.rollout.healthy_slots)
+        return [index for index, remote in enumerate(self.slots) if remote.config.slot in healthy]
+
+    def before_rollout(self, step: int) -> None:
+        """Arm `chaos.kill_node_at_step`: the node goes once the step's rollout is under way."""
+        if step != self.kill_node_at_step or self._killer is not None:
+            return
+        if self.local is None:
+            raise SystemStartError("chaos.kill_node_at_step needs cluster.nodes (a local cluster)")
+        self._killer = threading.Thread(target=self._kill_node, args=(step,), daemon=True)
+        self.weight_sockets.pending = self._killer
+        self._killer.start()
+
+    def node_losses(self) -> list[dict[str, Any]]:
+        """What each lost node cost: requests resumed elsewhere, sandboxes restored, tokens lost, time."""
+        if self._killer is not None:
+            self._killer.join(timeout=180)
+        metrics = _metrics(self.router_url)
+        reports = []
+        for loss in self._losses:
+            resumed = metrics.get("resumes_total", 0.0) - loss["resumes_before"]
+            failed = metrics.get("requests_failed_total", 0.0) - loss["failed_before"]
+            reports.append(
+                {k: v for k, v in loss.items() if not k.endswith("_before")}
+                | {"requests_resumed": int(resumed), "tokens_lost": 0 if failed == 0 else None}
+            )
+        return reports
+
+    def _outstanding(self, slot: str) -> int:
+        return _outstanding_of(self.router_url, self.admin_token, slot)
+
+    def _kill_node(self, step: int) -> None:
+        assert self.local is not None
+        start = _metrics(self.router_url).get("tokens_total", 0.0)
+        deadline = time.monotonic() + 600
+        while _metrics(self.router_url).get("tokens_total", 0.0) < start + KILL_AFTER_TOKENS:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.02)
+        victim_slot = self.slots[-1].config.slot
+        victim = self.rollout.infos[victim_slot].node_id
+        in_flight = self._outstanding(victim_slot)
+        before = _metrics(self.router_url)
+        removed, removed_wall = time.monotonic(), time.time()
+        self.local.remove_node(victim)
+        (loss,) = [
+            x for x in self.rollout.wait_node_loss(len(self.rollout.losses) + 1, 180) if x.node_id == victim
+        ]
+        resumed_at = None
+        wait_until = time.monotonic() + 30.0  # the router resumes a fenced slot's requests at once
+        while in_flight and time.monotonic() < wait_until:  # streaming again: a request resumed
+            if _metrics(self.router_url).get("resumes_total", 0.0) > before.get("resumes_total", 0.0):
+                resumed_at = time.monotonic()
+                break
+            time.sleep(0.02)
+        handled = loss.detected_at + loss.recover_s - removed_wall
+        self._losses.append(
+            {
+                "node_id": victim,
+                "step": step,
+                "slots": list(loss.slots),
+                "requests_in_flight": in_flight,
+                "detected_by": loss.detected_by,
+                "detect_s": loss.detected_at - removed_wall,
+                "sandboxes_restored": len(loss.sandboxes),
+                "slots_left": list(loss.slots_left),
+                "time_to_recover_s": max(handled, (resumed_at or removed) - removed),
+                "resumes_before": before.get("resumes_total", 0.0),
+                "failed_before": before.get("requests_failed_total", 0.0),
+            }
+        )
+
+
+@attrs.define
+class _Parts:
+    """What has been started so far, stopped in reverse (also after a failed start)."""
+
+    router: DriverRouter | None = None
+    local: LocalRayCluster | None = None
+    rollout: RolloutCluster | None = None
+
+
+def _outstanding_of(url: str, token: str, slot: str) -> int:
+    try:
+        answer = httpx.get(f"{url}/workers", headers={"Authorization": f"Bearer {token}"}, timeout=10.0)
+        return sum(int(w["num_outstanding"]) for w in answer.json()["slots"] if w["slot"] == slot)
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return 0
+
+
+def _start_ray(config: Config, parts: _Parts) -> None:
+    import ray
+
+    from belayer_cluster import LocalClusterConfig, LocalRayCluster
+
+    if config.cluster.address:
+        try:
+            ray.init(address=config.cluster.address)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise SystemStartError(
+                f"could not join the Ray cluster at cluster.address={config.cluster.address!r}: {exc}"
+            ) from exc
+    else:
+        per_node = max(1, math.ceil(config.system.num_slots / config.cluster.nodes))
+        parts.local = LocalRayCluster(
+            LocalClusterConfig(num_nodes=config.cluster.nodes, cpus_per_node=per_node)
+        )
+        parts.local.start()
+
+
+def _start_sync(
+    config: Config, run_dir: Path, shared: Path, model_file: Path, weights_file: Path, parts: _Parts
+) -> ClusterSystem:
+    from belayer_cluster import DriverRouter, RolloutCluster
+
+    admin_token = secrets.token_hex(16)
+    parts.router = router = DriverRouter(shared / "router.jsonl", admin_token=admin_token, resume_wait_s=30.0)
+    router.start()
+    names = [f"slot{index}" for index in range(config.system.num_slots)]
+    sockets = LiveSockets()
+    options = {
+        "model": model_file,
+        "weights": weights_file,
+        "seed": config.model.seed,
+        "recovery": config.system.recovery,
+        "num_kv_blocks": config.system.kv_num_blocks,
+        "block_size": config.system.kv_block_size,
+        "max_num_seqs": min(config.rollout.concurrency, 256),
+        "start_timeout_s": config.system.start_timeout_s,
+        "stale_s": config.system.hang_threshold_s,
+        "engine": config.system.engine,
+    }
+
+    def on_loss(loss: NodeLoss) -> None:
+        for slot in loss.slots:
+            gone = rollout.infos[slot].run_dir / "mem" / "weights.sock"
+            if gone in sockets.paths:
+                sockets.paths.remove(gone)
+
+    parts.rollout = rollout = RolloutCluster(
+        names,
+        router_url=router.url,
+        shared_dir=shared,
+        admin_token=admin_token,
+        slot_options=options,
+        start_timeout_s=config.system.start_timeout_s,
+        on_node_loss=on_loss,
+    )
+    infos = rollout.start()
+    sockets.paths.extend(infos[name].run_dir / "mem" / "weights.sock" for name in names)
+    return ClusterSystem(
+        router_url=router.url,
+        admin_token=admin_token,
+        slots=[RemoteSlot(_SlotName(name), rollout.hosts[name]) for name in names],
+        run_dir=run_dir,
+        rollout=rollout,
+        router=router,
+        local=parts.local,
+        kill_node_at_step=config.chaos.kill_node_at_step,
+        weight_sockets=sockets,
+    )
+
+
+def _stop_all(parts: _Parts) -> None:
+    import ray
+
+    if parts.rollout is not None:
+        parts.rollout.stop()
+    if parts.router is not None:
+        parts.router.stop()
+    if parts.local is not None:
+        parts.local.shutdown()
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+_METRIC = re.compile(r"^belayer_router_(\w+)\s+([0-9.eE+-]+)$")
+
+
+def _metrics(url: str) -> dict[str, float]:
+    """The router's counters (`/metrics`), by name without the prefix; {} when it does not answer."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    except httpx.HTTPError:
+        return {}
+    found = {}
+    for line in text.splitlines():
+        match = _METRIC.match(line.strip())
+        if match:
+            found[match.group(1)] = float(match.group(2))
+    return found

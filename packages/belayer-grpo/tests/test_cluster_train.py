@@ -1,0 +1,68 @@
+"""Training on Ray (belayer-cluster): a local cluster of 2 simulated nodes, one of them removed
+mid-rollout; the run continues on the slot that is left and its report says what the loss cost."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import anyio
+import pytest
+
+from belayer_grpo._config import load_config
+from belayer_grpo._errors import GrpoConfigError
+from belayer_grpo._run import run_training
+
+pytestmark = pytest.mark.e2e
+
+
+def test_a_math_run_on_two_nodes_survives_losing_one(tmp_path: Path) -> None:
+    config = load_config(
+        None,
+        [
+            "data.workload='math'",
+            f"system.run_dir={str(tmp_path / 'run')!r}",
+            "algorithm.steps=3",
+            "model.warmup_steps=5",
+            "system.num_slots=2",
+            "system.checkpoint_every=0",
+            "chaos.kill_worker_at_steps=[]",
+            "chaos.kill_node_at_step=2",
+            "cluster.nodes=2",
+            "logging.progress=false",
+        ],
+    )
+    out = io.StringIO()
+    summary = anyio.run(lambda: run_training(config, stream=out))
+    assert summary["status"] == "completed", out.getvalue()
+    (loss,) = summary["node_losses"]
+    assert loss["step"] == 2
+    assert loss["slots"] == ["slot1"]
+    assert loss["slots_left"] == ["slot0"]  # no spare capacity: training goes on with what is left
+    assert loss["detected_by"] in ("ray", "worker probe")
+    assert loss["tokens_lost"] == 0
+    assert loss["requests_resumed"] >= 0
+    assert 0 < loss["time_to_recover_s"] < 180
+    assert "node lost" in out.getvalue()
+    assert "requests resumed elsewhere" in out.getvalue()
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert [m["healthy_slots"] for m in metrics] == [2, 1, 1]
+    # Every step after the loss still got new weights on the slot left.
+    assert [m["weight_version"] for m in metrics] == [2, 3, 4]
+    assert max(m["logprob_gap"] for m in metrics) < 1e-3
+    assert json.loads((tmp_path / "run" / "report.json").read_text())["node_losses"][0]["tokens_lost"] == 0
+
+
+def test_kill_node_needs_a_local_cluster_of_two_nodes() -> None:
+    with pytest.raises(GrpoConfigError, match=r"chaos\.kill_node_at_step"):
+        load_config(None, ["chaos.kill_node_at_step=2", "system.num_slots=2"])
+    with pytest.raises(GrpoConfigError, match=r"cluster\.address"):
+        load_config(None, ["cluster.nodes=2", "cluster.address='127.0.0.1:6379'"])
+
+
+def test_the_default_run_does_not_ask_for_ray() -> None:
+    from belayer_grpo._cluster_system import cluster_wanted
+
+    assert not cluster_wanted(load_config(None, []))
