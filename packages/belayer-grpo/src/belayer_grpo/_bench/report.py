@@ -103,7 +103,41 @@ def _env_failures(result: dict[str, Any]) -> list[str]:
     rows = [[f"{r['kill_p']:g}", r["policy"], _ms(r["rollout_s"]), _ms(r["baseline_s"]), _pct(r["increase"]),
              str(r["num_failures"]), str(r["num_recoveries_from_checkpoint"]), str(r["num_checkpoints"]),
              str(r["tokens_regenerated"]), str(r["all_prefix_consistent"])] for r in result["rows"]]  # fmt: skip
-    return _table(header, rows)
+    return _table(header, rows) + _separation(result.get("separation")) + _simulator(result.get("simulator"))
+
+
+def _simulator(sim: dict[str, Any] | None) -> list[str]:
+    if not sim or not sim["batches"]:
+        return [] if not sim or "error" not in sim else ["", f"Simulator check failed: {sim['error']}"]
+    low, high = sim["difference_ci95_s"] or (0.0, 0.0)
+    verdict = "agrees" if sim["agrees"] else "does not agree"
+    return ["", f"belayer-policy's simulator, replaying the recorded traces of the {sim['batches']} batches "
+            f"with failures (and their seeds' baselines), **{verdict}** with the measured rollout-time increase: "
+            f"measured minus simulated {sim['difference_s']:+.2f} s, 95% CI [{low:+.2f}, {high:+.2f}] s."]  # fmt: skip
+
+
+def _separation(sep: dict[str, Any] | None) -> list[str]:
+    if not sep:
+        return []
+    verdict = "separate" if sep["separated"] else "do not separate"
+    stop = {"separated": "they separated", "max_repeats": f"the cap of {sep['max_repeats']} seeds",
+            "max_repeat_s": f"the cap of {sep['max_repeat_s']:.0f} s of repeats"}[sep["stopped_by"]]  # fmt: skip
+    lines = ["", f"At p = {sep['kill_p']:g} the 95% confidence intervals of the increase of never and adaptive "
+             f"**{verdict}** after {sep['seeds']} seeds (stopped by {stop}).", ""]  # fmt: skip
+    header = [
+        "policy",
+        "seeds",
+        "increase (mean ± std)",
+        "95% CI of the mean",
+        "failures observed",
+        "checkpoints",
+    ]
+    rows = []
+    for policy, arm in sep["arms"].items():
+        ci = arm["increase_ci95"]
+        rows.append([policy, str(arm["n"]), _pct(arm["increase"]), "-" if ci is None else f"[{ci[0]:+.1%}, {ci[1]:+.1%}]",
+                     str(arm["num_failures"]), str(arm["num_checkpoints"])])  # fmt: skip
+    return lines + _table(header, rows)
 
 
 def _checkpoint_cost(result: dict[str, Any]) -> list[str]:

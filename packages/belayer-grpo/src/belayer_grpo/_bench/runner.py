@@ -34,7 +34,9 @@ _DESCRIPTIONS = {
                        "from scratch, token-level resume through the router: the strongest restart) and "
                        "`conventional` (remote health checks, engine restart, regeneration from scratch)."],
     "env-failures": ["Sandboxes killed with probability p per environment step (seeded); rollout time of "
-                     "the batch against the failure-free batch of the same seed under `never`."],
+                     "the batch against the failure-free batch of the same seed under `never`. At `separate_p` more seeds run "
+                     "`never` and `adaptive` until the 95% confidence intervals of their increase separate or a cap "
+                     "(seeds or seconds) is reached; the rows above hold the configured seeds only."],
     "checkpoint-cost": ["Every full checkpoint of the environment-failure runs (CRIU + filesystem), and what "
                         "it added to its trajectory's critical path: how long the next action waited for it "
                         "after the overlapping LLM response was done, from the agent loop's timestamps; the "
@@ -61,7 +63,11 @@ def quick_config(bench: BenchConfig) -> BenchConfig:
         overhead=attrs.evolve(bench.overhead, repeats=2, math_steps=8, math_discard_steps=2, swe_steps=1),
         worker_failure=attrs.evolve(bench.worker_failure, repeats=1, batch_size=4),
         env_failures=attrs.evolve(
-            bench.env_failures, seeds=bench.env_failures.seeds[:1], probabilities=QUICK_KILL_P
+            bench.env_failures,
+            seeds=bench.env_failures.seeds[:1],
+            probabilities=QUICK_KILL_P,
+            max_repeats=min(bench.env_failures.max_repeats, 4),
+            max_repeat_s=min(bench.env_failures.max_repeat_s, 180.0),
         ),
     )
 

@@ -95,6 +95,12 @@ class EnvFailureBench:
     )
     policies: tuple[str, ...] = ("never", "always", "every", "adaptive")
     seeds: tuple[int, ...] = (0, 1)
+    # At `separate_p` (0 = off) more seeds run `never` and `adaptive` until the 95 % confidence
+    # intervals of their rollout-time increase separate, or a cap: `max_repeats` seeds in all at
+    # that p, or `max_repeat_s` seconds of repeats.
+    separate_p: float = attrs.field(default=0.01, validator=[_nonnegf, v.le(1.0)])
+    max_repeats: int = attrs.field(default=20, validator=v.ge(2))
+    max_repeat_s: float = attrs.field(default=900.0, validator=_nonnegf)
 
 
 @attrs.frozen

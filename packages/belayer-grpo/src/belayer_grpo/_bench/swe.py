@@ -119,6 +119,7 @@ class SweHarness:
             "all_prefix_consistent": totals["all_prefix_consistent"],
             "restore_s": [r.restore_s for t in trajectories for r in t.recoveries],
             "checkpoints": self._checkpoints(trajectories),
+            "trace": [_trace_line(t) for t in trajectories if t.step_response_s],
         }
 
     def _checkpoints(self, trajectories: list[AgenticTrajectory]) -> list[dict[str, Any]]:
@@ -136,6 +137,19 @@ class SweHarness:
                             "exposed_s": exposed,
                             "bytes": record.checkpoint.total_bytes if record.checkpoint else 0})  # fmt: skip
         return out
+
+
+def _trace_line(trajectory: AgenticTrajectory) -> dict[str, Any]:
+    """The trajectory in belayer-policy's trace format, with what the simulator models kept apart in
+    ``meta``: the measured wall time, each checkpoint's time on the critical path (how long the next
+    action waited for it, by prefix) and each recovery (failed and restored step, restore time)."""
+    return trajectory.trace_line(meta={
+        "wall_s": trajectory.wall_s,
+        "checkpoint_waited_s": {str(c.prefix): c.waited_s for c in trajectory.checkpoints if c.prefix > 0},
+        "recoveries": [{"failed_step": r.failed_prefix, "restored_step": r.restored_prefix,
+                        "restore_s": r.restore_s, "rounds_regenerated": r.rounds_regenerated}
+                       for r in trajectory.recoveries],
+    })  # fmt: skip
 
 
 def _marker(task: SweTask) -> str:
