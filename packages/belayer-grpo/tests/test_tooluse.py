@@ -19,28 +19,29 @@ def test_tasks_are_seeded_and_the_held_out_split_is_disjoint() -> None:
     assert generate_tooluse_tasks(3, held_out=20) == (train, held)
     assert generate_tooluse_tasks(4, held_out=20)[1] != held
     assert not {t.instance_id for t in train} & {t.instance_id for t in held}
+    assert sorted(t.value for t in train + held) == list(range(100))
     task = held[0]
-    assert str(task.value) in render_prompt(task)
-    assert str(task.operand) in render_prompt(task)
+    assert render_prompt(task).startswith(f"Save {task.value:02d} to file a")
 
 
 def test_the_answer_must_follow_from_what_the_sandbox_really_returned() -> None:
-    task = ToolUseTask("tool-75", 7, 5)
-    stored = ToolObservation("echo 7 > a", 0, "")
-    read = ToolObservation("cat a", 0, "7\n")
-    assert task.answer == "75"
-    assert task.score("75", [stored, read]) == 1.0
-    assert task.score("74", [stored, read]) == 0.0
+    task = ToolUseTask("tool-07", 7)
+    stored = ToolObservation("echo 07 > a", 0, "")
+    read = ToolObservation("cat a", 0, "07\n")
+    assert task.answer == "07"
+    assert task.score("07", [stored, read]) == 1.0
+    assert task.score("08", [stored, read]) == 0.0
     assert task.score(None, [stored, read]) == 0.0
     # Right from the prompt, but never read back from the sandbox: no reward.
-    assert task.score("75", [stored]) == 0.0
-    assert task.score("75", [stored, ToolObservation("echo 7", 0, "7\n")]) == 0.0
+    assert task.score("07", [stored]) == 0.0
+    assert task.score("07", [stored, ToolObservation("echo 07", 0, "07\n")]) == 0.0
     # The state was lost (a sandbox restarted from its image): the read fails, whatever the answer.
     lost = ToolObservation("cat a", 1, "cat: can't open 'a': No such file or directory\n")
-    assert task.score("75", [stored, lost]) == 0.0
-    assert task.score("5", [stored, lost]) == 0.0
+    assert task.score("07", [stored, lost]) == 0.0
+    assert task.score("", [stored, lost]) == 0.0
     # A wrong value stored and read back consistently is still wrong.
-    assert task.score("35", [ToolObservation("echo 3 > a", 0, ""), ToolObservation("cat a", 0, "3\n")]) == 0.0
+    wrong = [ToolObservation("echo 03 > a", 0, ""), ToolObservation("cat a", 0, "03\n")]
+    assert task.score("03", wrong) == 0.0
 
 
 def test_answer_lines_end_the_episode_and_actions_win_over_them() -> None:

@@ -38,8 +38,8 @@ def write_training_plot(path: Path, history: Sequence[dict[str, Any]], summary: 
             note = "" if recovery is None else f" {failure.get('recovery')} {recovery:.2f}s"
             axes.axvline(failure["step"], color="tab:red", linestyle="--", alpha=0.8,
                          label=None if killed else "rollout worker killed")  # fmt: skip
-            axes.annotate(f"worker kill{note}", (failure["step"], 1.02), color="tab:red", fontsize=8,
-                          rotation=90, va="bottom", ha="right", annotation_clip=False)  # fmt: skip
+            axes.annotate(f"worker kill{note}", (failure["step"], 0.98), color="tab:red", fontsize=8,
+                          rotation=90, va="top", ha="right")  # fmt: skip
             killed = True
         failed = [(h["step"], h["env_failures"], h.get("env_recoveries_from_checkpoint", 0))
                   for h in history if h.get("env_failures")]  # fmt: skip
@@ -54,7 +54,7 @@ def write_training_plot(path: Path, history: Sequence[dict[str, Any]], summary: 
         axes.set_ylabel("reward / accuracy")
         axes.set_title(f"belayer-grpo train ({summary.get('workload', '?')})")
         axes.grid(alpha=0.3)
-        axes.legend(loc="upper left", fontsize=8)
+        axes.legend(loc="upper right", fontsize=8)
         figure.tight_layout()
         figure.savefig(path, dpi=110)
     finally:
