@@ -109,7 +109,7 @@ async def stream_one(http: httpx.AsyncClient, url: str, body: dict[str, Any], ga
             *lines, pending = (pending + chunk).split(b"\n")
             now = time.monotonic()
             for line in lines:
-                if line.startswith(b'{"type":"token"'):
+                if line.startswith(b'{"type":"token'):
                     event = orjson.loads(line)
                     size = len(event["token_ids"]) if event["type"] == "tokens" else 1
                     if count:
