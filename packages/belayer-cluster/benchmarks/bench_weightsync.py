@@ -184,6 +184,9 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--loss-size-mb", type=int, default=100)
+    parser.add_argument(
+        "--loss-only", action="store_true", help="rerun only the node-loss part; keep the committed rows"
+    )
     args = parser.parse_args()
     load_before = os.getloadavg()
     rows: list[dict[str, Any]] = []
@@ -192,7 +195,7 @@ def main() -> None:
         LocalRayCluster(LocalClusterConfig(num_nodes=max(4, *args.nodes), cpus_per_node=1)) as cluster,
     ):
         work = Path(folder)
-        for size_mb in args.sizes_mb:
+        for size_mb in [] if args.loss_only else args.sizes_mb:
             for num_nodes in args.nodes:
                 rows.append(
                     measure(cluster, size_mb, num_nodes, args.repeats, work / f"{size_mb}-{num_nodes}")
@@ -200,6 +203,21 @@ def main() -> None:
                 gc.collect()
         loss = node_loss(cluster, args.loss_size_mb, work / "loss")
     load = (*load_before, *os.getloadavg())
+    command = "python benchmarks/bench_weightsync.py " + " ".join(
+        f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+        for k, v in vars(args).items()
+        if k != "loss_only"
+    )
+    if args.loss_only:
+        previous = json.loads((RESULTS / "bench_weightsync.json").read_text())
+        previous["node_loss"] = loss
+        previous["node_loss_command"] = command + " --loss-only"
+        previous["node_loss_load_average_before_after"] = load
+        (RESULTS / "bench_weightsync.json").write_text(json.dumps(previous, indent=2) + "\n")
+        table = markdown(previous["rows"], loss, tuple(previous["load_average_before_after"]))
+        (RESULTS / "bench_weightsync.md").write_text(table)
+        print(table)
+        return
     document = {
         "command": "python benchmarks/bench_weightsync.py "
         + " ".join(

@@ -134,6 +134,7 @@ def send_all(
     reports: list[WeightReport] = []
     reasons: dict[str, str] = {}
     pending = {refs[link.node_id]: link for link in links}
+    next_probe = time.monotonic() + 0.5
     while pending:
         for ref, link in list(pending.items()):
             if link.node_id in send_errors:
@@ -146,6 +147,14 @@ def send_all(
             break
         if not pending:
             break
+        if time.monotonic() >= next_probe:  # a lost node's agent may never answer: Ray's node table says so
+            next_probe = time.monotonic() + 0.5
+            for ref, link in list(pending.items()):
+                if link.node_id in _dead_nodes():
+                    reasons[link.node_id] = "its node is dead (Ray's node table)"
+                    del pending[ref]
+            if not pending:
+                break
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(0.2, remaining))
         for ref in ready:
             link = pending.pop(ref)
@@ -170,6 +179,13 @@ def send_all(
             else:
                 reports.append(report)
     return reports, reasons
+
+
+def _dead_nodes() -> set[str]:
+    try:
+        return {node["NodeID"] for node in ray.nodes() if not node["Alive"]}  # type: ignore[no-untyped-call]
+    except RayError:
+        return set()
 
 
 def _send(
