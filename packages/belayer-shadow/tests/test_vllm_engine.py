@@ -26,10 +26,11 @@ from belayer_shadow import (
     allocate_kv_arena,
     fill_weight_server,
     init_weights,
+    kv_layout,
     weight_layout,
 )
 from belayer_shadow._errors import ModelConfigError
-from belayer_shadow._vllm import VllmEngine
+from belayer_shadow._vllm import VllmEngine, model_folder
 
 CONFIG = ModelConfig.default()
 PROMPTS = [[(7 * i + 3 * j) % 256 for j in range(5 + i)] for i in range(8)]
@@ -54,9 +55,22 @@ def weights_socket(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def engine(weights_socket: Path) -> Iterator[VllmEngine]:
+def kv_socket(weights_socket: Path) -> Iterator[Path]:
+    """A KV server (a real subprocess) whose arena holds vLLM's KV cache: 2048 positions."""
+    socket_path = weights_socket.parent / "kv.sock"
+    server = ServerProcess.start(
+        ServerConfig(kind="kv", socket=socket_path, kv_layout=kv_layout(CONFIG, 128, 16))
+    )
+    try:
+        yield socket_path
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(weights_socket: Path, kv_socket: Path) -> Iterator[VllmEngine]:
     """One vLLM engine for the module (vLLM takes 20-70 s to start on a loaded 2-core machine)."""
-    vllm_engine = VllmEngine(CONFIG, weights_socket, max_num_seqs=16, max_model_len=512)
+    vllm_engine = VllmEngine(CONFIG, weights_socket, kv_socket=kv_socket, max_num_seqs=16, max_model_len=512)
     try:
         yield vllm_engine
     finally:
@@ -111,6 +125,27 @@ def test_parameters_are_views_of_the_weight_server(engine: VllmEngine) -> None:
     assert "model.layers.0.mlp.gate_up_proj.weight" in ptrs
     outside = [name for name, ptr in ptrs.items() if not start <= ptr < end]
     assert outside == []
+
+
+def test_kv_cache_moves_onto_the_kv_server_arena_at_the_first_request(engine: VllmEngine) -> None:
+    assert engine.kv_client is not None
+    assert engine.max_model_len == 512
+    arena = engine.kv_client.arena
+    start, end = arena.data_ptr(), arena.data_ptr() + arena.numel() * arena.element_size()
+    engine.warmup()  # a warm-up runs on vLLM's own buffer (a standby shadow's must not touch the arena)
+    assert not engine.kv_bound
+    assert all(not start <= ptr < end for ptr in engine.kv_cache_pointers())
+    assert int(arena.count_nonzero()) == 0
+    got = run(engine, greedy())
+    assert engine.kv_bound
+    pointers = engine.kv_cache_pointers()
+    assert len(pointers) == CONFIG.num_hidden_layers
+    assert all(start <= ptr < end for ptr in pointers)
+    assert int(arena.count_nonzero()) > 0  # vLLM wrote its K/V there
+    want = run(builtin(seed=0), greedy())
+    assert {r: [t for _, t, _, _ in v] for r, v in got.items()} == {
+        r: [t for _, t, _, _ in v] for r, v in want.items()
+    }
 
 
 def test_greedy_equals_builtin_engine_and_transformers(engine: VllmEngine) -> None:
@@ -242,3 +277,9 @@ def test_model_folder_not_matching_the_weight_server_is_a_typed_error_at_start(
         assert client.version >= 1
     finally:
         client.detach()
+
+
+def test_head_dim_without_a_vllm_cpu_kernel_is_a_typed_error_at_start(tmp_path: Path) -> None:
+    config = ModelConfig.from_dict({**CONFIG.to_dict(), "head_dim": 16})
+    with pytest.raises(ModelConfigError, match="head_dim=16 is not supported by vLLM's CPU attention"):
+        model_folder(config, None, tmp_path / "folder")

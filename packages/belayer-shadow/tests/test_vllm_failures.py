@@ -70,7 +70,7 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
                 run_dir=run_dir,
                 admin_token=TOKEN,
                 engine="vllm",
-                num_kv_blocks=64,
+                num_kv_blocks=256,  # 31 of vLLM's 128-position blocks: every request runs at once
                 max_num_seqs=8,
                 stale_s=5.0,  # a hang is 5 s without a heartbeat (a loaded machine's steps stay far below)
                 failure_window_s=3600.0,  # the last test's second failure counts whatever the load

@@ -76,7 +76,7 @@ async def test_sigkill_of_the_vllm_main_mid_generation_shadow_resumes_every_requ
             run_dir=tmp_path / "slot",
             admin_token=TOKEN,
             engine="vllm",
-            num_kv_blocks=64,
+            num_kv_blocks=256,  # 4096 positions: 31 of vLLM's 128-position blocks, one per request
             max_num_seqs=NUM_REQUESTS,
             start_timeout_s=900.0,
         )

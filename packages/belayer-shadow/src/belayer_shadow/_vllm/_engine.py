@@ -2,8 +2,9 @@
 
 One process: vLLM's engine core and its executor run in this process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the `uni` executor), so killing the worker kills vLLM with
-it and nothing is left behind. Parameters are views of the weight server (`_loader`); the KV
-cache is vLLM's own (a fixed `kv_cache_bytes` allocation per process, not the KV server's arena).
+it and nothing is left behind. Parameters are views of the weight server (`_loader`); with a KV
+socket the KV cache is laid on the KV server's arena (`_kv`), else it is vLLM's own
+(`kv_cache_bytes` per process).
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from typing import Any
 
 import torch
 
-from belayer_gpumem import WeightClient
+from belayer_gpumem import KVClient, WeightClient
 from belayer_shadow._engine._config import ModelConfig
 from belayer_shadow._engine._sequence import SamplingParams, StepOutput
 from belayer_shadow._errors import LLMEngineError, ModelConfigError, RequestError, WeightsError
+from belayer_shadow._vllm._kv import VLLM_CPU_BLOCK_SIZE, arena_bytes, bind_arena, max_tokens_in
 from belayer_shadow._vllm._loader import (
     LOAD_FORMAT,
     attached_client,
@@ -33,6 +35,10 @@ from belayer_shadow._vllm._sampling import KEY_EXTRA, processor_name
 __all__ = ["SUPPORTED_ARCHITECTURES", "VllmEngine", "model_folder"]
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+_WARMUP_PREFIX = "belayer-warmup-"
+# vLLM 0.32's CPU attention (`CPUAttentionBackend.get_supported_head_sizes`); other sizes fail at
+# the first forward pass, so they are refused at start.
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 def model_folder(config: ModelConfig, model: Path | None, scratch: Path) -> Path:
@@ -54,6 +60,11 @@ def model_folder(config: ModelConfig, model: Path | None, scratch: Path) -> Path
                 f"architecture {unsupported[0]} is not supported by belayer-shadow's vLLM worker; "
                 f"use one of {list(SUPPORTED_ARCHITECTURES)}"
             )
+    if config.head_dim not in VLLM_CPU_HEAD_DIMS:
+        raise ModelConfigError(
+            f"head_dim={config.head_dim} is not supported by vLLM's CPU attention; "
+            f"use one of {list(VLLM_CPU_HEAD_DIMS)} (or the built-in engine)"
+        )
     hf = config.to_hf().to_dict()
     hf["architectures"] = list(SUPPORTED_ARCHITECTURES)
     scratch.mkdir(parents=True, exist_ok=True)
@@ -79,12 +90,29 @@ class VllmEngine:
         max_model_len: int | None = None,
         kv_cache_bytes: int = 512 * 1024 * 1024,
         num_threads: int = 1,
+        kv_socket: str | Path | None = None,
     ) -> None:
         self.config = config
         self.device = torch.device("cpu")
         self.max_model_len = min(
             max_model_len or config.max_position_embeddings, config.max_position_embeddings
         )
+        # With `kv_socket`, vLLM's KV cache lives in the KV server's arena (`_kv`): vLLM sizes its
+        # cache to the arena, starts on a buffer of its own, and moves onto the arena at the first
+        # request or when it stands by (`release_weights`); the context is bounded by the arena.
+        self.kv_client: KVClient | None = None
+        self.kv_bound = False
+        if kv_socket is not None:
+            self.kv_client = KVClient.attach(kv_socket)
+            kv_cache_bytes = arena_bytes(self.kv_client.arena).numel()
+            fits = max_tokens_in(config, kv_cache_bytes)
+            if fits < 2 * VLLM_CPU_BLOCK_SIZE:
+                self.kv_client.detach()
+                raise LLMEngineError(
+                    f"the KV server's arena ({kv_cache_bytes} bytes) holds {fits} positions of vLLM's "
+                    f"KV cache; vLLM needs blocks of {VLLM_CPU_BLOCK_SIZE}: give the slot more KV blocks"
+                )
+            self.max_model_len = min(self.max_model_len, fits)
         self._scratch = tempfile.TemporaryDirectory(prefix="belayer-vllm-")
         folder = model_folder(config, model, Path(self._scratch.name))
         self._socket = str(weights_socket)
@@ -116,6 +144,8 @@ class VllmEngine:
 
         if not isinstance(request_id, str) or not request_id:
             raise RequestError(f"request_id must be a non-empty string, got {request_id!r}")
+        if not request_id.startswith(_WARMUP_PREFIX):
+            self.bind_kv()
         if request_id in self._requests:
             raise RequestError(f"request {request_id!r} is already running; abort it or use a new id")
         context = list(prompt_token_ids) + list(params.generated_token_ids)
@@ -206,7 +236,7 @@ class VllmEngine:
         for i in range(num_requests):
             params = SamplingParams(max_tokens=4, temperature=0.0 if i % 2 else 1.0, seed=i)
             self.add_request(
-                f"belayer-warmup-{i}", [(i + j) % self.config.vocab_size for j in range(8)], params
+                f"{_WARMUP_PREFIX}{i}", [(i + j) % self.config.vocab_size for j in range(8)], params
             )
         while self.has_unfinished():
             self.step()
@@ -231,9 +261,33 @@ class VllmEngine:
         return changed
 
     def release_weights(self) -> None:
-        """Unpin the weight version while idle (a standby shadow); `refresh_weights()` pins again."""
+        """Unpin the weight version while idle (a standby shadow); `refresh_weights()` pins again.
+
+        A standby shadow also moves its KV cache onto the arena here (its own buffer is freed)."""
         if self.weight_client is not None:
             self.weight_client.release()
+        self.bind_kv()
+
+    def bind_kv(self) -> None:
+        """Move vLLM's KV cache onto the KV server's arena (once; nothing without a KV socket).
+
+        Before this, vLLM computes on a buffer of its own (a shadow's warm-up must not write the
+        arena the main worker serves from); after it, vLLM holds no KV memory of its own."""
+        if self.kv_client is None or self.kv_bound or self._engine is None:
+            return
+        if self._requests:
+            raise LLMEngineError("bind_kv needs an idle engine (its requests' KV would be lost)")
+        self._engine.reset_prefix_cache()
+        arena = self.kv_client.arena
+        self._engine.collective_rpc(lambda worker: bind_arena(worker.model_runner, arena))
+        self.kv_bound = True
+
+    def kv_cache_pointers(self) -> list[int]:
+        """The data pointers of vLLM's per-layer KV cache tensors (for checks)."""
+        (pointers,) = self._engine.collective_rpc(
+            lambda worker: [int(t.data_ptr()) for t in worker.model_runner.kv_caches]
+        )
+        return list(pointers)
 
     def close(self) -> None:
         """Shut vLLM down and detach from the weight server."""
@@ -245,6 +299,9 @@ class VllmEngine:
         if self.weight_client is not None:
             self.weight_client.detach()
             self.weight_client = None
+        if self.kv_client is not None:
+            self.kv_client.detach()
+            self.kv_client = None
         self._scratch.cleanup()
 
 

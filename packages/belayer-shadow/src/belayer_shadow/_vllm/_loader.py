@@ -87,12 +87,28 @@ def _source(name: str, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
     return stacked
 
 
+# vLLM pads the vocabulary of its embedding and LM head to a multiple of 64 rows.
+_VOCAB_PADDED = ("embed_tokens.weight", "lm_head.weight")
+
+
+def _padded(view: torch.Tensor, rows: int) -> torch.Tensor:
+    """`view` with zero rows up to `rows` (vLLM's padded vocabulary): a private copy, made again on
+    each weight update; the view itself when no padding is needed."""
+    if rows <= view.shape[0] or rows - view.shape[0] >= 64:
+        return view  # no padding, or not padding: the shape check below reports it
+    padded = view.new_zeros((rows, view.shape[1]))
+    padded[: view.shape[0]] = view
+    return padded
+
+
 def param_views(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """For every parameter of vLLM's model, the server's view it should be (shapes checked)."""
     views: dict[str, torch.Tensor] = {}
     # Every name, also of shared (tied) parameters, so that each module is re-pointed.
     for name, param in model.named_parameters(remove_duplicate=False):
         view = _source(name, tensors)
+        if name.endswith(_VOCAB_PADDED) and param.dim() == 2 and view.dim() == 2:
+            view = _padded(view, param.shape[0])
         views[name] = view
         if param.numel() and tuple(param.shape) != tuple(view.shape):
             raise WeightsError(

@@ -81,6 +81,7 @@ def build_engine(config: WorkerConfig) -> Engine:
             config.model_config(),
             config.weights_socket,
             model=config.model,
+            kv_socket=config.kv_socket,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             num_threads=config.num_threads,
