@@ -40,7 +40,7 @@ def _slot(url: str, run_dir: Path, name: str, **options: Any) -> SlotSupervisor:
         run_dir=run_dir,
         admin_token=TOKEN,
         engine="vllm",
-        num_kv_blocks=64,
+        num_kv_blocks=256,  # vLLM's KV cache lives in this arena: 31 blocks of 128 positions
         start_timeout_s=START_TIMEOUT_S,
         **options,
     )

@@ -162,6 +162,9 @@ async def slot_run(engine: str, folder: Path, run_dir: Path, args: argparse.Name
             weights=folder / "model.safetensors",
             engine=engine,
             max_num_seqs=args.num_requests,
+            # vLLM's KV cache lives in this arena: 8 x 16-position blocks per 128-position vLLM
+            # block, two vLLM blocks per request (prompt + 128 tokens), one spare.
+            num_kv_blocks=16 * args.num_requests + 16,
             start_timeout_s=900.0,
             # A prefill of 32 prompts on the larger models can outlast the default 0.5 s hang
             # threshold on a loaded machine; this benchmark measures throughput, not detection.
