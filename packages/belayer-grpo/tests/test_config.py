@@ -38,7 +38,7 @@ def test_each_workload_layers_its_own_defaults_under_the_file_and_overrides(tmp_
 
 def test_engine_and_sandbox_recovery_are_validated() -> None:
     assert load_config(None, ["system.sandbox_recovery=image"]).system.sandbox_recovery == "image"
-    with pytest.raises(GrpoConfigError, match="system.engine"):
+    with pytest.raises(GrpoConfigError, match=r"system\.engine"):
         load_config(None, ["system.engine=tensorrt"])
     try:
         import vllm  # noqa: F401
