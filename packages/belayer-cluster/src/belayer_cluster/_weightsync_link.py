@@ -198,9 +198,12 @@ def _send(
 ) -> None:
     options = dist.BroadcastOptions()
     options.rootRank = 0
+    # This thread holds the group: when the node is dropped, the group's teardown (which waits for
+    # a send stuck on a hung peer until the group's timeout) happens here, never in `update`.
+    group = link.group
     try:
         for index, start in enumerate(range(0, int(flat.numel()), chunk_bytes)):
-            link.group.broadcast([flat[start : start + chunk_bytes]], options).wait()
+            group.broadcast([flat[start : start + chunk_bytes]], options).wait()
             if after_chunk is not None:
                 after_chunk(link.node_id, index)
     except Exception as exc:  # gloo raises RuntimeError subclasses; a chaos hook anything
