@@ -3,6 +3,8 @@ and the check of belayer-policy's simulator against the measured batches."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -95,3 +97,15 @@ def test_simulator_replay_of_recorded_batches() -> None:
         if not run["baseline"]:
             run["rollout_s"] += 5.0  # the direct run lost 5 s the simulator does not see
     assert not compare_with_simulator(runs, every_k=3)["agrees"]
+
+
+def test_simulator_agrees_with_the_recorded_end_to_end_run() -> None:
+    # The committed env-failures run at p = 0.01 (benchmarks/env-failures-p001): real router, agent
+    # loop, Docker + CRIU sandboxes.  Replaying each failed batch's recorded trace (and its seed's
+    # baseline) through belayer-policy's simulator must land within the interval of the measured
+    # increase; a change to the simulator or to what the trace records that breaks this fails here.
+    results = Path(__file__).parents[1] / "benchmarks" / "env-failures-p001" / "results.json"
+    runs = json.loads(results.read_text())["experiments"]["env-failures"]["runs"]
+    check = compare_with_simulator(runs, every_k=3)
+    assert check["batches"] >= 4
+    assert check["agrees"], check["difference_ci95_s"]
