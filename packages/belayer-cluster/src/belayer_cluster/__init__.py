@@ -13,6 +13,7 @@ from importlib.metadata import version as _version
 from belayer_cluster._cli import ExitCode
 from belayer_cluster._cluster import NodeLoss, RolloutCluster
 from belayer_cluster._config import LocalClusterConfig
+from belayer_cluster._connect import connect, disconnect
 from belayer_cluster._errors import (
     BelayerClusterError,
     ClusterConfigError,
@@ -56,5 +57,7 @@ __all__ = [
     "WeightSyncTimeoutError",
     "WeightUpdateResult",
     "__version__",
+    "connect",
+    "disconnect",
     "node_run_dir",
 ]

@@ -163,6 +163,21 @@ class RolloutCluster:
             remove_placement_group(self._group)
             self._group = None
 
+    def kill_main(self, slot: str, signum: int = 9) -> float:
+        """Chaos: send `signum` (SIGKILL) to a slot's main worker; returns when it was sent (time.time)."""
+        try:
+            return float(ray.get(self.hosts[slot].kill_main.remote(signum), timeout=60))
+        except (KeyError, RayError) as exc:
+            raise SlotHostError(f"could not kill slot {slot!r}'s main worker: {exc}") from exc
+
+    def slot_events(self, slot: str, timeout_s: float = 30.0) -> list[dict[str, Any]]:
+        """A slot's event log, oldest first; `SlotHostError` when its host does not answer (lost node)."""
+        try:
+            events: list[dict[str, Any]] = ray.get(self.hosts[slot].events.remote(), timeout=timeout_s)
+        except (KeyError, RayError) as exc:
+            raise SlotHostError(f"slot {slot!r}'s host did not answer: {exc}") from exc
+        return events
+
     @property
     def healthy_slots(self) -> tuple[str, ...]:
         """The slots not on a lost node (no replacement is started for a lost one)."""
