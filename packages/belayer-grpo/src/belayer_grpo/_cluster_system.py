@@ -6,8 +6,8 @@ of this driver, its journal on the shared directory. `cluster.nodes = N` starts 
 cluster of N simulated nodes on this machine; `cluster.address` joins an existing one.
 `chaos.kill_node_at_step = K` removes the node of the last healthy slot mid-rollout of step K:
 its requests resume token-exact on the slots left (no replacement is started: training continues
-on what is left and says so), and the run report says what happened. Ray is imported only here,
-only when the cluster is asked for: the default run stays single-machine without Ray.
+on what is left and says so), and the run report says what happened. belayer-cluster is imported
+only when the cluster is asked for, and only it imports ray: the default run never starts Ray.
 """
 
 from __future__ import annotations
@@ -93,13 +93,11 @@ class RemoteSlot:
     """A slot on a Ray node, as `WorkerChaos` sees a slot: its name and `kill_main`."""
 
     config: _SlotName
-    host: Any  # the belayer_cluster.SlotHost actor handle
+    rollout: RolloutCluster
 
     def kill_main(self) -> float:
         """SIGKILL the slot's main worker (its shadow on the same node takes over)."""
-        import ray
-
-        return float(ray.get(self.host.kill_main.remote(), timeout=60))
+        return self.rollout.kill_main(self.config.slot)
 
 
 @attrs.define
@@ -160,18 +158,15 @@ class ClusterSystem:
 
     def events(self) -> list[dict[str, Any]]:
         """Every reachable slot's events (a lost slot's as last seen), tagged with the slot."""
-        import ray
-        from ray.exceptions import RayError
+        from belayer_cluster import SlotHostError
 
         lost = {slot for loss in self.rollout.losses for slot in loss.slots}
         for remote in self.slots:
             name = remote.config.slot
             if name in lost:
                 continue
-            with contextlib.suppress(RayError):
-                self._events[name] = [
-                    {**event, "slot": name} for event in ray.get(remote.host.events.remote(), timeout=30)
-                ]
+            with contextlib.suppress(SlotHostError):
+                self._events[name] = [{**event, "slot": name} for event in self.rollout.slot_events(name)]
         merged = [event for events in self._events.values() for event in events]
         return sorted(merged, key=lambda event: float(event.get("time", 0.0)))
 
@@ -272,17 +267,10 @@ def _outstanding_of(url: str, token: str, slot: str) -> int:
 
 
 def _start_ray(config: Config, parts: _Parts) -> None:
-    import ray
-
-    from belayer_cluster import LocalClusterConfig, LocalRayCluster
+    from belayer_cluster import LocalClusterConfig, LocalRayCluster, connect
 
     if config.cluster.address:
-        try:
-            ray.init(address=config.cluster.address)
-        except (ConnectionError, RuntimeError, ValueError) as exc:
-            raise SystemStartError(
-                f"could not join the Ray cluster at cluster.address={config.cluster.address!r}: {exc}"
-            ) from exc
+        connect(config.cluster.address)  # a ClusterStartError names the address
     else:
         per_node = max(1, math.ceil(config.system.num_slots / config.cluster.nodes))
         parts.local = LocalRayCluster(
@@ -334,7 +322,7 @@ def _start_sync(
     return ClusterSystem(
         router_url=router.url,
         admin_token=admin_token,
-        slots=[RemoteSlot(_SlotName(name), rollout.hosts[name]) for name in names],
+        slots=[RemoteSlot(_SlotName(name), rollout) for name in names],
         run_dir=run_dir,
         rollout=rollout,
         router=router,
@@ -345,7 +333,7 @@ def _start_sync(
 
 
 def _stop_all(parts: _Parts) -> None:
-    import ray
+    from belayer_cluster import disconnect
 
     if parts.rollout is not None:
         parts.rollout.stop()
@@ -353,8 +341,7 @@ def _stop_all(parts: _Parts) -> None:
         parts.router.stop()
     if parts.local is not None:
         parts.local.shutdown()
-    if ray.is_initialized():
-        ray.shutdown()
+    disconnect()
 
 
 _METRIC = re.compile(r"^belayer_router_(\w+)\s+([0-9.eE+-]+)$")
