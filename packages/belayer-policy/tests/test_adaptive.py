@@ -22,6 +22,8 @@ from belayer_policy import (
     SimulationConfig,
     StepContext,
     StepObservation,
+    Trajectory,
+    TrajectoryLengthModel,
     UniformRange,
     Workload,
     batch_step_hazard,
@@ -223,3 +225,59 @@ def test_adaptive_beats_the_paper_rule_where_checkpoints_show() -> None:
     )
     rollout = {s.policy: s.metrics["rollout_s"].mean for s in summaries}
     assert rollout["adaptive"] < rollout["paper"]
+
+
+def test_share_of_trajectories_at_least_as_long() -> None:
+    lengths = TrajectoryLengthModel(window=4)
+    assert lengths.share_at_least(3) is None
+    for n in (1, 6, 6, 2):
+        lengths.observe(n)
+    assert lengths.share_at_least(6) == 0.5
+    assert lengths.share_at_least(2) == 0.75
+    assert lengths.share_at_least(5.6) == 0.5  # rounded to whole steps
+    lengths.observe(6)  # the oldest (1) leaves the window
+    assert lengths.share_at_least(2) == 1.0
+    assert lengths.mean == pytest.approx((20 + 1 + 6 + 6 + 2 + 6) / 6)
+
+
+def test_only_trajectories_at_least_as_long_compete_for_the_critical_path() -> None:
+    shared = SharedEstimators(failure_model=FixedStepProbability(0.02), batch_size=12)
+    policy = PolicySpec.parse("adaptive").build(shared)
+    obs = StepObservation(2, 3.0, 0.5, now=7.0, remaining_steps=4)
+    cold = policy.decide(obs)
+    assert cold.contenders == 12  # no finished trajectory yet: the whole batch
+    for n in (1, 1, 2, 3, 3, 4, 6, 6, 6, 6, 6, 6):
+        shared.trajectory_lengths.observe(n)
+    longest = PolicySpec.parse("adaptive").build(shared).decide(obs)
+    assert longest.contenders == 6  # half the batch is as long as 6 steps
+    shortest = PolicySpec.parse("adaptive").build(shared).decide(attrs.evolve(obs, remaining_steps=0.0))
+    assert shortest.contenders == 10  # 2 steps: all but the two 1-step trajectories
+    # fewer contenders, lighter weight: the longest trajectory's hazard is closer to its own rate
+    assert longest.hazard < cold.hazard
+    only = SharedEstimators(failure_model=FixedStepProbability(0.02), batch_size=12)
+    for n in (1, 1, 2, 3, 3, 4, 5, 5, 5, 5, 5, 6):
+        only.trajectory_lengths.observe(n)
+    alone = PolicySpec.parse("adaptive").build(only).decide(obs)
+    assert alone.contenders == 1
+    assert alone.hazard == pytest.approx(-math.log1p(-0.02))
+
+
+def test_a_lone_long_trajectory_is_not_weighted_like_a_full_batch() -> None:
+    # One 8-step trajectory is the critical path of every batch; eleven 1-2 step ones finish early.
+    # Checkpoints cost more than a response, so at p = 0.01 the best plan for the batch is never.
+    long = Trajectory([3.0] * 8, [0.5] * 8, [6.0] * 8)
+    short = [Trajectory([3.0] * (1 + j % 2), [0.5] * (1 + j % 2), [6.0] * (1 + j % 2)) for j in range(11)]
+    summaries = compare_policies(
+        [PolicySpec.parse(name) for name in ("adaptive", "never")],
+        config=SimulationConfig(fail_prob=0.01),
+        runs=30,
+        seed=3,
+        trace=[long, *short],
+        estimators=lambda: SharedEstimators(failure_model=FixedStepProbability(0.01)),
+        carry_estimators=True,
+    )
+    by_name = {s.policy: s for s in summaries}
+    # after the first batch the policy knows the lengths and the long trajectory stops paying
+    # visible checkpoints that the batch's weight would have bought
+    assert by_name["adaptive"].metrics["checkpoints"].mean < 1.0
+    assert by_name["adaptive"].metrics["rollout_s"].mean <= by_name["never"].metrics["rollout_s"].mean * 1.01

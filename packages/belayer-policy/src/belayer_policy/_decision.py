@@ -76,6 +76,7 @@ class Decision:
     remaining_steps: float = 0.0
     step_s: float = 0.0
     restore_cost_s: float = 0.0
+    contenders: int = 1  # trajectories of the batch competing with this one for its critical path
 
     def to_dict(self) -> dict[str, Any]:
         """A flat JSON-ready dict (``reason`` as its string value)."""

@@ -153,15 +153,20 @@ class RestoreCostModel(CheckpointCostModel):
 
 @attrs.define
 class TrajectoryLengthModel:
-    """Mean number of steps of finished trajectories, with a prior of ``prior_steps`` (weight 1).
+    """Steps of finished trajectories: their mean (prior ``prior_steps``, weight 1) and the recent
+    lengths (the last ``window``), for the share of trajectories at least as long as a given one.
 
-    Used for the expected remaining steps when the agent loop does not give them (it knows its
-    ``max_rounds``: pass ``StepObservation.remaining_steps``).
+    The mean gives the expected remaining steps when the agent loop does not give them (it knows
+    its ``max_rounds``: pass ``StepObservation.remaining_steps``).  The share tells the adaptive
+    rule how many trajectories of a batch compete with this one for the batch's critical path.
     """
 
     prior_steps: float = attrs.field(default=20.0, validator=non_negative)
+    window: int = attrs.field(default=256, validator=positive_int)
     num_observations: int = attrs.field(init=False, default=0)
     _total: float = attrs.field(init=False, default=0.0)
+    _recent: deque[float] = attrs.field(init=False, factory=deque)
+    _sorted: list[float] = attrs.field(init=False, factory=list)
 
     @property
     def mean(self) -> float:
@@ -172,10 +177,22 @@ class TrajectoryLengthModel:
         """Expected steps still to come after ``steps_done`` (at least one)."""
         return max(1.0, self.mean - steps_done)
 
+    def share_at_least(self, steps: float) -> float | None:
+        """Share of the recent finished trajectories with at least ``steps`` steps (rounded to whole
+        steps); ``None`` before the first one finished."""
+        if not self._sorted:
+            return None
+        return (len(self._sorted) - bisect.bisect_left(self._sorted, round(steps))) / len(self._sorted)
+
     def observe(self, num_steps: int) -> None:
         """Add the length of one finished trajectory."""
-        self._total += require_non_negative("num_steps", num_steps)
+        value = require_non_negative("num_steps", num_steps)
+        self._total += value
         self.num_observations += 1
+        self._recent.append(value)
+        bisect.insort(self._sorted, value)
+        if len(self._recent) > self.window:
+            del self._sorted[bisect.bisect_left(self._sorted, self._recent.popleft())]
 
 
 @attrs.define

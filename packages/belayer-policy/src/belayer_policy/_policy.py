@@ -7,6 +7,8 @@ shared by all trajectories of a batch so that they learn from every trajectory a
 
 from __future__ import annotations
 
+import math
+
 import attrs
 
 from belayer_policy._decision import Decision, Reason, StepObservation
@@ -114,6 +116,7 @@ class CheckpointPolicy:
             remaining_steps=context.remaining_steps,
             step_s=context.step_s,
             restore_cost_s=self.restore_costs.estimate,
+            contenders=context.batch_size,
         )
 
     def _observe(self, obs: StepObservation) -> StepContext:
@@ -146,8 +149,20 @@ class CheckpointPolicy:
             visible_future_s=self.response_times.expected_visible(0.0, cost),
             extra_cost_s=self.extra_cost_s,
             remaining_steps=remaining,
-            batch_size=self.batch_size,
+            batch_size=self._contenders(obs.step_index + remaining),
         )
+
+    def _contenders(self, total_steps: float) -> int:
+        """Trajectories of the batch that compete with this one for the critical path.
+
+        The batch waits for its slowest trajectory, and one with fewer steps than this one rarely
+        is it: so of ``batch_size`` only the share at least as long as this one (from the lengths
+        of finished trajectories; all of them before any finished) counts, and at least itself.
+        """
+        share = self.trajectory_lengths.share_at_least(total_steps)
+        if share is None:
+            return self.batch_size
+        return max(1, min(self.batch_size, math.ceil(self.batch_size * share - 1e-9)))
 
     def _cost_estimate(self, now: float) -> float:
         """``c_t``; before the first measurement at least as long as the oldest probe has run."""

@@ -65,6 +65,7 @@ class PolicySummary:
     policy: str
     runs: int
     metrics: dict[str, Stats]
+    rollouts_s: tuple[float, ...] = ()  # batch rollout time of every run, in run order (paired tests)
 
     def to_dict(self) -> dict[str, Any]:
         """Flat JSON: ``policy``, ``runs`` and ``<metric>_{mean,p50,p95}`` for every metric."""
@@ -131,6 +132,7 @@ def compare_policies(
             policy=name,
             runs=runs,
             metrics={metric: Stats.of([get(b) for b in batches]) for metric, get in METRICS.items()},
+            rollouts_s=tuple(b.rollout_s for b in batches),
         )
         for name, batches in outcomes.items()
     ]

@@ -32,7 +32,9 @@ class StepContext:
 
     ``failure_probability`` is ``p_t`` of the next step of this trajectory; ``visible_now_s`` the
     expected part of a checkpoint now that the current response does not hide;
-    ``visible_future_s`` the same for a checkpoint at the start of a response.
+    ``visible_future_s`` the same for a checkpoint at the start of a response.  ``batch_size`` is
+    how many trajectories of the batch compete with this one for its critical path (those at
+    least as long as this one; the whole batch until the policy knows the lengths).
     """
 
     step_index: int
