@@ -346,7 +346,9 @@ async def _train(config: Config, stream: TextIO, run_dir: Path) -> dict[str, Any
                 num_slots=len(system.slots),
             )
             sync = WeightSync(system.weight_sockets)
-            if config.data.workload == "tooluse":
+            if config.data.workload == "math":
+                summary["eval_accuracy_before"] = await _evaluate(run, router)
+            elif config.data.workload == "tooluse":
                 summary["eval_accuracy_before"] = await _evaluate_agentic(run, router, "before")
             if "eval_accuracy_before" in summary:
                 run.reporter.message(
