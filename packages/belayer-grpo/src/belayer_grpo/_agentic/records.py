@@ -118,9 +118,27 @@ class AgenticTrajectory:
         """The trajectory in belayer-policy's trace format (`belayer_policy.load_trace` reads it).
 
         A sandbox kill comes after the action it ended, so its ``at`` is the end of the attempt.
-        Failures outside the committed steps (in the final test run) are left out.
+        Failures outside the committed steps (in the final test run) are left out.  ``meta`` keeps
+        what a replay through the simulator is checked against: the measured ``wall_s``, each
+        checkpoint's critical-path wait by prefix (``checkpoint_waited_s``) and each recovery
+        (failed and restored step, ``restore_s``, ``rounds_regenerated``); the caller's ``meta``
+        is added to it.
         """
         n = len(self.step_response_s)
+        recorded: dict[str, Any] = {
+            "policy": self.policy,
+            "wall_s": self.wall_s,
+            "checkpoint_waited_s": {str(c.prefix): c.waited_s for c in self.checkpoints if c.prefix > 0},
+            "recoveries": [
+                {
+                    "failed_step": r.failed_prefix,
+                    "restored_step": r.restored_prefix,
+                    "restore_s": r.restore_s,
+                    "rounds_regenerated": r.rounds_regenerated,
+                }
+                for r in self.recoveries
+            ],
+        }
         line: dict[str, Any] = {
             "response_s": self.step_response_s,
             "action_s": self.step_action_s,
@@ -129,7 +147,7 @@ class AgenticTrajectory:
             "restore_s": [r.restore_s for r in self.recoveries],
             "task": self.task_id,
             "trajectory_id": self.trajectory_id,
-            "meta": {"policy": self.policy, **(meta or {})},
+            "meta": recorded | (meta or {}),
         }
         if node is not None:
             line["node"] = node
