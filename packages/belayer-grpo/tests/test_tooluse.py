@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any, cast
+
+import pytest
+
+from belayer_envckpt import ExecResult, Sandbox
 from belayer_grpo._agentic import (
     Answer,
     BashAction,
@@ -11,6 +16,8 @@ from belayer_grpo._agentic import (
     parse_action,
 )
 from belayer_grpo._agentic.context import render_prompt
+from belayer_grpo._agentic.environment import repository_hash
+from belayer_grpo._errors import SandboxCommandError
 
 
 def test_tasks_are_seeded_and_the_held_out_split_is_disjoint() -> None:
@@ -47,3 +54,29 @@ def test_the_answer_must_follow_from_what_the_sandbox_really_returned() -> None:
 def test_answer_lines_end_the_episode_and_actions_win_over_them() -> None:
     assert parse_action("ANSWER: 75\n") == Answer("75")
     assert parse_action("ACTION: cat a\nANSWER: 75\n") == BashAction("cat a")
+
+
+class FakeSandbox:
+    """Stands in for belayer-envckpt's Sandbox: answers probes from a script of results."""
+
+    id = "fake"
+
+    def __init__(self, answers: list[ExecResult]) -> None:
+        self.answers = answers
+        self.probes = 0
+
+    def probe(self, command: Any, timeout_s: float = 60.0, *, workdir: str | None = None) -> ExecResult:
+        self.probes += 1
+        return self.answers.pop(0)
+
+
+def test_a_malformed_repository_hash_is_asked_again_then_reported() -> None:
+    good = ExecResult("a" * 64 + "\n", "", 0, 0.01)
+    empty = ExecResult("", "", 0, 0.01)  # seen under load: exit 0, no output
+    flaky = FakeSandbox([empty, good])
+    assert repository_hash(cast(Sandbox, flaky), "/w", retry_pause_s=0.0) == "a" * 64
+    assert flaky.probes == 2
+    broken = FakeSandbox([empty, empty, empty])
+    with pytest.raises(SandboxCommandError, match="3 times"):
+        repository_hash(cast(Sandbox, broken), "/w", retry_pause_s=0.0)
+    assert broken.probes == 3

@@ -89,16 +89,24 @@ def parse_context_ref(ref: str) -> tuple[str, int]:
     return trajectory, int(turn)
 
 
-def repository_hash(sandbox: Sandbox, workdir: str) -> str:
-    """Hash of the repository's files, read between actions (it does not count as an action)."""
-    result = sandbox.probe(["/bin/sh", "-c", REPO_HASH_SCRIPT], workdir=workdir)
-    text = result.stdout.strip()
-    if result.exit_code != 0 or len(text) != 64:
-        raise SandboxCommandError(
-            f"hashing the repository {workdir} in sandbox {sandbox.id} failed (exit {result.exit_code}): "
-            f"{(text + result.stderr)[-200:]}"
-        )
-    return text
+def repository_hash(sandbox: Sandbox, workdir: str, *, attempts: int = 3, retry_pause_s: float = 0.5) -> str:
+    """Hash of the repository's files, read between actions (it does not count as an action).
+
+    The probe is read-only, so a malformed answer is asked again (``attempts`` in all): on a
+    loaded machine the pipeline was seen to end with exit 0 and no output (its last stage,
+    ``cut``, succeeds when an earlier one dies), which would fail the whole rollout.
+    """
+    for attempt in range(attempts):
+        result = sandbox.probe(["/bin/sh", "-c", REPO_HASH_SCRIPT], workdir=workdir)
+        text = result.stdout.strip()
+        if result.exit_code == 0 and len(text) == 64:
+            return text
+        if attempt + 1 < attempts:
+            time.sleep(retry_pause_s * (attempt + 1))
+    raise SandboxCommandError(
+        f"hashing the repository {workdir} in sandbox {sandbox.id} failed (exit {result.exit_code}) "
+        f"{attempts} times: {(text + result.stderr)[-200:]}"
+    )
 
 
 def _is_running(sandbox: Sandbox) -> bool:
