@@ -1,5 +1,6 @@
 """Training on Ray (belayer-cluster): a local cluster of 2 simulated nodes, one of them removed
-mid-rollout; the run continues on the slot that is left and its report says what the loss cost."""
+mid-rollout; the run continues on the slot that is left and its report says what the loss cost.
+Every weight update goes through belayer-cluster's WeightSync: checksums equal on every live node."""
 
 from __future__ import annotations
 
@@ -52,7 +53,23 @@ def test_a_math_run_on_two_nodes_survives_losing_one(tmp_path: Path) -> None:
     # Every step after the loss still got new weights on the slot left.
     assert [m["weight_version"] for m in metrics] == [2, 3, 4]
     assert max(m["logprob_gap"] for m in metrics) < 1e-3
-    assert json.loads((tmp_path / "run" / "report.json").read_text())["node_losses"][0]["tokens_lost"] == 0
+    # Every update went through belayer-cluster's WeightSync: one version and checksum per step,
+    # equal on every live node; the lost node left the sync at step 2.
+    assert [m["weights_version"] for m in metrics] == [1, 2, 3]
+    assert len({m["weights_checksum"] for m in metrics}) == 3
+    assert all(m["weights_checksum"].startswith("crc32:") for m in metrics)
+    for m in metrics:
+        assert {node["checksum"] for node in m["weights_nodes"].values()} == {m["weights_checksum"]}
+        assert {node["version"] for node in m["weights_nodes"].values()} == {m["weights_version"]}
+    assert [len(m["weights_nodes"]) for m in metrics] == [2, 1, 1]
+    assert [m["weights_nodes_dropped"] for m in metrics] == [0, 1, 1]
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["node_losses"][0]["tokens_lost"] == 0
+    assert report["weights"]["version"] == 3
+    assert report["weights"]["checksum"] == metrics[-1]["weights_checksum"]
+    assert list(report["weights"]["dropped"]) == [loss["node_id"]]
+    assert [node["slots"] for node in report["weights"]["nodes"]] == [["slot0"]]
+    assert all(node["current"] for node in report["weights"]["nodes"])
 
 
 def test_kill_node_needs_a_local_cluster_of_two_nodes() -> None:

@@ -6,7 +6,10 @@ of this driver, its journal on the shared directory. `cluster.nodes = N` starts 
 cluster of N simulated nodes on this machine; `cluster.address` joins an existing one.
 `chaos.kill_node_at_step = K` removes the node of the last healthy slot mid-rollout of step K:
 its requests resume token-exact on the slots left (no replacement is started: training continues
-on what is left and says so), and the run report says what happened. belayer-cluster is imported
+on what is left and says so), and the run report says what happened. Every weight update goes
+through belayer-cluster's `WeightSync` (one agent per node, its own gloo group, a checksum per
+node): `ClusterWeights.push` drops a lost node from the sync, and the metrics and the report carry
+the weight version and checksum of every node. belayer-cluster is imported
 only when the cluster is asked for, and only it imports ray: the default run never starts Ray.
 """
 
@@ -30,17 +33,20 @@ import attrs
 import httpx
 
 from belayer_grpo._config import Config
-from belayer_grpo._errors import SystemStartError
+from belayer_grpo._errors import BelayerGrpoError, SystemStartError
 from belayer_grpo._system import RolloutSystem
 from belayer_router import RouterClient
 
 if TYPE_CHECKING:
-    from belayer_cluster import DriverRouter, LocalRayCluster, NodeLoss, RolloutCluster
+    import torch
+
+    from belayer_cluster import DriverRouter, LocalRayCluster, NodeLoss, RolloutCluster, WeightSync
     from belayer_shadow import ModelConfig
 
-__all__ = ["ClusterSystem", "cluster_wanted", "rollout_system"]
+__all__ = ["ClusterSystem", "ClusterWeights", "cluster_wanted", "rollout_system"]
 
 KILL_AFTER_TOKENS = 24  # the node is removed once this many tokens of the step have streamed
+SYNC_TIMEOUT_S = 120.0  # every rendezvous and transfer of the weight sync (a loaded machine)
 
 
 def cluster_wanted(config: Config) -> bool:
@@ -83,6 +89,58 @@ class LiveSockets(Sequence[Path]):
         return self._settle()[index]
 
 
+class ClusterWeights:
+    """The trainer's weight pushes on Ray: every update through belayer-cluster's `WeightSync`.
+
+    The same face as the single-machine `WeightSync.push` (returns the weight servers' versions),
+    plus `metrics()` and `status()`: the sync's version and checksum and every node's. A push first
+    waits for a node removal under way to be handled, then drops the lost nodes from the sync; a
+    node that dies or hangs during the update is dropped by the update itself (its slots fenced).
+    """
+
+    def __init__(self, sync: WeightSync, rollout: RolloutCluster, sockets: LiveSockets) -> None:
+        self.sync, self.rollout, self.sockets = sync, rollout, sockets
+        self.versions: list[int] = []
+        self.num_pushes = 0
+        self.seconds = 0.0
+
+    def push(self, model: torch.nn.Module) -> list[int]:
+        """Send `model`'s parameters to every live node (blocking; call from a thread)."""
+        from belayer_cluster import BelayerClusterError
+
+        start = time.monotonic()
+        self.sockets._settle()  # a node removal under way is handled first
+        for node_id in {loss.node_id for loss in self.rollout.losses} & set(self.sync.members):
+            self.sync.drop_node(node_id, "its node was lost (Ray)")
+        tensors = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+        try:
+            result = self.sync.update(tensors)
+        except BelayerClusterError as error:
+            raise BelayerGrpoError(f"the weight update reached no node: {error}") from error
+        self.versions = [version for report in result.nodes for version in report.server_versions]
+        self.num_pushes += 1
+        self.seconds += time.monotonic() - start
+        return self.versions
+
+    def metrics(self) -> dict[str, Any]:
+        """A metrics line's weight fields: the version and checksum, and each live node's."""
+        status = self.sync.status()
+        return {
+            "weights_version": status["version"],
+            "weights_checksum": status["checksum"],
+            "weights_nodes": {
+                node["node_id"][:12]: {"version": node["version"], "checksum": node["checksum"]}
+                for node in status["nodes"]
+            },
+            "weights_nodes_dropped": len(status["dropped"]),
+            "weights_update_s": status["last_update_s"],
+        }
+
+    def status(self) -> dict[str, Any]:
+        """The run report's `weights`: belayer-cluster's `WeightSync.status()`."""
+        return self.sync.status()
+
+
 @attrs.frozen
 class _SlotName:
     slot: str
@@ -113,6 +171,7 @@ class ClusterSystem:
     local: LocalRayCluster | None
     kill_node_at_step: int
     weight_sockets: LiveSockets  # a lost node's sockets leave it, so pushes skip them
+    weights: ClusterWeights  # every push through belayer-cluster's WeightSync
     _losses: list[dict[str, Any]] = attrs.field(factory=list)
     _events: dict[str, list[dict[str, Any]]] = attrs.field(factory=dict)
     _killer: threading.Thread | None = None
@@ -256,6 +315,7 @@ class _Parts:
     router: DriverRouter | None = None
     local: LocalRayCluster | None = None
     rollout: RolloutCluster | None = None
+    sync: WeightSync | None = None
 
 
 def _outstanding_of(url: str, token: str, slot: str) -> int:
@@ -282,7 +342,7 @@ def _start_ray(config: Config, parts: _Parts) -> None:
 def _start_sync(
     config: Config, run_dir: Path, shared: Path, model_file: Path, weights_file: Path, parts: _Parts
 ) -> ClusterSystem:
-    from belayer_cluster import DriverRouter, RolloutCluster
+    from belayer_cluster import DriverRouter, RolloutCluster, WeightSync
 
     admin_token = secrets.token_hex(16)
     parts.router = router = DriverRouter(shared / "router.jsonl", admin_token=admin_token, resume_wait_s=30.0)
@@ -319,6 +379,14 @@ def _start_sync(
     )
     infos = rollout.start()
     sockets.paths.extend(infos[name].run_dir / "mem" / "weights.sock" for name in names)
+    parts.sync = sync = WeightSync(timeout_s=SYNC_TIMEOUT_S, router_url=router.url, admin_token=admin_token)
+    by_node: dict[str, list[str]] = {}
+    for name in names:
+        by_node.setdefault(infos[name].node_id, []).append(name)
+    for node_id, on_node in by_node.items():  # one agent per node, beside its slots' weight servers
+        sync.add_node(
+            node_id, sockets=[infos[name].run_dir / "mem" / "weights.sock" for name in on_node], slots=on_node
+        )
     return ClusterSystem(
         router_url=router.url,
         admin_token=admin_token,
@@ -329,12 +397,16 @@ def _start_sync(
         local=parts.local,
         kill_node_at_step=config.chaos.kill_node_at_step,
         weight_sockets=sockets,
+        weights=ClusterWeights(sync, rollout, sockets),
     )
 
 
 def _stop_all(parts: _Parts) -> None:
-    from belayer_cluster import disconnect
+    from belayer_cluster import BelayerClusterError, disconnect
 
+    if parts.sync is not None:
+        with contextlib.suppress(BelayerClusterError):
+            parts.sync.close()
     if parts.rollout is not None:
         parts.rollout.stop()
     if parts.router is not None:

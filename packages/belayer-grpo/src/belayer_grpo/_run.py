@@ -23,7 +23,7 @@ import torch
 from belayer_grpo._agentic import default_estimators
 from belayer_grpo._chaos import FailureRecord, WorkerChaos, match_recoveries
 from belayer_grpo._checkpointing import find_latest, load_checkpoint, save_checkpoint
-from belayer_grpo._cluster_system import ClusterSystem, rollout_system
+from belayer_grpo._cluster_system import ClusterSystem, ClusterWeights, rollout_system
 from belayer_grpo._config import Config
 from belayer_grpo._data import PolicyTokenizer, Problem, PromptSampler, generate_arithmetic, load_math_file
 from belayer_grpo._errors import GrpoConfigError
@@ -247,7 +247,7 @@ async def _step(
     system: RolloutSystem | ClusterSystem,
     router: RouterClient,
     chaos: WorkerChaos,
-    sync: WeightSync,
+    sync: WeightSync | ClusterWeights,
 ) -> dict[str, Any]:
     config = run.config
     run.reporter.begin_step(step, config.rollout.batch_size * config.rollout.samples_per_prompt)
@@ -287,6 +287,7 @@ async def _step(
         "weight_version": min(versions),
         **{key: value for key, value in attrs.asdict(update).items()},
         "healthy_slots": len(system.healthy_slots()),
+        **(sync.metrics() if isinstance(sync, ClusterWeights) else {}),  # versions, checksums by node
         **extra,
     }
 
@@ -345,7 +346,7 @@ async def _train(config: Config, stream: TextIO, run_dir: Path) -> dict[str, Any
                 kill=lambda i: (system.slots[i].config.slot, system.slots[i].kill_main()),
                 num_slots=len(system.slots),
             )
-            sync = WeightSync(system.weight_sockets)
+            sync = system.weights if isinstance(system, ClusterSystem) else WeightSync(system.weight_sockets)
             if config.data.workload == "math":
                 summary["eval_accuracy_before"] = await _evaluate(run, router)
             elif config.data.workload == "tooluse":
@@ -372,6 +373,7 @@ async def _train(config: Config, stream: TextIO, run_dir: Path) -> dict[str, Any
             summary["failures"] = [f.to_dict() for f in chaos.failures]
             if isinstance(system, ClusterSystem):
                 summary["node_losses"] = await anyio.to_thread.run_sync(system.node_losses)
+                summary["weights"] = system.weights.status()
             summary["status"] = "completed"
         if config.system.checkpoint_every == 0 or summary.get("steps", 0) % config.system.checkpoint_every:
             await anyio.to_thread.run_sync(_checkpoint, run, summary.get("steps", run.start_step))
