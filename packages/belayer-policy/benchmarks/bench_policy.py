@@ -210,6 +210,7 @@ def main() -> None:
     parser.add_argument("--probabilities", type=float, nargs="+", default=[0.01, 0.05])
     parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--trace", action="append", default=None, metavar="NAME=PATH")
+    parser.add_argument("--no-traces", action="store_true", help="skip the recorded traces' rows")
     parser.add_argument("--out", default=str(HERE / "results" / "bench_policy.json"))
     args = parser.parse_args()
     FIXED = tuple(args.fixed)
@@ -217,7 +218,9 @@ def main() -> None:
     VARIANTS = () if args.no_variants else VARIANTS
 
     traces = (
-        dict(item.split("=", 1) for item in args.trace)
+        {}
+        if args.no_traces
+        else dict(item.split("=", 1) for item in args.trace)
         if args.trace
         else {f"recorded:{path.stem}": str(path) for path in sorted((HERE / "traces").glob("*.jsonl"))}
     )
