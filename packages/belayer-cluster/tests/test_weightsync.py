@@ -3,7 +3,8 @@
 One Ray cluster of 3 nodes (1 CPU each), one router, slots "a" and "b" on two nodes and a spare
 node whose agent has a weight server of its own. The tests run in file order and build on each
 other: an update, a handover between updates, a stale node fenced and a new slot that starts from
-the current version, a node lost mid-update.
+the current version, a node lost mid-update, a replacement node added (a real new Ray node)
+whose slot serves only once it holds the trainer's version.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from belayer_cluster import (
     RolloutCluster,
     WeightSync,
     WeightSyncError,
+    start_replacement_slot,
 )
 
 pytestmark = pytest.mark.timeout(300)
@@ -213,3 +215,55 @@ def test_node_lost_mid_update_and_a_node_rejoins(
     assert sync.members[spare].generation == spare_generation  # the others' groups stay
     assert {value for values in sync.verify().values() for value in values} == {result.checksum}
     assert set(sync.status()["dropped"]) == {node_a}
+
+
+def test_a_replacement_node_joins_in_full_and_its_slot_serves_only_the_current_version(
+    sync: WeightSync, local_ray: LocalRayCluster, router: DriverRouter, shared_dir: Path
+) -> None:
+    # a machine replaces the lost one: a real new Ray node, a custom resource places the slot on it.
+    # Ray reschedules the lost node's placement-group bundle (slot a's) onto any free CPU, so the
+    # new node has one CPU more than that bundle takes.
+    new = local_ray.add_node(num_cpus=2, resources={"replacement": 1.0})
+    assert new in local_ray.node_ids
+    assert new not in sync.members
+    generations = {node: member.generation for node, member in sync.members.items()}
+    replacement = start_replacement_slot(
+        sync,
+        new,
+        "d",
+        router_url=router.url,
+        shared_dir=shared_dir,
+        admin_token=TOKEN,
+        slot_options=SLOT_OPTIONS,
+        resources={"replacement": 1.0},
+    )
+    try:
+        assert replacement.infos["d"].node_id == new
+        member = sync.members[new]
+        assert member.generation > max(generations.values())  # its own fresh rendezvous
+        assert (member.version, member.checksum) == (sync.version, sync.checksum) == (4, sync.checksum)
+        assert member.slots == ("d",)
+        # the agent's own server and slot d's weight server both hold the trainer's version
+        assert sync.verify()[new] == [sync.checksum, sync.checksum]
+        assert {node: m.generation for node, m in sync.members.items() if node != new} == generations
+        states = slot_states(router)
+        assert states["d"]["healthy"] is True
+        serving = [name for name, state in states.items() if state["healthy"] and state["url"] is not None]
+        assert serving == ["d"]  # a was lost, b fenced, c stopped
+        at_v4 = greedy(router)  # served by d alone, at version 4
+        assert all(len(tokens) == MAX_TOKENS for tokens in at_v4)
+        result = sync.update(weights(sync, 5))  # the next update reaches the new node like any other
+        assert new in {report.node_id for report in result.nodes}
+        assert {report.checksum for report in result.nodes} == {result.checksum}
+        assert {value for values in sync.verify().values() for value in values} == {result.checksum}
+        assert greedy(router) != at_v4, "slot d still serves version 4 after the update"
+        assert sync.status()["nodes"][-1] == {
+            "node_id": new,
+            "generation": member.generation,
+            "version": 5,
+            "checksum": result.checksum,
+            "current": True,
+            "slots": ["d"],
+        }
+    finally:
+        replacement.stop()

@@ -22,6 +22,7 @@ from belayer_cluster._errors import (
     SlotHostError,
 )
 from belayer_cluster._local import LocalRayCluster
+from belayer_cluster._replacement import start_replacement_slot
 from belayer_cluster._router import DriverRouter
 from belayer_cluster._sandbox_host import SandboxHost, SandboxInfo
 from belayer_cluster._sandboxes import SandboxCluster, SandboxRestore
@@ -60,4 +61,5 @@ __all__ = [
     "connect",
     "disconnect",
     "node_run_dir",
+    "start_replacement_slot",
 ]

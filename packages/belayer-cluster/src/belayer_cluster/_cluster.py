@@ -75,6 +75,7 @@ class RolloutCluster:
         shared_dir: Path,
         admin_token: str | None = None,
         cpus_per_slot: float = 1.0,
+        resources: Mapping[str, float] | None = None,
         slot_options: Mapping[str, Any] | None = None,
         poll_s: float = 0.2,
         start_timeout_s: float = 180.0,
@@ -91,6 +92,7 @@ class RolloutCluster:
         self.shared_dir = Path(shared_dir)
         self.cpus_per_slot, self.poll_s, self.start_timeout_s = cpus_per_slot, poll_s, start_timeout_s
         self.slot_options = dict(slot_options or {})
+        self.resources = dict(resources or {})  # custom resources each bundle also takes (a given node's)
         self.probe_timeout_s, self.sandboxes = probe_timeout_s, sandboxes
         self.on_node_loss = on_node_loss  # called in the watcher thread before waiters hear of it
         self.infos: dict[str, SlotInfo] = {}
@@ -106,7 +108,7 @@ class RolloutCluster:
         """Reserve the bundles, start every slot (concurrently) and the node watcher."""
         if not ray.is_initialized():
             raise ClusterStartError("connect to Ray first (ray.init(address=...) or LocalRayCluster)")
-        bundles = [{"CPU": self.cpus_per_slot} for _ in self.slots]
+        bundles = [{"CPU": self.cpus_per_slot, **self.resources} for _ in self.slots]
         self._group = placement_group(bundles, strategy="SPREAD", name="")
         try:
             ray.get(self._group.ready(), timeout=self.start_timeout_s)

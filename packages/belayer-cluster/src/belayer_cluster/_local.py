@@ -75,6 +75,23 @@ class LocalRayCluster:
             raise ClusterStartError(f"could not start a local Ray cluster: {exc}") from exc
         return self
 
+    def add_node(self, num_cpus: float | None = None, resources: dict[str, float] | None = None) -> str:
+        """Start one more simulated node (a replacement or restarted machine) and wait until Ray sees
+        it; returns its node id. `num_cpus` defaults to `cpus_per_node`; `resources` are custom
+        resources (place a slot on this node with `RolloutCluster(resources=...)`)."""
+        cluster = self._require()
+        try:
+            node = cluster.add_node(
+                num_cpus=self.config.cpus_per_node if num_cpus is None else num_cpus,
+                resources=dict(resources or {}),
+                object_store_memory=self.config.object_store_bytes,
+            )
+            cluster.wait_for_nodes()
+        except Exception as exc:  # ray raises plain exceptions of many kinds while starting a node
+            raise ClusterStartError(f"could not add a node to the local Ray cluster: {exc}") from exc
+        self._nodes[node.node_id] = node
+        return str(node.node_id)
+
     def raylet_pid(self, node_id: str) -> int:
         """The pid of a simulated node's raylet (every Ray worker of that node is its child)."""
         node = self._nodes[node_id]
