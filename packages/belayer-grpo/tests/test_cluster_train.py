@@ -72,11 +72,53 @@ def test_a_math_run_on_two_nodes_survives_losing_one(tmp_path: Path) -> None:
     assert all(node["current"] for node in report["weights"]["nodes"])
 
 
+def test_a_lost_node_is_replaced_and_its_replacement_serves_the_current_weights(tmp_path: Path) -> None:
+    config = load_config(
+        None,
+        [
+            "data.workload='math'",
+            f"system.run_dir={str(tmp_path / 'run')!r}",
+            "algorithm.steps=2",
+            "model.warmup_steps=5",
+            "system.num_slots=2",
+            "system.checkpoint_every=0",
+            "chaos.kill_worker_at_steps=[]",
+            "chaos.kill_node_at_step=1",
+            "cluster.nodes=2",
+            "cluster.replace_lost_nodes=true",
+            "logging.progress=false",
+        ],
+    )
+    out = io.StringIO()
+    summary = anyio.run(lambda: run_training(config, stream=out))
+    assert summary["status"] == "completed", out.getvalue()
+    (loss,) = summary["node_losses"]
+    assert loss["slots"] == ["slot1"]
+    assert loss["tokens_lost"] == 0
+    assert "replacement_error" not in loss, loss["replacement_error"]
+    replaced = loss["replaced_by"]
+    assert replaced["slot"] == "slot1-r"
+    assert replaced["node_id"] != loss["node_id"]
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    # The replacement joined the sync with step 1's version before step 2's rollout, then served.
+    assert (replaced["weights_version"], replaced["weights_checksum"]) == (1, metrics[0]["weights_checksum"])
+    assert [m["healthy_slots"] for m in metrics] == [2, 2]
+    assert [len(m["weights_nodes"]) for m in metrics] == [2, 2]
+    assert replaced["node_id"][:12] in metrics[1]["weights_nodes"]
+    for m in metrics:
+        assert {node["checksum"] for node in m["weights_nodes"].values()} == {m["weights_checksum"]}
+    assert max(m["logprob_gap"] for m in metrics) < 1e-3
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert {tuple(node["slots"]) for node in report["weights"]["nodes"]} == {("slot0",), ("slot1-r",)}
+
+
 def test_kill_node_needs_a_local_cluster_of_two_nodes() -> None:
     with pytest.raises(GrpoConfigError, match=r"chaos\.kill_node_at_step"):
         load_config(None, ["chaos.kill_node_at_step=2", "system.num_slots=2"])
     with pytest.raises(GrpoConfigError, match=r"cluster\.address"):
         load_config(None, ["cluster.nodes=2", "cluster.address='127.0.0.1:6379'"])
+    with pytest.raises(GrpoConfigError, match=r"cluster\.replace_lost_nodes"):
+        load_config(None, ["cluster.replace_lost_nodes=true"])
 
 
 def test_the_default_run_does_not_ask_for_ray() -> None:

@@ -23,7 +23,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -101,6 +101,7 @@ class ClusterWeights:
     def __init__(self, sync: WeightSync, rollout: RolloutCluster, sockets: LiveSockets) -> None:
         self.sync, self.rollout, self.sockets = sync, rollout, sockets
         self.versions: list[int] = []
+        self.after_push: Callable[[], None] | None = None  # cluster.replace_lost_nodes
         self.num_pushes = 0
         self.seconds = 0.0
 
@@ -118,6 +119,8 @@ class ClusterWeights:
         except BelayerClusterError as error:
             raise BelayerGrpoError(f"the weight update reached no node: {error}") from error
         self.versions = [version for report in result.nodes for version in report.server_versions]
+        if self.after_push is not None:  # a replacement joins with this version, before the next rollout
+            self.after_push()
         self.num_pushes += 1
         self.seconds += time.monotonic() - start
         return self.versions
@@ -172,6 +175,10 @@ class ClusterSystem:
     kill_node_at_step: int
     weight_sockets: LiveSockets  # a lost node's sockets leave it, so pushes skip them
     weights: ClusterWeights  # every push through belayer-cluster's WeightSync
+    shared_dir: Path
+    slot_options: dict[str, Any]
+    replace_lost_nodes: bool
+    replacements: list[RolloutCluster]  # the replacement slots' clusters (stopped with the rest)
     _losses: list[dict[str, Any]] = attrs.field(factory=list)
     _events: dict[str, list[dict[str, Any]]] = attrs.field(factory=dict)
     _killer: threading.Thread | None = None
@@ -219,13 +226,13 @@ class ClusterSystem:
         """Every reachable slot's events (a lost slot's as last seen), tagged with the slot."""
         from belayer_cluster import SlotHostError
 
-        lost = {slot for loss in self.rollout.losses for slot in loss.slots}
+        lost = {slot for rollout in self._rollouts() for loss in rollout.losses for slot in loss.slots}
         for remote in self.slots:
             name = remote.config.slot
             if name in lost:
                 continue
             with contextlib.suppress(SlotHostError):
-                self._events[name] = [{**event, "slot": name} for event in self.rollout.slot_events(name)]
+                self._events[name] = [{**event, "slot": name} for event in remote.rollout.slot_events(name)]
         merged = [event for events in self._events.values() for event in events]
         return sorted(merged, key=lambda event: float(event.get("time", 0.0)))
 
@@ -235,8 +242,63 @@ class ClusterSystem:
 
     def healthy_slots(self) -> list[int]:
         """Indices of slots still in service (a lost node's are not)."""
-        healthy = set(self.rollout.healthy_slots)
+        healthy = {slot for rollout in self._rollouts() for slot in rollout.healthy_slots}
         return [index for index, remote in enumerate(self.slots) if remote.config.slot in healthy]
+
+    def replace_lost(self) -> None:
+        """`cluster.replace_lost_nodes`: for each lost node, a new simulated node and a slot on it
+        (`<slot>-r`) that joins the weight sync with the current version and only then serves.
+
+        Called by the weight push after the update (the trainer's thread, between rollouts). A
+        replacement that fails to start is reported in the node loss; training goes on without it.
+        """
+        from belayer_cluster import BelayerClusterError, start_replacement_slot
+
+        if not self.replace_lost_nodes or self.local is None:
+            return
+        for loss in self._losses:
+            if "replaced_by" in loss or "replacement_error" in loss:
+                continue
+            for slot in loss["slots"]:
+                name, started = f"{slot}-r", time.monotonic()
+                resource = {f"belayer-replacement-{name}": 1.0}  # only the new node offers it
+                try:
+                    node_id = self._add_node(self.local, resource)
+                    cluster = start_replacement_slot(
+                        self.weights.sync,
+                        node_id,
+                        name,
+                        router_url=self.router_url,
+                        shared_dir=self.shared_dir,
+                        admin_token=self.admin_token,
+                        slot_options=self.slot_options,
+                        resources=resource,
+                    )
+                except BelayerClusterError as error:
+                    loss["replacement_error"] = str(error)
+                    continue
+                self.replacements.append(cluster)
+                self.slots.append(RemoteSlot(_SlotName(name), cluster))
+                loss["replaced_by"] = {
+                    "slot": name,
+                    "node_id": node_id,
+                    "weights_version": self.weights.sync.members[node_id].version,
+                    "weights_checksum": self.weights.sync.members[node_id].checksum,
+                    "start_s": time.monotonic() - started,
+                }
+
+    @staticmethod
+    def _add_node(local: LocalRayCluster, resource: dict[str, float]) -> str:
+        """A new simulated node, one CPU more than the slot takes (Ray reschedules the lost node's
+        placement-group bundle onto a free CPU). Ray starts a node only from the main thread (signal
+        handlers): from the push's worker thread, through the event loop's thread."""
+        cpus = local.config.cpus_per_node + 1
+        if threading.current_thread() is threading.main_thread():
+            return local.add_node(num_cpus=cpus, resources=resource)
+        return anyio.from_thread.run_sync(lambda: local.add_node(num_cpus=cpus, resources=resource))
+
+    def _rollouts(self) -> list[RolloutCluster]:
+        return [self.rollout, *self.replacements]
 
     def before_rollout(self, step: int) -> None:
         """Arm `chaos.kill_node_at_step`: the node goes once the step's rollout is under way."""
@@ -316,6 +378,7 @@ class _Parts:
     local: LocalRayCluster | None = None
     rollout: RolloutCluster | None = None
     sync: WeightSync | None = None
+    replacements: list[RolloutCluster] = attrs.field(factory=list)
 
 
 def _outstanding_of(url: str, token: str, slot: str) -> int:
@@ -387,7 +450,7 @@ def _start_sync(
         sync.add_node(
             node_id, sockets=[infos[name].run_dir / "mem" / "weights.sock" for name in on_node], slots=on_node
         )
-    return ClusterSystem(
+    system = ClusterSystem(
         router_url=router.url,
         admin_token=admin_token,
         slots=[RemoteSlot(_SlotName(name), rollout) for name in names],
@@ -398,7 +461,13 @@ def _start_sync(
         kill_node_at_step=config.chaos.kill_node_at_step,
         weight_sockets=sockets,
         weights=ClusterWeights(sync, rollout, sockets),
+        shared_dir=shared,
+        slot_options=options,
+        replace_lost_nodes=config.cluster.replace_lost_nodes,
+        replacements=parts.replacements,
     )
+    system.weights.after_push = system.replace_lost
+    return system
 
 
 def _stop_all(parts: _Parts) -> None:
@@ -407,6 +476,8 @@ def _stop_all(parts: _Parts) -> None:
     if parts.sync is not None:
         with contextlib.suppress(BelayerClusterError):
             parts.sync.close()
+    for replacement in parts.replacements:
+        replacement.stop()
     if parts.rollout is not None:
         parts.rollout.stop()
     if parts.router is not None:

@@ -179,6 +179,7 @@ class ClusterConfig:
     nodes: int = attrs.field(default=0, validator=_non_negative)
     address: str = ""  # join an existing Ray cluster (its GCS address, HOST:PORT)
     shared_dir: str = ""  # a folder every node reads (router journal, slot folders); "" = a temp folder
+    replace_lost_nodes: bool = False  # cluster.nodes: a new node and slot for each lost one
 
 
 @attrs.frozen
@@ -409,6 +410,10 @@ def _check_cross_section(config: Config) -> None:
     if config.cluster.nodes and config.cluster.address:
         raise GrpoConfigError(
             "cluster.address", "set cluster.nodes (a local cluster) or cluster.address, not both"
+        )
+    if config.cluster.replace_lost_nodes and not config.cluster.nodes:
+        raise GrpoConfigError(
+            "cluster.replace_lost_nodes", "needs cluster.nodes (a local cluster that can add nodes)"
         )
     if config.chaos.kill_node_at_step:
         if config.cluster.nodes < 2:
