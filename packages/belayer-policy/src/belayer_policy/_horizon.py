@@ -69,16 +69,25 @@ def protected_cost(steps: int, loss_rate: float, visible_s: float) -> float:
 
     ``loss_rate`` is ``a = h * d``; future checkpoints cost ``visible_s`` each and fall on step
     boundaries: ``min over k in 1..steps`` of ``(k - 1) * visible_s`` plus ``a * L**2 / 2`` over the
-    ``k`` stretches of whole steps (as equal as possible).  O(1): near ``steps * sqrt(a / 2v)``.
+    ``k`` stretches of whole steps (as equal as possible).  That cost is convex in ``k`` (the sum of
+    squares of a balanced partition is), so a binary search on its slope finds the exact minimum in
+    O(log steps).  (The continuous optimum ``steps * sqrt(a / 2v)`` is not enough: once stretches are
+    one or two steps long the whole-step cost falls linearly, with slope ``v - a``, to ``k = steps``.)
     """
     if steps <= 0 or loss_rate <= 0.0:
         return 0.0
     if visible_s <= 0.0:
         return _stretches_cost(steps, steps, loss_rate, 0.0)
-    ideal = min(steps * math.sqrt(loss_rate / (2.0 * visible_s)), float(steps))  # inf for tiny costs
-    centre = int(ideal)
-    candidates = {min(steps, max(1, centre + delta)) for delta in (-1, 0, 1, 2)}
-    return min(_stretches_cost(steps, k, loss_rate, visible_s) for k in candidates)
+    low, high = 1, steps
+    while low < high:
+        middle = (low + high) // 2
+        if _stretches_cost(steps, middle + 1, loss_rate, visible_s) < _stretches_cost(
+            steps, middle, loss_rate, visible_s
+        ):
+            low = middle + 1
+        else:
+            high = middle
+    return _stretches_cost(steps, low, loss_rate, visible_s)
 
 
 @attrs.frozen
