@@ -14,10 +14,11 @@ import pytest
 from handover_helpers import router
 
 from belayer_router import GenerateRequest, RouterClient, worker_request_body
-from belayer_shadow import LLMEngine, ModelConfig, SamplingParams, allocate_kv_arena, init_weights
+from belayer_router.worker import WorkerFinish, WorkerTokens, parse_worker_event
+from belayer_shadow import LLMEngine, ModelConfig, SamplingParams, StepOutput, allocate_kv_arena, init_weights
 from belayer_shadow._workers._events import EventLog, read_events, read_state, write_state
 from belayer_shadow._workers._heartbeat import HandoverFlag, Heartbeat
-from belayer_shadow._workers._service import EngineService
+from belayer_shadow._workers._service import EngineService, _Job
 from belayer_shadow._workers._shadow import check_device_health
 from belayer_shadow._workers._worker import register_worker
 
@@ -76,6 +77,23 @@ async def _post_lines(url: str, body: dict[str, object]) -> list[dict[str, objec
     return [json.loads(line) for line in response.text.splitlines()]
 
 
+def _frame_tokens(events: list[dict[str, object]]) -> list[tuple[int, int]]:
+    """(index, token id) of every token in the stream's ``tokens`` frames, checking each frame's shape."""
+    tokens: list[tuple[int, int]] = []
+    for event in events:
+        if event["type"] != "tokens":
+            continue
+        assert set(event) == {"type", "epoch", "index", "token_ids", "logprobs"}
+        token_ids, logprobs, first = event["token_ids"], event["logprobs"], event["index"]
+        assert isinstance(token_ids, list)
+        assert isinstance(logprobs, list)
+        assert isinstance(first, int)
+        assert len(token_ids) == len(logprobs) > 0
+        assert all(isinstance(lp, float) and lp <= 0 for lp in logprobs)
+        tokens += [(first + offset, token_id) for offset, token_id in enumerate(token_ids)]
+    return tokens
+
+
 @pytest.mark.anyio
 async def test_router_generation_equals_engine_and_events_carry_epoch(
     served: tuple[str, str, EngineService],
@@ -87,7 +105,8 @@ async def test_router_generation_equals_engine_and_events_carry_epoch(
     assert completion.token_ids == reference
     events = await _post_lines(url, _body([]))
     assert all(e["epoch"] == 1 for e in events)
-    assert [e["index"] for e in events[:-1]] == list(range(MAX_TOKENS))
+    assert {e["type"] for e in events[:-1]} == {"tokens"}  # one frame per engine step, no token lines
+    assert _frame_tokens(events) == list(enumerate(reference))
     assert events[-1] == {"type": "finish", "epoch": 1, "finish_reason": "length"}
     age = service.heartbeat.age_s()
     assert age is not None
@@ -101,10 +120,46 @@ async def test_resume_continues_exactly(served: tuple[str, str, EngineService], 
     service.resume_mode = mode  # type: ignore[assignment]
     reference = _greedy(PROMPT, MAX_TOKENS)
     events = await _post_lines(url, _body(reference[:5]))
-    tokens = [e for e in events if e["type"] == "token"]
-    assert [e["index"] for e in tokens] == list(range(5, MAX_TOKENS))
-    assert [e["token_id"] for e in tokens] == reference[5:]
+    assert {e["type"] for e in events} == {"tokens", "finish"}
+    assert _frame_tokens(events) == list(enumerate(reference))[5:]
     assert service.num_tokens_regenerated == (5 if mode == "regenerate" else 0)
+
+
+def test_a_step_goes_out_as_one_frame_per_request(tmp_path: Path) -> None:
+    """Each job gets one ``tokens`` frame per step (hidden regenerated tokens left out), then its finish."""
+    service = EngineService(
+        _engine(), Heartbeat(tmp_path / "hb"), EventLog(tmp_path / "e.jsonl", "t"), epoch=4
+    )
+    params = SamplingParams(max_tokens=8)
+    streams = {}
+    for request_id, hidden in (("a", 0), ("b", 2)):
+        send, receive = anyio.create_memory_object_stream[bytes](100)
+        service._jobs[request_id] = _Job(request_id, PROMPT, params, send, num_hidden=hidden)
+        streams[request_id] = receive
+    service._dispatch(
+        [
+            StepOutput("a", 3, 11, -0.5),
+            StepOutput("b", 1, 21, -0.1),  # hidden: the client has it already
+            StepOutput("a", 4, 12, -0.25, finish_reason="stop"),
+            StepOutput("b", 2, 22, -0.2),
+            StepOutput("b", 3, 23, -0.3),
+            StepOutput("gone", 0, 1, -1.0),  # no such job: dropped
+        ]
+    )
+    a = [parse_worker_event(line) for line in _drain(streams["a"])]
+    assert a == [WorkerTokens(4, 3, (11, 12), (-0.5, -0.25)), WorkerFinish(4, "stop")]
+    b = [parse_worker_event(line) for line in _drain(streams["b"])]
+    assert b == [WorkerTokens(4, 2, (22, 23), (-0.2, -0.3))]
+    assert (service.num_tokens, service.num_tokens_regenerated) == (4, 1)
+
+
+def _drain(stream: anyio.streams.memory.MemoryObjectReceiveStream[bytes]) -> list[bytes]:
+    lines: list[bytes] = []
+    while True:
+        try:
+            lines.append(stream.receive_nowait())
+        except (anyio.WouldBlock, anyio.EndOfStream):
+            return lines
 
 
 @pytest.mark.anyio

@@ -20,7 +20,7 @@ import attrs
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from belayer_router import InvalidRequestError
-from belayer_router.worker import read_json
+from belayer_router.worker import encode_worker_finish, encode_worker_tokens, read_json
 from belayer_shadow._engine._sequence import SamplingParams, StepOutput
 from belayer_shadow._errors import RequestError
 from belayer_shadow._workers._events import EventLog
@@ -171,22 +171,29 @@ class EngineService:
         self._adds.clear()
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
+        """Send a step's outputs: per job one ``tokens`` frame (the visible tokens), then its finish line."""
+        frames: dict[str, tuple[_Job, int, list[int], list[float]]] = {}  # job, first index, ids, logprobs
+        finished: list[tuple[_Job, str]] = []
         for out in outputs:
             job = self._jobs.get(out.request_id)
             if job is None or job.finished:
                 continue
             if out.index < job.num_hidden:
                 self.num_tokens_regenerated += 1
-                if out.finish_reason is None:
-                    continue
             else:
                 self.num_tokens += 1
-                token = {"type": "token", "epoch": self.epoch, "index": out.index, "token_id": out.token_id}
-                job.events.send_nowait(_line({**token, "logprob": out.logprob}))
-            if out.finish_reason is not None:
-                self._finish(
-                    job, _line({"type": "finish", "epoch": self.epoch, "finish_reason": out.finish_reason})
+                _job, _first, token_ids, logprobs = frames.setdefault(
+                    out.request_id, (job, out.index, [], [])
                 )
+                token_ids.append(out.token_id)
+                logprobs.append(out.logprob)
+            if out.finish_reason is not None:
+                finished.append((job, out.finish_reason))
+        for job, first_index, token_ids, logprobs in frames.values():
+            job.events.send_nowait(encode_worker_tokens(self.epoch, first_index, token_ids, logprobs))
+        for job, finish_reason in finished:
+            if not job.finished:
+                self._finish(job, encode_worker_finish(self.epoch, finish_reason))
 
     def _finish(self, job: _Job, last: bytes) -> None:
         job.finished = True
