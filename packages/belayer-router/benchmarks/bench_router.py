@@ -1,11 +1,13 @@
 """Router overhead and resume latency, against calling the worker directly, in the same run.
 
     python benchmarks/bench_router.py [--streams 1 256] [--tokens 200] [--step-ms 30]
-        [--frame-tokens 1] [--loop auto|asyncio|uvloop]
+        [--frame-tokens 1] [--worker-events token tokens] [--loop auto|asyncio|uvloop]
 
-Processes: a paced worker (``--frame-tokens`` tokens per stream every ``--step-ms``, in one
-``tokens`` frame, like a continuously batched engine), the router (``belayer-router serve``) and
-this client (which asks the router for ``tokens`` frames too).  For each concurrency
+Processes: a paced worker (``--frame-tokens`` tokens per stream every ``--step-ms``, like a
+continuously batched engine), the router (``belayer-router serve``) and this client (which asks
+the router for ``tokens`` frames).  The worker sends a step's tokens as ``token`` lines (one per
+token) or as one ``tokens`` frame; ``--worker-events token tokens`` measures both, each with a
+fresh worker and router, in one run.  For each concurrency
 it streams the same requests straight from the worker and through the router and reports
 throughput, inter-token latency and the router's CPU time per token.  Then it measures the
 time from a broken stream to the first resumed token on a ready replacement.  Prints a
@@ -45,9 +47,16 @@ class PacedWorker:
     """The engine stand-in: deterministic tokens, one per ``step`` s per stream; can break/hang."""
 
     def __init__(
-        self, epoch: int, step: float, break_at: int | None = None, hang: bool = False, frame: int = 1
+        self,
+        epoch: int,
+        step: float,
+        break_at: int | None = None,
+        hang: bool = False,
+        frame: int = 1,
+        events: str = "token",
     ) -> None:
         self.epoch, self.step, self.break_at, self.hang, self.frame = epoch, step, break_at, hang, frame
+        self.events = events  # "token": one line per token; "tokens": one frame per step
         self.broken = anyio.Event()
         self.break_time = 0.0
 
@@ -77,11 +86,11 @@ class PacedWorker:
                     await anyio.sleep_forever()
                 raise ConnectionAbortedError("worker died (benchmark)")
             seed = request["seed"]
-            if self.frame == 1:
-                token = (seed * 7919 + index * 104729) % 32000
-                line = (
-                    f'{{"type":"token","epoch":{self.epoch},"index":{index},"token_id":{token},"logprob":-1.0}}\n'
-                ).encode()
+            if self.events == "token":
+                line = b"".join(
+                    f'{{"type":"token","epoch":{self.epoch},"index":{i},"token_id":{(seed * 7919 + i * 104729) % 32000},"logprob":-1.0}}\n'.encode()
+                    for i in range(index, min(index + self.frame, end))
+                )
             else:
                 count = min(self.frame, end - index)
                 tokens = [(seed * 7919 + i * 104729) % 32000 for i in range(index, index + count)]
@@ -193,10 +202,10 @@ def start_process(argv: list[str]) -> tuple[subprocess.Popen[bytes], str]:
     return process, json.loads(line)["url"] if line.startswith("{") else line.split()[-1]
 
 
-def serve_worker(port: int, step: float, frame: int) -> None:
+def serve_worker(port: int, step: float, frame: int, events: str) -> None:
     sock = bind_socket("127.0.0.1", port)
     print(f"worker listening on http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
-    anyio.run(serve_asgi, PacedWorker(1, step, frame=frame), sock, "critical")
+    anyio.run(serve_asgi, PacedWorker(1, step, frame=frame, events=events), sock, "critical")
 
 
 def router_argv(loop: str) -> list[str]:
@@ -237,50 +246,47 @@ async def fleet_rows(args: argparse.Namespace, worker_url: str) -> list[dict[str
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    step = args.step_ms / 1e3
-    worker, worker_url = start_process(
-        [
-            sys.executable,
-            __file__,
-            "--serve-worker",
-            "--step-ms",
-            str(args.step_ms),
-            "--frame-tokens",
-            str(args.frame_tokens),
-        ]
-    )
-    router, router_url = start_process(router_argv(args.loop))
-    try:
-        async with RouterClient(router_url, admin_token="bench") as client:
-            await client.register("bench", worker_url, 1)
-        rows = []
-        for streams in args.streams:
-            direct = await throughput(worker_url, streams, args.tokens, via_router=False)
-            cpu_before = cpu_seconds(router.pid)
-            routed = await throughput(router_url, streams, args.tokens, via_router=True)
-            cpu_per_token = (cpu_seconds(router.pid) - cpu_before) / (streams * args.tokens)
-            rows.append(
-                {
-                    "streams": streams,
-                    "direct": direct,
-                    "router": routed,
-                    "router_cpu_us_per_token": cpu_per_token * 1e6,
+    rows: list[dict[str, Any]] = []
+    fleet: list[dict[str, Any]] = []
+    resume: dict[str, list[float]] = {}
+    for number, events in enumerate(args.worker_events):
+        first = number == 0  # the fleet and resume rows run once, with the first kind of events
+        worker_argv = [sys.executable, __file__, "--serve-worker", "--step-ms", str(args.step_ms)]
+        worker_argv += ["--frame-tokens", str(args.frame_tokens), "--worker-events", events]
+        worker, worker_url = start_process(worker_argv)
+        router, router_url = start_process(router_argv(args.loop))
+        try:
+            async with RouterClient(router_url, admin_token="bench") as client:
+                await client.register("bench", worker_url, 1)
+            for streams in args.streams:
+                direct = await throughput(worker_url, streams, args.tokens, via_router=False)
+                cpu_before = cpu_seconds(router.pid)
+                routed = await throughput(router_url, streams, args.tokens, via_router=True)
+                cpu_per_token = (cpu_seconds(router.pid) - cpu_before) / (streams * args.tokens)
+                rows.append(
+                    {
+                        "worker_events": events,
+                        "streams": streams,
+                        "direct": direct,
+                        "router": routed,
+                        "router_cpu_us_per_token": cpu_per_token * 1e6,
+                    }
+                )
+                print(rows[-1], file=sys.stderr, flush=True)
+            if first and args.fleet:
+                fleet = await fleet_rows(args, worker_url)
+            if first and not args.skip_resume:
+                step = args.step_ms / 1e3
+                resume = {
+                    "break_then_register": await resume_latency(router_url, step, args.trials, hang=False),
+                    "register_retires_hung_worker": await resume_latency(
+                        router_url, step, args.trials, hang=True
+                    ),
                 }
-            )
-            print(rows[-1], file=sys.stderr, flush=True)
-        fleet = await fleet_rows(args, worker_url) if args.fleet else []
-        resume = {}
-        if not args.skip_resume:
-            resume = {
-                "break_then_register": await resume_latency(router_url, step, args.trials, hang=False),
-                "register_retires_hung_worker": await resume_latency(
-                    router_url, step, args.trials, hang=True
-                ),
-            }
-    finally:
-        for process in (worker, router):
-            process.terminate()
-            process.wait()
+        finally:
+            for process in (worker, router):
+                process.terminate()
+                process.wait()
     return {
         "config": vars(args),
         "cpus": os.cpu_count(),
@@ -291,12 +297,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def table(result: dict[str, Any]) -> str:
+def _throughput_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| streams | direct tok/s | router tok/s | throughput loss | ITL p50 direct / router (ms) | ITL p99 direct / router (ms) | router CPU per token (us) |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for row in result["throughput"]:
+    for row in rows:
         d, r = row["direct"], row["router"]
         loss = 100 * (1 - r["tokens_per_s"] / d["tokens_per_s"])
         lines.append(
@@ -304,6 +310,18 @@ def table(result: dict[str, Any]) -> str:
             f"{d['itl_p50_ms']:.1f} / {r['itl_p50_ms']:.1f} | {d['itl_p99_ms']:.1f} / {r['itl_p99_ms']:.1f} | "
             f"{row['router_cpu_us_per_token']:.0f} |"
         )
+    return lines
+
+
+def table(result: dict[str, Any]) -> str:
+    lines: list[str] = []
+    tokens = result["config"]["frame_tokens"]
+    for events in result["config"]["worker_events"]:
+        kind = "one `token` line per token" if events == "token" else "one `tokens` frame per step"
+        lines += [f"Worker events: {kind}, {tokens} token(s) per stream per step", ""]
+        lines += _throughput_table([row for row in result["throughput"] if row["worker_events"] == events])
+        lines.append("")
+    lines.pop()
     if result["fleet"]:
         lines += [
             "",
@@ -333,6 +351,13 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=30.0)
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--frame-tokens", type=int, default=1, help="tokens per worker event and step")
+    parser.add_argument(
+        "--worker-events",
+        nargs="+",
+        choices=["token", "tokens"],
+        default=["token", "tokens"],
+        help="how the worker sends a step's tokens: token lines, a tokens frame (each measured)",
+    )
     parser.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto")
     parser.add_argument("--skip-resume", action="store_true", help="only the throughput rows")
     parser.add_argument("--fleet", type=int, nargs="*", default=[], help="router counts to compare")
@@ -341,7 +366,7 @@ def main() -> None:
     parser.add_argument("--serve-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_worker:
-        serve_worker(0, args.step_ms / 1e3, args.frame_tokens)
+        serve_worker(0, args.step_ms / 1e3, args.frame_tokens, args.worker_events[0])
         return
     result = anyio.run(run, args)
     text = table(result)
