@@ -29,7 +29,9 @@ def test_an_address_where_no_cluster_answers_is_a_usage_error() -> None:
 def test_a_malformed_address_and_a_missing_flag_are_usage_errors() -> None:
     done = _run("status", "--address", "nohostport")
     assert done.returncode == 2
-    assert done.stderr.strip() == "belayer-cluster: error: --address must be HOST:PORT (got 'nohostport')"
+    assert (
+        done.stderr.strip() == "belayer-cluster: error: the Ray address must be HOST:PORT (got 'nohostport')"
+    )
     missing = _run("status")
     assert missing.returncode == 2
     assert missing.stderr.startswith(

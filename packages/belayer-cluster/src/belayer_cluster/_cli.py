@@ -12,10 +12,10 @@ import enum
 import json
 import logging
 import os
-import socket
 import sys
 from typing import Any
 
+from belayer_cluster._connect import check_address
 from belayer_cluster._errors import BelayerClusterError, ClusterConfigError, ClusterStartError
 from belayer_cluster._simulate_cli import add_simulate_parser, run_simulate
 
@@ -51,25 +51,11 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_reachable(address: str, timeout_s: float) -> None:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ClusterConfigError(f"--address must be HOST:PORT (got {address!r})")
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
-            pass
-    except OSError as exc:
-        raise ClusterConfigError(
-            f"no Ray cluster answers at {address} ({exc.strerror or exc}); start one (`ray start --head`) "
-            "or pass the GCS address `ray status` prints"
-        ) from exc
-
-
 def status(address: str, connect_timeout_s: float = 10.0) -> list[dict[str, Any]]:
     """Connect to the Ray cluster at `address` and list its nodes: id, alive, address, CPUs."""
+    check_address(address, connect_timeout_s)
     import ray
 
-    _check_reachable(address, connect_timeout_s)
     try:
         ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
     except (ConnectionError, RuntimeError) as exc:
