@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import itertools
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -298,3 +299,22 @@ def test_the_simulation_modules_import_neither_ray_nor_other_third_party_code() 
                 assert node.module.split(".")[1].startswith(("_simulate", "_errors")), (
                     f"{path.name}: {node.module}"
                 )
+
+
+def test_the_simulate_command_starts_without_importing_ray(tmp_path: Path) -> None:
+    # The installed `belayer-cluster` entry point, run in a fresh interpreter as the shell would.
+    script = (
+        "import json, sys\n"
+        "from importlib.metadata import entry_points\n"
+        "(entry,) = entry_points(group='console_scripts', name='belayer-cluster')\n"
+        "code = entry.load()(['simulate', '--gpus', '1024', '--days', '1', '--reps', '1', '--json'])\n"
+        "print(json.dumps({'code': code, 'ray': 'ray' in sys.modules, 'torch': 'torch' in sys.modules}),"
+        " file=sys.stderr)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stderr.strip().splitlines()[-1])
+    assert report == {"code": 0, "ray": False, "torch": False}
+    assert json.loads(done.stdout)["results"]  # it did run the simulation

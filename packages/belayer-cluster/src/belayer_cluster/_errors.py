@@ -8,6 +8,8 @@ __all__ = [
     "ClusterStartError",
     "SandboxHostError",
     "SlotHostError",
+    "WeightSyncError",
+    "WeightSyncTimeoutError",
 ]
 
 
@@ -29,3 +31,15 @@ class SlotHostError(BelayerClusterError):
 
 class SandboxHostError(BelayerClusterError):
     """A sandbox host could not create, run, checkpoint or restore a sandbox (the message says why)."""
+
+
+class WeightSyncError(BelayerClusterError):
+    """A weight update or a node's join failed; the message names the nodes and what to do."""
+
+
+class WeightSyncTimeoutError(WeightSyncError):
+    """Nodes did not answer within the timeout (rendezvous or transfer); `nodes` names them."""
+
+    def __init__(self, message: str, nodes: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.nodes = nodes

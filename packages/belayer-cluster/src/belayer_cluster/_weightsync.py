@@ -24,8 +24,8 @@ import torch
 from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from belayer_cluster._errors import WeightSyncError, WeightSyncTimeoutError
 from belayer_cluster._weightsync_agent import WeightAgent
-from belayer_cluster._weightsync_errors import WeightSyncError, WeightSyncTimeoutError
 from belayer_cluster._weightsync_link import (
     AfterChunk,
     NodeLink,

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from belayer_cluster._weightsync_errors import WeightSyncError
+from belayer_cluster._errors import WeightSyncError
 from belayer_cluster._weightsync_pack import checksum, pack, unpack
 from belayer_gpumem import BelayerGpumemError, ServerConfig, ServerProcess, WeightClient, WeightLayout
 

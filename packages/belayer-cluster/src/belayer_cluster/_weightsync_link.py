@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from ray.exceptions import GetTimeoutError, RayError
 
-from belayer_cluster._weightsync_errors import WeightSyncError, WeightSyncTimeoutError
+from belayer_cluster._errors import WeightSyncError, WeightSyncTimeoutError
 
 __all__ = [
     "AfterChunk",

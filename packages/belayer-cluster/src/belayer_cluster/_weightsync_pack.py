@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
-from belayer_cluster._weightsync_errors import WeightSyncError
+from belayer_cluster._errors import WeightSyncError
 from belayer_gpumem import WeightLayout
 
 __all__ = ["checksum", "pack", "unpack"]
