@@ -29,6 +29,7 @@ from belayer_router._errors import (
     StaleEpochError,
     TokenizerError,
     UnauthorizedError,
+    WeightVersionError,
     WorkerStreamError,
 )
 from belayer_router._fleet import RouterFleet, owner_index
@@ -90,6 +91,7 @@ __all__ = [
     "TokenizerError",
     "TokensEvent",
     "UnauthorizedError",
+    "WeightVersionError",
     "Worker",
     "WorkerFinish",
     "WorkerStreamError",

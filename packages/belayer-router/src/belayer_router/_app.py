@@ -106,6 +106,10 @@ class RouterApp(OpenAIRoutes):
             self.registry.register(op["slot"], op["url"], op["epoch"])
         elif op["op"] == "unregister":
             self.registry.unregister(op["slot"], op["epoch"])
+        elif op["op"] == "slot_version":
+            self.registry.set_slot_version(op["slot"], op["version"])
+        elif op["op"] == "require_version":
+            self.registry.require_version(op["version"])
         else:
             self.registry.mark_unhealthy(op["slot"])
 
@@ -176,7 +180,7 @@ class RouterApp(OpenAIRoutes):
                 if record is None:
                     raise NotFoundError(f"no journal record for request {request_id!r}")
                 await send_json(send, 200, record.as_dict())
-            case _, ["workers" | "slots", *_]:
+            case _, ["workers" | "slots" | "weights", *_]:
                 self._authorize(scope)
                 await self._admin(method, parts, receive, send)
             case _, ["contexts", *_]:
@@ -187,7 +191,8 @@ class RouterApp(OpenAIRoutes):
     async def _admin(self, method: str, parts: list[str], receive: Receive, send: Send) -> None:
         match method, parts:
             case "GET", ["workers"]:
-                await send_json(send, 200, {"slots": self.registry.snapshot()})
+                required = self.registry.required_version
+                await send_json(send, 200, {"slots": self.registry.snapshot(), "required_version": required})
             case "POST", ["workers", "register"]:
                 body = _object(await self._body(receive))
                 url = body.get("url")
@@ -204,6 +209,14 @@ class RouterApp(OpenAIRoutes):
             case "POST", ["slots", slot, "unhealthy"]:
                 self._admin_change({"op": "unhealthy", "slot": slot})
                 await send_json(send, 200, {"ok": True})
+            case "POST", ["slots", slot, "weights"]:
+                version = _int_field(_object(await self._body(receive)), "version")
+                self._admin_change({"op": "slot_version", "slot": slot, "version": version})
+                await send_json(send, 200, {"slot": slot, "weight_version": version})
+            case "POST", ["weights", "required"]:
+                version = _int_field(_object(await self._body(receive)), "version")
+                self._admin_change({"op": "require_version", "version": version})
+                await send_json(send, 200, {"required_version": version})
             case _:
                 raise NotFoundError(f"no admin route {method} /{'/'.join(parts)}")
 

@@ -103,8 +103,33 @@ class RouterClient:
         await self._call("POST", f"/slots/{slot}/unhealthy")
 
     async def workers(self) -> list[dict[str, Any]]:
-        """The slots with their worker, epoch, health and outstanding requests."""
+        """The slots with their worker, epoch, health, outstanding requests and weight version."""
         return list((await self._call("GET", "/workers"))["slots"])
+
+    # -- weight versions (the stale-version barrier) -------------------------------------------
+
+    async def report_weight_version(self, slot: str, version: int) -> None:
+        """Record that ``slot`` has committed weight ``version`` (and serves new requests with it).
+
+        A slot's version only moves forward (a lower one: `RouterClientError` 409; an unknown
+        slot: 404).  A slot held out for another version is back in rotation once it reports
+        the required one.
+        """
+        await self._call("POST", f"/slots/{slot}/weights", {"version": version})
+
+    async def require_weight_version(self, version: int) -> None:
+        """Serve every new token from slots that reported ``version`` only (the step's version).
+
+        Streams on slots with another version are cut at once and resume on a current slot
+        (with every token so far); such slots get no request until they report ``version``.
+        The required version only moves forward (a lower one: `RouterClientError` 409).
+        """
+        await self._call("POST", "/weights/required", {"version": version})
+
+    async def required_weight_version(self) -> int | None:
+        """The weight version the router requires, None before `require_weight_version`."""
+        required = (await self._call("GET", "/workers"))["required_version"]
+        return None if required is None else int(required)
 
     # -- trainers ------------------------------------------------------------------------------
 

@@ -3,7 +3,8 @@
 On a break (connection error, malformed event, stale epoch, retired worker) the request waits up
 to ``resume_wait_s`` seconds for its slot's replacement and resumes there with prompt + every
 token generated so far; if the slot is unhealthy or the wait runs out, it goes to the healthy
-slot with the fewest outstanding requests.  Tokens reach the client through ``emit``, which is
+slot with the fewest outstanding requests.  A stream cut because its slot is held out (weight
+version) resumes at once on a current slot, waiting up to ``resume_wait_s`` for one.  Tokens reach the client through ``emit``, which is
 synchronous, so fencing check, journal append and emit happen with no await in between.
 """
 
@@ -104,6 +105,12 @@ class Dispatcher:
                 except WorkerStreamError:
                     record.num_resumes += 1
                     self.metrics.num_resumes += 1
+                    if worker.held_out and not worker.retired:  # not its fault: its version is old
+                        self.metrics.num_version_resumes += 1
+                        worker = await self._wait(
+                            self.registry.wait_for_any(frozenset(excluded), self.resume_wait_s)
+                        )
+                        continue
                     excluded.add(worker.key)
                     worker = await self._next_worker(worker, frozenset(excluded))
                     continue
@@ -140,7 +147,8 @@ class Dispatcher:
             except (httpx.HTTPError, OSError, anyio.BrokenResourceError) as error:
                 raise WorkerStreamError(f"stream from {worker.url} broke: {error!r}") from error
         if scope.cancelled_caught or finish is None:
-            raise WorkerStreamError(f"worker {worker.url} (slot {worker.slot}) was retired mid-stream")
+            why = "held out (weight version)" if worker.held_out and not worker.retired else "retired"
+            raise WorkerStreamError(f"worker {worker.url} (slot {worker.slot}) was {why} mid-stream")
         return finish
 
     async def _stream(
@@ -188,11 +196,15 @@ class Dispatcher:
         self, worker: Worker, line: bytes, record: RequestRecord, emit: Emit, num_received: int
     ) -> str | None:
         event = parse_worker_event(line)
-        if worker.retired or event.epoch != worker.epoch:
-            self.metrics.num_stale_events += 1
+        if worker.retired or worker.held_out or event.epoch != worker.epoch:
+            if worker.retired or event.epoch != worker.epoch:
+                self.metrics.num_stale_events += 1
+            state = (
+                " (retired)" if worker.retired else " (held out: weight version)" if worker.held_out else ""
+            )
             raise WorkerStreamError(
                 f"event of epoch {event.epoch} from {worker.url}; slot {worker.slot} expects epoch "
-                f"{worker.epoch}{' (retired)' if worker.retired else ''}"
+                f"{worker.epoch}{state}"
             )
         if isinstance(event, WorkerFinish):
             return event.finish_reason

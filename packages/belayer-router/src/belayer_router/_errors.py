@@ -14,6 +14,7 @@ __all__ = [
     "StaleEpochError",
     "TokenizerError",
     "UnauthorizedError",
+    "WeightVersionError",
     "WorkerStreamError",
 ]
 
@@ -53,6 +54,12 @@ class NotFoundError(BelayerRouterError):
 
 class StaleEpochError(BelayerRouterError):
     """A registration, unregistration or stream from an older epoch than the slot's (fencing)."""
+
+    status = 409
+
+
+class WeightVersionError(BelayerRouterError):
+    """A weight version that goes backwards (a slot's committed version, or the required one)."""
 
     status = 409
 

@@ -24,7 +24,7 @@ import anyio
 import attrs
 
 from belayer_router._client import Completion, RouterClient
-from belayer_router._errors import InvalidRequestError
+from belayer_router._errors import BelayerRouterError, InvalidRequestError
 from belayer_router._protocol import FinishEvent, TokenEvent
 
 __all__ = ["RouterFleet", "owner_index"]
@@ -47,7 +47,8 @@ class RouterFleet:
     """A client of several routers: requests go to their owner, registrations go to every router.
 
     Use as ``async with RouterFleet([url0, url1, ...], admin_token=...) as fleet:``.  Workers
-    register with every router (`register`, `unregister`, `mark_unhealthy` are broadcast);
+    register with every router (`register`, `unregister`, `mark_unhealthy` and the weight-version
+    calls are broadcast);
     trainers call `generate` / `generate_stream` / the context calls as on one `RouterClient`.
     """
 
@@ -85,9 +86,19 @@ class RouterFleet:
         return self.clients[owner_index(self.router_urls, key)]
 
     async def _broadcast(self, call: Callable[[RouterClient], Coroutine[Any, Any, None]]) -> None:
-        async with anyio.create_task_group() as group:
-            for client in self.clients:
-                group.start_soon(call, client)
+        """Make the call on every router; a refusal raises the first router's error (typed)."""
+        try:
+            async with anyio.create_task_group() as group:
+                for client in self.clients:
+                    group.start_soon(call, client)
+        except ExceptionGroup as errors:
+            matched, _rest = errors.split(BelayerRouterError)
+            if matched is None:
+                raise
+            first = matched.exceptions[0]
+            while isinstance(first, ExceptionGroup):
+                first = first.exceptions[0]
+            raise first from errors
 
     # -- workers: every router has its own registry -----------------------------------------
 
@@ -102,6 +113,14 @@ class RouterFleet:
     async def mark_unhealthy(self, slot: str) -> None:
         """Mark the slot unhealthy on every router."""
         await self._broadcast(lambda client: client.mark_unhealthy(slot))
+
+    async def report_weight_version(self, slot: str, version: int) -> None:
+        """Record the slot's committed weight version on every router (`RouterClient.report_weight_version`)."""
+        await self._broadcast(lambda client: client.report_weight_version(slot, version))
+
+    async def require_weight_version(self, version: int) -> None:
+        """Require the weight version on every router (see `RouterClient.require_weight_version`)."""
+        await self._broadcast(lambda client: client.require_weight_version(version))
 
     # -- trainers: each request on its owner --------------------------------------------------
 

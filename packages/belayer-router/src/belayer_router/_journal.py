@@ -173,7 +173,8 @@ class Journal:
             self._write({"op": "drop_trajectory", "trajectory_id": trajectory_id})
 
     def record_admin(self, op: dict[str, Any]) -> None:
-        """Persist a registry change (``register``, ``unregister``, ``unhealthy``) for `load`."""
+        """Persist a registry change (``register``, ``unregister``, ``unhealthy``, ``slot_version``,
+        ``require_version``) for `load`."""
         self._write(op)
 
     def load(self) -> list[dict[str, Any]]:
@@ -185,7 +186,7 @@ class Journal:
         if self.store is None:
             return admin_ops
         for op in self.store.read():
-            if op["op"] in ("register", "unregister", "unhealthy"):
+            if op["op"] in ("register", "unregister", "unhealthy", "slot_version", "require_version"):
                 admin_ops.append(op)
                 continue
             try:

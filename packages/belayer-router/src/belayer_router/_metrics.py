@@ -19,6 +19,7 @@ class Metrics:
     num_resumes: int = 0
     num_tokens_regenerated: int = 0
     num_stale_events: int = 0
+    num_version_resumes: int = 0
     num_in_flight: int = 0
     num_waiting: int = 0
 
@@ -58,6 +59,19 @@ class Metrics:
             "Worker events refused because of a stale epoch.",
             [("", self.num_stale_events)],
         )
+        metric(
+            "version_resumes_total",
+            "counter",
+            "Streams cut because their slot's weight version was not the required one, resumed.",
+            [("", self.num_version_resumes)],
+        )
+        if registry.required_version is not None:
+            metric(
+                "required_weight_version",
+                "gauge",
+                "The weight version new tokens must come from.",
+                [("", registry.required_version)],
+            )
         metric("requests_in_flight", "gauge", "Requests being served.", [("", self.num_in_flight)])
         metric(
             "requests_waiting",
@@ -83,5 +97,11 @@ class Metrics:
             "gauge",
             "Highest epoch registered per slot.",
             [(f'{{slot="{s.name}"}}', s.max_epoch) for s in slots],
+        )
+        metric(
+            "slot_weight_version",
+            "gauge",
+            "Committed weight version per slot (slots that reported one).",
+            [(f'{{slot="{s.name}"}}', s.weight_version) for s in slots if s.weight_version is not None],
         )
         return "\n".join(lines) + "\n"

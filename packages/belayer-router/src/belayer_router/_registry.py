@@ -1,8 +1,13 @@
-"""Engine slots, worker epochs (fencing), slot health and least-outstanding routing.
+"""Engine slots, worker epochs (fencing), slot health, weight versions and least-outstanding routing.
 
 Pure bookkeeping on the event loop: no I/O.  A worker is *retired* the moment a newer epoch
 registers for its slot, it is unregistered, or its slot is marked unhealthy; retiring cancels
 every stream the router is reading from it, so nothing it sends afterwards reaches a client.
+
+The weight-version gate: once a version is required (`Registry.require_version`), a slot whose
+committed version (`Registry.set_slot_version`) is another one is *held out*: its worker's
+streams are cut like a retired worker's (the requests resume elsewhere), and it gets no request
+until it reports the required version; then it is back in rotation, same worker, same epoch.
 """
 
 from __future__ import annotations
@@ -15,7 +20,12 @@ from typing import Any
 import anyio
 import attrs
 
-from belayer_router._errors import InvalidRequestError, NotFoundError, StaleEpochError
+from belayer_router._errors import (
+    InvalidRequestError,
+    NotFoundError,
+    StaleEpochError,
+    WeightVersionError,
+)
 
 __all__ = ["Registry", "Slot", "Worker"]
 
@@ -28,6 +38,7 @@ class Worker:
     url: str
     epoch: int
     retired: bool = False
+    held_out: bool = False  # its slot's weight version is not the required one (for now)
     scopes: set[anyio.CancelScope] = attrs.field(factory=set, repr=False)
 
     @property
@@ -46,6 +57,12 @@ class Slot:
     healthy: bool = True
     num_outstanding: int = 0
     num_assigned: int = 0
+    weight_version: int | None = None  # the committed weight version it last reported
+
+
+def _check_version(version: int) -> None:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise InvalidRequestError(f"a weight version must be a non-negative integer, got {version!r}")
 
 
 _SLOT_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
@@ -63,6 +80,7 @@ class Registry:
 
     slots: dict[str, Slot] = attrs.field(factory=dict)
     num_handovers: int = 0
+    required_version: int | None = None  # None: no gate, every healthy slot serves
     _changed: anyio.Event | None = attrs.field(default=None, alias="_changed")
 
     def _notify(self) -> None:
@@ -74,6 +92,53 @@ class Registry:
         worker.retired = True
         for scope in worker.scopes:
             scope.cancel()
+
+    def _behind(self, state: Slot) -> bool:
+        return self.required_version is not None and state.weight_version != self.required_version
+
+    def _gate(self, state: Slot) -> None:
+        """Hold the slot's worker out (cutting its streams) or bring it back, per its version."""
+        worker = state.worker
+        if worker is None:
+            return
+        worker.held_out = self._behind(state)
+        if worker.held_out:
+            for scope in worker.scopes:
+                scope.cancel()
+
+    def set_slot_version(self, slot: str, version: int) -> None:
+        """Record the weight version the slot has committed (and serves new requests with).
+
+        Reporting the same version again is a no-op.  Raise `NotFoundError` for an unknown slot
+        and `WeightVersionError` for a version below the one it reported before.
+        """
+        state = self._slot(slot)
+        _check_version(version)
+        if state.weight_version is not None and version < state.weight_version:
+            raise WeightVersionError(
+                f"slot {slot!r} has reported weight version {state.weight_version}; a slot's version "
+                f"only moves forward (got {version}); register a restarted engine on a new slot"
+            )
+        state.weight_version = version
+        self._gate(state)
+        self._notify()
+
+    def require_version(self, version: int) -> None:
+        """Serve only from slots whose committed version is ``version`` (the step's version).
+
+        Slots with another version are held out at once, streams included, until they report
+        it.  Requiring the same version again is a no-op; a lower one raises `WeightVersionError`.
+        """
+        _check_version(version)
+        if self.required_version is not None and version < self.required_version:
+            raise WeightVersionError(
+                f"the router already requires weight version {self.required_version}; the required "
+                f"version only moves forward (got {version})"
+            )
+        self.required_version = version
+        for state in self.slots.values():
+            self._gate(state)
+        self._notify()
 
     def register(self, slot: str, url: str, epoch: int) -> Worker:
         """Make ``url`` the slot's worker at ``epoch``; a lower-epoch worker is retired.
@@ -99,6 +164,7 @@ class Registry:
             self.num_handovers += 1
         state.worker = Worker(slot, url, epoch)
         state.max_epoch = epoch
+        self._gate(state)
         self._notify()
         return state.worker
 
@@ -143,7 +209,7 @@ class Registry:
         best: Slot | None = None
         for state in self.slots.values():
             worker = state.worker
-            if worker is None or not state.healthy or worker.key in exclude:
+            if worker is None or not state.healthy or worker.held_out or worker.key in exclude:
                 continue
             if best is None or (state.num_outstanding, state.num_assigned) < (
                 best.num_outstanding,
@@ -166,15 +232,17 @@ class Registry:
     async def wait_for_replacement(self, slot: str, after_epoch: int, max_wait: float) -> Worker | None:
         """Wait up to ``max_wait`` s for ``slot`` to get a worker newer than ``after_epoch``.
 
-        Return None at once when the slot is unhealthy, or when the wait runs out.
+        Return None at once when the slot is unhealthy, or when the wait runs out; a replacement
+        that is held out (weight version) is waited for until it is current.
         """
         deadline = anyio.current_time() + max_wait
         while True:
             state = self.slots.get(slot)
             if state is None or not state.healthy:
                 return None
-            if state.worker is not None and state.worker.epoch > after_epoch:
-                return state.worker
+            worker = state.worker
+            if worker is not None and worker.epoch > after_epoch and not worker.held_out:
+                return worker
             if not await self._wait_change(deadline):
                 return None
 
@@ -191,7 +259,7 @@ class Registry:
         """Count one outstanding stream on ``worker``; the scope is cancelled if it is retired."""
         state = self.slots[worker.slot]
         scope = anyio.CancelScope()
-        if worker.retired:
+        if worker.retired or worker.held_out:
             scope.cancel()
         worker.scopes.add(scope)
         state.num_outstanding += 1
@@ -212,6 +280,8 @@ class Registry:
                 "max_epoch": s.max_epoch,
                 "healthy": s.healthy,
                 "num_outstanding": s.num_outstanding,
+                "weight_version": s.weight_version,
+                "current": not self._behind(s),
             }
             for s in self.slots.values()
         ]
