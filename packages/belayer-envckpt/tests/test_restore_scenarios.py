@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import uuid
+from pathlib import Path
+
+import belayer_envckpt._engine as engine_module
 from belayer_envckpt import CheckpointStore, full_checkpoint, full_restore
 
 SNAPSHOT = "find /work -exec ls -ld {} + | awk '{print $1, $3, $4, $5, $NF}' | sort; find /work -type f | sort | xargs md5sum"
@@ -19,6 +23,26 @@ def test_same_checkpoint_restores_twice(make_sandbox, track, engine, tmp_path):
     assert first.exec(SNAPSHOT).stdout == state == second.exec(SNAPSHOT).stdout
     first.exec("echo changed > /work/f")  # the two restored containers are independent
     assert second.exec("cat /work/f").stdout == "one\n"
+
+
+def test_a_restore_leaves_no_copy_of_the_images_behind(make_sandbox, track, engine, tmp_path, monkeypatch):
+    # containerd copies the images into a ctrd-checkpoint* temp folder per restore and keeps it;
+    # the restore's id (a file in the copy) is fixed here to find ours among other restores' copies.
+    known = uuid.UUID("0123456789abcdef0123456789abcdef")
+    monkeypatch.setattr(engine_module.uuid, "uuid4", lambda: known)
+    sandbox = make_sandbox(trajectory="copies")
+    sandbox.exec("echo one > /work/f")
+    ckpt = full_checkpoint(sandbox, "copies", store=CheckpointStore(tmp_path))
+    sandbox.kill()
+    restored = track(full_restore(ckpt, engine=engine))
+    assert restored.exec("cat /work/f").stdout == "one\n"
+    ours = [
+        folder
+        for folder in Path("/tmp").glob("ctrd-checkpoint*")
+        if (folder / "belayer-restore-id").is_file()
+        and (folder / "belayer-restore-id").read_text() == known.hex[:8]
+    ]
+    assert ours == []
 
 
 def test_failure_after_more_actions_returns_to_prefix_k(make_sandbox, track, engine, tmp_path):

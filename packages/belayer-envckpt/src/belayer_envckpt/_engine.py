@@ -7,6 +7,7 @@ translated there into a belayer-envckpt error.
 from __future__ import annotations
 
 import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -295,6 +296,24 @@ class Engine:
             self._call(resp, "start from checkpoint")
         finally:
             shutil.rmtree(target, ignore_errors=True)
+            self._remove_restore_copies(restore_id)
+
+    def _remove_restore_copies(self, restore_id: str) -> None:
+        """Remove the copy of the images the engine made for this restore.
+
+        containerd copies the checkpoint into a ``ctrd-checkpoint*`` temp folder to restore from
+        and leaves it there: one copy of the images per restore (tens of MB for a Python sandbox),
+        which fills a long run's disk.  Ours are the ones holding this restore's id; the restore has
+        finished (or failed) by now, so nothing reads them any more.
+        """
+        roots = {Path("/tmp"), Path(tempfile.gettempdir())}
+        for root in roots:
+            for folder in root.glob("ctrd-checkpoint*"):
+                try:
+                    if (folder / "belayer-restore-id").read_text() == restore_id:
+                        shutil.rmtree(folder, ignore_errors=True)
+                except OSError:
+                    continue
 
     def _call(self, response: Any, what: str) -> None:
         if response.status_code >= 400:
