@@ -1,8 +1,8 @@
 """belayer-cluster on a real local Ray cluster of simulated nodes: placement, handover, node loss.
 
-One Ray cluster (3 nodes of 1 CPU), one driver-owned router, two slots and a sandbox host per node
-are shared by the module; the tests run in file order: the node-loss test removes a node, the
-tests after it run on what is left.
+The session's Ray cluster (at least 3 live nodes of 1 CPU, conftest.py), the module's
+driver-owned router, two slots and a sandbox host per node; the tests run in file order: the
+node-loss test removes a node, the tests after it run on what is left.
 """
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,57 +18,12 @@ import ray
 from cluster_helpers import PROMPTS, TOKEN, ancestors, gone, rollout, wait_until
 from cluster_helpers import Rollout as Streams
 
-from belayer_cluster import DriverRouter, LocalClusterConfig, LocalRayCluster, RolloutCluster, SandboxCluster
+from belayer_cluster import DriverRouter, LocalRayCluster, RolloutCluster, SandboxCluster
 
 pytestmark = pytest.mark.timeout(300)
 MAX_TOKENS = 160
-
-
-@pytest.fixture(scope="module")
-def local_ray() -> Iterator[LocalRayCluster]:
-    with LocalRayCluster(LocalClusterConfig(num_nodes=3, cpus_per_node=1)) as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="module")
-def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("shared")
-
-
-@pytest.fixture(scope="module")
-def router(shared_dir: Path) -> Iterator[DriverRouter]:
-    with DriverRouter(shared_dir / "router.jsonl", admin_token=TOKEN) as driver_router:
-        yield driver_router
-
-
-@pytest.fixture(scope="module")
-def sandboxes(local_ray: LocalRayCluster, shared_dir: Path) -> Iterator[SandboxCluster]:
-    hosts = SandboxCluster(shared_dir)
-    hosts.start()
-    try:
-        yield hosts
-    finally:
-        hosts.stop()
-        assert hosts.containers() == []
-
-
-@pytest.fixture(scope="module")
-def slots(
-    local_ray: LocalRayCluster, router: DriverRouter, shared_dir: Path, sandboxes: SandboxCluster
-) -> Iterator[RolloutCluster]:
-    cluster = RolloutCluster(
-        ["a", "b"],
-        router_url=router.url,
-        shared_dir=shared_dir,
-        admin_token=TOKEN,
-        slot_options={"num_kv_blocks": 256, "stale_s": 5.0},  # a loaded machine is no hang
-        sandboxes=sandboxes,
-    )
-    cluster.start()
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
+SLOT_OPTIONS = {"num_kv_blocks": 256, "stale_s": 5.0}  # a loaded machine is no hang
+WITH_SANDBOXES = True
 
 
 @pytest.fixture(scope="module")
@@ -88,10 +41,13 @@ def _pids(slots: RolloutCluster, slot: str) -> dict[str, int]:
 
 def test_status_lists_every_node_alive(local_ray: LocalRayCluster) -> None:
     code, report = _status(local_ray)
-    assert code == 0, report
-    assert report["num_dead"] == 0
-    assert set(local_ray.node_ids) <= {n["node_id"] for n in report["nodes"]}
-    assert len(report["nodes"]) == 4  # the head (0 CPUs) and 3 nodes
+    removed = set(local_ray.removed_node_ids)  # by a module before, if any (the cluster is shared)
+    assert code == (3 if removed else 0), report
+    alive = {n["node_id"] for n in report["nodes"] if n["alive"]}
+    assert {n["node_id"] for n in report["nodes"] if not n["alive"]} == removed
+    assert report["num_dead"] == len(removed)
+    assert set(local_ray.node_ids) <= alive
+    assert len(alive) == len(local_ray.node_ids) + 1  # the head (0 CPUs) and the live nodes
 
 
 def test_each_slot_lands_on_one_node_named_in_its_sockets(
@@ -220,11 +176,13 @@ def test_status_reports_the_lost_node_and_exits_unhealthy(
     local_ray: LocalRayCluster, slots: RolloutCluster
 ) -> None:
     # the loss may have been seen first by the worker probe: Ray's node table follows
-    wait_until(lambda: _status(local_ray)[0] == 3, 120, "Ray to declare the node dead")
+    removed = local_ray.removed_node_ids  # b's node, and any a module before removed
+    assert slots.infos["b"].node_id in removed
+    wait_until(lambda: _status(local_ray)[1]["num_dead"] == len(removed), 120, "Ray to declare the node dead")
     code, report = _status(local_ray)
     assert code == 3, report
-    assert report["num_dead"] == 1
-    dead = [n["node_id"] for n in report["nodes"] if not n["alive"]]
-    assert dead == [slots.infos["b"].node_id]
+    assert report["num_dead"] == len(removed)
+    dead = {n["node_id"] for n in report["nodes"] if not n["alive"]}
+    assert dead == set(removed)
     alive = {n["node_id"] for n in report["nodes"] if n["alive"]}
     assert set(local_ray.node_ids) <= alive

@@ -1,8 +1,8 @@
 """Weight sync on a real local Ray cluster (issue 22): agents, gloo groups, real slots and router.
 
-One Ray cluster of 3 nodes (1 CPU each), one router, slots "a" and "b" on two nodes and a spare
-node whose agent has a weight server of its own. The tests run in file order and build on each
-other: an update, a handover between updates, a stale node fenced and a new slot that starts from
+The session's Ray cluster (at least 3 live nodes of 1 CPU, conftest.py), the module's router,
+slots "a" and "b" on two nodes and a spare node whose agent has a weight server of its own. The
+tests run in file order and build on each other: an update, a handover between updates, a stale node fenced and a new slot that starts from
 the current version, a node lost mid-update, a replacement node added (a real new Ray node)
 whose slot serves only once it holds the trainer's version.
 """
@@ -22,7 +22,6 @@ from cluster_helpers import PROMPTS, TOKEN, gone, rollout, wait_until
 
 from belayer_cluster import (
     DriverRouter,
-    LocalClusterConfig,
     LocalRayCluster,
     RolloutCluster,
     WeightSync,
@@ -33,35 +32,6 @@ from belayer_cluster import (
 pytestmark = pytest.mark.timeout(300)
 MAX_TOKENS = 24
 SLOT_OPTIONS = {"num_kv_blocks": 128, "stale_s": 5.0}  # a loaded machine is no hang
-
-
-@pytest.fixture(scope="module")
-def local_ray() -> Iterator[LocalRayCluster]:
-    with LocalRayCluster(LocalClusterConfig(num_nodes=3, cpus_per_node=1)) as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="module")
-def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("shared")
-
-
-@pytest.fixture(scope="module")
-def router(shared_dir: Path) -> Iterator[DriverRouter]:
-    with DriverRouter(shared_dir / "router.jsonl", admin_token=TOKEN) as driver_router:
-        yield driver_router
-
-
-@pytest.fixture(scope="module")
-def slots(local_ray: LocalRayCluster, router: DriverRouter, shared_dir: Path) -> Iterator[RolloutCluster]:
-    cluster = RolloutCluster(
-        ["a", "b"], router_url=router.url, shared_dir=shared_dir, admin_token=TOKEN, slot_options=SLOT_OPTIONS
-    )
-    cluster.start()
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ class LocalRayCluster:
         self.config = config or LocalClusterConfig()
         self._cluster: Cluster | None = None
         self._nodes: dict[str, Any] = {}  # node id (hex) -> ray's node handle, in start order
+        self._removed: list[str] = []  # node ids removed by remove_node, in order
         self._session_dir: Path | None = None
 
     @property
@@ -41,6 +42,11 @@ class LocalRayCluster:
     def node_ids(self) -> list[str]:
         """The simulated worker nodes still in the cluster, in start order (hex ids)."""
         return list(self._nodes)
+
+    @property
+    def removed_node_ids(self) -> list[str]:
+        """The nodes lost through `remove_node`, in order (Ray lists them as dead)."""
+        return list(self._removed)
 
     def start(self) -> LocalRayCluster:
         """Start the head and the nodes, wait until Ray sees them all, connect this process."""
@@ -106,6 +112,7 @@ class LocalRayCluster:
         """
         raylet = self.raylet_pid(node_id)
         node = self._nodes.pop(node_id)
+        self._removed.append(node_id)
         for pid in _children(raylet):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -119,6 +126,7 @@ class LocalRayCluster:
             self._cluster.shutdown()  # type: ignore[no-untyped-call]
             self._cluster = None
         self._nodes.clear()
+        self._removed.clear()
         if self._session_dir is not None:
             shutil.rmtree(self._session_dir, ignore_errors=True)
             self._session_dir = None
