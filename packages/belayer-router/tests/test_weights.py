@@ -110,6 +110,34 @@ async def test_a_stream_on_a_slot_that_falls_behind_moves_to_a_current_slot() ->
         assert app.metrics.num_stale_events == 0
 
 
+async def test_a_cut_stream_comes_back_to_its_own_slot_once_it_is_current_again() -> None:
+    """The only slot moves ahead mid-stream (cut), then the step follows: the same worker resumes it."""
+    async with (
+        running_router(RouterConfig(admin_token=TOKEN, resume_wait_s=60)) as (url, app),
+        running_worker(1, pause_at=5) as (w_url, worker),
+        RouterClient(url, admin_token=TOKEN) as client,
+    ):
+        await client.register("s", w_url, 1)
+        await client.report_weight_version("s", 1)
+        await client.require_weight_version(1)
+        result = []
+
+        async def generate() -> None:
+            result.append(await client.generate([9], 12, seed=3, request_id="back"))
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(generate)
+            await wait_until(lambda: worker.num_paused == 1)
+            await client.report_weight_version("s", 2)  # ahead of the step: held out, stream cut
+            await client.require_weight_version(2)  # the step follows: current again
+            worker.resume()
+        assert result[0].token_ids == expected_tokens(3, 12)
+        assert result[0].num_resumes == 1
+        runs = [len(r["generated_token_ids"]) for r in worker.requests if r["request_id"] == "back"]
+        assert runs == [0, 5]  # not fenced: the same worker (epoch 1) continued it
+        assert app.metrics.num_version_resumes == 1
+
+
 async def test_a_request_waits_for_a_current_slot_and_fails_clearly_without_one() -> None:
     async with (
         running_router(RouterConfig(admin_token=TOKEN, resume_wait_s=60)) as (url, app),

@@ -100,12 +100,14 @@ class Dispatcher:
                 break
             reason = self._natural_finish(record)
             if reason is None:
+                cuts = worker.num_version_cuts
                 try:
                     reason = await self._attempt(worker, record, emit, num_received)
                 except WorkerStreamError:
                     record.num_resumes += 1
                     self.metrics.num_resumes += 1
-                    if worker.held_out and not worker.retired:  # not its fault: its version is old
+                    held_out = worker.held_out or worker.num_version_cuts != cuts
+                    if held_out and not worker.retired:  # not the worker's fault: its version
                         self.metrics.num_version_resumes += 1
                         worker = await self._wait(
                             self.registry.wait_for_any(frozenset(excluded), self.resume_wait_s)

@@ -39,6 +39,7 @@ class Worker:
     epoch: int
     retired: bool = False
     held_out: bool = False  # its slot's weight version is not the required one (for now)
+    num_version_cuts: int = 0  # times its streams were cut for that
     scopes: set[anyio.CancelScope] = attrs.field(factory=set, repr=False)
 
     @property
@@ -102,7 +103,8 @@ class Registry:
         if worker is None:
             return
         worker.held_out = self._behind(state)
-        if worker.held_out:
+        if worker.held_out and worker.scopes:
+            worker.num_version_cuts += 1
             for scope in worker.scopes:
                 scope.cancel()
 
