@@ -11,6 +11,7 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
+from router_helpers import ADMIN_TOKEN, StartRouter
 
 from belayer_router import (
     FinishEvent,
@@ -223,6 +224,34 @@ async def test_the_gate_survives_a_router_restart_on_its_journal(tmp_path: Path)
             assert b.requests == []
             with pytest.raises(RouterClientError):
                 await client.require_weight_version(4)  # the replayed gate still only moves forward
+
+
+async def test_a_router_process_sigkilled_and_restarted_keeps_the_gate(
+    tmp_path: Path, router_process: StartRouter
+) -> None:
+    journal = tmp_path / "router.jsonl"
+    router, url = await router_process(journal)
+    async with running_worker(1) as (a_url, a), running_worker(1) as (b_url, b):
+        async with RouterClient(url, admin_token=ADMIN_TOKEN) as client:
+            await client.register("a", a_url, 1)
+            await client.register("b", b_url, 1)
+            await client.report_weight_version("a", 3)
+            await client.report_weight_version("b", 2)
+            await client.require_weight_version(3)
+        router.kill()  # SIGKILL: what the journal has is all there is
+        await router.wait()
+        await router_process(journal, int(url.rsplit(":", 1)[1]))
+        async with RouterClient(url, admin_token=ADMIN_TOKEN) as client:
+            assert await client.required_weight_version() == 3
+            assert _slots(await client.workers()) == {"a": (3, True), "b": (2, False)}
+            for seed in range(4):
+                completion = await client.generate([2], 5, seed=seed)
+                assert completion.token_ids == expected_tokens(seed, 5)
+            assert b.requests == []
+            assert len(a.requests) == 4
+            await client.report_weight_version("b", 3)
+            await client.generate([2], 5, seed=9)
+            assert len(b.requests) == 1  # back in rotation: fewer assigned than a
 
 
 async def test_a_fleet_reports_and_requires_on_every_router() -> None:
