@@ -66,10 +66,25 @@ def greedy(router: DriverRouter) -> list[list[int]]:
     return rollout(router.url, PROMPTS, MAX_TOKENS).tokens
 
 
-def slot_states(router: DriverRouter) -> dict[str, dict[str, object]]:
+def workers(router: DriverRouter) -> dict[str, object]:
     reply = httpx.get(f"{router.url}/workers", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
     reply.raise_for_status()
-    return {s["slot"]: s for s in reply.json()["slots"]}
+    found: dict[str, object] = reply.json()
+    return found
+
+
+def slot_states(router: DriverRouter) -> dict[str, dict[str, object]]:
+    return {s["slot"]: s for s in workers(router)["slots"]}  # type: ignore[attr-defined]
+
+
+def required_version(router: DriverRouter) -> object:
+    return workers(router)["required_version"]
+
+
+def serving(router: DriverRouter) -> list[str]:
+    """The slots in rotation: healthy, registered, at the required version."""
+    states = slot_states(router).items()
+    return sorted(slot for slot, s in states if s["healthy"] and s["url"] is not None and s["current"])
 
 
 def test_update_reaches_every_node(sync: WeightSync, router: DriverRouter, slots: RolloutCluster) -> None:
@@ -82,6 +97,12 @@ def test_update_reaches_every_node(sync: WeightSync, router: DriverRouter, slots
     # read back from every weight server's live slot, not just what the agents said
     assert {value for values in sync.verify().values() for value in values} == {result.checksum}
     assert all(len(report.server_versions) == 1 for report in result.nodes)
+    # the router's gate: version 1 required, both slots reported at it
+    assert required_version(router) == 1
+    assert {slot: (s["weight_version"], s["current"]) for slot, s in slot_states(router).items()} == {
+        "a": (1, True),
+        "b": (1, True),
+    }
     after = greedy(router)
     assert after != before, "the slots still serve the old weights after the update"
     status = sync.status()
@@ -112,7 +133,7 @@ def test_handover_needs_no_group_change(sync: WeightSync, slots: RolloutCluster)
     assert {value for values in sync.verify().values() for value in values} == {result.checksum}
 
 
-def test_stale_node_is_fenced_and_a_new_slot_starts_current(
+def test_a_lagging_node_is_held_out_until_it_rejoins_current(
     sync: WeightSync, router: DriverRouter, slots: RolloutCluster, shared_dir: Path, spare: str
 ) -> None:
     node_b = slots.infos["b"].node_id
@@ -129,10 +150,12 @@ def test_stale_node_is_fenced_and_a_new_slot_starts_current(
     assert node_b not in sync.members
     assert {report.checksum for report in result.nodes} == {result.checksum}
     wait_until(lambda: gone(agent_pid), 60, "the hung agent killed")
-    assert "main" in ray.get(slots.hosts["b"].pids.remote(), timeout=60)  # alive, stale: fenced
+    assert "main" in ray.get(slots.hosts["b"].pids.remote(), timeout=60)  # alive, stale: held out
     states = slot_states(router)
-    assert states["b"]["healthy"] is False
-    assert states["a"]["healthy"] is True
+    assert required_version(router) == 3
+    assert (states["b"]["healthy"], states["b"]["weight_version"], states["b"]["current"]) == (True, 2, False)
+    assert (states["a"]["weight_version"], states["a"]["current"]) == (3, True)
+    assert serving(router) == ["a"]
     served = greedy(router)  # the step moved on: only version 3 may answer
 
     # a new slot on the spare node starts from the version its agent committed, then serves
@@ -161,17 +184,26 @@ def test_stale_node_is_fenced_and_a_new_slot_starts_current(
     sync.detach(spare, [info.run_dir / "mem" / "weights.sock"], ["c"])
     assert sync.members[spare].slots == ()
 
+    # b's node rejoins through a fresh rendezvous with its slot's weight server: it receives version
+    # 3 in full, and its slot, held out until now, is back in rotation (it was never fenced)
+    spare_generation = sync.members[spare].generation
+    joined = sync.add_node(node_b, sockets=[slots.infos["b"].run_dir / "mem" / "weights.sock"], slots=["b"])
+    assert (joined.version, joined.checksum) == (3, result.checksum)
+    assert joined.generation > spare_generation
+    assert sync.verify()[node_b] == [result.checksum]
+    states = slot_states(router)
+    assert (states["b"]["healthy"], states["b"]["weight_version"], states["b"]["current"]) == (True, 3, True)
+    assert serving(router) == ["b"]  # a fenced above, c stopped: b alone serves, at version 3
+    assert greedy(router) == served, "slot b came back with another version than 3"
 
-def test_node_lost_mid_update_and_a_node_rejoins(
-    sync: WeightSync, local_ray: LocalRayCluster, slots: RolloutCluster, shared_dir: Path, spare: str
+
+def test_a_node_lost_mid_update_is_dropped_and_the_others_commit(
+    sync: WeightSync, local_ray: LocalRayCluster, router: DriverRouter, slots: RolloutCluster, spare: str
 ) -> None:
     node_a, node_b = slots.infos["a"].node_id, slots.infos["b"].node_id
     spare_generation = sync.members[spare].generation
-    # b's node lives on (its agent was dropped): it rejoins through a fresh rendezvous, in full
-    joined = sync.add_node(node_b, serve_dir=shared_dir / "agents" / f"{node_b[:12]}-rejoin")
-    assert joined.version == sync.version == 3
-    assert joined.checksum == sync.checksum
-    assert joined.generation > spare_generation
+    assert sync.version == 3
+    assert node_b in sync.members  # rejoined in the test before
 
     def lose_a(node_id: str, index: int) -> None:
         if node_id == node_a and index == 0:
@@ -185,6 +217,8 @@ def test_node_lost_mid_update_and_a_node_rejoins(
     assert sync.members[spare].generation == spare_generation  # the others' groups stay
     assert {value for values in sync.verify().values() for value in values} == {result.checksum}
     assert set(sync.status()["dropped"]) == {node_a}
+    assert required_version(router) == 4
+    assert serving(router) == ["b"]  # a was fenced (and is lost), b's slot got version 4
 
 
 def test_a_replacement_node_joins_in_full_and_its_slot_serves_only_the_current_version(
@@ -217,16 +251,20 @@ def test_a_replacement_node_joins_in_full_and_its_slot_serves_only_the_current_v
         assert sync.verify()[new] == [sync.checksum, sync.checksum]
         assert {node: m.generation for node, m in sync.members.items() if node != new} == generations
         states = slot_states(router)
-        assert states["d"]["healthy"] is True
-        serving = [name for name, state in states.items() if state["healthy"] and state["url"] is not None]
-        assert serving == ["d"]  # a was lost, b fenced, c stopped
-        at_v4 = greedy(router)  # served by d alone, at version 4
+        assert (states["d"]["healthy"], states["d"]["weight_version"], states["d"]["current"]) == (
+            True,
+            4,
+            True,
+        )
+        assert serving(router) == ["b", "d"]  # a was lost, c stopped; b and d at version 4
+        at_v4 = greedy(router)  # served by b and d, at version 4
         assert all(len(tokens) == MAX_TOKENS for tokens in at_v4)
         result = sync.update(weights(sync, 5))  # the next update reaches the new node like any other
         assert new in {report.node_id for report in result.nodes}
         assert {report.checksum for report in result.nodes} == {result.checksum}
         assert {value for values in sync.verify().values() for value in values} == {result.checksum}
-        assert greedy(router) != at_v4, "slot d still serves version 4 after the update"
+        assert greedy(router) != at_v4, "slots b and d still serve version 4 after the update"
+        assert serving(router) == ["b", "d"]
         assert sync.status()["nodes"][-1] == {
             "node_id": new,
             "generation": member.generation,

@@ -3,9 +3,10 @@
 A node that joins (a replacement machine, or a lost one restarted) first joins the `WeightSync`
 through a fresh rendezvous and commits the current version in full on its agent's own weight
 server. Its new slot then starts from that committed version (written on the node, checksum equal
-to the trainer's), so the slot's engine never loads another version before it registers with the
-router; once it runs, its weight server's live checksum is checked against the trainer's, and a
-slot that does not hold it is taken out of the router's rotation (`WeightSyncError`).
+to the trainer's), so the slot's engine never loads another version. Once the sync has required a
+version, the router holds the registered slot out of rotation until `attach` has checked its weight
+server's live checksum against the trainer's and reported its version; a slot that does not hold
+it is taken out of the router's rotation for good (`WeightSyncError`).
 """
 
 from __future__ import annotations

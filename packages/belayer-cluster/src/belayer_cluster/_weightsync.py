@@ -5,8 +5,9 @@ two-member gloo group with the trainer, formed through a fresh TCP rendezvous (a
 per group generation. An update sends the packed version over every node's group at once (one
 thread per node), each agent commits it with its checksum, and the trainer checks every checksum
 against its own. The groups are independent: a node lost mid-update breaks only its own group, so
-the others finish without waiting for a timeout, and the lost node is dropped (its agent killed,
-its slots marked unhealthy at the router before `update` returns: the stale-version barrier).
+the others finish without waiting for a timeout, and the lost node is dropped (its agent killed).
+Before `update` returns, the router requires the new version (its weight-version gate: the
+stale-version barrier): a dropped node's slots are held out until the node rejoins current.
 A handover inside a node touches none of this: the agent and its group stay.
 """
 
@@ -34,6 +35,8 @@ from belayer_cluster._weightsync_link import (
     call,
     connect,
     fence,
+    report_versions,
+    require_version,
     send_all,
 )
 from belayer_cluster._weightsync_pack import checksum, pack
@@ -48,8 +51,13 @@ class WeightSync:
     Call it from one thread, between rollouts: `add_node`, `update`, `attach`, `drop_node`.
     `timeout_s` bounds every rendezvous and every transfer (each collective carries it, and the
     trainer waits no longer for a node's commit); a node that does not answer is named and dropped.
-    With `router_url`, a dropped node's slots are marked unhealthy at the router before `update`
-    returns, so no request is served by an old version after the step moved on.
+    With `router_url`, the router's weight-version gate is the stale-version barrier: every slot
+    of a node that committed version V is reported at V, and before `update` returns the router
+    requires V, so no request is served by an old version after the step moved on. A slot that
+    lags (its node dropped: hung, failed, dead) is held out of rotation, not fenced: when its node
+    rejoins (`add_node` with the slot's weight server) and commits the current version it is
+    reported and serves again. A slot attached with another version than the current one is
+    fenced (marked unhealthy) for good.
     """
 
     def __init__(
@@ -144,6 +152,8 @@ class WeightSync:
             }
             self.members[node_id] = member
             self.dropped.pop(node_id, None)
+            if self._flat is not None:  # its slots hold the current version now: back in rotation
+                report_versions(self.router_url, self.admin_token, member.slots, self.version)
             return WeightReport(node_id, member.generation, member.version, member.checksum)
 
     def attach(self, node_id: str, sockets: Sequence[str | Path], slots: Sequence[str] = ()) -> list[str]:
@@ -163,6 +173,8 @@ class WeightSync:
                     f"({self.checksum}); start a slot from write_weights_file(...)"
                 )
             member.slots += tuple(slots)
+            if self.version > 0:  # at the current version: it may serve (held out until then)
+                report_versions(self.router_url, self.admin_token, slots, self.version)
             return found
 
     def detach(self, node_id: str, sockets: Sequence[str | Path], slots: Sequence[str] = ()) -> None:
@@ -183,7 +195,8 @@ class WeightSync:
             return written
 
     def drop_node(self, node_id: str, reason: str = "dropped by the caller") -> None:
-        """Remove a node: its agent is killed and its slots are marked unhealthy at the router."""
+        """Remove a node: its agent is killed; its slots keep serving while their version is the
+        current one and are held out by the router from the next update on (until it rejoins)."""
         with self._lock:
             self._drop(self._member(node_id), reason)
 
@@ -209,6 +222,12 @@ class WeightSync:
             reports, reasons = self._send_all(list(self.members.values()), version, flat, after_chunk)
             for node_id, reason in reasons.items():
                 self._drop(self.members[node_id], reason)
+            for report in reports:
+                report_versions(
+                    self.router_url, self.admin_token, self.members[report.node_id].slots, version
+                )
+            # the barrier: from here on only slots at `version` serve, the dropped ones are held out
+            require_version(self.router_url, self.admin_token, version)
             self.num_updates += 1
             self.last_update_s = time.monotonic() - start
             if not reports:
@@ -330,7 +349,6 @@ class WeightSync:
         self.dropped[member.node_id] = reason
         member.group = None
         ray.kill(member.agent, no_restart=True)
-        self._fence(member.slots)
 
     def _fence(self, slots: Sequence[str]) -> None:
         fence(self.router_url, self.admin_token, slots)

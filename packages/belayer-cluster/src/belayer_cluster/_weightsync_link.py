@@ -2,8 +2,10 @@
 
 Every node has its own two-member gloo group with the trainer (rank 0), so one node's failure
 breaks only its own transfer; `send_all` runs one send thread per node and waits for each agent's
-commit (or its failure, or the deadline), never longer. `fence` takes slots out of the router's
-rotation through belayer-router's public admin API.
+commit (or its failure, or the deadline), never longer. Through belayer-router's public admin
+API, `report_versions` records the version a node's slots committed, `require_version` lets only
+slots at the step's version serve (the router's weight-version gate: a slot behind is held out
+until it reports the version), and `fence` takes slots out of rotation for good.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ __all__ = [
     "call",
     "connect",
     "fence",
+    "report_versions",
+    "require_version",
     "send_all",
 ]
 
@@ -229,3 +233,49 @@ def fence(router_url: str | None, admin_token: str | None, slots: Sequence[str])
                     f"the router refused to take stale slot {slot!r} out of rotation ({reply.status_code}): "
                     "check the admin token; do not start the next rollout"
                 )
+
+
+def _admin_post(router_url: str, admin_token: str | None, path: str, body: dict[str, Any], what: str) -> bool:
+    """POST to the router's admin API; False for 404 (an unknown slot), WeightSyncError otherwise."""
+    headers = {} if admin_token is None else {"Authorization": f"Bearer {admin_token}"}
+    try:
+        reply = httpx.post(f"{router_url}{path}", json=body, headers=headers, timeout=30.0)
+    except httpx.TransportError as exc:
+        raise WeightSyncError(
+            f"could not {what} at the router: {exc}; do not start the next rollout until the router is back"
+        ) from exc
+    if reply.status_code == 404:
+        return False
+    if reply.status_code != 200:
+        raise WeightSyncError(
+            f"the router refused to {what} ({reply.status_code}: {reply.text[:200]}); check the admin "
+            "token and that versions only move forward; do not start the next rollout"
+        )
+    return True
+
+
+def report_versions(
+    router_url: str | None, admin_token: str | None, slots: Sequence[str], version: int
+) -> None:
+    """Tell the router that `slots` committed weight version `version` (a slot it does not know,
+    never registered, is skipped: it serves nothing)."""
+    if router_url is None:
+        return
+    for slot in slots:
+        _admin_post(
+            router_url,
+            admin_token,
+            f"/slots/{slot}/weights",
+            {"version": version},
+            f"record slot {slot!r}'s version",
+        )
+
+
+def require_version(router_url: str | None, admin_token: str | None, version: int) -> None:
+    """From now on the router serves new requests only on slots at `version`; the others are held
+    out (their streams resume on a current slot) until they report it."""
+    if router_url is None:
+        return
+    _admin_post(
+        router_url, admin_token, "/weights/required", {"version": version}, f"require version {version}"
+    )
