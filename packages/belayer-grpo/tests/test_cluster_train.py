@@ -1,18 +1,23 @@
 """Training on Ray (belayer-cluster): a local cluster of 2 simulated nodes, one of them removed
 mid-rollout; the run continues on the slot that is left and its report says what the loss cost.
-Every weight update goes through belayer-cluster's WeightSync: checksums equal on every live node."""
+Every weight update goes through belayer-cluster's WeightSync: checksums equal on every live node.
+`cluster.address` joins an existing cluster: a Ray head started outside the run."""
 
 from __future__ import annotations
 
 import io
 import json
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import anyio
 import pytest
 
+from belayer_cluster.testing import RayHead
 from belayer_grpo._config import load_config
-from belayer_grpo._errors import GrpoConfigError
+from belayer_grpo._errors import GrpoConfigError, SystemStartError
 from belayer_grpo._run import run_training
 
 pytestmark = pytest.mark.e2e
@@ -110,6 +115,54 @@ def test_a_lost_node_is_replaced_and_its_replacement_serves_the_current_weights(
     assert max(m["logprob_gap"] for m in metrics) < 1e-3
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert {tuple(node["slots"]) for node in report["weights"]["nodes"]} == {("slot0",), ("slot1-r",)}
+
+
+def _math_config(tmp_path: Path, *overrides: str) -> list[str]:
+    return [
+        "data.workload='math'",
+        f"system.run_dir={str(tmp_path / 'run')!r}",
+        "model.warmup_steps=5",
+        "system.num_slots=2",
+        "system.checkpoint_every=0",
+        "chaos.kill_worker_at_steps=[]",
+        "logging.progress=false",
+        *overrides,
+    ]
+
+
+def test_a_run_joins_an_existing_cluster_by_address_and_leaves_it_running(tmp_path: Path) -> None:
+    with RayHead(num_cpus=2) as head:  # an operator's cluster: `ray start --head`, outside the run
+        config = load_config(
+            None, _math_config(tmp_path, "algorithm.steps=1", f"cluster.address={head.address!r}")
+        )
+        out = io.StringIO()
+        summary = anyio.run(lambda: run_training(config, stream=out))
+        assert summary["status"] == "completed", out.getvalue()
+        metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        assert [m["step"] for m in metrics] == [1]
+        assert [m["healthy_slots"] for m in metrics] == [2]
+        assert [m["weights_version"] for m in metrics] == [1]
+        # both slots on the head, its only node: one agent, both slots' weight servers at version 1
+        report = json.loads((tmp_path / "run" / "report.json").read_text())
+        (node,) = report["weights"]["nodes"]
+        assert (node["slots"], node["version"], node["current"]) == (["slot0", "slot1"], 1, True)
+        assert max(m["logprob_gap"] for m in metrics) < 1e-3
+        # the run left; the cluster it joined did not
+        assert head.alive()
+        argv = [sys.executable, "-m", "belayer_cluster", "status", "--address", head.address, "--json"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, done.stderr
+        assert [n["alive"] for n in json.loads(done.stdout)["nodes"]] == [True]
+    assert head.processes() == []
+
+
+def test_an_address_where_no_cluster_answers_fails_the_start_and_names_it(tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    config = load_config(None, _math_config(tmp_path, "algorithm.steps=1", f"cluster.address={address!r}"))
+    with pytest.raises(SystemStartError, match=f"no Ray cluster answers at {address}"):
+        anyio.run(lambda: run_training(config, stream=io.StringIO()))
 
 
 def test_kill_node_needs_a_local_cluster_of_two_nodes() -> None:

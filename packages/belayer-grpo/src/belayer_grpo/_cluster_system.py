@@ -95,7 +95,8 @@ class ClusterWeights:
     The same face as the single-machine `WeightSync.push` (returns the weight servers' versions),
     plus `metrics()` and `status()`: the sync's version and checksum and every node's. A push first
     waits for a node removal under way to be handled, then drops the lost nodes from the sync; a
-    node that dies or hangs during the update is dropped by the update itself (its slots fenced).
+    node that dies or hangs during the update is dropped by the update itself (the update ends with
+    the router requiring the new version, so that node's slots are held out until current again).
     """
 
     def __init__(self, sync: WeightSync, rollout: RolloutCluster, sockets: LiveSockets) -> None:
