@@ -125,6 +125,10 @@ def test_parameters_are_views_of_the_weight_server(engine: VllmEngine) -> None:
     assert "model.layers.0.mlp.gate_up_proj.weight" in ptrs
     outside = [name for name, ptr in ptrs.items() if not start <= ptr < end]
     assert outside == []
+    # On the CPU every linear layer computes with vLLM's packed copy of its view (the default).
+    packed = engine.packed_layers()
+    assert "model.layers.0.self_attn.qkv_proj" in packed
+    assert "model.layers.0.mlp.down_proj" in packed
 
 
 def test_kv_cache_moves_onto_the_kv_server_arena_at_the_first_request(engine: VllmEngine) -> None:

@@ -21,24 +21,15 @@ from anyio.from_thread import start_blocking_portal
 
 pytest.importorskip("vllm")
 
+from vllm_helpers import CONFIG, TOKEN, builtin_greedy, cpu_seconds, gone, started_slot, vllm_slot_config
+
 from belayer_gpumem import WeightClient
 from belayer_router import RouterApp, RouterClient, RouterConfig, TokenEvent, running_router
-from belayer_shadow import (
-    LLMEngine,
-    ModelConfig,
-    SamplingParams,
-    SlotConfig,
-    SlotSupervisor,
-    allocate_kv_arena,
-    fill_weight_server,
-    init_weights,
-)
+from belayer_shadow import SlotSupervisor, fill_weight_server, init_weights
 from belayer_shadow._engine._model import stacked_view
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(900)]
 
-TOKEN = "test-admin-token"
-CONFIG = ModelConfig.default()
 PROMPTS = [[10 + i, 20 + 3 * i, 30, 40 + i, 50] for i in range(4)]
 MAX_TOKENS = 128
 
@@ -64,25 +55,15 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
             running_router(RouterConfig(admin_token=TOKEN, resume_wait_s=120.0))
         )
         with router as (url, app):
-            config = SlotConfig(
-                slot="s0",
-                router_url=url,
-                run_dir=run_dir,
-                admin_token=TOKEN,
-                engine="vllm",
-                num_kv_blocks=256,  # 31 of vLLM's 128-position blocks: every request runs at once
+            config = vllm_slot_config(
+                url,
+                run_dir,
                 max_num_seqs=8,
                 stale_s=5.0,  # a hang is 5 s without a heartbeat (a loaded machine's steps stay far below)
                 failure_window_s=3600.0,  # the last test's second failure counts whatever the load
-                start_timeout_s=900.0,
             )
-            slot = SlotSupervisor(config)
-            slot.start()
-            try:
-                slot.wait_protected(900.0)
+            with started_slot(config) as slot:
                 yield Running(url, app, slot)
-            finally:
-                slot.stop()
 
 
 async def stream_all(
@@ -108,33 +89,6 @@ async def stream_all(
 
 def tokens_of(results: list[list[tuple[int, int, float]]]) -> list[list[int]]:
     return [[token for _, token, _ in result] for result in results]
-
-
-def builtin_greedy(seed: int, max_tokens: int) -> list[list[int]]:
-    """The built-in engine's greedy outputs on the seeded weights (the same model, another engine)."""
-    engine = LLMEngine(CONFIG, init_weights(CONFIG, seed), allocate_kv_arena(CONFIG, 64, 16))
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
-    outputs: list[list[int]] = [[] for _ in PROMPTS]
-    while engine.has_unfinished():
-        for out in engine.step():
-            outputs[int(out.request_id)].append(out.token_id)
-    return outputs
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, all its threads (vLLM starts a few)."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(") ", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(") ", 1)[1].startswith("Z")
-    except FileNotFoundError:
-        return True
 
 
 def test_the_slot_weight_server_holds_fused_parts_back_to_back(running: Running) -> None:
@@ -170,12 +124,12 @@ async def test_weight_update_is_served_at_the_next_request_and_logprobs_match_th
     running: Running,
 ) -> None:
     before = await stream_all(running.url, 16)
-    assert tokens_of(before) == builtin_greedy(0, 16)
+    assert tokens_of(before) == builtin_greedy(PROMPTS, 16, seed=0)
     new_weights = init_weights(CONFIG, 1)
     version = await anyio.to_thread.run_sync(fill_weight_server, running.slot.weights_socket, new_weights)
     assert version >= 2
     after = await stream_all(running.url, 16)
-    assert tokens_of(after) == builtin_greedy(1, 16)
+    assert tokens_of(after) == builtin_greedy(PROMPTS, 16, seed=1)
     assert tokens_of(after) != tokens_of(before)
     # The logprob check: the trainer's torch model (transformers) on the new weights scores
     # the tokens the vLLM main served.

@@ -13,20 +13,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from vllm_helpers import TOKEN, builtin_greedy, gone, running_slot, vllm_slot_config
+
 from belayer_router import RouterClient, RouterConfig, TokenEvent, running_router
-from belayer_shadow import (
-    LLMEngine,
-    ModelConfig,
-    SamplingParams,
-    SlotConfig,
-    SlotSupervisor,
-    allocate_kv_arena,
-    init_weights,
-)
 
 pytestmark = pytest.mark.anyio
 
-TOKEN = "test-admin-token"
 NUM_REQUESTS, MAX_TOKENS = 16, 32
 PROMPTS = [[(13 * i + 7 * j) % 256 for j in range(4 + i % 5)] for i in range(NUM_REQUESTS)]
 
@@ -36,89 +28,46 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def builtin_greedy() -> list[list[int]]:
-    """The failure-free greedy outputs, from the built-in engine on the slot's seeded weights."""
-    config = ModelConfig.default()
-    engine = LLMEngine(config, init_weights(config, seed=0), allocate_kv_arena(config, 256, 16))
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
-    outputs: list[list[int]] = [[] for _ in PROMPTS]
-    while engine.has_unfinished():
-        for out in engine.step():
-            outputs[int(out.request_id)].append(out.token_id)
-    return outputs
-
-
-def _process_group_members(pgid: int) -> list[int]:
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid:  # fields after the name: state, ppid, pgrp, ...
-            members.append(int(stat.parent.name))
-    return members
-
-
-def _gone(pid: int) -> bool:
-    """The process and every member of its process group (the worker leads its own) are gone."""
-    return not Path(f"/proc/{pid}").exists() and _process_group_members(pid) == []
-
-
 async def test_sigkill_of_the_vllm_main_mid_generation_shadow_resumes_every_request_exactly(
     tmp_path: Path,
 ) -> None:
-    async with running_router(RouterConfig(admin_token=TOKEN, resume_wait_s=120.0)) as (url, app):
-        config = SlotConfig(
-            slot="s0",
-            router_url=url,
-            run_dir=tmp_path / "slot",
-            admin_token=TOKEN,
-            engine="vllm",
-            num_kv_blocks=256,  # 4096 positions: 31 of vLLM's 128-position blocks, one per request
-            max_num_seqs=NUM_REQUESTS,
-            start_timeout_s=900.0,
-        )
-        slot = SlotSupervisor(config)
-        await anyio.to_thread.run_sync(slot.start)
-        try:
-            await anyio.to_thread.run_sync(lambda: slot.wait_protected(900.0))
-            tokens: list[list[int]] = [[] for _ in PROMPTS]
-            indices: list[list[int]] = [[] for _ in PROMPTS]
-            resumes = [0 for _ in PROMPTS]
-            async with RouterClient(url) as client:
+    async with (
+        running_router(RouterConfig(admin_token=TOKEN, resume_wait_s=120.0)) as (url, app),
+        running_slot(vllm_slot_config(url, tmp_path / "slot", max_num_seqs=NUM_REQUESTS)) as slot,
+    ):
+        tokens: list[list[int]] = [[] for _ in PROMPTS]
+        indices: list[list[int]] = [[] for _ in PROMPTS]
+        resumes = [0 for _ in PROMPTS]
+        async with RouterClient(url) as client:
 
-                async def one(i: int) -> None:
-                    stream = client.generate_stream(PROMPTS[i], MAX_TOKENS, temperature=0.0, seed=i)
-                    async for event in stream:
-                        if isinstance(event, TokenEvent):
-                            tokens[i].append(event.token_id)
-                            indices[i].append(event.index)
-                        else:
-                            resumes[i] = event.num_resumes
+            async def one(i: int) -> None:
+                stream = client.generate_stream(PROMPTS[i], MAX_TOKENS, temperature=0.0, seed=i)
+                async for event in stream:
+                    if isinstance(event, TokenEvent):
+                        tokens[i].append(event.token_id)
+                        indices[i].append(event.index)
+                    else:
+                        resumes[i] = event.num_resumes
 
-                old_main = slot.main
-                assert old_main is not None
-                async with anyio.create_task_group() as group:
-                    for i in range(NUM_REQUESTS):
-                        group.start_soon(one, i)
-                    with anyio.fail_after(300):
-                        while min(len(t) for t in tokens) < 4:  # noqa: ASYNC110 (no event to wait on)
-                            await anyio.sleep(0.005)
-                    assert max(len(t) for t in tokens) < MAX_TOKENS  # really mid-generation
-                    slot.kill_main(signal.SIGKILL)
-            assert tokens == builtin_greedy()
-            for got in indices:
-                assert got == list(range(MAX_TOKENS))  # nothing lost, nothing repeated
-            assert all(r >= 1 for r in resumes)
-            assert app.metrics.num_tokens_regenerated == 0
-            await anyio.to_thread.run_sync(slot.wait_handovers, 1)
-            events = [e["event"] for e in slot.events()]
-            for step in ("handover.detect", "handover.health_check", "handover.flush", "handover.register"):
-                assert step in events
-            # Nothing of the old worker is left: vLLM ran inside it (no engine-core process).
-            assert _gone(old_main.pid)
-            assert app.registry.slots["s0"].max_epoch == 2
-        finally:
-            await anyio.to_thread.run_sync(slot.stop)
+            old_main = slot.main
+            assert old_main is not None
+            async with anyio.create_task_group() as group:
+                for i in range(NUM_REQUESTS):
+                    group.start_soon(one, i)
+                with anyio.fail_after(300):
+                    while min(len(t) for t in tokens) < 4:  # noqa: ASYNC110 (no event to wait on)
+                        await anyio.sleep(0.005)
+                assert max(len(t) for t in tokens) < MAX_TOKENS  # really mid-generation
+                slot.kill_main(signal.SIGKILL)
+        assert tokens == builtin_greedy(PROMPTS, MAX_TOKENS)
+        for got in indices:
+            assert got == list(range(MAX_TOKENS))  # nothing lost, nothing repeated
+        assert all(r >= 1 for r in resumes)
+        assert app.metrics.num_tokens_regenerated == 0
+        await anyio.to_thread.run_sync(slot.wait_handovers, 1)
+        events = [e["event"] for e in slot.events()]
+        for step in ("handover.detect", "handover.health_check", "handover.flush", "handover.register"):
+            assert step in events
+        # Nothing of the old worker is left: vLLM ran inside it (no engine-core process).
+        assert gone(old_main.pid)
+        assert app.registry.slots["s0"].max_epoch == 2

@@ -2,9 +2,10 @@
 
 One process: vLLM's engine core and its executor run in this process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the `uni` executor), so killing the worker kills vLLM with
-it and nothing is left behind. Parameters are views of the weight server (`_loader`); with a KV
-socket the KV cache is laid on the KV server's arena (`_kv`), else it is vLLM's own
-(`kv_cache_bytes` per process).
+it and nothing is left behind. Parameters are views of the weight server (`_loader`); on the CPU
+each linear layer computes with vLLM's packed copy of its view unless `packed=False` (`_loader`
+says why and what it costs); with a KV socket the KV cache is laid on the KV server's arena
+(`_kv`), else it is vLLM's own (`kv_cache_bytes` per process).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from belayer_shadow._vllm._loader import (
     LOAD_FORMAT,
     attached_client,
     copied_params,
+    packed_layers,
     point_params,
     register_loader,
 )
@@ -91,8 +93,12 @@ class VllmEngine:
         kv_cache_bytes: int = 512 * 1024 * 1024,
         num_threads: int = 1,
         kv_socket: str | Path | None = None,
+        packed: bool = True,
     ) -> None:
         self.config = config
+        # On the CPU: linear layers compute with vLLM's packed copies of the views (re-made at
+        # each weight update) when True, on the views themselves (F.linear, zero copy) when False.
+        self.packed = packed
         self.device = torch.device("cpu")
         self.max_model_len = min(
             max_model_len or config.max_position_embeddings, config.max_position_embeddings
@@ -129,6 +135,7 @@ class VllmEngine:
             max_model_len=self.max_model_len,
             kv_cache_bytes=kv_cache_bytes,
             num_threads=num_threads,
+            packed=packed,
         )
         self.weight_client = attached_client(self._socket)
         # Parameters vLLM holds as private copies (fused parts not back to back at the server).
@@ -256,7 +263,7 @@ class VllmEngine:
         changed = self.weight_client.refresh()
         if changed:
             tensors = self.weight_client.tensors()
-            self._engine.apply_model(lambda model: point_params(model, tensors))
+            self._engine.apply_model(lambda model: point_params(model, tensors, packed=self.packed))
             self._engine.reset_prefix_cache()
         return changed
 
@@ -281,6 +288,12 @@ class VllmEngine:
         arena = self.kv_client.arena
         self._engine.collective_rpc(lambda worker: bind_arena(worker.model_runner, arena))
         self.kv_bound = True
+
+    def packed_layers(self) -> list[str]:
+        """The linear layers computing with a packed copy of their weight (empty with `packed=False`
+        or on a GPU); their parameters stay views of the weight server."""
+        (names,) = self._engine.apply_model(packed_layers)
+        return list(names)
 
     def kv_cache_pointers(self) -> list[int]:
         """The data pointers of vLLM's per-layer KV cache tensors (for checks)."""
@@ -309,7 +322,7 @@ def _finish_reason(reason: str | None) -> str:
     return "stop" if reason == "stop" else "length"
 
 
-def _start_engine(folder: Path, socket_path: str, *, num_threads: int, **kwargs: Any) -> Any:
+def _start_engine(folder: Path, socket_path: str, *, num_threads: int, packed: bool, **kwargs: Any) -> Any:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # share the cores; we set the threads
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -329,7 +342,7 @@ def _start_engine(folder: Path, socket_path: str, *, num_threads: int, **kwargs:
         dtype=kwargs["dtype"],
         enforce_eager=True,
         load_format=LOAD_FORMAT,
-        model_loader_extra_config={"weights_socket": socket_path},
+        model_loader_extra_config={"weights_socket": socket_path, "packed": packed},
         max_num_seqs=kwargs["max_num_seqs"],
         max_num_batched_tokens=max(kwargs["max_num_batched_tokens"], kwargs["max_model_len"]),
         max_model_len=kwargs["max_model_len"],

@@ -5,12 +5,14 @@ comes in `model_loader_extra_config={"weights_socket": PATH}`. vLLM fuses q/k/v 
 and gate/up into `gate_up_proj`: the weight server's table packs those parts back to back (see
 `weight_layout`), so the fused parameter is one strided view over them, zero copy.
 
-On the CPU, vLLM's own load path repacks every linear weight into a oneDNN blocked copy after
-loading (`dispatch_cpu_unquantized_gemm`) and drops the original. That copy would leave the
-server's memory behind, so after vLLM's processing the loader points each linear layer back at
-its view and routes it through `torch.nn.functional.linear`. The repack still runs once at load
-(a one-off copy of every linear weight, freed right after); while serving nothing is copied.
-On a GPU no repack happens and the views are used as they are.
+On the CPU, vLLM computes every linear layer (qkv, o, gate_up, down, LM head) with a packed copy
+of its weight (oneDNN's blocked layout, `dispatch_cpu_unquantized_gemm`): a plain row-major
+matmul on the view is 1.3-3x slower at decode batch sizes (the kernel re-packs the weight on
+every call). The parameters always stay views of the server; with `packed=True` (the default of
+`VllmEngine`) each linear layer computes with a packed copy made from its view, at load and again
+at every weight update (memory: one copy of the linear weights per worker; time: see
+`bench_vllm_repack.py`). With `packed=False` the layers compute on the views themselves through
+`torch.nn.functional.linear`: zero copy, slower. On a GPU nothing is packed: the views are used.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ __all__ = [
     "LOAD_FORMAT",
     "attached_client",
     "copied_params",
+    "packed_layers",
     "param_views",
     "point_params",
     "register_loader",
@@ -124,11 +127,13 @@ def _linear_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
-def point_params(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> list[str]:
+def point_params(model: nn.Module, tensors: Mapping[str, torch.Tensor], *, packed: bool = True) -> list[str]:
     """Make every parameter of `model` a view of `tensors` (the server's); returns the names that
     had to be copied instead (fused parts not back to back in the server's table).
 
-    Also used for a weight update: the same modules re-pointed at the new version's views.
+    Each CPU linear layer then computes with a packed copy of its view (vLLM's own kernel choice)
+    when `packed`, else on the view itself (`F.linear`). Also used for a weight update: the same
+    modules re-pointed at the new version's views (and packed again).
     """
     views = param_views(model, tensors)
     regions = {t.untyped_storage().data_ptr() for t in tensors.values()}
@@ -141,8 +146,23 @@ def point_params(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> list[
         # empty placeholder, and `.data =` on a tied parameter would move both names at once.
         setattr(module, leaf, nn.Parameter(view, requires_grad=False))
     for _, module in _linear_modules(model):
-        vars(module)["cpu_linear"] = F.linear  # the oneDNN packed copy is dropped with its closure
+        # The previous packed copy (held by the old `cpu_linear` closure) is dropped here.
+        vars(module)["cpu_linear"] = F.linear
+        if packed and module.weight.device.type == "cpu":
+            _pack(module)
     return copied
+
+
+def packed_layers(model: nn.Module) -> list[str]:
+    """The linear layers of `model` that compute with a packed copy (not `F.linear` on the view)."""
+    return [name for name, module in _linear_modules(model) if vars(module).get("cpu_linear") is not F.linear]
+
+
+def _pack(module: nn.Module) -> None:
+    """vLLM's CPU kernel for `module` over a packed copy of its weight; the weight stays the view."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
 def _register() -> type[Any]:
@@ -182,7 +202,9 @@ def _register() -> type[Any]:
 
         def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> nn.Module:
             model: nn.Module = super().load_model(vllm_config, model_config, prefix)
-            _COPIED[:] = point_params(model, _CLIENTS[self._socket()].tensors())
+            extra = self.load_config.model_loader_extra_config or {}
+            packed = bool(extra.get("packed", True))
+            _COPIED[:] = point_params(model, _CLIENTS[self._socket()].tensors(), packed=packed)
             return model
 
     register_model_loader(LOAD_FORMAT)(BelayerWeightLoader)
