@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import random
 from typing import Any, cast
 
 import pytest
+import torch
 
 from belayer_envckpt import ExecResult, Sandbox
 from belayer_grpo._agentic import (
@@ -17,38 +20,72 @@ from belayer_grpo._agentic import (
 )
 from belayer_grpo._agentic.context import render_prompt
 from belayer_grpo._agentic.environment import repository_hash
+from belayer_grpo._agentic.tooluse import LAZY_DEMONSTRATION_P, tooluse_demonstration, tooluse_transcript
 from belayer_grpo._errors import SandboxCommandError
 
 
 def test_tasks_are_seeded_and_the_held_out_split_is_disjoint() -> None:
-    train, held = generate_tooluse_tasks(3, held_out=20)
-    assert (len(train), len(held)) == (80, 20)
-    assert generate_tooluse_tasks(3, held_out=20) == (train, held)
-    assert generate_tooluse_tasks(4, held_out=20)[1] != held
+    train, held = generate_tooluse_tasks(3, held_out=40)
+    assert (len(train), len(held)) == (960, 40)
+    assert generate_tooluse_tasks(3, held_out=40) == (train, held)
+    assert generate_tooluse_tasks(4, held_out=40)[1] != held
     assert not {t.instance_id for t in train} & {t.instance_id for t in held}
-    assert sorted(t.value for t in train + held) == list(range(100))
+    assert sorted(t.value for t in train + held) == list(range(1000))
     task = held[0]
-    assert render_prompt(task).startswith(f"Save {task.value:02d} to file a")
+    assert render_prompt(task).startswith(f"Save {task.value:03d} to file a")
+
+
+def test_the_warmup_demonstrator_often_answers_without_reading_and_earns_nothing_then() -> None:
+    rng = random.Random(0)
+    task = ToolUseTask("tool-042", 42)
+    transcripts = [tooluse_demonstration(task, rng) for _ in range(2000)]
+    lazy = [t for t in transcripts if len(t) == 2]
+    assert abs(len(lazy) / len(transcripts) - LAZY_DEMONSTRATION_P) < 0.05
+    assert all(t == tooluse_transcript(task) for t in transcripts if len(t) != 2)
+    # What the two kinds of transcript earn: the lazy answer is right, but was never read back.
+    for transcript, reward in ((lazy[0], 0.0), (tooluse_transcript(task), 1.0)):
+        observations = [o for _, o in transcript if o is not None]
+        answer = parse_action(transcript[-1][0])
+        assert isinstance(answer, Answer)
+        assert answer.text == "042"
+        assert task.score(answer.text, observations) == reward
+
+
+def test_the_supervised_warmups_share_one_loop_that_learns() -> None:
+    from belayer_grpo._config import load_config
+    from belayer_grpo._model import build_policy, build_tokenizer, engine_model_config
+    from belayer_grpo._swe import action_warmup, tooluse_warmup
+
+    torch.set_num_threads(1)
+    config = load_config(None, ["model.hidden_size=32", "model.intermediate_size=64"])
+    tokenizer = build_tokenizer(config.model, "tooluse")
+    train = generate_tooluse_tasks(0, held_out=40)[0]
+    for warmup in (tooluse_warmup, functools.partial(action_warmup, max_rounds=3)):
+        model = build_policy(engine_model_config(config.model, tokenizer), seed=0)
+        losses = warmup(model, tokenizer, train, steps=40, learning_rate=3e-3, batch_size=4, seed=0)
+        assert len(losses) == 40
+        assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
+        assert not model.training
 
 
 def test_the_answer_must_follow_from_what_the_sandbox_really_returned() -> None:
-    task = ToolUseTask("tool-07", 7)
-    stored = ToolObservation("echo 07 > a", 0, "")
-    read = ToolObservation("cat a", 0, "07\n")
-    assert task.answer == "07"
-    assert task.score("07", [stored, read]) == 1.0
-    assert task.score("08", [stored, read]) == 0.0
+    task = ToolUseTask("tool-007", 7)
+    stored = ToolObservation("echo 007 > a", 0, "")
+    read = ToolObservation("cat a", 0, "007\n")
+    assert task.answer == "007"
+    assert task.score("007", [stored, read]) == 1.0
+    assert task.score("008", [stored, read]) == 0.0
     assert task.score(None, [stored, read]) == 0.0
     # Right from the prompt, but never read back from the sandbox: no reward.
-    assert task.score("07", [stored]) == 0.0
-    assert task.score("07", [stored, ToolObservation("echo 07", 0, "07\n")]) == 0.0
+    assert task.score("007", [stored]) == 0.0
+    assert task.score("007", [stored, ToolObservation("echo 007", 0, "007\n")]) == 0.0
     # The state was lost (a sandbox restarted from its image): the read fails, whatever the answer.
     lost = ToolObservation("cat a", 1, "cat: can't open 'a': No such file or directory\n")
-    assert task.score("07", [stored, lost]) == 0.0
+    assert task.score("007", [stored, lost]) == 0.0
     assert task.score("", [stored, lost]) == 0.0
     # A wrong value stored and read back consistently is still wrong.
-    wrong = [ToolObservation("echo 03 > a", 0, ""), ToolObservation("cat a", 0, "03\n")]
-    assert task.score("03", wrong) == 0.0
+    wrong = [ToolObservation("echo 003 > a", 0, ""), ToolObservation("cat a", 0, "003\n")]
+    assert task.score("003", wrong) == 0.0
 
 
 def test_answer_lines_end_the_episode_and_actions_win_over_them() -> None:

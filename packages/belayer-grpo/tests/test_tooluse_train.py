@@ -1,8 +1,10 @@
 """`belayer-grpo train` on its default, the agentic tool-use workload, end to end with fewer steps:
 the real router, engine slot (main and shadow worker), Docker + CRIU sandboxes reused through the
 pool, the adaptive checkpoint policy and the GRPO trainer, while sandboxes are killed (p = 0.05 per
-action, seeded: about 13 kills in 8 steps) and the main worker is killed mid-rollout.  The policy acts (stores, reads back, answers right often); every
-sandbox failure is recovered prefix-consistently; the report, the plot and the logs are there; nothing is left.
+action, seeded: about 13 kills in 8 steps) and the main worker is killed mid-rollout.  The policy
+acts and learns (it learns to read the stored value back from the sandbox: the sampled reward
+rises); every sandbox failure is recovered prefix-consistently; the report, the plot and the logs
+are there; nothing is left.
 """
 
 from __future__ import annotations
@@ -43,13 +45,15 @@ def test_the_default_agentic_run_acts_through_sandbox_and_worker_kills_and_leave
     assert report["workload"] == "tooluse"
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
-    # The policy acts in the sandboxes: held-out greedy accuracy is measured before and after, and
-    # the sampled trajectories store, read back and answer right often (the warm-up starts it near
-    # 35-55%).  That GRPO raises the held-out accuracy within a few steps is NOT asserted: in the
-    # measured 20-step run it rose 35% -> 40%, within the noise of 20 tasks.
-    assert 0.0 <= report["eval_accuracy_before"] <= 1.0
-    assert 0.0 <= report["eval_accuracy_after"] <= 1.0
-    assert sum(m["reward_mean"] for m in metrics) / len(metrics) > 0.2, log
+    # The policy learns.  The warm-up imitates a demonstrator that mostly answers without reading
+    # the file back (no reward), so the sampled reward starts low (0.06-0.25 over steps 1-3 in the
+    # measured runs); GRPO learns to read the sandbox state, and by steps 6-8 it is 0.3-0.6.  The
+    # held-out greedy accuracy rises later (0% -> 80-100% after 20 steps on two seeds, in
+    # benchmarks/train-tooluse): 8 steps are too few to assert it robustly, so here it is only
+    # measured.
+    rewards = [m["reward_mean"] for m in metrics]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
+    assert 0.0 <= report["eval_accuracy_before"] <= report["eval_accuracy_after"] <= 1.0, log
 
     # Sandboxes failed and every recovery put environment and context back on the same prefix.
     env = report["env"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from belayer_grpo._agentic import (
     summarize,
     to_samples,
 )
-from belayer_grpo._agentic.tooluse import ToolUseTask, generate_tooluse_tasks, tooluse_transcript
+from belayer_grpo._agentic.tooluse import ToolUseTask, generate_tooluse_tasks, tooluse_demonstration
 from belayer_grpo._chaos import WorkerChaos
 from belayer_grpo._config import Config
 from belayer_grpo._data import PolicyTokenizer
@@ -56,6 +56,7 @@ __all__ = [
     "open_pool",
     "run_swe_rollout",
     "run_tag",
+    "supervised_loop",
     "tooluse_warmup",
 ]
 
@@ -146,6 +147,35 @@ def _warmup_example(
     return context, target
 
 
+def supervised_loop(
+    model: torch.nn.Module,
+    make_example: Callable[[random.Random], tuple[list[int], list[int]]],
+    *,
+    steps: int,
+    learning_rate: float,
+    batch_size: int,
+    seed: int,
+) -> list[float]:
+    """Supervised steps on ``(context, target)`` token examples: each step draws ``batch_size``
+    examples with ``make_example(rng)`` (``rng`` seeded by ``seed``) and minimises the mean
+    negative log-likelihood of the targets.  The model is left in eval mode.  Returns the losses."""
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        examples = [make_example(rng) for _ in range(batch_size)]
+        batch = pack([c for c, _ in examples], [t for _, t in examples])
+        logprobs, mask = completion_logprobs(model, batch, [len(t) for _, t in examples])
+        loss = -(logprobs * mask).sum() / mask.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+    return losses
+
+
 def action_warmup(
     model: torch.nn.Module,
     tokenizer: PolicyTokenizer,
@@ -161,27 +191,16 @@ def action_warmup(
     model takes environment steps: after the prompt, or after 1 to ``max_rounds - 1`` earlier
     rounds with their observations, it answers with one of `WARMUP_COMMANDS`.  Returns the losses.
     """
-    rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
-    model.train()
-    losses = []
-    for _ in range(steps):
-        examples = [_warmup_example(rng, tokenizer, rng.choice(tasks), max_rounds) for _ in range(batch_size)]
-        batch = pack([c for c, _ in examples], [t for _, t in examples])
-        logprobs, mask = completion_logprobs(model, batch, [len(t) for _, t in examples])
-        loss = -(logprobs * mask).sum() / mask.sum()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # type: ignore[no-untyped-call]
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    model.eval()
-    return losses
+    return supervised_loop(
+        model, lambda rng: _warmup_example(rng, tokenizer, rng.choice(tasks), max_rounds),
+        steps=steps, learning_rate=learning_rate, batch_size=batch_size, seed=seed,
+    )  # fmt: skip
 
 
 def _tooluse_example(
     rng: random.Random, tokenizer: PolicyTokenizer, task: ToolUseTask
 ) -> tuple[list[int], list[int]]:
-    turns = tooluse_transcript(task)
+    turns = tooluse_demonstration(task, rng)
     target_turn = rng.randrange(len(turns))
     context = tokenizer.encode_prompt(render_prompt(task))
     for text, observation in turns[:target_turn]:
@@ -201,25 +220,16 @@ def tooluse_warmup(
     batch_size: int,
     seed: int,
 ) -> list[float]:
-    """A brief supervised warm-up on right transcripts of the training tasks (one turn of one
-    task per example, the earlier turns with their observations as context): it teaches the
-    format and leaves the policy far from always right, so that GRPO has something to raise."""
+    """A brief supervised warm-up on the training tasks' transcripts by an imperfect demonstrator
+    (`tooluse_demonstration`: it often answers without reading the file back); one turn of one
+    transcript per example, the earlier turns with their observations as context.  It teaches
+    the format and the tool protocol; the policy starts mostly wrong (it skips the read), so
+    GRPO has something to raise, and the values differ from the held-out ones."""
     tool_tasks = [t for t in tasks if isinstance(t, ToolUseTask)]
-    rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
-    model.train()
-    losses = []
-    for _ in range(steps):
-        examples = [_tooluse_example(rng, tokenizer, rng.choice(tool_tasks)) for _ in range(batch_size)]
-        batch = pack([c for c, _ in examples], [t for _, t in examples])
-        logprobs, mask = completion_logprobs(model, batch, [len(t) for _, t in examples])
-        loss = -(logprobs * mask).sum() / mask.sum()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # type: ignore[no-untyped-call]
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    model.eval()
-    return losses
+    return supervised_loop(
+        model, lambda rng: _tooluse_example(rng, tokenizer, rng.choice(tool_tasks)),
+        steps=steps, learning_rate=learning_rate, batch_size=batch_size, seed=seed,
+    )  # fmt: skip
 
 
 async def evaluate_held_out(
