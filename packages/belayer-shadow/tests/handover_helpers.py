@@ -26,7 +26,12 @@ async def router(resume_wait_s: float = 30.0) -> AsyncIterator[tuple[str, Router
 async def supervised(
     url: str, run_dir: Path, slot: str = "s0", *, protected: bool = True, **options: object
 ) -> AsyncIterator[SlotSupervisor]:
-    """A started slot (waiting for its shadow to stand by when `protected`); stopped at the end."""
+    """A started slot (waiting for its shadow to stand by when `protected`); stopped at the end.
+
+    A hang is 3 s without a heartbeat here (the default 0.5 s): on a loaded 2-core machine a main's
+    heartbeat was once 0.55 s late, the shadow took over before the test's own kill, and the kill
+    then hit the new main (a second failure: slot unhealthy)."""
+    options.setdefault("stale_s", 3.0)
     config = SlotConfig(
         slot=slot, router_url=url, run_dir=run_dir, admin_token=TOKEN, num_kv_blocks=256, **options
     )  # type: ignore[arg-type]
