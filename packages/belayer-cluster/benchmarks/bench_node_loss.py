@@ -232,6 +232,10 @@ def main() -> int:
     def median(arm: str, key: str) -> float:
         return float(statistics.median(r[arm][key] for r in reps))
 
+    def spread(arm: str, key: str) -> list[float]:
+        values = [float(r[arm][key]) for r in reps]
+        return [min(values), max(values)]
+
     summary = {
         "node_loss_recovery_s": median("belayer", "recover_s"),
         "node_loss_requests_streaming_again_s": median("belayer", "requests_streaming_again_s"),
@@ -242,6 +246,15 @@ def main() -> int:
         "whole_job_restart_restart_s": median("whole_job_restart", "restart_s"),
         "whole_job_restart_tokens_lost": median("whole_job_restart", "tokens_lost"),
         "node_loss_tokens_lost": 0,
+        "repetitions": len(reps),
+    }
+    ranges = {  # [min, max] over the repetitions
+        "node_loss_recovery_s": spread("belayer", "recover_s"),
+        "node_loss_requests_streaming_again_s": spread("belayer", "requests_streaming_again_s"),
+        "node_loss_sandboxes_restored_s": spread("belayer", "sandboxes_restored_s"),
+        "node_loss_detect_s": spread("belayer", "detect_s"),
+        "whole_job_restart_recovery_s": spread("whole_job_restart", "recover_s"),
+        "whole_job_restart_tokens_lost": spread("whole_job_restart", "tokens_lost"),
     }
     document = {
         "benchmark": "bench_node_loss",
@@ -252,6 +265,7 @@ def main() -> int:
         "load_average_before": list(load_before),
         "load_average_after": list(os.getloadavg()),
         "summary": summary,
+        "ranges": ranges,
         "reps": reps,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -160,7 +160,7 @@ class SimInputs:
     detection_s: float = attrs.field(default=29.582017183303833, validator=_non_negative)
     worker_restart_s: float = attrs.field(default=70.73594880104065, validator=_non_negative)
     shadow_handover_s: float = attrs.field(default=0.9032039642333984, validator=_non_negative)
-    node_loss_resume_s: float = attrs.field(default=5.144996881484985, validator=_non_negative)
+    node_loss_resume_s: float = attrs.field(default=3.4801058769226074, validator=_non_negative)
     sandbox_restore_s: float = attrs.field(default=5.355012, validator=_non_negative)
     sandbox_restart_s: float = attrs.field(default=5.355012, validator=_non_negative)
 
