@@ -4,18 +4,23 @@
 
 Three model sizes (Qwen3 layout, seeded weights, float32). For each: 32 concurrent greedy requests
 x 128 new tokens, 16-token prompts, one CPU thread for every system:
-- `belayer vLLM slot`: `SlotSupervisor(engine="vllm")` (weight server, vLLM main worker on its
-  views, a vLLM shadow standing by) behind belayer-router, streamed by 32 concurrent clients;
 - `stock vLLM`: `vllm.LLM(...).generate` on the same folder, same threads and KV cache size, in
   its own process (vLLM's offline batch API: no HTTP, no streaming);
+- `VllmEngine in process`: belayer-shadow's vLLM engine stepped directly (no router, no HTTP) on a
+  weight server, in its own process: the engine's own cost against stock;
+- `belayer vLLM slot`: `SlotSupervisor(engine="vllm")` (weight server, vLLM main worker on its
+  views, a vLLM shadow standing by) behind belayer-router, streamed by 32 concurrent clients;
 - `belayer engine slot`: the same slot with the built-in engine (`engine="belayer"`).
-One warm-up round each, then `--rounds` measured rounds (median). Saves JSON to
-benchmarks/results/bench_throughput_vllm.json.
+All four are started first (each warmed up), then measured in interleaved rounds (the order rotates
+every round), so that the shared machine's load falls on all of them alike; the load average is
+recorded with every round and the ratio to stock is taken per round (the median is reported).
+Saves JSON to benchmarks/results/bench_throughput_vllm.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -24,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +66,18 @@ def write_model(size: str, folder: Path) -> int:
     return sum(t.numel() for t in weights.values())
 
 
-def stock(folder: Path, num_requests: int, max_tokens: int, rounds: int) -> dict[str, Any]:
-    """In this process: vLLM's `LLM.generate` (one thread); tokens/s per round."""
+def serve_rounds(run_round: Any, init_s: float) -> None:
+    """A child's side of the round protocol: announce readiness, then one round per stdin line."""
+    print(json.dumps({"init_s": init_s}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "round":
+            break
+        rate, outputs = run_round()
+        print(json.dumps({"tokens_per_s": rate, "outputs": outputs}), flush=True)
+
+
+def stock(folder: Path, num_requests: int, max_tokens: int) -> None:
+    """A child: vLLM's `LLM.generate` (one thread), one round per request on stdin."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     import torch
@@ -80,20 +96,22 @@ def stock(folder: Path, num_requests: int, max_tokens: int, rounds: int) -> dict
     init_s = time.monotonic() - start
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts(num_requests)]
-    llm.generate(inputs[:4], params, use_tqdm=False)  # warm-up
-    rates, outputs = [], []
-    for _ in range(rounds):
+
+    def run_round() -> tuple[float, list[list[int]]]:
         start = time.monotonic()
         done = llm.generate(inputs, params, use_tqdm=False)
         elapsed = time.monotonic() - start
-        rates.append(sum(len(d.outputs[0].token_ids) for d in done) / elapsed)
-        outputs = [list(d.outputs[0].token_ids) for d in done]
-    return {"init_s": init_s, "tokens_per_s": rates, "outputs": outputs}
+        return sum(len(d.outputs[0].token_ids) for d in done) / elapsed, [
+            list(d.outputs[0].token_ids) for d in done
+        ]
+
+    run_round()  # warm-up: a full round (the first 32-wide batch compiles vLLM's sampler helpers)
+    serve_rounds(run_round, init_s)
 
 
-def direct(folder: Path, num_requests: int, max_tokens: int, rounds: int) -> dict[str, Any]:
-    """In this process: `VllmEngine` stepped directly (no router, no HTTP), on a weight server
-    filled with `weight_layout`'s table (every parameter a view); tokens/s per round."""
+def direct(folder: Path, num_requests: int, max_tokens: int) -> None:
+    """A child: `VllmEngine` stepped directly (no router, no HTTP) on a weight server filled with
+    `weight_layout`'s table (every parameter a view), one round per request on stdin."""
     import torch
 
     from belayer_gpumem import ServerConfig, ServerProcess
@@ -118,21 +136,58 @@ def direct(folder: Path, num_requests: int, max_tokens: int, rounds: int) -> dic
             )
             init_s = time.monotonic() - start
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-            rates, copied = [], engine.copied_params
-            for round_ in range(rounds + 1):  # the first round warms up
-                count = 4 if round_ == 0 else num_requests
+            rounds = [0]
+
+            def run_round() -> tuple[float, list[list[int]]]:
+                rounds[0] += 1
+                outputs: list[list[int]] = [[] for _ in range(num_requests)]
                 start = time.monotonic()
-                for i, prompt in enumerate(prompts(num_requests)[:count]):
-                    engine.add_request(f"{round_}-{i}", prompt, params)
-                produced = 0
+                for i, prompt in enumerate(prompts(num_requests)):
+                    engine.add_request(f"{rounds[0]}-{i}", prompt, params)
                 while engine.has_unfinished():
-                    produced += len(engine.step())
-                if round_:
-                    rates.append(produced / (time.monotonic() - start))
+                    for out in engine.step():
+                        outputs[int(out.request_id.split("-")[1])].append(out.token_id)
+                return sum(map(len, outputs)) / (time.monotonic() - start), outputs
+
+            run_round()  # warm-up
+            serve_rounds(run_round, init_s)
             engine.close()
         finally:
             server.stop()
-    return {"init_s": init_s, "tokens_per_s": rates, "copied_params": copied}
+
+
+class Child:
+    """A benchmark child process (`--stock` / `--direct`) driven one round at a time."""
+
+    def __init__(self, role: str, folder: Path, args: argparse.Namespace) -> None:
+        command = [sys.executable, __file__, f"--{role}", str(folder)]
+        command += ["--num-requests", str(args.num_requests), "--max-tokens", str(args.max_tokens)]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.init_s = float(self._read()["init_s"])
+
+    def _read(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if line.startswith("{"):
+                result: dict[str, Any] = json.loads(line)
+                return result
+        raise RuntimeError(f"benchmark child exited with {self.process.wait()}")
+
+    def round(self) -> tuple[float, list[list[int]]]:
+        assert self.process.stdin is not None
+        self.process.stdin.write("round\n")
+        self.process.stdin.flush()
+        result = self._read()
+        return float(result["tokens_per_s"]), result["outputs"]
+
+    def close(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        try:
+            self.process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
 
 async def through_router(url: str, num_requests: int, max_tokens: int) -> tuple[float, list[list[int]]]:
@@ -151,7 +206,11 @@ async def through_router(url: str, num_requests: int, max_tokens: int) -> tuple[
     return sum(len(t) for t in tokens) / elapsed, tokens
 
 
-async def slot_run(engine: str, folder: Path, run_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+@contextlib.asynccontextmanager
+async def running_slot(
+    engine: str, folder: Path, run_dir: Path, args: argparse.Namespace
+) -> AsyncIterator[tuple[str, float]]:
+    """A router and a protected slot (main + shadow standing by) on `engine`: (url, init_s)."""
     async with running_router(RouterConfig(admin_token=TOKEN, resume_wait_s=600)) as (url, _app):
         config = SlotConfig(
             slot="s0",
@@ -176,87 +235,102 @@ async def slot_run(engine: str, folder: Path, run_dir: Path, args: argparse.Name
         try:
             await anyio.to_thread.run_sync(lambda: slot.wait_protected(900.0))
             init_s = time.monotonic() - start
-            await through_router(url, 4, args.max_tokens)  # warm-up
-            rates, outputs = [], []
-            for _ in range(args.rounds):
-                rate, outputs = await through_router(url, args.num_requests, args.max_tokens)
-                rates.append(rate)
-            return {"init_s": init_s, "tokens_per_s": rates, "outputs": outputs}
+            await through_router(url, args.num_requests, args.max_tokens)  # warm-up: a full round
+            yield url, init_s
         finally:
             await anyio.to_thread.run_sync(slot.stop)
 
 
+SYSTEMS = ("stock_vllm", "vllm_engine_direct", "belayer_vllm_slot", "belayer_engine_slot")
+
+
+async def measure_size(size: str, folder: Path, tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Start all four systems on one model folder, then interleaved rounds; per-system results."""
+    entry: dict[str, Any] = {"parameters": write_model(size, folder)}
+    children = {}
+    try:
+        for role, key in (("stock", "stock_vllm"), ("direct", "vllm_engine_direct")):
+            children[key] = await anyio.to_thread.run_sync(Child, role, folder, args)
+        async with (
+            running_slot("vllm", folder, tmp / f"{size}-vllm", args) as (vllm_url, vllm_init_s),
+            running_slot("belayer", folder, tmp / f"{size}-ours", args) as (ours_url, ours_init_s),
+        ):
+            init = {key: child.init_s for key, child in children.items()}
+            init |= {"belayer_vllm_slot": vllm_init_s, "belayer_engine_slot": ours_init_s}
+            urls = {"belayer_vllm_slot": vllm_url, "belayer_engine_slot": ours_url}
+            results = {key: {"init_s": init[key], "tokens_per_s": [], "load_1min": []} for key in SYSTEMS}
+            outputs: dict[str, list[list[int]]] = {}
+            for round_ in range(args.rounds):
+                order = SYSTEMS[round_ % len(SYSTEMS) :] + SYSTEMS[: round_ % len(SYSTEMS)]
+                for key in order:
+                    results[key]["load_1min"].append(os.getloadavg()[0])
+                    if key in children:
+                        rate, outputs[key] = await anyio.to_thread.run_sync(children[key].round)
+                    else:
+                        rate, outputs[key] = await through_router(
+                            urls[key], args.num_requests, args.max_tokens
+                        )
+                    results[key]["tokens_per_s"].append(rate)
+    finally:
+        for child in children.values():
+            await anyio.to_thread.run_sync(child.close)
+    stock_rates = results["stock_vllm"]["tokens_per_s"]
+    for key in SYSTEMS:
+        r = results[key]
+        r["median_tokens_per_s"] = statistics.median(r["tokens_per_s"])
+        r["outputs_equal_stock"] = outputs[key] == outputs["stock_vllm"]
+        if key != "stock_vllm":
+            r["ratio_to_stock_per_round"] = [
+                a / b for a, b in zip(r["tokens_per_s"], stock_rates, strict=True)
+            ]
+            r["median_ratio_to_stock"] = statistics.median(r["ratio_to_stock_per_round"])
+        entry[key] = r
+    return entry
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    results: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "stock"}, "sizes": {}}
+    results: dict[str, Any] = {"config": vars(args).copy(), "sizes": {}}
+    for internal in ("stock", "direct"):
+        results["config"].pop(internal, None)
+    results["config"]["cpus"] = os.cpu_count()
     if RESULTS.exists():  # sizes not re-run keep their earlier results (--sizes runs a subset)
-        results["sizes"] = json.loads(RESULTS.read_text()).get("sizes", {})
+        earlier = json.loads(RESULTS.read_text()).get("sizes", {})
+        results["sizes"] = {
+            k: v for k, v in earlier.items() if "median_ratio_to_stock" in v.get("belayer_vllm_slot", {})
+        }
     with tempfile.TemporaryDirectory(prefix="bench-throughput-vllm-") as tmp:
         for size in args.sizes:
-            folder = Path(tmp) / size
-            entry: dict[str, Any] = {"parameters": write_model(size, folder)}
-            command = [sys.executable, __file__, "--stock", str(folder), "--rounds", str(args.rounds)]
-            command += ["--num-requests", str(args.num_requests), "--max-tokens", str(args.max_tokens)]
-            done = subprocess.run(command, capture_output=True, text=True, check=True, timeout=1800)
-            entry["stock_vllm"] = json.loads(done.stdout.strip().splitlines()[-1])
-            entry["belayer_vllm_slot"] = anyio.run(slot_run, "vllm", folder, Path(tmp) / f"{size}-vllm", args)
-            entry["belayer_engine_slot"] = anyio.run(
-                slot_run, "belayer", folder, Path(tmp) / f"{size}-ours", args
-            )
-            reference = entry["stock_vllm"]["outputs"]
-            for key in ("belayer_vllm_slot", "belayer_engine_slot"):
-                entry[key]["outputs_equal_stock"] = entry[key]["outputs"] == reference
-            for key in ("stock_vllm", "belayer_vllm_slot", "belayer_engine_slot"):
-                entry[key]["median_tokens_per_s"] = statistics.median(entry[key]["tokens_per_s"])
-                del entry[key]["outputs"]
+            entry = anyio.run(measure_size, size, Path(tmp) / size, Path(tmp), args)
             results["sizes"][size] = entry
             print(json.dumps({size: entry}), flush=True)
             RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     return results
 
 
-def add_direct(args: argparse.Namespace) -> None:
-    """Measure `VllmEngine` in process for `--sizes` and add it to the saved results."""
-    results = json.loads(RESULTS.read_text())
-    with tempfile.TemporaryDirectory(prefix="bench-throughput-vllm-") as tmp:
-        for size in args.sizes:
-            folder = Path(tmp) / size
-            write_model(size, folder)
-            command = [sys.executable, __file__, "--direct", str(folder), "--rounds", str(args.rounds)]
-            command += ["--num-requests", str(args.num_requests), "--max-tokens", str(args.max_tokens)]
-            done = subprocess.run(command, capture_output=True, text=True, check=True, timeout=1800)
-            entry = json.loads(done.stdout.strip().splitlines()[-1])
-            entry["median_tokens_per_s"] = statistics.median(entry["tokens_per_s"])
-            results["sizes"][size]["vllm_engine_direct"] = entry
-            print(json.dumps({size: entry}), flush=True)
-    table = render(results)
-    print(table)
-    RESULTS.write_text(json.dumps({**results, "table": table}, indent=2) + "\n")
-
-
 def render(results: dict[str, Any]) -> str:
     cfg = results["config"]
     lines = [
-        f"{cfg['num_requests']} concurrent greedy requests x {cfg['max_tokens']} new tokens, one CPU thread, "
-        f"median of {cfg['rounds']} rounds, tokens/s:",
+        f"{cfg['num_requests']} concurrent greedy requests x {cfg['max_tokens']} new tokens, one CPU thread "
+        f"each, {cfg['rounds']} interleaved rounds, median tokens/s (ratio: median of the per-round "
+        "ratios to stock vLLM), 1-min load average during the rounds:",
         "",
-        "| model | stock vLLM `LLM.generate` | VllmEngine in process (views, F.linear) | ratio | "
+        "| model | stock vLLM `LLM.generate` | VllmEngine in process | ratio | "
         "router + vLLM main worker (shadow standing by) | ratio | router + built-in engine slot | "
-        "built-in / stock vLLM | outputs equal |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "ratio | load | outputs equal |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for size, e in sorted(results["sizes"].items(), key=lambda item: item[1]["parameters"]):
-        s, v, b = (
-            e[k]["median_tokens_per_s"] for k in ("stock_vllm", "belayer_vllm_slot", "belayer_engine_slot")
-        )
-        equal = (
-            e["belayer_vllm_slot"]["outputs_equal_stock"] and e["belayer_engine_slot"]["outputs_equal_stock"]
-        )
-        d = e.get("vllm_engine_direct", {}).get("median_tokens_per_s")
-        direct_cells = "- | -" if d is None else f"{d:,.0f} | {d / s:.2f}"
-        lines.append(
-            f"| {size} ({e['parameters'] / 1e6:.1f} M params) | {s:,.0f} | {direct_cells} | {v:,.0f} | "
-            f"{v / s:.2f} | {b:,.0f} | {b / s:.2f} | {equal} |"
-        )
+        cells = [
+            f"{size} ({e['parameters'] / 1e6:.1f} M params)",
+            f"{e['stock_vllm']['median_tokens_per_s']:,.0f}",
+        ]
+        for key in SYSTEMS[1:]:
+            r = e[key]
+            cells += [f"{r['median_tokens_per_s']:,.0f}", f"{r['median_ratio_to_stock']:.2f}"]
+        loads = [x for key in SYSTEMS for x in e[key]["load_1min"]]
+        cells.append(f"{min(loads):.1f}-{max(loads):.1f}")
+        cells.append(str(all(e[key]["outputs_equal_stock"] for key in SYSTEMS)))
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -270,20 +344,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--stock", type=Path, help=argparse.SUPPRESS)  # internal: the stock-vLLM child
     parser.add_argument("--direct", type=Path, help=argparse.SUPPRESS)  # internal: the VllmEngine child
-    parser.add_argument(
-        "--direct-only",
-        action="store_true",
-        help="only add VllmEngine stepped in process (no router) to the saved results of --sizes",
-    )
     args = parser.parse_args()
     if args.stock is not None:
-        print(json.dumps(stock(args.stock, args.num_requests, args.max_tokens, args.rounds)))
+        stock(args.stock, args.num_requests, args.max_tokens)
         return
     if args.direct is not None:
-        print(json.dumps(direct(args.direct, args.num_requests, args.max_tokens, args.rounds)))
-        return
-    if args.direct_only:
-        add_direct(args)
+        direct(args.direct, args.num_requests, args.max_tokens)
         return
     logging.getLogger("uvicorn.error").addFilter(lambda record: "lifespan" not in record.getMessage())
     results = run(args)
