@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -49,6 +50,8 @@ def _slot(url: str, run_dir: Path, name: str, **options: Any) -> SlotSupervisor:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "prompts"}}
+    # The 1-min load average before each recovery is measured (the machine is shared).
+    results["load_1min"] = loads = {"start": os.getloadavg()[0]}
     config = RouterConfig(admin_token=TOKEN, resume_wait_s=900)
     with tempfile.TemporaryDirectory(prefix="bench-handover-vllm-") as tmp:
         root = Path(tmp)
@@ -58,6 +61,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             try:
                 reference = await _reference(url, args.prompts, args.max_tokens)
                 results["shadow"] = []
+                loads["shadow"] = os.getloadavg()[0]
                 for _ in range(args.trials):
                     await anyio.to_thread.run_sync(lambda: slot.wait_protected(START_TIMEOUT_S))
                     results["shadow"].append(await shadow_trial(slot, url, args, reference))
@@ -68,6 +72,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await anyio.to_thread.run_sync(slot.start)
             try:
                 await anyio.to_thread.run_sync(lambda: slot.wait_protected(START_TIMEOUT_S))
+                loads["restart"] = os.getloadavg()[0]
                 results["restart"] = [await restart_trial(slot, url, args, reference)]
             finally:
                 await anyio.to_thread.run_sync(slot.stop)
@@ -81,6 +86,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await anyio.to_thread.run_sync(slot.start)
             try:
                 await anyio.to_thread.run_sync(lambda: slot.wait_protected(START_TIMEOUT_S))
+                loads["conventional"] = os.getloadavg()[0]
                 results["conventional"] = await restart_trial(slot, url, args, reference)
             finally:
                 await anyio.to_thread.run_sync(slot.stop)
@@ -90,7 +96,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 def render(results: dict[str, Any]) -> str:
     shadow, restart, conv = results["shadow"], results["restart"][0], results["conventional"]
     med = {k: statistics.median(t[k] for t in shadow) for k in shadow[0] if k.endswith("_s")}
-    cfg = results["config"]
+    cfg, loads = results["config"], results["load_1min"]
     ms = lambda s: f"{s * 1000:.0f} ms"  # noqa: E731
     first = med["first_resumed_token_s"]
     return "\n".join(
@@ -110,6 +116,7 @@ def render(results: dict[str, Any]) -> str:
             f"| speed-up of the shadow | 1x | {restart['first_resumed_token_s'] / first:.0f}x | {conv['first_resumed_token_s'] / first:.0f}x |",
             f"| outputs equal the failure-free run | {all(t['outputs_equal'] for t in shadow)} | {restart['outputs_equal']} | {conv['outputs_equal']} |",
             f"| tokens regenerated | {sum(t['tokens_regenerated'] for t in shadow)} | {restart['tokens_regenerated']} | {conv['tokens_regenerated']} |",
+            f"| 1-min load average before the recovery | {loads['shadow']:.1f} | {loads['restart']:.1f} | {loads['conventional']:.1f} |",
         ]
     )
 
