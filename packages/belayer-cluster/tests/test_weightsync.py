@@ -184,6 +184,24 @@ def test_a_lagging_node_is_held_out_until_it_rejoins_current(
     sync.detach(spare, [info.run_dir / "mem" / "weights.sock"], ["c"])
     assert sync.members[spare].slots == ()
 
+    # a slot started from another version (the initial weights) is held out from its registration
+    # on (it has no version), and attach refuses it: fenced for good, forgotten by the agent
+    stale = RolloutCluster(
+        ["e"], router_url=router.url, shared_dir=shared_dir, admin_token=TOKEN, slot_options=SLOT_OPTIONS
+    )
+    try:
+        stale_info = stale.start()["e"]
+        assert stale_info.node_id == spare
+        state = slot_states(router)["e"]
+        assert (state["healthy"], state["weight_version"], state["current"]) == (True, None, False)
+        with pytest.raises(WeightSyncError, match="not version 3"):
+            sync.attach(spare, [stale_info.run_dir / "mem" / "weights.sock"], ["e"])
+        assert slot_states(router)["e"]["healthy"] is False
+        assert sync.members[spare].slots == ()
+        assert sync.verify()[spare] == [result.checksum]  # only the agent's own server is left
+    finally:
+        stale.stop()
+
     # b's node rejoins through a fresh rendezvous with its slot's weight server: it receives version
     # 3 in full, and its slot, held out until now, is back in rotation (it was never fenced)
     spare_generation = sync.members[spare].generation

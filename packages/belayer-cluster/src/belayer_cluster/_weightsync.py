@@ -160,13 +160,17 @@ class WeightSync:
         """Add a member node's new slots (their weight servers); returns their live checksums.
 
         Each must already hold the current version (start the slot from `write_weights_file`):
-        otherwise its slots are marked unhealthy and WeightSyncError is raised.
+        otherwise the agent forgets them again, their slots are marked unhealthy and
+        WeightSyncError is raised. Attached slots are reported at the current version to the router.
         """
         with self._lock:
             member = self._member(node_id)
             info = self._call(member, member.agent.attach.remote([str(s) for s in sockets]))
             found = [str(live["checksum"]) for live in info["live"]]
             if self.version > 0 and any(value != self.checksum for value in found):
+                # refused: the agent forgets these servers (an update must not write to them) and
+                # the slots leave the router's rotation for good
+                self._call(member, member.agent.detach.remote([str(s) for s in sockets]))
                 self._fence(slots)
                 raise WeightSyncError(
                     f"node {node_id[:12]}: slots {list(slots)} hold {found}, not version {self.version} "
