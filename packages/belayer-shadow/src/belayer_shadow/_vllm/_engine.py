@@ -137,6 +137,8 @@ class VllmEngine:
             num_threads=num_threads,
             packed=packed,
         )
+        # vLLM read the folder at start; removed now, so that a killed worker leaves no temp dir.
+        self._scratch.cleanup()
         self.weight_client = attached_client(self._socket)
         # Parameters vLLM holds as private copies (fused parts not back to back at the server).
         self.copied_params = copied_params()
