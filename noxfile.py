@@ -7,7 +7,7 @@ there.  ``typecheck`` runs mypy alone (not a default session: ``tests`` already 
 ``layers`` checks the import contract of docs/architecture.md with import-linter.
 
     nox -s "tests(package='belayer-envckpt')"
-    nox -t envckpt          # all default sessions of one package
+    nox -t envckpt          # the tests and lint sessions of one package
     nox                     # everything
 
 With ``BELAYER_PRUNE_VENVS=1`` (``scripts/test-all`` sets it) a session deletes its venv when it
@@ -57,6 +57,9 @@ def _declared_siblings(package: str, seen: set[str] | None = None) -> list[Path]
 def _install(session: nox.Session, package: str, *extra_reqs: str) -> None:
     siblings = [str(p) for p in _declared_siblings(package)]
     session.install("-c", str(CONSTRAINTS), *siblings, f"{PACKAGES_DIR / package}[test]", *extra_reqs)
+    # A reused venv keeps an installed sibling whose version did not change: reinstall ours from the
+    # tree (no dependencies, seconds) so a session always tests what CI installs.
+    session.install("--no-deps", "--force-reinstall", *siblings, str(PACKAGES_DIR / package))
 
 
 def _tag(package: str) -> str:
@@ -100,7 +103,7 @@ def lint(session: nox.Session, package: str) -> None:
 
 
 @nox.session(default=False, tags=["typecheck"])
-@nox.parametrize("package", [nox.param(p, tags=[_tag(p)]) for p in PACKAGES])
+@nox.parametrize("package", PACKAGES)  # no per-package tag: `nox -t envckpt` runs mypy once, in tests
 def typecheck(session: nox.Session, package: str) -> None:
     """mypy alone over one package's sources, installed with only what it declares (``tests``
     runs the same check after pytest)."""
