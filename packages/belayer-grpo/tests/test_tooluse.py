@@ -56,16 +56,20 @@ def test_the_supervised_warmups_share_one_loop_that_learns() -> None:
     from belayer_grpo._model import build_policy, build_tokenizer, engine_model_config
     from belayer_grpo._swe import action_warmup, tooluse_warmup
 
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    config = load_config(None, ["model.hidden_size=32", "model.intermediate_size=64"])
-    tokenizer = build_tokenizer(config.model, "tooluse")
-    train = generate_tooluse_tasks(0, held_out=40)[0]
-    for warmup in (tooluse_warmup, functools.partial(action_warmup, max_rounds=3)):
-        model = build_policy(engine_model_config(config.model, tokenizer), seed=0)
-        losses = warmup(model, tokenizer, train, steps=40, learning_rate=3e-3, batch_size=4, seed=0)
-        assert len(losses) == 40
-        assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
-        assert not model.training
+    try:
+        config = load_config(None, ["model.hidden_size=32", "model.intermediate_size=64"])
+        tokenizer = build_tokenizer(config.model, "tooluse")
+        train = generate_tooluse_tasks(0, held_out=40)[0]
+        for warmup in (tooluse_warmup, functools.partial(action_warmup, max_rounds=3)):
+            model = build_policy(engine_model_config(config.model, tokenizer), seed=0)
+            losses = warmup(model, tokenizer, train, steps=40, learning_rate=3e-3, batch_size=4, seed=0)
+            assert len(losses) == 40
+            assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
+            assert not model.training
+    finally:
+        torch.set_num_threads(threads)  # later in-process tests keep the machine's threads
 
 
 def test_the_answer_must_follow_from_what_the_sandbox_really_returned() -> None:
