@@ -23,21 +23,22 @@ from belayer_grpo._run import run_training
 pytestmark = pytest.mark.e2e
 
 
+def _math_config(tmp_path: Path, *overrides: str) -> list[str]:
+    return [
+        "data.workload='math'",
+        f"system.run_dir={str(tmp_path / 'run')!r}",
+        "model.warmup_steps=5",
+        "system.num_slots=2",
+        "system.checkpoint_every=0",
+        "chaos.kill_worker_at_steps=[]",
+        "logging.progress=false",
+        *overrides,
+    ]
+
+
 def test_a_math_run_on_two_nodes_survives_losing_one(tmp_path: Path) -> None:
     config = load_config(
-        None,
-        [
-            "data.workload='math'",
-            f"system.run_dir={str(tmp_path / 'run')!r}",
-            "algorithm.steps=3",
-            "model.warmup_steps=5",
-            "system.num_slots=2",
-            "system.checkpoint_every=0",
-            "chaos.kill_worker_at_steps=[]",
-            "chaos.kill_node_at_step=2",
-            "cluster.nodes=2",
-            "logging.progress=false",
-        ],
+        None, _math_config(tmp_path, "algorithm.steps=3", "chaos.kill_node_at_step=2", "cluster.nodes=2")
     )
     out = io.StringIO()
     summary = anyio.run(lambda: run_training(config, stream=out))
@@ -80,19 +81,13 @@ def test_a_math_run_on_two_nodes_survives_losing_one(tmp_path: Path) -> None:
 def test_a_lost_node_is_replaced_and_its_replacement_serves_the_current_weights(tmp_path: Path) -> None:
     config = load_config(
         None,
-        [
-            "data.workload='math'",
-            f"system.run_dir={str(tmp_path / 'run')!r}",
+        _math_config(
+            tmp_path,
             "algorithm.steps=2",
-            "model.warmup_steps=5",
-            "system.num_slots=2",
-            "system.checkpoint_every=0",
-            "chaos.kill_worker_at_steps=[]",
             "chaos.kill_node_at_step=1",
             "cluster.nodes=2",
             "cluster.replace_lost_nodes=true",
-            "logging.progress=false",
-        ],
+        ),
     )
     out = io.StringIO()
     summary = anyio.run(lambda: run_training(config, stream=out))
@@ -115,19 +110,6 @@ def test_a_lost_node_is_replaced_and_its_replacement_serves_the_current_weights(
     assert max(m["logprob_gap"] for m in metrics) < 1e-3
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert {tuple(node["slots"]) for node in report["weights"]["nodes"]} == {("slot0",), ("slot1-r",)}
-
-
-def _math_config(tmp_path: Path, *overrides: str) -> list[str]:
-    return [
-        "data.workload='math'",
-        f"system.run_dir={str(tmp_path / 'run')!r}",
-        "model.warmup_steps=5",
-        "system.num_slots=2",
-        "system.checkpoint_every=0",
-        "chaos.kill_worker_at_steps=[]",
-        "logging.progress=false",
-        *overrides,
-    ]
 
 
 def test_a_run_joins_an_existing_cluster_by_address_and_leaves_it_running(tmp_path: Path) -> None:
