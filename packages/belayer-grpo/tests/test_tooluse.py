@@ -21,7 +21,8 @@ from belayer_grpo._agentic import (
 from belayer_grpo._agentic.context import render_prompt
 from belayer_grpo._agentic.environment import repository_hash
 from belayer_grpo._agentic.tooluse import LAZY_DEMONSTRATION_P, tooluse_demonstration, tooluse_transcript
-from belayer_grpo._errors import SandboxCommandError
+from belayer_grpo._config import DataConfig, load_config
+from belayer_grpo._errors import GrpoConfigError, SandboxCommandError
 
 
 def test_tasks_are_seeded_and_the_held_out_split_is_disjoint() -> None:
@@ -29,6 +30,13 @@ def test_tasks_are_seeded_and_the_held_out_split_is_disjoint() -> None:
     assert (len(train), len(held)) == (960, 40)
     assert generate_tooluse_tasks(3, held_out=40) == (train, held)
     assert generate_tooluse_tasks(4, held_out=40)[1] != held
+    # the code's defaults are the embedded default's, and every value held out leaves none to train on
+    assert generate_tooluse_tasks(3) == (train, held)
+    assert load_config(None, []).data.held_out == DataConfig().held_out == 40
+    with pytest.raises(GrpoConfigError, match="must be 0 to 999"):
+        generate_tooluse_tasks(3, held_out=1000)
+    with pytest.raises(GrpoConfigError, match=r"data\.held_out"):
+        load_config(None, ["data.held_out=1000"])
     assert not {t.instance_id for t in train} & {t.instance_id for t in held}
     assert sorted(t.value for t in train + held) == list(range(1000))
     task = held[0]
@@ -52,7 +60,6 @@ def test_the_warmup_demonstrator_often_answers_without_reading_and_earns_nothing
 
 
 def test_the_supervised_warmups_share_one_loop_that_learns() -> None:
-    from belayer_grpo._config import load_config
     from belayer_grpo._model import build_policy, build_tokenizer, engine_model_config
     from belayer_grpo._swe import action_warmup, tooluse_warmup
 

@@ -85,7 +85,8 @@ class DataConfig:
     max_operand: int = attrs.field(default=9, validator=_non_negative)
     seed: int = 0
     max_prompt_tokens: int = attrs.field(default=256, validator=_positive)
-    held_out: int = attrs.field(default=20, validator=_non_negative)  # tooluse: held-out tasks
+    # tooluse: values (of the 1,000, 000-999) kept out of training; at least one stays for training
+    held_out: int = attrs.field(default=40, validator=[_non_negative, v.lt(1000)])
 
     @max_operand.validator
     def _check_range(self, attribute: attrs.Attribute[int], value: int) -> None:

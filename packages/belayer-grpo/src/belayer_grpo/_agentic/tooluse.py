@@ -25,6 +25,8 @@ import random
 
 import attrs
 
+from belayer_grpo._errors import GrpoConfigError
+
 __all__ = [
     "TOOLUSE_IMAGE",
     "ToolObservation",
@@ -96,9 +98,15 @@ class ToolUseTask:
         return 1.0 if consistent and read_value == self.text else 0.0
 
 
-def generate_tooluse_tasks(seed: int, held_out: int = 20) -> tuple[list[ToolUseTask], list[ToolUseTask]]:
-    """Every value 000-999, shuffled by ``seed``: (training tasks, held-out tasks)."""
+def generate_tooluse_tasks(seed: int, held_out: int = 40) -> tuple[list[ToolUseTask], list[ToolUseTask]]:
+    """Every value 000-999, shuffled by ``seed``: (training tasks, held-out tasks).  ``held_out``
+    must leave at least one training task."""
     values = list(range(10**VALUE_DIGITS))
+    if not 0 <= held_out < len(values):
+        raise GrpoConfigError(
+            "data.held_out",
+            f"must be 0 to {len(values) - 1} (there are {len(values)} values), got {held_out}",
+        )
     random.Random(seed).shuffle(values)
     tasks = [ToolUseTask(f"tool-{v:0{VALUE_DIGITS}d}", v) for v in values]
     return tasks[held_out:], tasks[:held_out]
