@@ -125,10 +125,15 @@ def test_parameters_are_views_of_the_weight_server(engine: VllmEngine) -> None:
     assert "model.layers.0.mlp.gate_up_proj.weight" in ptrs
     outside = [name for name, ptr in ptrs.items() if not start <= ptr < end]
     assert outside == []
-    # On the CPU every linear layer computes with vLLM's packed copy of its view (the default).
-    packed = engine.packed_layers()
-    assert "model.layers.0.self_attn.qkv_proj" in packed
-    assert "model.layers.0.mlp.down_proj" in packed
+    # On the CPU every linear layer computes with a packed copy of its view (the default): the
+    # kernel recorded per layer is a packed one, so a layer that fell back to F.linear fails here.
+    kernels = engine.linear_kernels()
+    projections = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    linear = [f"model.layers.{i}.{p}" for i in range(CONFIG.num_hidden_layers) for p in projections]
+    assert sorted(kernels) == sorted([*linear, "lm_head"])  # no input embedding: it is looked up
+    fallen_back = {name: kernel for name, kernel in kernels.items() if kernel not in ("onednn", "sgl")}
+    assert fallen_back == {}
+    assert sorted(engine.packed_layers()) == sorted(kernels)
 
 
 def test_kv_cache_moves_onto_the_kv_server_arena_at_the_first_request(engine: VllmEngine) -> None:
@@ -150,6 +155,34 @@ def test_kv_cache_moves_onto_the_kv_server_arena_at_the_first_request(engine: Vl
     assert {r: [t for _, t, _, _ in v] for r, v in got.items()} == {
         r: [t for _, t, _, _ in v] for r, v in want.items()
     }
+
+
+def test_a_layer_onednn_cannot_pack_is_recorded_unpacked_and_still_correct(
+    engine: VllmEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm import _custom_ops
+
+    from belayer_shadow._vllm._loader import point_params
+
+    assert engine.weight_client is not None
+    tensors = engine.weight_client.tensors()
+
+    def failing_create_onednn_mm(*args: object) -> None:  # a oneDNN that packs nothing
+        raise RuntimeError("FakeOneDNN: no primitive for this shape")
+
+    monkeypatch.setattr(_custom_ops, "create_onednn_mm", failing_create_onednn_mm)
+    engine._engine.apply_model(lambda model: point_params(model, tensors, packed=True))
+    try:
+        assert set(engine.linear_kernels().values()) == {"F.linear"}
+        assert engine.packed_layers() == []
+        want = run(builtin(seed=0), greedy(8))
+        assert {r: [t for _, t, _, _ in v] for r, v in run(engine, greedy(8)).items()} == {
+            r: [t for _, t, _, _ in v] for r, v in want.items()
+        }
+    finally:
+        monkeypatch.undo()
+        engine._engine.apply_model(lambda model: point_params(model, tensors, packed=True))
+    assert set(engine.linear_kernels().values()) == {"onednn"}
 
 
 def test_greedy_equals_builtin_engine_and_transformers(engine: VllmEngine) -> None:

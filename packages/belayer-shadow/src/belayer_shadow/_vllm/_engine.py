@@ -28,6 +28,7 @@ from belayer_shadow._vllm._loader import (
     LOAD_FORMAT,
     attached_client,
     copied_params,
+    linear_kernels,
     packed_layers,
     point_params,
     register_loader,
@@ -296,6 +297,12 @@ class VllmEngine:
         or on a GPU); their parameters stay views of the weight server."""
         (names,) = self._engine.apply_model(packed_layers)
         return list(names)
+
+    def linear_kernels(self) -> dict[str, str]:
+        """The kernel each linear layer computes with: "onednn" or "sgl" (a packed copy of its
+        view) or "F.linear" (on the view: `packed=False`, a GPU, or a layer oneDNN could not pack)."""
+        (kernels,) = self._engine.apply_model(linear_kernels)
+        return dict(kernels)
 
     def kv_cache_pointers(self) -> list[int]:
         """The data pointers of vLLM's per-layer KV cache tensors (for checks)."""

@@ -13,10 +13,14 @@ every call). The parameters always stay views of the server; with `packed=True` 
 at every weight update (memory: one copy of the linear weights per worker; time: see
 `bench_vllm_repack.py`). With `packed=False` the layers compute on the views themselves through
 `torch.nn.functional.linear`: zero copy, slower. On a GPU nothing is packed: the views are used.
+Which kernel each layer computes with is recorded (`linear_kernels`): a layer oneDNN cannot pack
+falls back to `F.linear` on its view and reads `UNPACKED` there, never as packed. The input
+embedding, which vLLM's dispatch also packs but only ever looks up, gets no packed copy.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -31,8 +35,12 @@ from belayer_shadow._errors import WeightsError
 
 __all__ = [
     "LOAD_FORMAT",
+    "ONEDNN",
+    "SGL",
+    "UNPACKED",
     "attached_client",
     "copied_params",
+    "linear_kernels",
     "packed_layers",
     "param_views",
     "point_params",
@@ -40,6 +48,17 @@ __all__ = [
 ]
 
 LOAD_FORMAT = "belayer"
+
+# The kernel a CPU linear layer computes with, recorded on the module by `point_params`: a packed
+# copy of its weight through oneDNN (`ONEDNN`) or sgl-kernel (`SGL`, bf16/fp16 on AMX CPUs), or
+# the plain row-major matmul on the view (`UNPACKED`: `packed=False`, a GPU, or a layer oneDNN
+# could not pack).
+ONEDNN = "onednn"
+SGL = "sgl"
+UNPACKED = "F.linear"
+_KERNEL_ATTR = "belayer_cpu_kernel"
+
+_log = logging.getLogger(__name__)
 
 # The weight clients the loader attached in this process, by socket path: the engine that asked
 # for the load takes its client from here (vLLM builds the loader itself, from a name).
@@ -121,10 +140,22 @@ def param_views(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[s
     return views
 
 
-def _linear_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+def _gemm_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """The modules vLLM's CPU dispatch gave a `cpu_linear` kernel."""
     for name, module in model.named_modules():
         if hasattr(module, "cpu_linear"):
             yield name, module
+
+
+def _linear_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """The modules that compute a matmul with their weight: not an input embedding, which vLLM's
+    CPU dispatch also gives a packed copy but which is only ever looked up (`F.embedding`)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    for name, module in _gemm_modules(model):
+        if isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead):
+            continue
+        yield name, module
 
 
 def point_params(model: nn.Module, tensors: Mapping[str, torch.Tensor], *, packed: bool = True) -> list[str]:
@@ -145,24 +176,68 @@ def point_params(model: nn.Module, tensors: Mapping[str, torch.Tensor], *, packe
         # A fresh Parameter each time: vLLM's CPU path may have replaced the original with an
         # empty placeholder, and `.data =` on a tied parameter would move both names at once.
         setattr(module, leaf, nn.Parameter(view, requires_grad=False))
-    for _, module in _linear_modules(model):
-        # The previous packed copy (held by the old `cpu_linear` closure) is dropped here.
+    for _, module in _gemm_modules(model):
+        # The previous packed copy (held by the old `cpu_linear` closure) is dropped here; an
+        # input embedding's (never used) is not made again.
         vars(module)["cpu_linear"] = F.linear
+    for _, module in _linear_modules(model):
+        kernel = UNPACKED
         if packed and module.weight.device.type == "cpu":
-            _pack(module)
+            kernel = _pack(module)
+        vars(module)[_KERNEL_ATTR] = kernel
     return copied
+
+
+def linear_kernels(model: nn.Module) -> dict[str, str]:
+    """The kernel each linear layer of `model` computes with (`ONEDNN`, `SGL` or `UNPACKED`), as
+    installed by the last `point_params`; a layer it did not reach reads `UNPACKED`."""
+    return {name: str(vars(module).get(_KERNEL_ATTR, UNPACKED)) for name, module in _linear_modules(model)}
 
 
 def packed_layers(model: nn.Module) -> list[str]:
     """The linear layers of `model` that compute with a packed copy (not `F.linear` on the view)."""
-    return [name for name, module in _linear_modules(model) if vars(module).get("cpu_linear") is not F.linear]
+    return [name for name, kernel in linear_kernels(model).items() if kernel != UNPACKED]
 
 
-def _pack(module: nn.Module) -> None:
-    """vLLM's CPU kernel for `module` over a packed copy of its weight; the weight stays the view."""
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+def _pack(module: nn.Module) -> str:
+    """Make `module` compute with a packed copy of its weight (the weight stays the view); returns
+    the kernel installed, `UNPACKED` where no packed kernel takes the layer (said in the log).
 
-    dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+    The choice follows vLLM's CPU dispatch: sgl-kernel for the small bf16/fp16 shapes it takes on
+    AMX CPUs, else oneDNN; unlike vLLM's dispatch, the result is recorded (`linear_kernels`).
+    """
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.utils import check_cpu_sgl_kernel
+
+    param = module.weight
+    assert isinstance(param, torch.Tensor)
+    weight = param.detach()
+    rows, cols = weight.shape
+    bias = getattr(module, "bias", None)
+    if bias is None and check_cpu_sgl_kernel(rows, cols, weight.dtype):
+        sgl_weight = torch.ops._C.convert_weight_packed(weight)
+
+        def sgl_linear(x: torch.Tensor, _weight: torch.Tensor, _bias: torch.Tensor | None) -> torch.Tensor:
+            return ops.weight_packed_linear_cpu(x, sgl_weight, rows, None)  # type: ignore[no-any-return]
+
+        vars(module)["cpu_linear"] = sgl_linear
+        return SGL
+    if not getattr(ops, "_supports_onednn", False):
+        _log.warning("vLLM has no oneDNN kernels here: linear layers compute on the views (F.linear)")
+        return UNPACKED
+    try:
+        handler = ops.create_onednn_mm(weight.t(), 32)
+    except RuntimeError as exc:
+        _log.warning("oneDNN could not pack %s %s: it computes on the view (F.linear): %s", rows, cols, exc)
+        return UNPACKED
+
+    def onednn_linear(
+        x: torch.Tensor, _weight: torch.Tensor, layer_bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return ops.onednn_mm(handler, x, layer_bias)  # type: ignore[no-any-return]
+
+    vars(module)["cpu_linear"] = onednn_linear
+    return ONEDNN
 
 
 def _register() -> type[Any]:
