@@ -26,8 +26,10 @@ from belayer_cluster import (
     RolloutCluster,
     WeightSync,
     WeightSyncError,
+    WeightSyncTimeoutError,
     start_replacement_slot,
 )
+from belayer_cluster._weightsync_link import connect
 
 pytestmark = pytest.mark.timeout(300)
 MAX_TOKENS = 24
@@ -293,3 +295,62 @@ def test_a_replacement_node_joins_in_full_and_its_slot_serves_only_the_current_v
         }
     finally:
         replacement.stop()
+
+
+def test_a_node_that_cannot_join_or_answer_is_a_named_error_never_a_hang(
+    sync: WeightSync, local_ray: LocalRayCluster, slots: RolloutCluster, shared_dir: Path, spare: str
+) -> None:
+    # A sync of its own (no router) on the spare node, with a short timeout where a node fails:
+    # every failure below ends within it, as a typed error naming the node; the module's sync is
+    # untouched.
+    lost = slots.infos["a"].node_id
+    assert lost in local_ray.removed_node_ids
+    members = {node: (m.generation, m.version) for node, m in sync.members.items()}
+    other = WeightSync(timeout_s=5.0, layout=sync.layout)
+    work = shared_dir / "unjoinable"
+    try:
+        # a lost node cannot be re-formed: its agent cannot start there
+        with pytest.raises(WeightSyncError, match=f"node {lost[:12]} could not join") as joined:
+            other.add_node(lost, serve_dir=work / "lost")
+        assert "add_node it again" in str(joined.value)
+        assert other.members == {}
+
+        # the only member hangs mid-update: no node committed, a timeout error naming it
+        other.timeout_s = 120.0  # a loaded machine takes a while to start an agent
+        other.add_node(spare, serve_dir=work / "spare-1")
+        other.update(weights(other, 7))
+        agent = ray.get(other.members[spare].agent.status.remote(), timeout=60)
+        agent_pid, server_pid = agent["pid"], agent["own_server_pid"]
+        assert not gone(server_pid)
+        os.kill(agent_pid, signal.SIGSTOP)
+        other.timeout_s = 5.0
+        with pytest.raises(WeightSyncTimeoutError, match="no node committed version 2") as hung:
+            other.update(weights(other, 8))
+        other.timeout_s = 120.0
+        assert hung.value.nodes == (spare,)
+        assert spare in str(hung.value)
+        assert "5.0 s" in str(hung.value)
+        assert other.members == {}
+        assert set(other.status()["dropped"]) == {spare}
+        wait_until(lambda: gone(agent_pid), 60, "the hung agent killed")
+        wait_until(lambda: gone(server_pid), 60, "the killed agent's own weight server stopped")
+
+        # the node rejoins with version 2 in full; then a rendezvous its agent never joins (it
+        # hangs): a timeout naming the node and the address, and the node is dropped
+        other.add_node(spare, serve_dir=work / "spare-2")
+        assert other.members[spare].version == 2
+        agent = ray.get(other.members[spare].agent.status.remote(), timeout=60)
+        agent_pid, server_pid = agent["pid"], agent["own_server_pid"]
+        os.kill(agent_pid, signal.SIGSTOP)
+        host = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        with pytest.raises(
+            WeightSyncTimeoutError, match=f"node {spare[:12]} did not join the rendezvous at {host}:"
+        ) as rendezvous:
+            connect(other.members[spare], 99, host, 5.0)
+        assert rendezvous.value.nodes == (spare,)
+        other.drop_node(spare, "its agent hangs")
+        wait_until(lambda: gone(agent_pid), 60, "the hung agent killed")
+        wait_until(lambda: gone(server_pid), 60, "the killed agent's own weight server stopped")
+    finally:
+        other.close()
+    assert {node: (m.generation, m.version) for node, m in sync.members.items()} == members

@@ -103,8 +103,10 @@ class WeightSync:
         its group through a fresh rendezvous and, if a version exists, send it in full.
 
         A node without slots yet gets a weight server of the agent's own in `serve_dir` (the table
-        must be known: `layout=` or a node added with sockets first). Raises WeightSyncError (the agent
-        removed again) when the node cannot join or does not commit the current version.
+        must be known: `layout=` or a node added with sockets first). When the node cannot join or
+        does not commit the current version, its agent is removed again and WeightSyncError names
+        the node and the members (WeightSyncTimeoutError, `.nodes`, when it did not answer within
+        `timeout_s`: a hung node is an error, never a hang); the members are untouched.
         """
         with self._lock:
             if node_id in self.members:
@@ -140,6 +142,9 @@ class WeightSync:
                     self._transfer(member, self.version, self._flat)
                 else:
                     member.checksum = str(info["live"][0]["checksum"]) if info["live"] else ""
+            except WeightSyncError as exc:
+                ray.kill(agent, no_restart=True)
+                raise self._join_error(node_id, exc) from exc
             except BaseException:
                 ray.kill(agent, no_restart=True)
                 raise
@@ -235,10 +240,11 @@ class WeightSync:
             self.num_updates += 1
             self.last_update_s = time.monotonic() - start
             if not reports:
-                names = tuple(reasons)
                 raise WeightSyncTimeoutError(
-                    f"no node committed version {version}: {reasons}; the nodes were dropped, add them again",
-                    names,
+                    f"no node committed version {version}: {reasons}; every node was dropped (a router "
+                    f"requires version {version}: no slot serves until a node holds it); add_node them "
+                    "again before the next rollout",
+                    tuple(reasons),
                 )
             return WeightUpdateResult(
                 version,
@@ -347,6 +353,19 @@ class WeightSync:
             raise WeightSyncTimeoutError(
                 f"node {member.node_id[:12]}: {reasons[member.node_id]}", (member.node_id,)
             )
+
+    def _join_error(self, node_id: str, exc: WeightSyncError) -> WeightSyncError:
+        """Why `node_id` could not join, naming it and the members (whose groups are untouched)."""
+        members = [member[:12] for member in self.members]
+        message = (
+            f"node {node_id[:12]} could not join the weight sync (a fresh rendezvous, then version "
+            f"{self.version} in full): {exc}. It is not a member (none of its slots is reported to "
+            f"the router at a version); the members {members} keep their groups. Check the node, then "
+            "add_node it again (or go on without it)"
+        )
+        if isinstance(exc, WeightSyncTimeoutError):
+            return WeightSyncTimeoutError(message, exc.nodes)
+        return WeightSyncError(message)
 
     def _drop(self, member: NodeLink, reason: str) -> None:
         self.members.pop(member.node_id, None)

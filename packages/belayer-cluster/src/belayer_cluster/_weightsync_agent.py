@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,28 @@ from belayer_cluster._weightsync_pack import checksum, pack, unpack
 from belayer_gpumem import BelayerGpumemError, ServerConfig, ServerProcess, WeightClient, WeightLayout
 
 __all__ = ["WeightAgent"]
+
+# The guard of an agent's own weight server: a small process that blocks on a pipe from the agent.
+# When the agent ends in any way (SIGKILL from `ray.kill`, its node lost), the kernel closes the
+# pipe, the read returns, and the guard stops the server (SIGTERM, SIGKILL after 10 s), which would
+# otherwise outlive the agent as an orphan.
+_GUARD = """
+import os, signal, sys, time
+pid = int(sys.argv[1])
+sys.stdin.buffer.read()
+for sig, grace_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 0.0)):
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        break
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            sys.exit(0)
+        time.sleep(0.1)
+"""
 
 
 class WeightAgent:
@@ -38,6 +62,7 @@ class WeightAgent:
         self._layout: WeightLayout | None = None
         self._group: Any = None
         self._own_server: ServerProcess | None = None
+        self._guard: subprocess.Popen[bytes] | None = None
 
     def pid(self) -> int:
         """This actor's process id (chaos tests stop or kill it)."""
@@ -102,6 +127,10 @@ class WeightAgent:
             raise WeightSyncError(
                 f"node {self.node_id[:12]}: its own weight server did not start: {exc}"
             ) from exc
+        # the server ends with this agent, however the agent ends (see _GUARD)
+        self._guard = subprocess.Popen(
+            [sys.executable, "-c", _GUARD, str(self._own_server.pid)], stdin=subprocess.PIPE
+        )
         return self.attach([str(socket)])
 
     def connect(self, generation: int, host: str, port: int, timeout_s: float) -> int:
@@ -182,7 +211,7 @@ class WeightAgent:
         return found
 
     def status(self) -> dict[str, Any]:
-        """`{node_id, generation, version, checksum, pid, num_servers}` of this node."""
+        """`{node_id, generation, version, checksum, pid, num_servers, own_server_pid}` of this node."""
         return {
             "node_id": self.node_id,
             "generation": self.generation,
@@ -190,6 +219,7 @@ class WeightAgent:
             "checksum": self.checksum,
             "pid": os.getpid(),
             "num_servers": len(self._clients),
+            "own_server_pid": None if self._own_server is None else self._own_server.pid,
         }
 
     def save_safetensors(self, path: str) -> str:
@@ -215,6 +245,10 @@ class WeightAgent:
             with contextlib.suppress(BelayerGpumemError):
                 client.detach()
         self._clients.clear()
+        if self._guard is not None:  # an orderly close stops the server itself
+            self._guard.kill()
+            self._guard.wait()
+            self._guard = None
         if self._own_server is not None:
             self._own_server.stop(timeout_s=10)
             self._own_server = None

@@ -85,7 +85,9 @@ def call(link: NodeLink, ref: Any, timeout_s: float) -> Any:
         return ray.get(ref, timeout=timeout_s)
     except GetTimeoutError as exc:
         raise WeightSyncTimeoutError(
-            f"node {link.node_id[:12]}'s agent did not answer within {timeout_s} s", (link.node_id,)
+            f"node {link.node_id[:12]}'s agent did not answer within {timeout_s} s (the node hangs or "
+            "is overloaded)",
+            (link.node_id,),
         ) from exc
     except RayError as exc:
         raise WeightSyncError(f"node {link.node_id[:12]}'s agent failed: {exc}") from exc
@@ -94,7 +96,14 @@ def call(link: NodeLink, ref: Any, timeout_s: float) -> Any:
 def connect(link: NodeLink, generation: int, host: str, timeout_s: float) -> None:
     """A fresh rendezvous: a new TCPStore on a free port of `host`, the agent joins as rank 1."""
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, 0, 2, True, timeout=timeout, wait_for_workers=False)  # type: ignore[attr-defined]
+    try:
+        store = dist.TCPStore(host, 0, 2, True, timeout=timeout, wait_for_workers=False)  # type: ignore[attr-defined]
+    except RuntimeError as exc:  # torch's DistStoreError and kin: no free port, `host` not this machine's
+        raise WeightSyncError(
+            f"node {link.node_id[:12]}: the trainer cannot open a rendezvous on {host}: "
+            f"{str(exc).splitlines()[0][:200]}; pass WeightSync(host=...) an address of this machine "
+            "that every node reaches"
+        ) from exc
     ref = link.agent.connect.remote(generation, host, int(store.port), timeout_s)
     try:
         link.group = dist.ProcessGroupGloo(store, 0, 2, timeout)
