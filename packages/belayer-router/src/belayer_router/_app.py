@@ -5,8 +5,11 @@ from __future__ import annotations
 import hmac
 import json
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 import attrs
 import httpx
 
@@ -103,7 +106,7 @@ class RouterApp(OpenAIRoutes):
     def _apply_admin(self, op: dict[str, Any]) -> None:
         """Apply one registry change; the same code serves the API and a journal replay."""
         if op["op"] == "register":
-            self.registry.register(op["slot"], op["url"], op["epoch"])
+            self.registry.register(op["slot"], op["url"], op["epoch"], bool(op.get("link", False)))
         elif op["op"] == "unregister":
             self.registry.unregister(op["slot"], op["epoch"])
         elif op["op"] == "slot_version":
@@ -131,15 +134,31 @@ class RouterApp(OpenAIRoutes):
         except BelayerRouterError as error:
             await send_json(send, error.status, {"error": {"message": str(error), "status": error.status}})
 
+    @asynccontextmanager
+    async def serving_links(self) -> AsyncIterator[None]:
+        """Run worker links (one persistent connection per linked worker) for the block.
+
+        The ASGI lifespan and `running_router` enter it; without it, linked workers are served
+        one ``POST /generate`` per request, like the others.
+        """
+        async with anyio.create_task_group() as group:
+            self.dispatcher.links.group = group
+            try:
+                yield
+            finally:
+                self.dispatcher.links.group = None
+                group.cancel_scope.cancel()
+
     async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await self.aclose()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+        async with self.serving_links():
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await self.aclose()
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
 
     async def _body(self, receive: Receive) -> Any:
         return await read_json(receive, self.config.max_body_bytes)
@@ -198,9 +217,14 @@ class RouterApp(OpenAIRoutes):
                 url = body.get("url")
                 if not isinstance(url, str) or not url.startswith(("http://", "https://")):
                     raise InvalidRequestError(f"field 'url' must be an http(s) URL, got {url!r}")
-                slot, epoch = _slot_field(body), _int_field(body, "epoch")
-                self._admin_change({"op": "register", "slot": slot, "url": url.rstrip("/"), "epoch": epoch})
-                await send_json(send, 200, {"slot": slot, "url": url.rstrip("/"), "epoch": epoch})
+                slot, epoch, link = _slot_field(body), _int_field(body, "epoch"), body.get("link", False)
+                if not isinstance(link, bool):
+                    raise InvalidRequestError(f"field 'link' must be true or false, got {link!r}")
+                op = {"op": "register", "slot": slot, "url": url.rstrip("/"), "epoch": epoch}
+                self._admin_change({**op, "link": True} if link else op)
+                await send_json(
+                    send, 200, {"slot": slot, "url": url.rstrip("/"), "epoch": epoch, "link": link}
+                )
             case "POST", ["workers", "unregister"]:
                 body = _object(await self._body(receive))
                 slot, epoch = _slot_field(body), _int_field(body, "epoch")

@@ -90,9 +90,16 @@ class RouterClient:
 
     # -- workers -------------------------------------------------------------------------------
 
-    async def register(self, slot: str, url: str, epoch: int) -> None:
-        """Make the worker at ``url`` the active one of ``slot`` at ``epoch`` (must exceed older ones)."""
-        await self._call("POST", "/workers/register", {"slot": slot, "url": url, "epoch": epoch})
+    async def register(self, slot: str, url: str, epoch: int, link: bool = False) -> None:
+        """Make the worker at ``url`` the active one of ``slot`` at ``epoch`` (must exceed older ones).
+
+        ``link=True``: the worker serves the multiplexed link (``POST /link``, README "Worker
+        link"); the router then streams all its requests over one connection.
+        """
+        body: dict[str, Any] = {"slot": slot, "url": url, "epoch": epoch}
+        if link:
+            body["link"] = True
+        await self._call("POST", "/workers/register", body)
 
     async def unregister(self, slot: str, epoch: int) -> None:
         """Remove the slot's worker of ``epoch``; its in-flight requests are resumed elsewhere."""

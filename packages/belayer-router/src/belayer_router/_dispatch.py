@@ -11,7 +11,7 @@ synchronous, so fencing check, journal append and emit happen with no await in b
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -22,6 +22,7 @@ import orjson
 from belayer_router._errors import NoHealthyWorkerError, WorkerStreamError
 from belayer_router._journal import Journal, RequestRecord
 from belayer_router._link import open_link
+from belayer_router._links import LinkAttempt, LinkPool
 from belayer_router._metrics import Metrics
 from belayer_router._protocol import (
     MAX_FRAME_BYTES,
@@ -60,6 +61,13 @@ class Dispatcher:
     max_attempts: int = 32
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 120.0
+    links: LinkPool = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.links = LinkPool(self._check_frame, self._apply_link, self._stale)
+
+    def _stale(self) -> None:
+        self.metrics.num_stale_events += 1
 
     async def run(self, record: RequestRecord, emit: Emit, num_received: int = 0) -> None:
         """Drive ``record`` to completion, emitting every token with index >= ``num_received``."""
@@ -145,13 +153,46 @@ class Dispatcher:
         finish: str | None = None
         with self.registry.attempt(worker) as scope, scope:
             try:
-                finish = await self._stream(worker, body, record, emit, num_received)
+                if worker.link and self.links.group is not None and worker.url.startswith("http://"):
+                    finish = await self._linked(worker, orjson.dumps(body), record, emit, num_received)
+                else:
+                    finish = await self._stream(worker, body, record, emit, num_received)
             except (httpx.HTTPError, OSError, anyio.BrokenResourceError) as error:
                 raise WorkerStreamError(f"stream from {worker.url} broke: {error!r}") from error
         if scope.cancelled_caught or finish is None:
             why = "held out (weight version)" if worker.held_out and not worker.retired else "retired"
             raise WorkerStreamError(f"worker {worker.url} (slot {worker.slot}) was {why} mid-stream")
         return finish
+
+    async def _linked(
+        self, worker: Worker, body: bytes, record: RequestRecord, emit: Emit, num_received: int
+    ) -> str | None:
+        """Run the attempt as one request on the worker's link; the link's reader feeds it."""
+        link = await self.links.get(worker, self.connect_timeout_s, self.read_timeout_s)
+        attempt = link.submit(body, record, emit, num_received)
+        try:
+            await attempt.done.wait()
+        finally:
+            link.abort(attempt)  # a no-op once it finished; else the worker stops generating it
+        if attempt.error is not None:
+            raise attempt.error
+        return attempt.finish
+
+    def _apply_link(
+        self, worker: Worker, attempt: LinkAttempt, first: int, token_ids: list[int], logprobs: list[float]
+    ) -> str | None:
+        """Journal and emit a checked link entry (synchronously, from the link's reader)."""
+        record, emit, num_received = attempt.record, attempt.emit, attempt.num_received
+        if not record.request.stop:
+            self._frame(record, emit, num_received, first, token_ids, logprobs)
+            return None
+        for offset, token_id in enumerate(token_ids):
+            reason = self._token(
+                worker, record, emit, num_received, first + offset, token_id, logprobs[offset]
+            )
+            if reason is not None:
+                return reason
+        return None
 
     async def _stream(
         self, worker: Worker, body: dict[str, object], record: RequestRecord, emit: Emit, num_received: int
@@ -211,9 +252,9 @@ class Dispatcher:
         if isinstance(event, WorkerFinish):
             return event.finish_reason
         if isinstance(event, WorkerTokens):
-            self._check_frame(worker, record, event)
+            self._check_frame(worker, record, event.index, event.token_ids)
             if not record.request.stop:
-                self._frame(record, emit, num_received, event)
+                self._frame(record, emit, num_received, event.index, event.token_ids, event.logprobs)
                 return None
             for offset, token_id in enumerate(event.token_ids):
                 index = event.index + offset
@@ -226,20 +267,28 @@ class Dispatcher:
         return self._token(worker, record, emit, num_received, event.index, event.token_id, event.logprob)
 
     @staticmethod
-    def _check_frame(worker: Worker, record: RequestRecord, frame: WorkerTokens) -> None:
+    def _check_frame(worker: Worker, record: RequestRecord, first: int, token_ids: Sequence[int]) -> None:
         """A frame is used whole or not at all: index, room left, no stop token before its end."""
         index, request = len(record.token_ids), record.request
-        if frame.index != index or index + len(frame.token_ids) > request.max_tokens:
+        if first != index or index + len(token_ids) > request.max_tokens:
             raise WorkerStreamError(
-                f"worker {worker.url} sent a frame of {len(frame.token_ids)} tokens at index "
-                f"{frame.index}; expected index {index} and at most {request.max_tokens - index} tokens"
+                f"worker {worker.url} sent a frame of {len(token_ids)} tokens at index "
+                f"{first}; expected index {index} and at most {request.max_tokens - index} tokens"
             )
-        if any(t in request.stop_token_ids for t in frame.token_ids[:-1]):
+        stops = request.stop_token_ids
+        if stops and len(token_ids) > 1 and any(t in stops for t in token_ids[:-1]):
             raise WorkerStreamError(f"worker {worker.url} sent tokens after a stop token in one frame")
 
-    def _frame(self, record: RequestRecord, emit: Emit, num_received: int, frame: WorkerTokens) -> None:
+    def _frame(
+        self,
+        record: RequestRecord,
+        emit: Emit,
+        num_received: int,
+        start: int,
+        token_ids: Sequence[int],
+        logprobs: Sequence[float],
+    ) -> None:
         """Journal and emit a checked frame whole: one event for a frames client, else per token."""
-        start, token_ids, logprobs = frame.index, frame.token_ids, frame.logprobs
         self.journal.extend(record, token_ids, logprobs)
         skip = min(len(token_ids), max(0, num_received - start))  # regenerated: the client has them
         self.metrics.num_tokens_regenerated += skip
@@ -249,7 +298,7 @@ class Dispatcher:
         if skip:
             token_ids, logprobs = token_ids[skip:], logprobs[skip:]
         if record.request.frames:
-            emit(TokensEvent(start + skip, token_ids, logprobs))
+            emit(TokensEvent(start + skip, tuple(token_ids), tuple(logprobs)))
         else:
             for offset, token_id in enumerate(token_ids):
                 emit(TokenEvent(start + skip + offset, token_id, logprobs[offset]))

@@ -6,6 +6,7 @@ __all__ = [
     "BelayerRouterError",
     "InvalidRequestError",
     "JournalError",
+    "LinkProtocolError",
     "NoHealthyWorkerError",
     "NotFoundError",
     "PayloadTooLargeError",
@@ -101,3 +102,11 @@ class RouterClientError(BelayerRouterError):
         super().__init__(f"router answered {status}: {message}")
         self.status = status
         self.message = message
+
+
+class LinkProtocolError(WorkerStreamError):
+    """A worker link carried a malformed, truncated or oversized frame, or an unknown request.
+
+    The router fences the link (every request on it resumes elsewhere) and journals nothing of
+    the frame.
+    """

@@ -13,8 +13,9 @@ uninterrupted one would have produced:
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+import math
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
 import anyio
@@ -24,6 +25,7 @@ from belayer_router._asgi import Receive, Send
 from belayer_router._protocol import encode_worker_finish, encode_worker_token, encode_worker_tokens
 from belayer_router._server import serving
 from belayer_router._tokenizer import Tokenizer
+from belayer_router._wire import LINK_PATH, LinkAbort, encode_reject, encode_step, read_link_frames
 
 __all__ = [
     "POISON",
@@ -89,6 +91,9 @@ class FakeWorker:
     poison_after_pause: bool = False  # after the pause, stream POISON tokens (a zombie)
     claimed_epoch: int | None = None  # epoch written into events (default: the real one)
     frame_tokens: int = 1  # > 1: send ``tokens`` frames of up to this many tokens
+    link: bool = False  # also serve the multiplexed link (``POST /link``); register it with link=True
+    num_links: int = 0  # links the router opened
+    num_aborts: int = 0  # link requests the router aborted while they ran
     dead: bool = False
     gate: anyio.Event = attrs.field(factory=anyio.Event)
     died: anyio.Event = attrs.field(factory=anyio.Event)
@@ -111,6 +116,9 @@ class FakeWorker:
             while (await receive())["type"] != "lifespan.shutdown":
                 await send({"type": "lifespan.startup.complete"})
             await send({"type": "lifespan.shutdown.complete"})
+            return
+        if self.link and scope["path"].rstrip("/") == LINK_PATH:
+            await self._link(receive, send)
             return
         body = b""
         while True:
@@ -135,8 +143,8 @@ class FakeWorker:
             self.dead = True
         return self.dead or (self.die_after is not None and sent_in_stream >= self.die_after)
 
-    async def _stream(self, request: dict[str, Any], send: Send) -> None:
-        epoch = self.epoch if self.claimed_epoch is None else self.claimed_epoch
+    async def _frames(self, request: dict[str, Any]) -> AsyncGenerator[tuple[int, list[int]] | str]:
+        """What a request streams: ``(first index, tokens)`` frames, then its finish reason."""
         start = len(request["generated_token_ids"])
         end = start + request["max_tokens"]
         scripted: Sequence[int] | None = None
@@ -161,21 +169,77 @@ class FakeWorker:
             self.num_tokens_sent += 1
             stop = token in request["stop_token_ids"]
             if stop or len(frame) >= self.frame_tokens or index == end - 1:
-                await send(
-                    {"type": "http.response.body", "body": self._line(epoch, index, frame), "more_body": True}
-                )
+                yield index - len(frame) + 1, frame
                 frame = []
             if stop:
                 reason = "stop"
                 break
             await anyio.sleep(self.token_delay_s)
-        final = encode_worker_finish(epoch, reason)
-        await send({"type": "http.response.body", "body": final, "more_body": False})
+        yield reason
 
-    def _line(self, epoch: int, last: int, frame: list[int]) -> bytes:
+    async def _stream(self, request: dict[str, Any], send: Send) -> None:
+        epoch = self.epoch if self.claimed_epoch is None else self.claimed_epoch
+        async with aclosing(self._frames(request)) as frames:
+            async for item in frames:
+                if isinstance(item, str):
+                    final = encode_worker_finish(epoch, item)
+                    await send({"type": "http.response.body", "body": final, "more_body": False})
+                else:
+                    body = self._line(epoch, item[0], item[1])
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+
+    def _line(self, epoch: int, first: int, frame: list[int]) -> bytes:
         if self.frame_tokens == 1:
-            return encode_worker_token(epoch, last, frame[0], logprob_of(frame[0]))
-        return encode_worker_tokens(epoch, last - len(frame) + 1, frame, [logprob_of(t) for t in frame])
+            return encode_worker_token(epoch, first, frame[0], logprob_of(frame[0]))
+        return encode_worker_tokens(epoch, first, frame, [logprob_of(t) for t in frame])
+
+    # The multiplexed link (``link=True``): every request of the link in one connection.
+
+    async def _link(self, receive: Receive, send: Send) -> None:
+        if self.dead:
+            raise WorkerKilled
+        self.num_links += 1
+        outbox, outgoing = anyio.create_memory_object_stream[bytes](math.inf)
+        running: dict[int, anyio.CancelScope] = {}
+        headers = [(b"content-type", b"application/x-belayer-link")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+
+        async def write() -> None:
+            async for first in outgoing:
+                batch = [first]
+                while True:
+                    try:
+                        batch.append(outgoing.receive_nowait())
+                    except anyio.WouldBlock:
+                        break
+                await send({"type": "http.response.body", "body": b"".join(batch), "more_body": True})
+
+        async def generate(handle: int, request: dict[str, Any]) -> None:
+            epoch = self.epoch if self.claimed_epoch is None else self.claimed_epoch
+            with running.setdefault(handle, anyio.CancelScope()):
+                async with aclosing(self._frames(request)) as frames:
+                    async for item in frames:
+                        if isinstance(item, str):
+                            outbox.send_nowait(encode_step(epoch, [], [(handle, item)]))
+                        else:
+                            logprobs = [logprob_of(t) for t in item[1]]
+                            outbox.send_nowait(encode_step(epoch, [(handle, item[0], item[1], logprobs)]))
+            running.pop(handle, None)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(write)
+            async for message in read_link_frames(receive):
+                if isinstance(message, LinkAbort):
+                    if message.handle in running:
+                        self.num_aborts += 1
+                        running[message.handle].cancel()
+                    continue
+                self.requests.append(message.body)
+                if message.body.get("epoch") != self.epoch:
+                    outbox.send_nowait(encode_reject(message.handle, "stale epoch"))
+                    continue
+                group.start_soon(generate, message.handle, message.body)
+            group.cancel_scope.cancel()  # the router closed the link
 
 
 @asynccontextmanager

@@ -102,9 +102,9 @@ class RouterFleet:
 
     # -- workers: every router has its own registry -----------------------------------------
 
-    async def register(self, slot: str, url: str, epoch: int) -> None:
+    async def register(self, slot: str, url: str, epoch: int, link: bool = False) -> None:
         """Register the worker with every router (see `RouterClient.register`)."""
-        await self._broadcast(lambda client: client.register(slot, url, epoch))
+        await self._broadcast(lambda client: client.register(slot, url, epoch, link))
 
     async def unregister(self, slot: str, epoch: int) -> None:
         """Unregister the worker from every router."""

@@ -40,7 +40,9 @@ class Worker:
     retired: bool = False
     held_out: bool = False  # its slot's weight version is not the required one (for now)
     num_version_cuts: int = 0  # times its streams were cut for that
+    link: bool = False  # it serves the multiplexed link (``POST /link``) beside ``POST /generate``
     scopes: set[anyio.CancelScope] = attrs.field(factory=set, repr=False)
+    links: set[anyio.CancelScope] = attrs.field(factory=set, repr=False)  # its open link's task
 
     @property
     def key(self) -> tuple[str, int]:
@@ -91,7 +93,7 @@ class Registry:
 
     def _retire(self, worker: Worker) -> None:
         worker.retired = True
-        for scope in worker.scopes:
+        for scope in (*worker.scopes, *worker.links):
             scope.cancel()
 
     def _behind(self, state: Slot) -> bool:
@@ -142,8 +144,11 @@ class Registry:
             self._gate(state)
         self._notify()
 
-    def register(self, slot: str, url: str, epoch: int) -> Worker:
+    def register(self, slot: str, url: str, epoch: int, link: bool = False) -> Worker:
         """Make ``url`` the slot's worker at ``epoch``; a lower-epoch worker is retired.
+
+        ``link``: the worker serves the multiplexed link; the router then runs its requests on one
+        persistent connection (else one ``POST /generate`` per request).
 
         Re-registering the same ``(slot, url, epoch)`` is a no-op.  Raise `StaleEpochError` for an
         epoch at or below the slot's highest one, and for an unhealthy slot.
@@ -153,6 +158,7 @@ class Registry:
             state = self.slots[slot] = Slot(slot)
         current = state.worker
         if current is not None and current.epoch == epoch and current.url == url:
+            current.link = link
             return current
         if not state.healthy:
             raise StaleEpochError(f"slot {slot!r} is marked unhealthy; register the worker on a new slot")
@@ -164,7 +170,7 @@ class Registry:
         if current is not None:
             self._retire(current)
             self.num_handovers += 1
-        state.worker = Worker(slot, url, epoch)
+        state.worker = Worker(slot, url, epoch, link=link)
         state.max_epoch = epoch
         self._gate(state)
         self._notify()
@@ -279,6 +285,7 @@ class Registry:
                 "slot": s.name,
                 "url": None if s.worker is None else s.worker.url,
                 "epoch": None if s.worker is None else s.worker.epoch,
+                "link": s.worker is not None and s.worker.link,
                 "max_epoch": s.max_epoch,
                 "healthy": s.healthy,
                 "num_outstanding": s.num_outstanding,

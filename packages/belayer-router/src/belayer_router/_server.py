@@ -79,7 +79,7 @@ async def running_router(
     """A router served in this process for the block: ``(base_url, app)``."""
     app = RouterApp(config or RouterConfig())
     try:
-        async with serving(app, host, port) as url:
+        async with app.serving_links(), serving(app, host, port) as url:
             yield url, app
     finally:
         with anyio.CancelScope(shield=True):

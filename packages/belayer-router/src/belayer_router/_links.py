@@ -1,0 +1,298 @@
+"""The multiplexed worker link, router side: one persistent connection per worker.
+
+A worker that registered with ``link: true`` gets one long-lived ``POST /link`` (plain HTTP/1.1,
+chunked both ways, `_wire` frames inside).  Every request the router runs on that worker is a
+``SUBMIT`` on the link; the worker answers with one ``STEP`` frame per engine step carrying every
+request's new tokens and finishes.  The link's reader task checks a frame whole (epoch, handles,
+indices, room left) before it journals and emits anything of it, then hands each entry to its
+request synchronously: no per-request task wakes up per token, only the client's writer.
+
+The link breaking (connection error, malformed frame, stale epoch, retired worker, a read slower
+than ``read_timeout_s`` while requests are out) breaks every request on it: each resumes through
+the dispatcher's usual path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+import anyio
+import anyio.abc
+import attrs
+import httptools
+
+from belayer_router._errors import LinkProtocolError, WorkerStreamError
+from belayer_router._link import _Response
+from belayer_router._wire import (
+    LINK_PATH,
+    REJECT,
+    STEP,
+    FrameBuffer,
+    LinkStep,
+    decode_step,
+    encode_abort,
+    encode_submit,
+)
+
+if TYPE_CHECKING:
+    from belayer_router._dispatch import Emit
+    from belayer_router._journal import RequestRecord
+    from belayer_router._registry import Worker
+
+__all__ = ["Link", "LinkAttempt", "LinkPool"]
+
+_READ_BYTES = 262144
+Check = Callable[["Worker", "RequestRecord", int, list[int]], None]
+Apply = Callable[["Worker", "LinkAttempt", int, list[int], list[float]], "str | None"]
+
+
+@attrs.define(eq=False)
+class LinkAttempt:
+    """One request submitted on a link, until it finishes, is rejected, aborted or the link breaks."""
+
+    handle: int
+    record: RequestRecord
+    emit: Emit
+    num_received: int
+    done: anyio.Event = attrs.field(factory=anyio.Event)
+    finish: str | None = None
+    error: WorkerStreamError | None = None
+
+
+def _head(url: str) -> tuple[str, int, bytes]:
+    parts = urlsplit(url)
+    if parts.scheme != "http" or parts.hostname is None:
+        raise WorkerStreamError(f"worker URL {url!r} is not a plain http:// URL; a link needs one")
+    path = (parts.path.rstrip("/") or "") + LINK_PATH
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/x-belayer-link\r\n"
+        "Accept: application/x-belayer-link\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    return parts.hostname, parts.port or 80, head.encode("ascii")
+
+
+class Link:
+    """One open link to one worker (one `Worker`, i.e. one slot at one epoch)."""
+
+    def __init__(
+        self,
+        worker: Worker,
+        stream: anyio.abc.SocketStream,
+        check: Check,
+        apply: Apply,
+        read_timeout_s: float,
+        on_stale: Callable[[], None],
+    ) -> None:
+        self.worker, self.stream = worker, stream
+        self.check, self.apply, self.on_stale = check, apply, on_stale
+        self.read_timeout_s = read_timeout_s
+        self.attempts: dict[int, LinkAttempt] = {}
+        self.next_handle = 0
+        self.broken: WorkerStreamError | None = None
+        self.outbox, self.outgoing = anyio.create_memory_object_stream[bytes](math.inf)
+
+    def submit(self, body: bytes, record: RequestRecord, emit: Emit, num_received: int) -> LinkAttempt:
+        """Send a request on the link; wait on the returned attempt's ``done``."""
+        if self.broken is not None:
+            raise WorkerStreamError(f"link to {self.worker.url} is broken: {self.broken}")
+        attempt = LinkAttempt(self.next_handle, record, emit, num_received)
+        self.next_handle += 1
+        self.attempts[attempt.handle] = attempt
+        self.outbox.send_nowait(encode_submit(attempt.handle, body))
+        return attempt
+
+    def abort(self, attempt: LinkAttempt) -> None:
+        """Stop ``attempt`` (client gone, stop string, slot cut): the worker is told, late frames dropped."""
+        if self.attempts.pop(attempt.handle, None) is not None and self.broken is None:
+            self.outbox.send_nowait(encode_abort(attempt.handle))
+
+    def _close(
+        self, attempt: LinkAttempt, finish: str | None, error: WorkerStreamError | None = None
+    ) -> None:
+        self.attempts.pop(attempt.handle, None)
+        attempt.finish, attempt.error = finish, error
+        attempt.done.set()
+
+    async def run(self) -> None:
+        """Read and write the link until it breaks or its worker is retired; then fail what is left."""
+        error: BaseException | None = None
+        with anyio.CancelScope() as scope:
+            self.worker.links.add(scope)
+            try:
+                async with anyio.create_task_group() as group:
+                    group.start_soon(self._write)
+                    await self._read()
+            except Exception as exc:
+                error = exc
+                while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+                    error = error.exceptions[0]
+            finally:
+                self.worker.links.discard(scope)
+        why = WorkerStreamError(f"link to {self.worker.url} broke: {error!r}" if error else "worker retired")
+        self.broken = why
+        for attempt in list(self.attempts.values()):
+            self._close(attempt, None, why)
+        self.outbox.close()
+        with anyio.CancelScope(shield=True):
+            await self.stream.aclose()
+
+    async def _write(self) -> None:
+        async with self.outgoing:
+            async for first in self.outgoing:
+                batch = [first]
+                while True:
+                    try:
+                        batch.append(self.outgoing.receive_nowait())
+                    except anyio.WouldBlock:
+                        break
+                data = b"".join(batch)
+                await self.stream.send(b"%x\r\n%b\r\n" % (len(data), data))
+
+    async def _read(self) -> None:
+        response = _Response()
+        parser = httptools.HttpResponseParser(response)
+        frames = FrameBuffer()
+        checked = False
+        while True:
+            timeout = self.read_timeout_s if self.attempts else math.inf
+            with anyio.move_on_after(timeout) as scope:
+                try:
+                    data = await self.stream.receive(_READ_BYTES)
+                except anyio.EndOfStream:
+                    raise WorkerStreamError(f"worker {self.worker.url} closed its link") from None
+            if scope.cancelled_caught:
+                raise WorkerStreamError(
+                    f"worker {self.worker.url} sent nothing for {self.read_timeout_s:g} s"
+                )
+            try:
+                parser.feed_data(data)
+            except httptools.HttpParserError as error:
+                raise LinkProtocolError(
+                    f"worker {self.worker.url} sent a malformed HTTP answer: {error}"
+                ) from error
+            if response.headers_done and not checked:
+                checked = True
+                status = parser.get_status_code()
+                if status != 200:
+                    raise WorkerStreamError(f"worker {self.worker.url} answered its link with {status}")
+            if response.body:
+                chunk = b"".join(response.body)
+                response.body.clear()
+                for kind, payload in frames.feed(chunk):
+                    if kind == STEP:
+                        self._step(decode_step(payload))
+                    elif kind == REJECT:
+                        self._reject(payload)
+                    else:
+                        raise LinkProtocolError(
+                            f"worker {self.worker.url} sent an unknown link frame kind {kind}"
+                        )
+            if response.done:
+                raise WorkerStreamError(f"worker {self.worker.url} ended its link")
+
+    def _known(self, handles: list[int]) -> None:
+        if handles and max(handles) >= self.next_handle:
+            raise LinkProtocolError(
+                f"worker {self.worker.url} sent request handle {max(handles)}; the link issued "
+                f"{self.next_handle} handles"
+            )
+
+    def _reject(self, payload: memoryview) -> None:
+        if len(payload) < 4:
+            raise LinkProtocolError(f"worker {self.worker.url} sent a REJECT frame without a handle")
+        handle = int.from_bytes(payload[:4], "little")
+        self._known([handle])
+        attempt = self.attempts.get(handle)
+        if attempt is not None:
+            message = bytes(payload[4:]).decode(errors="replace")
+            self._close(
+                attempt, None, WorkerStreamError(f"worker {self.worker.url} rejected the request: {message}")
+            )
+
+    def _step(self, step: LinkStep) -> None:
+        worker = self.worker
+        if worker.held_out and not worker.retired:
+            return  # its requests are being cut (weight version): none of this reaches a client
+        if worker.retired or step.epoch != worker.epoch:
+            self.on_stale()
+            raise WorkerStreamError(
+                f"link frame of epoch {step.epoch} from {worker.url}; slot {worker.slot} expects epoch "
+                f"{worker.epoch}{' (retired)' if worker.retired else ''}"
+            )
+        handles, counts = step.handles, step.counts
+        self._known(handles)
+        self._known(step.finished)
+        if len(set(handles)) != len(handles):
+            raise LinkProtocolError(f"worker {worker.url} sent one request twice in a STEP frame")
+        attempts, token_ids, logprobs = self.attempts, step.token_ids, step.logprobs
+        live: list[tuple[LinkAttempt, int, list[int], list[float]]] = []
+        offset = 0
+        for i, handle in enumerate(handles):  # check the whole frame before using any of it
+            end = offset + counts[i]
+            attempt = attempts.get(handle)
+            if attempt is not None:  # else aborted by the router: late tokens, dropped
+                ids = token_ids[offset:end]
+                self.check(worker, attempt.record, step.firsts[i], ids)
+                live.append((attempt, step.firsts[i], ids, logprobs[offset:end]))
+            offset = end
+        for attempt, first, ids, values in live:
+            reason = self.apply(worker, attempt, first, ids, values)
+            if reason is not None:  # a stop string: the router ends it, the worker stops
+                self.abort(attempt)
+                self._close(attempt, reason)
+        for handle, reason in zip(step.finished, step.reasons, strict=True):
+            attempt = attempts.get(handle)
+            if attempt is not None:
+                self._close(attempt, reason)
+
+
+@attrs.define(eq=False)
+class LinkPool:
+    """The router's open links, one per worker; their tasks run in ``group`` (the app's lifetime)."""
+
+    check: Check
+    apply: Apply
+    on_stale: Callable[[], None]
+    group: anyio.abc.TaskGroup | None = None
+    links: dict[Worker, Link] = attrs.field(factory=dict)
+    _opening: dict[Worker, anyio.Event] = attrs.field(factory=dict, alias="_opening")
+
+    async def get(self, worker: Worker, connect_timeout_s: float, read_timeout_s: float) -> Link:
+        """The worker's open link, connecting it if needed (one connect at a time per worker)."""
+        while True:
+            link = self.links.get(worker)
+            if link is not None and link.broken is None:
+                return link
+            opening = self._opening.get(worker)
+            if opening is None:
+                break
+            await opening.wait()
+        assert self.group is not None, "links need the app's task group (RouterApp.serving_links)"
+        self._opening[worker] = opening = anyio.Event()
+        try:
+            host, port, head = _head(worker.url)
+            with anyio.fail_after(connect_timeout_s):
+                stream = await anyio.connect_tcp(host, port)
+            try:
+                await stream.send(head)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await stream.aclose()
+                raise
+            link = Link(worker, stream, self.check, self.apply, read_timeout_s, self.on_stale)
+            self.links[worker] = link
+            self.group.start_soon(self._run, link)
+            return link
+        finally:
+            del self._opening[worker]
+            opening.set()
+
+    async def _run(self, link: Link) -> None:
+        try:
+            await link.run()
+        finally:
+            if self.links.get(link.worker) is link:
+                del self.links[link.worker]
