@@ -219,11 +219,7 @@ def main() -> None:
         print(table)
         return
     document = {
-        "command": "python benchmarks/bench_weightsync.py "
-        + " ".join(
-            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-            for k, v in vars(args).items()
-        ),
+        "command": command,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, shared and loaded",
         "load_average_before_after": load,
         "transport": "torch.distributed ProcessGroupGloo over loopback TCP, one group per node",
