@@ -18,7 +18,7 @@ import ray
 from cluster_helpers import PROMPTS, TOKEN, ancestors, gone, rollout, wait_until
 from cluster_helpers import Rollout as Streams
 
-from belayer_cluster import DriverRouter, LocalRayCluster, RolloutCluster, SandboxCluster
+from belayer_cluster import DriverRouter, LocalRayCluster, RolloutCluster, SandboxCluster, SandboxHostError
 
 pytestmark = pytest.mark.timeout(300)
 MAX_TOKENS = 160
@@ -97,6 +97,45 @@ def test_a_sandbox_host_runs_on_every_node(local_ray: LocalRayCluster, sandboxes
     assert sorted(sandboxes.hosts) == sorted(local_ray.node_ids)
 
 
+def test_a_trajectorys_sandbox_is_used_through_its_container_and_restored_by_its_owner(
+    sandboxes: SandboxCluster,
+) -> None:
+    # What belayer-grpo's agentic pool does on the hosts: a sandbox on the nodes in turn, with the
+    # pool's working folder and labels; actions, a probe and a checkpoint in the same boundary.
+    box = sandboxes.create("traj-own", working_dir="/work", labels={"belayer.test": "own"})
+    mine = box.container_id
+    assert sandboxes.exec("traj-own", "echo 7 > a", container_id=mine)["prefix"] == 1
+    info, checkpoint, probed = sandboxes.checkpoint_at(
+        "traj-own",
+        "router:contexts/traj-own/1",
+        1,
+        probe_argv=["cat", "a"],
+        workdir="/work",
+        container_id=mine,
+    )
+    assert probed is not None
+    assert probed["stdout"] == "7\n"
+    assert (info.prefix, info.context_ref) == (1, "router:contexts/traj-own/1")
+    assert (checkpoint.prefix, checkpoint.context_ref) == (1, "router:contexts/traj-own/1")
+    assert checkpoint.path.is_relative_to(sandboxes.store_dir)  # published where every node reads
+    sandboxes.exec("traj-own", "echo 8 > a", container_id=mine)
+    assert sandboxes.control("traj-own", "kill", container_id=mine) == "kill"
+    # The owner restores its latest checkpoint (its node is alive: on the same node).
+    back = sandboxes.restore("traj-own", checkpoint, replacing=mine)
+    assert (back.node_id, back.prefix, back.context_ref) == (box.node_id, 1, checkpoint.context_ref)
+    assert back.container_id != mine
+    # The old container is refused by name: a caller still holding it learns that it moved.
+    with pytest.raises(SandboxHostError, match="restored or replaced since"):
+        sandboxes.exec("traj-own", "true", container_id=mine)
+    assert sandboxes.probe("traj-own", ["cat", "a"], container_id=back.container_id)["stdout"] == "7\n"
+    # Asked again for the same checkpoint by a holder of the old container: the restored one.
+    assert sandboxes.restore("traj-own", checkpoint, replacing=mine) == back
+    sandboxes.remove("traj-own", mine)
+    sandboxes.release("traj-own")
+    assert back.container_id not in sandboxes.containers()
+    assert mine not in sandboxes.containers()
+
+
 def test_a_node_removed_mid_rollout_resumes_on_another_node_exactly(
     local_ray: LocalRayCluster,
     slots: RolloutCluster,
@@ -115,6 +154,7 @@ def test_a_node_removed_mid_rollout_resumes_on_another_node_exactly(
     checkpointed = sandboxes.checkpoint("traj-b", "traj-b/turn-2")
     assert (checkpointed.node_id, checkpointed.prefix) == (lost.node_id, 2)
     sandboxes.exec("traj-b", "echo late > /late.txt")
+    fresh = sandboxes.create("traj-c", lost.node_id)  # no checkpoint: fenced, its owner restarts it
     streams = Streams(router.url, PROMPTS, MAX_TOKENS).start()
     streams.wait_tokens(4)
     local_ray.remove_node(lost.node_id)
@@ -143,7 +183,8 @@ def test_a_node_removed_mid_rollout_resumes_on_another_node_exactly(
     assert sandboxes.exec("traj-b", "test -e /late.txt")["exit_code"] == 1
     assert sandboxes.exec("traj-b", "kill -0 $(cat /sleeper.pid)")["exit_code"] == 0  # its process too
     containers = sandboxes.containers()
-    assert box.container_id not in containers  # nothing of the lost node's sandbox is left
+    assert box.container_id not in containers  # nothing of the lost node's sandboxes is left
+    assert fresh.container_id not in containers
     assert containers == [restore.container_id]
     # The run after the loss is served by the slot that is left, still exactly.
     assert rollout(router.url, PROMPTS[:2], MAX_TOKENS).tokens == reference[:2]

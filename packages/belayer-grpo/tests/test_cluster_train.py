@@ -1,7 +1,9 @@
 """Training on Ray (belayer-cluster): a local cluster of 2 simulated nodes, one of them removed
 mid-rollout; the run continues on the slot that is left and its report says what the loss cost.
 Every weight update goes through belayer-cluster's WeightSync: checksums equal on every live node.
-`cluster.address` joins an existing cluster: a Ray head started outside the run."""
+`cluster.address` joins an existing cluster: a Ray head started outside the run. The agentic
+default (tooluse) on Ray: its sandboxes live on the nodes' sandbox hosts, and a lost node's are
+restored on another node from their latest ready checkpoint."""
 
 from __future__ import annotations
 
@@ -76,6 +78,64 @@ def test_a_math_run_on_two_nodes_survives_losing_one(tmp_path: Path) -> None:
     assert list(report["weights"]["dropped"]) == [loss["node_id"]]
     assert [node["slots"] for node in report["weights"]["nodes"]] == [["slot0"]]
     assert all(node["current"] for node in report["weights"]["nodes"])
+
+
+@pytest.mark.docker
+def test_an_agentic_run_on_two_nodes_restores_the_lost_nodes_sandboxes_elsewhere(tmp_path: Path) -> None:
+    from belayer_envckpt import Engine
+    from belayer_grpo._guardian import RUN_LABEL, run_marker
+
+    run_dir = tmp_path / "run"
+    config = load_config(
+        None,
+        [
+            f"system.run_dir={str(run_dir)!r}",  # the default workload: tooluse, in real sandboxes
+            "cluster.nodes=2",
+            "system.num_slots=2",
+            "algorithm.steps=2",
+            "chaos.kill_node_at_step=1",  # once a sandbox on the node has a ready checkpoint
+            "chaos.kill_worker_at_steps=[]",
+            "chaos.sandbox_kill_p=0",
+            "rollout.env_checkpoint_policy='always'",
+            "rollout.batch_size=2",
+            "rollout.samples_per_prompt=2",
+            "data.held_out=2",
+            "system.checkpoint_every=0",
+            "logging.progress=false",
+        ],
+    )
+    out = io.StringIO()
+    summary = anyio.run(lambda: run_training(config, stream=out))
+    log = out.getvalue()
+    assert summary["status"] == "completed", log
+    (loss,) = summary["node_losses"]
+    assert (loss["step"], loss["slots"], loss["slots_left"]) == (1, ["slot1"], ["slot0"])
+    assert loss["tokens_lost"] == 0
+    assert 0 < loss["time_to_recover_s"] < 180
+    # The node held a sandbox with a ready checkpoint when it went: restored on the other node from
+    # the latest ready checkpoint, tied to its trajectory's LLM context at that prefix.
+    assert loss["sandboxes_restored"] >= 1, log
+    assert loss["sandboxes_restored"] == len(loss["sandboxes"])
+    for restore in loss["sandboxes"]:
+        assert restore["from_node"] == loss["node_id"] != restore["to_node"]
+        assert restore["prefix"] >= 1
+        assert restore["context_ref"].startswith(f"router:contexts/{restore['trajectory']}/")
+    assert "sandboxes restored elsewhere" in log
+    # Every trajectory that had to recover did so prefix-consistently (the restored sandbox's
+    # prefix and repository hash and the router's L_turn agree); none failed.
+    lines = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 * 4
+    for line in lines:
+        for recovery in line["recoveries"]:
+            assert recovery["prefix_consistent"], recovery
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["healthy_slots"] for m in metrics] == [1, 1]  # the loss is handled within step 1
+    # Nothing of the run is left on any node: every sandbox (restored ones too) is gone.
+    engine = Engine.connect()
+    try:
+        assert engine.list_containers([f"{RUN_LABEL}={run_marker(run_dir)}"]) == []
+    finally:
+        engine.close()
 
 
 def test_a_lost_node_is_replaced_and_its_replacement_serves_the_current_weights(tmp_path: Path) -> None:

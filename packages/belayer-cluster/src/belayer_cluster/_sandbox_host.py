@@ -55,16 +55,26 @@ class SandboxHost:
         """This host's Ray node id (hex)."""
         return str(self.node_id)
 
-    def create(self, trajectory: str, image: str, limits: dict[str, Any] | None = None) -> SandboxInfo:
-        """A new sandbox for `trajectory` on this node."""
+    def create(
+        self,
+        trajectory: str,
+        image: str,
+        limits: dict[str, Any] | None = None,
+        working_dir: str | None = None,
+        labels: dict[str, str] | None = None,
+    ) -> SandboxInfo:
+        """A new sandbox for `trajectory` on this node (`working_dir` and `labels` as the caller's pool
+        sets them; a sandbox of the trajectory already here must not be running any more)."""
         from belayer_envckpt import BelayerEnvckptError, Sandbox, SandboxConfig, SandboxLimits
 
-        if trajectory in self.sandboxes:
+        old = self.sandboxes.get(trajectory)
+        if old is not None and old.is_running():
             raise SandboxHostError(f"trajectory {trajectory!r} already has a sandbox on this node")
         try:
             config = SandboxConfig(
                 image=image,
-                labels={CLUSTER_LABEL: self.cluster_id},
+                working_dir=working_dir or "/",
+                labels={**(labels or {}), CLUSTER_LABEL: self.cluster_id},
                 limits=SandboxLimits(**limits) if limits else SandboxLimits(),
             )
             sandbox = Sandbox.create(self.engine, config, trajectory=trajectory)
@@ -75,11 +85,14 @@ class SandboxHost:
         self.sandboxes[trajectory] = sandbox
         return self._info(trajectory, "")
 
-    def exec(self, trajectory: str, command: str, timeout_s: float = 60.0) -> dict[str, Any]:
-        """Run one action in the trajectory's sandbox: stdout, stderr, exit_code, timed_out, prefix."""
+    def exec(
+        self, trajectory: str, command: str, timeout_s: float = 60.0, container_id: str | None = None
+    ) -> dict[str, Any]:
+        """Run one action in the trajectory's sandbox: stdout, stderr, exit_code, timed_out,
+        duration_s, prefix. With `container_id`, only in that container (else `SandboxHostError`)."""
         from belayer_envckpt import BelayerEnvckptError
 
-        sandbox = self._sandbox(trajectory)
+        sandbox = self._sandbox(trajectory, container_id)
         try:
             result = sandbox.exec(command, timeout_s)
         except BelayerEnvckptError as exc:
@@ -89,8 +102,42 @@ class SandboxHost:
             "stderr": result.stderr,
             "exit_code": result.exit_code,
             "timed_out": result.timed_out,
+            "duration_s": result.duration_s,
             "prefix": sandbox.prefix,
         }
+
+    def probe(
+        self,
+        trajectory: str,
+        argv: list[str],
+        timeout_s: float = 60.0,
+        workdir: str | None = None,
+        container_id: str | None = None,
+    ) -> dict[str, Any]:
+        """A read-only command that is not an action (the prefix stays): stdout, stderr, exit_code."""
+        from belayer_envckpt import BelayerEnvckptError
+
+        sandbox = self._sandbox(trajectory, container_id)
+        try:
+            result = sandbox.probe(argv, timeout_s, workdir=workdir)
+        except BelayerEnvckptError as exc:
+            raise SandboxHostError(f"probe in {trajectory!r} failed: {exc}") from exc
+        return {"stdout": result.stdout, "stderr": result.stderr, "exit_code": result.exit_code}
+
+    def control(self, trajectory: str, operation: str, container_id: str | None = None) -> str:
+        """`kill`, `stop`, `pause`, `unpause` the sandbox, or read its `status` (the engine's word)."""
+        from belayer_envckpt import BelayerEnvckptError
+
+        if operation not in ("kill", "stop", "pause", "unpause", "status"):
+            raise SandboxHostError(f"unknown sandbox operation {operation!r}")
+        sandbox = self._sandbox(trajectory, container_id)
+        try:
+            if operation == "status":
+                return str(sandbox.status())
+            getattr(sandbox, operation)()
+        except BelayerEnvckptError as exc:
+            raise SandboxHostError(f"{operation} of {trajectory!r} failed: {exc}") from exc
+        return operation
 
     def checkpoint(self, trajectory: str, context_ref: str) -> SandboxInfo:
         """Publish a full checkpoint of the sandbox, tied to its prefix and LLM context `context_ref`."""
@@ -105,11 +152,40 @@ class SandboxHost:
             raise SandboxHostError(f"checkpoint of {trajectory!r} failed: {exc}") from exc
         return self._info(trajectory, ckpt.context_ref)
 
-    def restore(self, trajectory: str) -> SandboxInfo:
-        """Bring `trajectory`'s sandbox back on this node from its latest ready checkpoint."""
+    def checkpoint_at(
+        self,
+        trajectory: str,
+        context_ref: str,
+        prefix: int,
+        probe_argv: list[str] | None = None,
+        workdir: str | None = None,
+        container_id: str | None = None,
+    ) -> tuple[SandboxInfo, Any, dict[str, Any] | None]:
+        """Under one action boundary: run `probe_argv` (a read-only hash), then publish a full
+        checkpoint at the caller's `prefix` tied to `context_ref`. Returns where the sandbox is, the
+        `belayer_envckpt.Checkpoint` and the probe's result (None without a probe)."""
+        from belayer_envckpt import BelayerEnvckptError, full_checkpoint
+
+        sandbox = self._sandbox(trajectory, container_id)
+        probed = None
+        try:
+            with sandbox.action_boundary():
+                if probe_argv:
+                    result = sandbox.probe(probe_argv, workdir=workdir)
+                    probed = {"stdout": result.stdout, "stderr": result.stderr, "exit_code": result.exit_code}
+                ckpt = full_checkpoint(
+                    sandbox, trajectory, prefix=prefix, context_ref=context_ref, store=self.store
+                )
+        except BelayerEnvckptError as exc:
+            raise SandboxHostError(f"checkpoint of {trajectory!r} failed: {exc}") from exc
+        return self._info(trajectory, ckpt.context_ref, prefix), ckpt, probed
+
+    def restore(self, trajectory: str, checkpoint: Any = None) -> SandboxInfo:
+        """Bring `trajectory`'s sandbox back on this node from `checkpoint` (a
+        `belayer_envckpt.Checkpoint` in the shared store), by default its latest ready one."""
         from belayer_envckpt import BelayerEnvckptError, full_restore
 
-        ckpt = self.store.latest_ready(trajectory)
+        ckpt = checkpoint if checkpoint is not None else self.store.latest_ready(trajectory)
         if ckpt is None:
             raise SandboxHostError(
                 f"trajectory {trajectory!r} has no ready checkpoint in {self.store.root}; restart it "
@@ -123,6 +199,13 @@ class SandboxHost:
             ) from exc
         self.sandboxes[trajectory] = sandbox
         return self._info(trajectory, str(sandbox.context_ref))
+
+    def remove(self, trajectory: str, container_id: str) -> bool:
+        """Remove the trajectory's container `container_id` (and forget it if it is the current one)."""
+        current = self.sandboxes.get(trajectory)
+        if current is not None and current.id == container_id:
+            del self.sandboxes[trajectory]
+        return bool(self.engine.remove(container_id))
 
     def remove_container(self, container_id: str) -> bool:
         """Remove a container by id (a lost node's sandbox, fenced); False if it was gone."""
@@ -138,12 +221,18 @@ class SandboxHost:
             sandbox.remove()
         self.sandboxes.clear()
 
-    def _info(self, trajectory: str, context_ref: str) -> SandboxInfo:
+    def _info(self, trajectory: str, context_ref: str, prefix: int | None = None) -> SandboxInfo:
         sandbox = self.sandboxes[trajectory]
-        return SandboxInfo(trajectory, self.node_id, str(sandbox.id), int(sandbox.prefix), context_ref)
+        at = int(sandbox.prefix) if prefix is None else prefix
+        return SandboxInfo(trajectory, self.node_id, str(sandbox.id), at, context_ref)
 
-    def _sandbox(self, trajectory: str) -> Any:
-        try:
-            return self.sandboxes[trajectory]
-        except KeyError:
-            raise SandboxHostError(f"no sandbox for trajectory {trajectory!r} on this node") from None
+    def _sandbox(self, trajectory: str, container_id: str | None = None) -> Any:
+        sandbox = self.sandboxes.get(trajectory)
+        if sandbox is None:
+            raise SandboxHostError(f"no sandbox for trajectory {trajectory!r} on this node")
+        if container_id is not None and sandbox.id != container_id:
+            raise SandboxHostError(
+                f"trajectory {trajectory!r} runs in container {sandbox.id[:12]} now, not {container_id[:12]} "
+                "(restored or replaced since)"
+            )
+        return sandbox

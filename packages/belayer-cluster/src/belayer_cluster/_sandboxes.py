@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 
 import attrs
 import ray
-from ray.exceptions import RayError
+from ray.exceptions import RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from belayer_cluster._errors import ClusterStartError, SandboxHostError
@@ -58,6 +59,9 @@ class SandboxCluster:
         self.placed: dict[str, SandboxInfo] = {}  # trajectory -> where its sandbox runs now
         self.restores: list[SandboxRestore] = []
         self._turn = itertools.count()
+        self._placing = itertools.count()
+        # A lost node's recovery and a caller's own restore of the same trajectory exclude each other.
+        self._moving = threading.RLock()
 
     def start(self) -> list[str]:
         """Start one host on every alive node that has CPUs; returns their node ids."""
@@ -73,7 +77,7 @@ class SandboxCluster:
         for node_id in nodes:
             strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
             self.hosts[node_id] = actor.options(  # type: ignore[attr-defined]
-                num_cpus=0, max_concurrency=4, scheduling_strategy=strategy, max_restarts=0
+                num_cpus=0, max_concurrency=16, scheduling_strategy=strategy, max_restarts=0
             ).remote(str(self.store_dir), self.cluster_id)
         try:
             for node_id, host in self.hosts.items():
@@ -84,20 +88,71 @@ class SandboxCluster:
             raise ClusterStartError(f"a sandbox host did not start: {exc}") from exc
         return list(self.hosts)
 
-    def create(self, trajectory: str, node_id: str, image: str = "belayer/busybox") -> SandboxInfo:
-        """A sandbox for `trajectory` on `node_id`."""
-        info: SandboxInfo = self._get(self._host(node_id).create.remote(trajectory, image))
-        self.placed[trajectory] = info
-        return info
+    def create(
+        self,
+        trajectory: str,
+        node_id: str | None = None,
+        image: str = "belayer/busybox",
+        *,
+        working_dir: str | None = None,
+        labels: dict[str, str] | None = None,
+    ) -> SandboxInfo:
+        """A sandbox for `trajectory` on `node_id`; with None, on the live nodes in turn (a node
+        whose host does not answer is skipped)."""
+        if node_id is not None:
+            candidates = [node_id]
+        else:
+            nodes = list(self.hosts)
+            if not nodes:
+                raise SandboxHostError("no sandbox host is left to create a sandbox on")
+            first = next(self._placing) % len(nodes)
+            candidates = nodes[first:] + nodes[:first]
+        for index, node in enumerate(candidates):
+            try:
+                info: SandboxInfo = self._get(
+                    self._host(node).create.remote(trajectory, image, None, working_dir, labels)
+                )
+            except _HostLost:
+                if index + 1 == len(candidates):
+                    raise SandboxHostError(f"the sandbox host of node {node[:12]} is gone") from None
+                continue
+            self.placed[trajectory] = info
+            return info
+        raise SandboxHostError(f"no node to create a sandbox for {trajectory!r} on")  # pragma: no cover
 
-    def exec(self, trajectory: str, command: str, timeout_s: float = 60.0) -> dict[str, Any]:
-        """One action in the trajectory's sandbox, wherever it runs now."""
+    def exec(
+        self, trajectory: str, command: str, timeout_s: float = 60.0, *, container_id: str | None = None
+    ) -> dict[str, Any]:
+        """One action in the trajectory's sandbox, wherever it runs now (with `container_id`: only
+        if it still runs in that container)."""
         info = self.where(trajectory)
         result: dict[str, Any] = self._get(
-            self._host(info.node_id).exec.remote(trajectory, command, timeout_s)
+            self._host(info.node_id).exec.remote(trajectory, command, timeout_s, container_id)
         )
         self.placed[trajectory] = attrs.evolve(info, prefix=int(result["prefix"]))
         return result
+
+    def probe(
+        self,
+        trajectory: str,
+        argv: list[str],
+        timeout_s: float = 60.0,
+        *,
+        workdir: str | None = None,
+        container_id: str | None = None,
+    ) -> dict[str, Any]:
+        """A read-only command in the trajectory's sandbox (not an action): stdout, stderr, exit_code."""
+        host = self._host(self.where(trajectory).node_id)
+        found: dict[str, Any] = self._get(
+            host.probe.remote(trajectory, argv, timeout_s, workdir, container_id)
+        )
+        return found
+
+    def control(self, trajectory: str, operation: str, *, container_id: str | None = None) -> str:
+        """`kill` / `stop` / `pause` / `unpause` the trajectory's sandbox, or its `status`."""
+        host = self._host(self.where(trajectory).node_id)
+        done: str = self._get(host.control.remote(trajectory, operation, container_id))
+        return done
 
     def checkpoint(self, trajectory: str, context_ref: str) -> SandboxInfo:
         """Publish a checkpoint of the trajectory's sandbox, tied to its LLM context `context_ref`."""
@@ -107,6 +162,27 @@ class SandboxCluster:
         self.placed[trajectory] = info
         return info
 
+    def checkpoint_at(
+        self,
+        trajectory: str,
+        context_ref: str,
+        prefix: int,
+        *,
+        probe_argv: list[str] | None = None,
+        workdir: str | None = None,
+        container_id: str | None = None,
+    ) -> tuple[SandboxInfo, Any, dict[str, Any] | None]:
+        """Publish a checkpoint at `prefix` tied to `context_ref`, after a read-only probe in the same
+        action boundary: (where it is, the `belayer_envckpt.Checkpoint`, the probe's result)."""
+        host = self._host(self.where(trajectory).node_id)
+        info, ckpt, probed = self._get(
+            host.checkpoint_at.remote(trajectory, context_ref, prefix, probe_argv, workdir, container_id)
+        )
+        with self._moving:
+            if self.placed.get(trajectory, info).container_id == info.container_id:
+                self.placed[trajectory] = info
+        return info, ckpt, probed
+
     def where(self, trajectory: str) -> SandboxInfo:
         """Where the trajectory's sandbox runs now."""
         try:
@@ -114,38 +190,116 @@ class SandboxCluster:
         except KeyError:
             raise SandboxHostError(f"no sandbox for trajectory {trajectory!r}; create() it first") from None
 
+    def restore(self, trajectory: str, checkpoint: Any, *, replacing: str = "") -> SandboxInfo:
+        """Bring the trajectory's sandbox back from `checkpoint` (a `belayer_envckpt.Checkpoint`):
+        on its node if that is alive, else on another. The caller held container `replacing`; if a
+        lost node's recovery already restored this very checkpoint elsewhere, that sandbox is the
+        answer (no second restore)."""
+        with self._moving:
+            info = self.placed.get(trajectory)
+            if (
+                info is not None
+                and info.container_id != replacing
+                and info.node_id in self.hosts
+                and (info.prefix, info.context_ref) == (checkpoint.prefix, checkpoint.context_ref)
+            ):
+                return info
+            nodes = list(self.hosts)
+            if info is not None and info.node_id in nodes:
+                nodes.remove(info.node_id)
+                nodes.insert(0, info.node_id)
+            for node in nodes:
+                try:
+                    restored: SandboxInfo = self._get(self.hosts[node].restore.remote(trajectory, checkpoint))
+                except _HostLost:
+                    continue
+                self.placed[trajectory] = restored
+                if info is not None and info.node_id != node:
+                    self.restores.append(
+                        SandboxRestore(
+                            trajectory,
+                            info.node_id,
+                            node,
+                            restored.container_id,
+                            restored.prefix,
+                            restored.context_ref,
+                            0.0,
+                        )
+                    )
+                return restored
+            raise SandboxHostError(f"no sandbox host is left to restore {trajectory!r} on")
+
+    def remove(self, trajectory: str, container_id: str) -> None:
+        """Remove one container of the trajectory: on its node, or (its node lost) fenced from
+        another node's host; quiet if it is gone."""
+        info = self.placed.get(trajectory)
+        order = list(self.hosts)
+        if info is not None and info.container_id == container_id and info.node_id in self.hosts:
+            order.remove(info.node_id)
+            order.insert(0, info.node_id)
+        for node in order:
+            with contextlib.suppress(SandboxHostError):
+                self._get(self.hosts[node].remove.remote(trajectory, container_id))
+                return
+
+    def release(self, trajectory: str) -> None:
+        """The trajectory is done: remove its current sandbox and forget where it ran."""
+        info = self.placed.get(trajectory)
+        if info is not None:
+            self.remove(trajectory, info.container_id)
+            self.placed.pop(trajectory, None)
+
     def recover_node(self, node_id: str) -> list[SandboxRestore]:
-        """Fence a lost node's sandboxes and restore each on a surviving node (latest ready checkpoint)."""
-        lost_host = self.hosts.pop(node_id, None)
-        if lost_host is not None:
-            with contextlib.suppress(RayError):
-                ray.kill(lost_host)
-        survivors = list(self.hosts)
-        lost = [t for t, info in self.placed.items() if info.node_id == node_id]
-        if lost and not survivors:
-            raise SandboxHostError(f"node {node_id[:12]} was lost and no node is left to restore {lost} on")
-        done: list[SandboxRestore] = []
-        for trajectory in lost:
-            began = time.monotonic()
-            old = self.placed[trajectory]
-            target = survivors[next(self._turn) % len(survivors)]
-            host = self.hosts[target]
-            # The lost machine's container would be gone with it; on the shared daemon, fence it.
-            self._get(host.remove_container.remote(old.container_id))
-            info: SandboxInfo = self._get(host.restore.remote(trajectory))
-            self.placed[trajectory] = info
-            done.append(
-                SandboxRestore(
-                    trajectory,
-                    node_id,
-                    target,
-                    info.container_id,
-                    info.prefix,
-                    info.context_ref,
-                    time.monotonic() - began,
+        """Fence a lost node's sandboxes and restore each on a surviving node (latest ready
+        checkpoint). A sandbox without a ready checkpoint is only fenced: its owner starts it
+        afresh from its image. Raises `SandboxHostError` (after trying every sandbox) if one failed."""
+        from belayer_envckpt import CheckpointStore
+
+        with self._moving:
+            lost_host = self.hosts.pop(node_id, None)
+            if lost_host is not None:
+                with contextlib.suppress(RayError):
+                    ray.kill(lost_host)
+            survivors = list(self.hosts)
+            lost = [t for t, info in self.placed.items() if info.node_id == node_id]
+            if lost and not survivors:
+                raise SandboxHostError(
+                    f"node {node_id[:12]} was lost and no node is left to restore {lost} on"
                 )
+            store = CheckpointStore(self.store_dir)
+            done: list[SandboxRestore] = []
+            errors: list[str] = []
+            for trajectory in lost:
+                began = time.monotonic()
+                old = self.placed[trajectory]
+                target = survivors[next(self._turn) % len(survivors)]
+                host = self.hosts[target]
+                try:
+                    # The lost machine's container would be gone with it; on the shared daemon, fence it.
+                    self._get(host.remove_container.remote(old.container_id))
+                    if store.latest_ready(trajectory) is None:
+                        continue
+                    info: SandboxInfo = self._get(host.restore.remote(trajectory))
+                except SandboxHostError as exc:
+                    errors.append(str(exc))
+                    continue
+                self.placed[trajectory] = info
+                done.append(
+                    SandboxRestore(
+                        trajectory,
+                        node_id,
+                        target,
+                        info.container_id,
+                        info.prefix,
+                        info.context_ref,
+                        time.monotonic() - began,
+                    )
+                )
+            self.restores += done
+        if errors:
+            raise SandboxHostError(
+                f"{len(errors)} sandbox(es) of lost node {node_id[:12]} not restored: {errors[0]}"
             )
-        self.restores += done
         return done
 
     def containers(self) -> list[str]:
@@ -182,8 +336,14 @@ class SandboxCluster:
             return ray.get(ref, timeout=self.call_timeout_s)
         except SandboxHostError:
             raise
+        except RayActorError as exc:
+            raise _HostLost(f"a sandbox host is gone: {exc}") from exc
         except RayError as exc:
             cause = getattr(exc, "cause", None)
             if isinstance(cause, SandboxHostError):
                 raise cause from exc
             raise SandboxHostError(f"a sandbox host call failed: {exc}") from exc
+
+
+class _HostLost(SandboxHostError):
+    """The host actor died (its node was lost): the caller may try another node."""

@@ -9,7 +9,11 @@ its requests resume token-exact on the slots left (no replacement is started: tr
 on what is left and says so), and the run report says what happened. Every weight update goes
 through belayer-cluster's `WeightSync` (one agent per node, its own gloo group, a checksum per
 node): `ClusterWeights.push` drops a lost node from the sync, and the metrics and the report carry
-the weight version and checksum of every node. belayer-cluster is imported
+the weight version and checksum of every node. An agentic workload (tooluse, swe) gets one
+belayer-cluster sandbox host per node: `open_pool` gives the run a `ClusterSandboxPool` whose
+sandboxes live on the nodes' hosts, checkpoints in the shared directory; a lost node's sandboxes
+are restored on another node from their latest ready checkpoint, tied to the same LLM prefix, and
+the report counts them. belayer-cluster is imported
 only when the cluster is asked for, and only it imports ray: the default run never starts Ray.
 """
 
@@ -40,12 +44,22 @@ from belayer_router import RouterClient
 if TYPE_CHECKING:
     import torch
 
-    from belayer_cluster import DriverRouter, LocalRayCluster, NodeLoss, RolloutCluster, WeightSync
+    from belayer_cluster import (
+        DriverRouter,
+        LocalRayCluster,
+        NodeLoss,
+        RolloutCluster,
+        SandboxCluster,
+        WeightSync,
+    )
+    from belayer_grpo._agentic.pool import SandboxPool
     from belayer_shadow import ModelConfig
 
 __all__ = ["ClusterSystem", "ClusterWeights", "cluster_wanted", "rollout_system"]
 
 KILL_AFTER_TOKENS = 24  # the node is removed once this many tokens of the step have streamed
+# ... and, with sandboxes, once one of its sandboxes has a ready checkpoint (or after this long)
+KILL_WAIT_CHECKPOINT_S = 300.0
 SYNC_TIMEOUT_S = 120.0  # every rendezvous and transfer of the weight sync (a loaded machine)
 
 
@@ -180,6 +194,7 @@ class ClusterSystem:
     slot_options: dict[str, Any]
     replace_lost_nodes: bool
     replacements: list[RolloutCluster]  # the replacement slots' clusters (stopped with the rest)
+    sandboxes: SandboxCluster | None = None  # agentic workloads: one sandbox host per node
     _losses: list[dict[str, Any]] = attrs.field(factory=list)
     _events: dict[str, list[dict[str, Any]]] = attrs.field(factory=dict)
     _killer: threading.Thread | None = None
@@ -298,6 +313,25 @@ class ClusterSystem:
             return local.add_node(num_cpus=cpus, resources=resource)
         return anyio.from_thread.run_sync(lambda: local.add_node(num_cpus=cpus, resources=resource))
 
+    def open_pool(self, config: Config, run_dir: Path) -> SandboxPool:
+        """The run's sandbox pool on the nodes' sandbox hosts (checkpoints in the shared directory)."""
+        from belayer_envckpt import CheckpointStore, Engine
+        from belayer_grpo._agentic.cluster_pool import ClusterSandboxPool
+        from belayer_grpo._guardian import RUN_LABEL, run_marker
+
+        if self.sandboxes is None:
+            raise SystemStartError("this cluster run has no sandbox hosts (a math workload)")
+        engine = Engine.connect()
+        try:
+            engine.require_checkpoint_support()
+        except BaseException:
+            engine.close()
+            raise
+        return ClusterSandboxPool(
+            engine, CheckpointStore(self.sandboxes.store_dir), capacity=config.rollout.max_sandboxes,
+            labels={RUN_LABEL: run_marker(run_dir)}, hosts=self.sandboxes,
+        )  # fmt: skip
+
     def _rollouts(self) -> list[RolloutCluster]:
         return [self.rollout, *self.replacements]
 
@@ -320,9 +354,13 @@ class ClusterSystem:
         for loss in self._losses:
             resumed = metrics.get("resumes_total", 0.0) - loss["resumes_before"]
             failed = metrics.get("requests_failed_total", 0.0) - loss["failed_before"]
+            # Restored by the node's recovery, or by their trajectory when it saw the loss first.
+            restored = [] if self.sandboxes is None else self.sandboxes.restores
+            moved = [r.to_dict() for r in restored if r.from_node == loss["node_id"]]
             reports.append(
                 {k: v for k, v in loss.items() if not k.endswith("_before")}
                 | {"requests_resumed": int(resumed), "tokens_lost": 0 if failed == 0 else None}
+                | {"sandboxes_restored": len(moved), "sandboxes": moved}
             )
         return reports
 
@@ -339,6 +377,12 @@ class ClusterSystem:
             time.sleep(0.02)
         victim_slot = self.slots[-1].config.slot
         victim = self.rollout.infos[victim_slot].node_id
+        if self.sandboxes is not None:  # remove it once it holds a sandbox with a ready checkpoint
+            wait_until = time.monotonic() + KILL_WAIT_CHECKPOINT_S
+            while time.monotonic() < wait_until and not any(
+                info.node_id == victim and info.context_ref for info in list(self.sandboxes.placed.values())
+            ):
+                time.sleep(0.05)
         in_flight = self._outstanding(victim_slot)
         before = _metrics(self.router_url)
         removed, removed_wall = time.monotonic(), time.time()
@@ -379,6 +423,7 @@ class _Parts:
     local: LocalRayCluster | None = None
     rollout: RolloutCluster | None = None
     sync: WeightSync | None = None
+    sandboxes: SandboxCluster | None = None
     replacements: list[RolloutCluster] = attrs.field(factory=list)
 
 
@@ -406,7 +451,7 @@ def _start_ray(config: Config, parts: _Parts) -> None:
 def _start_sync(
     config: Config, run_dir: Path, shared: Path, model_file: Path, weights_file: Path, parts: _Parts
 ) -> ClusterSystem:
-    from belayer_cluster import DriverRouter, RolloutCluster, WeightSync
+    from belayer_cluster import DriverRouter, RolloutCluster, SandboxCluster, WeightSync
 
     admin_token = secrets.token_hex(16)
     parts.router = router = DriverRouter(shared / "router.jsonl", admin_token=admin_token, resume_wait_s=30.0)
@@ -432,6 +477,9 @@ def _start_sync(
             if gone in sockets.paths:
                 sockets.paths.remove(gone)
 
+    if config.data.workload != "math":  # agentic: one sandbox host per node, checkpoints shared
+        parts.sandboxes = SandboxCluster(shared, cluster_id=secrets.token_hex(6))
+        parts.sandboxes.start()
     parts.rollout = rollout = RolloutCluster(
         names,
         router_url=router.url,
@@ -440,6 +488,7 @@ def _start_sync(
         slot_options=options,
         start_timeout_s=config.system.start_timeout_s,
         on_node_loss=on_loss,
+        sandboxes=parts.sandboxes,
     )
     infos = rollout.start()
     sockets.paths.extend(infos[name].run_dir / "mem" / "weights.sock" for name in names)
@@ -466,6 +515,7 @@ def _start_sync(
         slot_options=options,
         replace_lost_nodes=config.cluster.replace_lost_nodes,
         replacements=parts.replacements,
+        sandboxes=parts.sandboxes,
     )
     system.weights.after_push = system.replace_lost
     return system
@@ -477,6 +527,8 @@ def _stop_all(parts: _Parts) -> None:
     if parts.sync is not None:
         with contextlib.suppress(BelayerClusterError):
             parts.sync.close()
+    if parts.sandboxes is not None:
+        parts.sandboxes.stop()  # every sandbox left on any node
     for replacement in parts.replacements:
         replacement.stop()
     if parts.rollout is not None:

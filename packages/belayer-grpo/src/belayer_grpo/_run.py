@@ -347,6 +347,9 @@ async def _train(config: Config, stream: TextIO, run_dir: Path) -> dict[str, Any
                 num_slots=len(system.slots),
             )
             sync = system.weights if isinstance(system, ClusterSystem) else WeightSync(system.weight_sockets)
+            if isinstance(system, ClusterSystem) and system.sandboxes is not None and run.pool is None:
+                # agentic on Ray: every sandbox on a node's sandbox host, checkpoints shared
+                run.pool = await anyio.to_thread.run_sync(system.open_pool, config, run_dir)
             if config.data.workload == "math":
                 summary["eval_accuracy_before"] = await _evaluate(run, router)
             elif config.data.workload == "tooluse":

@@ -20,7 +20,7 @@ import time
 import anyio
 import attrs
 
-from belayer_envckpt import BelayerEnvckptError, Sandbox, full_restore
+from belayer_envckpt import BelayerEnvckptError, Sandbox
 from belayer_grpo._agentic import actions, environment
 from belayer_grpo._agentic.context import (
     AgentTask,
@@ -225,9 +225,8 @@ class AgentLoop:
         sandbox = self.lease.sandbox
         try:
             record = await anyio.to_thread.run_sync(
-                lambda: environment.checkpoint_sandbox(
+                lambda: self.lease.pool.take_checkpoint(
                     sandbox,
-                    self.lease.pool.store,
                     trajectory=self.trajectory_id,
                     prefix=pending.prefix,
                     turn=pending.turn,
@@ -348,14 +347,14 @@ class AgentLoop:
 
     async def _restore_environment(self) -> tuple[CheckpointRecord, Sandbox, dict[str, float]]:
         """Restore the newest checkpoint that restores (older ones next), else start afresh."""
-        engine = self.lease.pool.engine
+        pool, current = self.lease.pool, self.lease.sandbox
         while self.checkpoints:
             record = self.checkpoints[-1]
             assert record.checkpoint is not None
             checkpoint = record.checkpoint
             try:
                 sandbox = await anyio.to_thread.run_sync(
-                    lambda: full_restore(checkpoint, engine=engine)  # noqa: B023  (awaited at once)
+                    lambda: pool.restore(checkpoint, current)  # noqa: B023  (awaited at once)
                 )
             except _FAILED:
                 self.checkpoints.pop()  # unusable: fall back to the one before it

@@ -23,7 +23,17 @@ from contextlib import asynccontextmanager
 import anyio
 import attrs
 
-from belayer_envckpt import BelayerEnvckptError, CheckpointStore, Engine, Sandbox, SandboxConfig
+from belayer_envckpt import (
+    BelayerEnvckptError,
+    Checkpoint,
+    CheckpointStore,
+    Engine,
+    Sandbox,
+    SandboxConfig,
+    full_restore,
+)
+from belayer_grpo._agentic import environment
+from belayer_grpo._agentic.records import CheckpointRecord
 
 __all__ = ["POOL_LABEL", "SandboxLease", "SandboxPool"]
 
@@ -89,6 +99,21 @@ class SandboxPool:
             working_dir=workdir,
             labels={**self.labels, POOL_LABEL: self.pool_id},
         )
+
+    def take_checkpoint(
+        self, sandbox: Sandbox, *, trajectory: str, prefix: int, turn: int, workdir: str, context_hash: str
+    ) -> CheckpointRecord:
+        """Hash the repository and publish a full checkpoint of ``sandbox`` into the pool's store
+        (blocking; raises a `belayer_envckpt.BelayerEnvckptError` or `SandboxCommandError`)."""
+        return environment.checkpoint_sandbox(
+            sandbox, self.store, trajectory=trajectory, prefix=prefix, turn=turn, workdir=workdir,
+            context_hash=context_hash,
+        )  # fmt: skip
+
+    def restore(self, checkpoint: Checkpoint, current: Sandbox) -> Sandbox:
+        """A sandbox restored from ``checkpoint`` to replace ``current`` (blocking; raises like
+        `take_checkpoint`)."""
+        return full_restore(checkpoint, engine=self.engine)
 
     async def _create(self, config: SandboxConfig, trajectory: str) -> Sandbox:
         return await anyio.to_thread.run_sync(
