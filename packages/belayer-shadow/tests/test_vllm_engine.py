@@ -224,6 +224,36 @@ def test_seeded_sampling_equals_builtin_engine_and_resumes_exactly(engine: VllmE
         assert [t for _, t, _, _ in resumed] == full[f"s{i}"][7:]
 
 
+def test_sampled_token_logprobs_equal_vllms_gather_and_the_builtin_engine(engine: VllmEngine) -> None:
+    from vllm.v1.sample.sampler import Sampler
+
+    from belayer_shadow._vllm._logprobs import sampled_logprobs
+
+    assert engine.sampled_logprobs_only is True
+    generator = torch.Generator().manual_seed(0)
+    for rows in (1, 5, 32):  # one row too: the compiled rank count takes any batch size
+        logprobs = torch.randn(rows, CONFIG.vocab_size, generator=generator).log_softmax(-1)
+        tokens = torch.randint(CONFIG.vocab_size, (rows,), generator=generator)
+        ours, theirs = sampled_logprobs(logprobs, 0, tokens), Sampler.gather_logprobs(logprobs, 0, tokens)
+        assert torch.equal(ours.logprob_token_ids, theirs.logprob_token_ids)
+        assert torch.equal(ours.logprobs, theirs.logprobs)
+        assert torch.equal(ours.selected_token_ranks, theirs.selected_token_ranks)
+    with_top = sampled_logprobs(logprobs, 3, tokens)  # top logprobs asked: vLLM's own gather
+    assert with_top.logprobs.shape == (32, 4)
+    # Through the engine, sampled at temperature 1: the logprobs are the built-in engine's.
+    requests = {
+        f"t{i}": (p, SamplingParams(max_tokens=12, temperature=1.0, seed=7 + i))
+        for i, p in enumerate(PROMPTS[:4])
+    }
+    got, want = run(engine, requests), run(builtin(seed=0), requests)
+    for request_id, outs in got.items():
+        assert [t for _, t, _, _ in outs] == [t for _, t, _, _ in want[request_id]]
+        assert [lp for _, _, lp, _ in outs] == pytest.approx(
+            [lp for _, _, lp, _ in want[request_id]], abs=1e-3
+        )
+        assert all(lp < 0 for _, _, lp, _ in outs)
+
+
 def test_abort_and_typed_request_errors(engine: VllmEngine) -> None:
     from belayer_shadow import RequestError
 

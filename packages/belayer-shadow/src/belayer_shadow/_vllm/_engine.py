@@ -33,6 +33,7 @@ from belayer_shadow._vllm._loader import (
     point_params,
     register_loader,
 )
+from belayer_shadow._vllm._logprobs import install as install_sampled_logprobs
 from belayer_shadow._vllm._sampling import KEY_EXTRA, processor_name
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "VllmEngine", "model_folder"]
@@ -79,7 +80,9 @@ class VllmEngine:
     """vLLM's v1 `LLMEngine`, in process, on the weight server; the workers' engine interface.
 
     `add_request`, `step() -> list[StepOutput]`, `abort`, `has_unfinished`, `warmup`, `flush_kv`
-    (vLLM's prefix cache), `refresh_weights`, `release_weights`, `close`, as `LLMEngine`.
+    (vLLM's prefix cache), `refresh_weights`, `release_weights`, `close`, as `LLMEngine`. Each
+    token's logprob is log_softmax of the raw logits at the sampled token, gathered alone
+    (`_logprobs`; `sampled_logprobs_only` says it is installed).
     """
 
     def __init__(
@@ -140,6 +143,8 @@ class VllmEngine:
         )
         # vLLM read the folder at start; removed now, so that a killed worker leaves no temp dir.
         self._scratch.cleanup()
+        # Logprobs of the sampled tokens only (`_logprobs`): no top-k gather per step.
+        (self.sampled_logprobs_only,) = self._engine.collective_rpc(install_sampled_logprobs)
         self.weight_client = attached_client(self._socket)
         # Parameters vLLM holds as private copies (fused parts not back to back at the server).
         self.copied_params = copied_params()
