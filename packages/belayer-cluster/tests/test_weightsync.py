@@ -336,7 +336,7 @@ def test_a_node_that_cannot_join_or_answer_is_a_named_error_never_a_hang(
         wait_until(lambda: gone(server_pid), 60, "the killed agent's own weight server stopped")
 
         # the node rejoins with version 2 in full; then a rendezvous its agent never joins (it
-        # hangs): a timeout naming the node and the address, and the node is dropped
+        # hangs): a timeout naming the node and the address; closing the sync ends the hung agent
         other.add_node(spare, serve_dir=work / "spare-2")
         assert other.members[spare].version == 2
         agent = ray.get(other.members[spare].agent.status.remote(), timeout=60)
@@ -348,7 +348,9 @@ def test_a_node_that_cannot_join_or_answer_is_a_named_error_never_a_hang(
         ) as rendezvous:
             connect(other.members[spare], 99, host, 5.0)
         assert rendezvous.value.nodes == (spare,)
-        other.drop_node(spare, "its agent hangs")
+        other.timeout_s = 5.0
+        other.close()  # waits for the hung agent no longer than the timeout, then kills it
+        assert other.members == {}
         wait_until(lambda: gone(agent_pid), 60, "the hung agent killed")
         wait_until(lambda: gone(server_pid), 60, "the killed agent's own weight server stopped")
     finally:

@@ -307,12 +307,15 @@ class WeightSync:
         }
 
     def close(self) -> None:
-        """Close every agent (they detach; their own servers stop) and forget the groups."""
+        """Close every agent (they detach; their own servers stop) and forget the groups.
+
+        Waits at most 30 s (or `timeout_s`) for all of them together; a hung agent is killed (its own
+        server then stops through its guard)."""
         with self._lock:
             refs = [m.agent.close.remote() for m in self.members.values()]
-            for ref in refs:
-                with contextlib.suppress(RayError):  # its node is gone already
-                    ray.get(ref, timeout=30)
+            if refs:
+                with contextlib.suppress(RayError):  # a node gone already: its agent is killed below
+                    ray.wait(refs, num_returns=len(refs), timeout=min(30.0, self.timeout_s))
             for member in self.members.values():
                 ray.kill(member.agent, no_restart=True)
             self.members.clear()
