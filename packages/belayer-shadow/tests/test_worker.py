@@ -125,6 +125,51 @@ async def test_resume_continues_exactly(served: tuple[str, str, EngineService], 
     assert service.num_tokens_regenerated == (5 if mode == "regenerate" else 0)
 
 
+@pytest.mark.anyio
+async def test_the_router_link_carries_one_frame_per_step_for_all_requests(
+    served: tuple[str, str, EngineService],
+) -> None:
+    """Registered with ``link=True``, the worker streams every request over one link, exactly."""
+    router_url, _url, service = served
+    reference = _greedy(PROMPT, MAX_TOKENS)
+    results: list[list[int]] = []
+    async with RouterClient(router_url, "test-admin-token") as client:
+        [slot] = await client.workers()
+        assert slot["link"] is True
+
+        async def one() -> None:
+            results.append((await client.generate(PROMPT, MAX_TOKENS, temperature=0.0)).token_ids)
+
+        steps_before = service.num_steps
+        async with anyio.create_task_group() as group:
+            for _ in range(4):
+                group.start_soon(one)
+    assert results == [reference] * 4
+    assert (
+        0 < service.num_link_frames <= service.num_steps - steps_before
+    )  # one frame per step, not per request
+    assert service.num_tokens >= 4 * MAX_TOKENS
+
+
+@pytest.mark.anyio
+async def test_a_client_leaving_the_router_aborts_its_request_over_the_link(
+    served: tuple[str, str, EngineService],
+) -> None:
+    router_url, _url, service = served
+    body = {"prompt_token_ids": PROMPT, "max_tokens": 900, "request_id": "gone"}
+    async with (
+        httpx.AsyncClient(timeout=60) as client,
+        client.stream("POST", f"{router_url}/generate", json=body) as response,
+    ):
+        async for _line in response.aiter_lines():
+            break
+    with anyio.fail_after(60):
+        while service.engine.has_unfinished() or service._jobs:  # noqa: ASYNC110
+            await anyio.sleep(0.01)
+    assert service.num_tokens < 900
+    assert service.num_link_frames > 0
+
+
 def test_a_step_goes_out_as_one_frame_per_request(tmp_path: Path) -> None:
     """Each job gets one ``tokens`` frame per step (hidden regenerated tokens left out), then its finish."""
     service = EngineService(

@@ -20,11 +20,19 @@ import attrs
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from belayer_router import InvalidRequestError
-from belayer_router.worker import encode_worker_finish, encode_worker_tokens, read_json
+from belayer_router.worker import (
+    LINK_PATH,
+    encode_reject,
+    encode_step,
+    encode_worker_finish,
+    encode_worker_tokens,
+    read_json,
+)
 from belayer_shadow._engine._sequence import SamplingParams, StepOutput
 from belayer_shadow._errors import RequestError
 from belayer_shadow._workers._events import EventLog
 from belayer_shadow._workers._heartbeat import Heartbeat
+from belayer_shadow._workers._link import LinkConn, serve_link
 
 __all__ = ["Engine", "EngineService", "ResumeMode"]
 
@@ -58,18 +66,24 @@ def _line(payload: dict[str, Any]) -> bytes:
 
 @attrs.define(eq=False)
 class _Job:
-    """One request being served: where its events go, and how many leading tokens to hide."""
+    """One request being served: where its events go, and how many leading tokens to hide.
+
+    A request of ``POST /generate`` streams NDJSON into ``events``; one of a link (``link`` set)
+    goes out in its link's STEP frames under ``handle``.
+    """
 
     request_id: str
     prompt: list[int]
     params: SamplingParams
-    events: MemoryObjectSendStream[bytes]
+    events: MemoryObjectSendStream[bytes] | None
     num_hidden: int = 0  # regenerate mode: tokens the client already has, generated again
     expected: tuple[int, ...] = ()
     finished: bool = False
+    link: LinkConn | None = None
+    handle: int = 0
 
 
-def _parse_job(body: Any, mode: ResumeMode, events: MemoryObjectSendStream[bytes]) -> _Job:
+def _parse_job(body: Any, mode: ResumeMode, events: MemoryObjectSendStream[bytes] | None) -> _Job:
     """Validate a router -> worker body (see belayer_router.worker_request_body)."""
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
@@ -127,6 +141,7 @@ class EngineService:
     num_steps: int = 0
     num_tokens: int = 0
     num_tokens_regenerated: int = 0
+    num_link_frames: int = 0  # STEP frames sent on router links (at most one per step and link)
     _jobs: dict[str, _Job] = attrs.field(factory=dict)
     _adds: list[_Job] = attrs.field(factory=list)
     _aborts: list[str] = attrs.field(factory=list)
@@ -167,11 +182,16 @@ class EngineService:
             try:
                 self.engine.add_request(job.request_id, job.prompt, job.params)
             except RequestError as exc:
-                self._finish(job, _line({"type": "error", "epoch": self.epoch, "message": str(exc)}))
+                if job.link is not None:
+                    self._end_link_job(job)
+                    job.link.outbox.send_nowait(encode_reject(job.handle, str(exc)))
+                else:
+                    self._finish(job, _line({"type": "error", "epoch": self.epoch, "message": str(exc)}))
         self._adds.clear()
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
-        """Send a step's outputs: per job one ``tokens`` frame (the visible tokens), then its finish line."""
+        """Send a step's outputs: per job one ``tokens`` frame (the visible tokens), then its finish line;
+        for the jobs of a link, ONE STEP frame per link with all of them."""
         frames: dict[str, tuple[_Job, int, list[int], list[float]]] = {}  # job, first index, ids, logprobs
         finished: list[tuple[_Job, str]] = []
         for out in outputs:
@@ -189,14 +209,38 @@ class EngineService:
                 logprobs.append(out.logprob)
             if out.finish_reason is not None:
                 finished.append((job, out.finish_reason))
+        steps: dict[
+            int, tuple[LinkConn, list[tuple[int, int, list[int], list[float]]], list[tuple[int, str]]]
+        ] = {}
         for job, first_index, token_ids, logprobs in frames.values():
-            job.events.send_nowait(encode_worker_tokens(self.epoch, first_index, token_ids, logprobs))
+            if job.link is None:
+                assert job.events is not None
+                job.events.send_nowait(encode_worker_tokens(self.epoch, first_index, token_ids, logprobs))
+            else:
+                steps.setdefault(id(job.link), (job.link, [], []))[1].append(
+                    (job.handle, first_index, token_ids, logprobs)
+                )
         for job, finish_reason in finished:
-            if not job.finished:
+            if job.finished:
+                continue
+            if job.link is None:
                 self._finish(job, encode_worker_finish(self.epoch, finish_reason))
+            else:
+                steps.setdefault(id(job.link), (job.link, [], []))[2].append((job.handle, finish_reason))
+                self._end_link_job(job)
+        for link, entries, done in steps.values():
+            link.outbox.send_nowait(encode_step(self.epoch, entries, done))
+            self.num_link_frames += 1
+
+    def _end_link_job(self, job: _Job) -> None:
+        job.finished = True
+        self._jobs.pop(job.request_id, None)
+        if job.link is not None:
+            job.link.jobs.pop(job.handle, None)
 
     def _finish(self, job: _Job, last: bytes) -> None:
         job.finished = True
+        assert job.events is not None
         job.events.send_nowait(last)
         job.events.close()
 
@@ -214,6 +258,8 @@ class EngineService:
         route = (scope["method"], scope["path"].rstrip("/"))
         if route == ("POST", "/generate"):
             await self._generate(receive, send)
+        elif route == ("POST", LINK_PATH):
+            await serve_link(self, receive, send)
         elif route == ("GET", "/health"):
             status = "ok" if self.epoch > 0 else "standby"
             payload = {"status": status, "epoch": self.epoch, "num_running": len(self._jobs)}
@@ -238,6 +284,30 @@ class EngineService:
         }
         lines = [f"belayer_shadow_{name} {value}" for name, value in counters.items()]
         return "\n".join(lines) + "\n" + self.log.render_metrics()
+
+    def submit_link(self, link: LinkConn, handle: int, body: Any) -> str | None:
+        """Queue a request that came on ``link``; the reason to reject it, or None."""
+        try:
+            job = _parse_job(body, self.resume_mode, None)
+        except RequestError as exc:
+            return str(exc)
+        if body.get("epoch") != self.epoch:
+            return f"this worker serves epoch {self.epoch}, not {body.get('epoch')}"
+        if job.request_id in self._jobs:
+            return f"request {job.request_id!r} is already running here"
+        job.link, job.handle = link, handle
+        link.jobs[handle] = job
+        self._jobs[job.request_id] = job
+        self._adds.append(job)
+        self._wake.set()
+        return None
+
+    def abort_link(self, link: LinkConn, handle: int) -> None:
+        """The router no longer wants request ``handle`` of ``link`` (also for every job of a closed link)."""
+        job = link.jobs.get(handle)
+        if job is not None and not job.finished:
+            self._end_link_job(job)
+            self._aborts.append(job.request_id)
 
     async def _generate(self, receive: Receive, send: Send) -> None:
         events, stream = anyio.create_memory_object_stream[bytes](math.inf)

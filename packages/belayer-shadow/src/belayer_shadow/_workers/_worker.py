@@ -113,7 +113,7 @@ async def register_worker(
         else:
             service.epoch = epoch
         try:
-            await router.register(slot, url, service.epoch)
+            await router.register(slot, url, service.epoch, link=True)
             return service.epoch
         except RouterClientError as exc:
             if exc.status != 409 or epoch is not None:
