@@ -16,7 +16,15 @@ import httpx
 import pytest
 from router_helpers import ADMIN_TOKEN, StartRouter
 
-from belayer_router import LinkProtocolError, RouterClient, RouterConfig, TokenEvent, running_router, serving
+from belayer_router import (
+    LinkProtocolError,
+    RouterApp,
+    RouterClient,
+    RouterConfig,
+    TokenEvent,
+    running_router,
+    serving,
+)
 from belayer_router._wire import STEP, FrameBuffer
 from belayer_router.testing import POISON, expected_tokens, logprob_of, running_worker, token_at, wait_until
 from belayer_router.worker import (
@@ -290,3 +298,24 @@ def test_router_frames_encode_for_workers() -> None:
     [(kind, payload)] = FrameBuffer().feed(encode_reject(5, "stale"))
     assert kind == 4
     assert bytes(payload) == b"\x05\x00\x00\x00stale"
+
+
+async def test_the_link_flag_is_journaled_and_replayed_and_checked(tmp_path: Path) -> None:
+    config = RouterConfig(admin_token=ADMIN_TOKEN, journal_path=tmp_path / "j.jsonl")
+    async with running_router(config) as (url, _app), RouterClient(url, admin_token=ADMIN_TOKEN) as client:
+        await client.register("a", "http://127.0.0.1:1", 1, link=True)
+        await client.register("b", "http://127.0.0.1:2", 1)
+        async with httpx.AsyncClient() as http:
+            bad = await http.post(
+                f"{url}/workers/register",
+                json={"slot": "c", "url": "http://127.0.0.1:3", "epoch": 1, "link": "yes"},
+                headers={"authorization": f"Bearer {ADMIN_TOKEN}"},
+            )
+        assert bad.status_code == 400
+        assert "'link'" in bad.json()["error"]["message"]
+    replayed = RouterApp(config)
+    assert {name: s.worker.link for name, s in replayed.registry.slots.items() if s.worker} == {
+        "a": True,
+        "b": False,
+    }
+    await replayed.aclose()
