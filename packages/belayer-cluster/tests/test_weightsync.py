@@ -9,6 +9,7 @@ whose slot serves only once it holds the trainer's version.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from collections.abc import Iterator
@@ -30,6 +31,8 @@ from belayer_cluster import (
     start_replacement_slot,
 )
 from belayer_cluster._weightsync_link import connect
+from belayer_cluster._weightsync_pack import checksum, pack
+from belayer_gpumem import ServerConfig, ServerProcess, WeightClient
 
 pytestmark = pytest.mark.timeout(300)
 MAX_TOKENS = 24
@@ -356,3 +359,42 @@ def test_a_node_that_cannot_join_or_answer_is_a_named_error_never_a_hang(
     finally:
         other.close()
     assert {node: (m.generation, m.version) for node, m in sync.members.items()} == members
+
+
+def test_a_version_received_with_another_checksum_is_never_committed(
+    sync: WeightSync, shared_dir: Path, spare: str
+) -> None:
+    # The test's own weight server on the spare node (it outlives the agent, so its live version
+    # can be read back after the node is dropped), and a sync of its own attached to it.
+    assert sync.layout is not None
+    folder = shared_dir / "corrupt"
+    folder.mkdir(mode=0o700)  # a weight server's socket folder is private
+    (folder / "layout.json").write_text(json.dumps(sync.layout.to_json()))
+    socket = folder / "weights.sock"
+    server = ServerProcess.start(
+        ServerConfig(kind="weights", socket=socket, layout_file=folder / "layout.json")
+    )
+    other = WeightSync(timeout_s=120.0, chunk_bytes=max(1, sync.layout.slot_bytes // 4), layout=sync.layout)
+    try:
+        other.add_node(spare, sockets=[socket])
+        first = other.update(weights(other, 21))
+        assert first.dropped == ()
+
+        def flip_last_byte(node_id: str, index: int) -> None:
+            # after the first chunk the rest is still to send: the node receives one flipped byte
+            if index == 0:
+                assert other._flat is not None
+                other._flat[-1] ^= 1
+
+        with pytest.raises(WeightSyncTimeoutError, match="not committed") as refused:
+            other.update(weights(other, 22), after_chunk=flip_last_byte)
+        assert refused.value.nodes == (spare,)
+        client = WeightClient.attach(socket)
+        try:
+            live = checksum(pack(client.tensors(), sync.layout))
+            assert (client.version, live) == (first.nodes[0].server_versions[0], first.checksum)
+        finally:
+            client.detach()
+    finally:
+        other.close()
+        server.stop(timeout_s=30)

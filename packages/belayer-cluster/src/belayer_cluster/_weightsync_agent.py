@@ -142,11 +142,15 @@ class WeightAgent:
         self.generation = generation
         return generation
 
-    def receive(self, generation: int, version: int, chunk_bytes: int, timeout_s: float) -> dict[str, Any]:
+    def receive(
+        self, generation: int, version: int, chunk_bytes: int, timeout_s: float, expected: str = ""
+    ) -> dict[str, Any]:
         """Receive version `version` into every server's inactive slot, checksum it, commit it.
 
-        Returns `{node_id, generation, version, checksum, server_versions, pid}`. On any failure the
-        open updates are aborted (readers keep the old version) and the group is dropped.
+        Every server's inactive slot is checksummed before anything is committed; with `expected`
+        (the trainer's checksum) a slot that differs is never committed. Returns `{node_id,
+        generation, version, checksum, server_versions, pid}`. On any failure the open updates are
+        aborted (readers keep the old version) and the group is dropped.
         """
         if self._group is None or generation != self.generation:
             raise WeightSyncError(f"node {self.node_id[:12]} is not in group generation {generation}")
@@ -170,9 +174,19 @@ class WeightAgent:
             options.rootRank = 0
             for start in range(0, slot_bytes, chunk_bytes):
                 self._group.broadcast([first[start : start + chunk_bytes]], options).wait()
-            for client, update in zip(self._clients[1:], updates[1:], strict=True):
-                client.region[update.slot_offset : update.slot_offset + slot_bytes].copy_(first)
             received = checksum(first)
+            if expected and received != expected:
+                raise WeightSyncError(
+                    f"received {received}, the trainer sent {expected}: not committed, the weight "
+                    "servers keep their live version"
+                )
+            for socket, client, update in zip(self._sockets[1:], self._clients[1:], updates[1:], strict=True):
+                copy = client.region[update.slot_offset : update.slot_offset + slot_bytes]
+                copy.copy_(first)
+                if checksum(copy) != received:
+                    raise WeightSyncError(
+                        f"the copy into the weight server at {socket} differs: not committed"
+                    )
             server_versions = [int(update.commit()) for update in updates]
         except BaseException as exc:
             for update in updates:

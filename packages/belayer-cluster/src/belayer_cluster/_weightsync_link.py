@@ -36,6 +36,7 @@ __all__ = [
     "report_versions",
     "require_version",
     "send_all",
+    "why",
 ]
 
 AfterChunk = Callable[[str, int], None]
@@ -90,7 +91,16 @@ def call(link: NodeLink, ref: Any, timeout_s: float) -> Any:
             (link.node_id,),
         ) from exc
     except RayError as exc:
-        raise WeightSyncError(f"node {link.node_id[:12]}'s agent failed: {exc}") from exc
+        raise WeightSyncError(f"node {link.node_id[:12]}'s agent failed: {why(exc)}") from exc
+
+
+def why(exc: RayError) -> str:
+    """One line that says why a call to an agent failed: the agent's own error when it raised one
+    (Ray's task error text starts with the call's name and a traceback), else Ray's."""
+    cause = getattr(exc, "cause", None)
+    text = str(cause) if isinstance(cause, Exception) else str(exc)
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[0][:300] if lines else type(exc).__name__
 
 
 def connect(link: NodeLink, generation: int, host: str, timeout_s: float) -> None:
@@ -135,7 +145,7 @@ def send_all(
     """
     deadline = time.monotonic() + timeout_s
     refs = {
-        link.node_id: link.agent.receive.remote(link.generation, version, chunk_bytes, timeout_s)
+        link.node_id: link.agent.receive.remote(link.generation, version, chunk_bytes, timeout_s, expected)
         for link in links
     }
     send_errors: dict[str, str] = {}
@@ -174,7 +184,7 @@ def send_all(
             try:
                 found = ray.get(ref)
             except RayError as exc:
-                reasons[link.node_id] = str(exc).splitlines()[0][:300]
+                reasons[link.node_id] = why(exc)
                 continue
             report = WeightReport(
                 link.node_id,
