@@ -4,7 +4,9 @@ The session's Ray cluster (at least 3 live nodes of 1 CPU, conftest.py), the mod
 slots "a" and "b" on two nodes and a spare node whose agent has a weight server of its own. The
 tests run in file order and build on each other: an update, a handover between updates, a stale node fenced and a new slot that starts from
 the current version, a node lost mid-update, a replacement node added (a real new Ray node)
-whose slot serves only once it holds the trainer's version.
+whose slot serves only once it holds the trainer's version; then, with syncs of their own, nodes
+that cannot join or answer (typed errors, bounded by the timeout) and a corrupted transfer that is
+never committed.
 """
 
 from __future__ import annotations
