@@ -49,7 +49,11 @@ def test_a_math_run_on_two_nodes_survives_losing_one(tmp_path: Path) -> None:
     assert loss["step"] == 2
     assert loss["slots"] == ["slot1"]
     assert loss["slots_left"] == ["slot0"]  # no spare capacity: training goes on with what is left
-    assert loss["detected_by"] in ("ray", "worker probe")
+    # Ray's node table or the router (its streams broke, or only the slot's worker is gone),
+    # whichever named the node first; when each did, seconds after the removal.
+    assert loss["detected_by"] in ("ray", "router broken streams", "worker probe")
+    assert loss["detections_s"][loss["detected_by"]] == min(loss["detections_s"].values())
+    assert f"seen first by {loss['detected_by']}" in out.getvalue()
     assert loss["tokens_lost"] == 0
     assert loss["requests_resumed"] >= 0
     assert 0 < loss["time_to_recover_s"] < 180
@@ -92,14 +96,12 @@ def test_an_agentic_run_on_two_nodes_restores_the_lost_nodes_sandboxes_elsewhere
             f"system.run_dir={str(run_dir)!r}",  # the default workload: tooluse, in real sandboxes
             "cluster.nodes=2",
             "system.num_slots=2",
-            "algorithm.steps=2",
+            "algorithm.steps=1",  # 4 x 4 trajectories: the node goes with several sandboxes in use
             "chaos.kill_node_at_step=1",  # once a sandbox on the node has a ready checkpoint
             "chaos.kill_worker_at_steps=[]",
             "chaos.sandbox_kill_p=0",
             "rollout.env_checkpoint_policy='always'",
-            "rollout.batch_size=2",
-            "rollout.samples_per_prompt=2",
-            "data.held_out=2",
+            "data.held_out=2",  # evaluated after the loss too: new sandboxes on the node left
             "system.checkpoint_every=0",
             "logging.progress=false",
         ],
@@ -112,6 +114,7 @@ def test_an_agentic_run_on_two_nodes_restores_the_lost_nodes_sandboxes_elsewhere
     assert (loss["step"], loss["slots"], loss["slots_left"]) == (1, ["slot1"], ["slot0"])
     assert loss["tokens_lost"] == 0
     assert 0 < loss["time_to_recover_s"] < 180
+    assert loss["detections_s"][loss["detected_by"]] == min(loss["detections_s"].values())
     # The node held a sandbox with a ready checkpoint when it went: restored on the other node from
     # the latest ready checkpoint, tied to its trajectory's LLM context at that prefix.
     assert loss["sandboxes_restored"] >= 1, log
@@ -124,12 +127,12 @@ def test_an_agentic_run_on_two_nodes_restores_the_lost_nodes_sandboxes_elsewhere
     # Every trajectory that had to recover did so prefix-consistently (the restored sandbox's
     # prefix and repository hash and the router's L_turn agree); none failed.
     lines = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
-    assert len(lines) == 2 * 4
+    assert len(lines) == 16
     for line in lines:
         for recovery in line["recoveries"]:
             assert recovery["prefix_consistent"], recovery
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["healthy_slots"] for m in metrics] == [1, 1]  # the loss is handled within step 1
+    assert [m["healthy_slots"] for m in metrics] == [1]  # the loss is handled within step 1
     # Nothing of the run is left on any node: every sandbox (restored ones too) is gone.
     engine = Engine.connect()
     try:

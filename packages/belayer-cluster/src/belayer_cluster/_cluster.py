@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import sys
 import threading
 import time
@@ -18,6 +17,7 @@ from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from belayer_cluster._detect import Detections, RouterStreams, reachable
 from belayer_cluster._errors import ClusterConfigError, ClusterStartError, SandboxHostError, SlotHostError
 from belayer_cluster._sandboxes import SandboxCluster, SandboxRestore
 from belayer_cluster._slot_host import SlotHost, SlotInfo
@@ -29,11 +29,13 @@ __all__ = ["NodeLoss", "RolloutCluster"]
 class NodeLoss:
     """A lost node: how it was seen, the slots fenced at the router, the sandboxes restored elsewhere.
 
-    `detected_by` is `"ray"` (Ray's node table said dead) or `"worker probe"` (a slot's worker
-    stopped answering and its host actor too, which is how the router's broken streams show up
-    first). `slots_left` are the slots still serving: no replacement is started, so with no spare
-    capacity the rollout continues on them. `recover_s`: detection to every slot fenced and every
-    sandbox restored.
+    `detected_by` is the detector that named the node first: `"ray"` (Ray's node table said
+    dead), `"router broken streams"` (the router's streams broke and the slot's worker and host
+    are gone) or `"worker probe"` (the slot's worker and host are gone, no stream broke);
+    `detections` has the time (`time.time()`) each detector first named it, up to the handling
+    (`RolloutCluster.detections` keeps counting after). `slots_left` are the slots still serving:
+    no replacement is started, so with no spare capacity the rollout continues on them.
+    `recover_s`: detection to every slot fenced and every sandbox restored.
     """
 
     node_id: str
@@ -44,6 +46,7 @@ class NodeLoss:
     recover_s: float = 0.0
     detected_at: float = 0.0  # time.time() of the detection
     error: str = ""  # why a sandbox could not be restored, if one could not
+    detections: dict[str, float] = attrs.field(factory=dict)  # detector -> first time it named the node
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -59,10 +62,11 @@ class RolloutCluster:
     is the caller's (the driver owns it, its journal on `shared_dir` or other storage that outlives
     any node); `start` registers nothing itself: each slot's main worker registers.
 
-    A watcher thread polls Ray's node table every `poll_s` and probes each slot's registered
-    worker; a slot whose worker refuses connections and whose host actor does not answer within
-    `probe_timeout_s` has lost its node (the router sees that as broken streams). Whichever comes
-    first, the node's slots are marked unhealthy at the router, which resumes their requests on
+    A watcher thread polls Ray's node table every `poll_s`, and the router's broken streams
+    (`_detect.RouterStreams`: its resume counter and its workers, through its public API); a slot
+    whose worker refuses connections and whose host actor does not answer within
+    `probe_timeout_s` has lost its node. Whichever comes first (`detections` keeps when each
+    detector named each node), the node's slots are marked unhealthy at the router, which resumes their requests on
     the other slots, and the node's sandboxes (`sandboxes`) are restored on another node. No
     replacement slot is started: the rollout continues on the slots left, and says so.
     """
@@ -103,6 +107,8 @@ class RolloutCluster:
         self._lost = threading.Condition()
         self._refused: str | None = None  # why the router refused a node loss (a 4xx), if it did
         self._watcher: threading.Thread | None = None
+        self.detections = Detections()  # when Ray / the router first named each lost node
+        self._streams = RouterStreams(self.router_url, admin_token)
 
     def start(self) -> dict[str, SlotInfo]:
         """Reserve the bundles, start every slot (concurrently) and the node watcher."""
@@ -189,28 +195,34 @@ class RolloutCluster:
     def _watch(self) -> None:
         handled: set[str] = set()
         while not self._stop.wait(self.poll_s):
+            now = time.time()
             try:
                 nodes = ray.nodes()  # type: ignore[no-untyped-call]
-                found = {n["NodeID"]: "ray" for n in nodes if not n["Alive"] and n["NodeID"] not in handled}
+                dead = {n["NodeID"] for n in nodes if not n["Alive"]}
             except RayError:
-                found = {}
-            if not found:
-                found = {node: "worker probe" for node in self._probe(handled)}
-            for node_id in sorted(found):
-                if self._handle(node_id, found[node_id]):
+                dead = set()
+            for node_id in dead:  # also once handled: a report can say which detector came first
+                self.detections.saw(node_id, "ray", now)
+            broke = self._streams.poll()
+            for node_id in self._probe(handled | dead):
+                self.detections.saw(
+                    node_id, "router broken streams" if broke else "worker probe", time.time()
+                )
+            for node_id in sorted(dead | self._suspected() - handled):
+                if node_id not in handled and self._handle(node_id, self.detections.first(node_id)):
                     handled.add(node_id)
 
-    def _probe(self, handled: set[str]) -> set[str]:
+    def _suspected(self) -> set[str]:
+        return {info.node_id for info in self.infos.values() if self.detections.of(info.node_id)}
+
+    def _probe(self, skip: set[str]) -> set[str]:
         """Nodes whose slot's worker refuses connections and whose slot host does not answer."""
-        headers = {} if self.admin_token is None else {"Authorization": f"Bearer {self.admin_token}"}
-        try:
-            answer = httpx.get(f"{self.router_url}/workers", headers=headers, timeout=5.0)
-            urls = {w["slot"]: w["url"] for w in answer.raise_for_status().json()["slots"]}
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        urls = self._streams.workers()
+        if urls is None:
             return set()  # the router is away: Ray's node table still works
         suspects: set[str] = set()
         for slot, info in self.infos.items():
-            if info.node_id in handled or info.node_id in suspects or _reachable(urls.get(slot)):
+            if info.node_id in skip or info.node_id in suspects or reachable(urls.get(slot)):
                 continue
             try:  # a handover also leaves the worker away for a moment, but its host answers
                 ray.get(self.hosts[slot].ping.remote(), timeout=self.probe_timeout_s)
@@ -223,7 +235,7 @@ class RolloutCluster:
         began, detected_at = time.monotonic(), time.time()
         slots = tuple(s for s, info in self.infos.items() if info.node_id == node_id)
         has_sandboxes = self.sandboxes is not None and any(
-            info.node_id == node_id for info in self.sandboxes.placed.values()
+            info.node_id == node_id for info in list(self.sandboxes.placed.values())
         )
         if not slots and not has_sandboxes:
             return True
@@ -252,13 +264,21 @@ class RolloutCluster:
         if self.sandboxes is not None:
             try:
                 restored = self.sandboxes.recover_node(node_id)
-            except SandboxHostError as exc:
-                error = str(exc)
+            except Exception as exc:  # SandboxHostError, or anything else: the watcher must go on
+                error = str(exc) if isinstance(exc, SandboxHostError) else repr(exc)
                 print(f"belayer-cluster: sandboxes of lost node {node_id[:12]}: {exc}", file=sys.stderr)
         lost = {slot for loss in self.losses for slot in loss.slots} | set(slots)
         left = tuple(slot for slot in self.slots if slot not in lost)
         loss = NodeLoss(
-            node_id, slots, detected_by, tuple(restored), left, time.monotonic() - began, detected_at, error
+            node_id,
+            slots,
+            detected_by,
+            tuple(restored),
+            left,
+            time.monotonic() - began,
+            detected_at,
+            error,
+            self.detections.of(node_id),
         )
         print(
             f"belayer-cluster: node {node_id[:12]} lost ({detected_by}): slots {list(slots)} fenced, "
@@ -288,15 +308,3 @@ class RolloutCluster:
         with httpx.Client(timeout=30.0, headers=headers) as client:
             for slot in slots:
                 client.post(f"{self.router_url}/slots/{slot}/unhealthy").raise_for_status()
-
-
-def _reachable(url: str | None) -> bool:
-    """True when something accepts TCP connections at the worker URL's host and port."""
-    if not url:
-        return False
-    parsed = httpx.URL(url)
-    try:
-        with socket.create_connection((parsed.host, parsed.port or 80), timeout=2.0):
-            return True
-    except OSError:
-        return False

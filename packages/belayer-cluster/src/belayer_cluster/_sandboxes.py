@@ -116,7 +116,8 @@ class SandboxCluster:
                 if index + 1 == len(candidates):
                     raise SandboxHostError(f"the sandbox host of node {node[:12]} is gone") from None
                 continue
-            self.placed[trajectory] = info
+            with self._moving:
+                self.placed[trajectory] = info
             return info
         raise SandboxHostError(f"no node to create a sandbox for {trajectory!r} on")  # pragma: no cover
 
@@ -244,10 +245,11 @@ class SandboxCluster:
 
     def release(self, trajectory: str) -> None:
         """The trajectory is done: remove its current sandbox and forget where it ran."""
-        info = self.placed.get(trajectory)
-        if info is not None:
-            self.remove(trajectory, info.container_id)
-            self.placed.pop(trajectory, None)
+        with self._moving:  # not while a lost node's recovery restores it
+            info = self.placed.get(trajectory)
+            if info is not None:
+                self.remove(trajectory, info.container_id)
+                self.placed.pop(trajectory, None)
 
     def recover_node(self, node_id: str) -> list[SandboxRestore]:
         """Fence a lost node's sandboxes and restore each on a surviving node (latest ready
@@ -261,7 +263,7 @@ class SandboxCluster:
                 with contextlib.suppress(RayError):
                     ray.kill(lost_host)
             survivors = list(self.hosts)
-            lost = [t for t, info in self.placed.items() if info.node_id == node_id]
+            lost = [t for t, info in list(self.placed.items()) if info.node_id == node_id]
             if lost and not survivors:
                 raise SandboxHostError(
                     f"node {node_id[:12]} was lost and no node is left to restore {lost} on"
@@ -271,7 +273,9 @@ class SandboxCluster:
             errors: list[str] = []
             for trajectory in lost:
                 began = time.monotonic()
-                old = self.placed[trajectory]
+                old = self.placed.get(trajectory)
+                if old is None or old.node_id != node_id:  # its owner released or replaced it meanwhile
+                    continue
                 target = survivors[next(self._turn) % len(survivors)]
                 host = self.hosts[target]
                 try:

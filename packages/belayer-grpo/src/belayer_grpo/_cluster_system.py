@@ -357,8 +357,12 @@ class ClusterSystem:
             # Restored by the node's recovery, or by their trajectory when it saw the loss first.
             restored = [] if self.sandboxes is None else self.sandboxes.restores
             moved = [r.to_dict() for r in restored if r.from_node == loss["node_id"]]
+            # Each detector's first word on the node, seconds after its removal (the later one too).
+            seen = self.rollout.detections.of(loss["node_id"])
+            detections = {name: at - loss["removed_before"] for name, at in seen.items()}
             reports.append(
                 {k: v for k, v in loss.items() if not k.endswith("_before")}
+                | {"detections_s": detections}
                 | {"requests_resumed": int(resumed), "tokens_lost": 0 if failed == 0 else None}
                 | {"sandboxes_restored": len(moved), "sandboxes": moved}
             )
@@ -409,6 +413,7 @@ class ClusterSystem:
                 "sandboxes_restored": len(loss.sandboxes),
                 "slots_left": list(loss.slots_left),
                 "time_to_recover_s": max(handled, (resumed_at or removed) - removed),
+                "removed_before": removed_wall,
                 "resumes_before": before.get("resumes_total", 0.0),
                 "failed_before": before.get("requests_failed_total", 0.0),
             }

@@ -141,8 +141,11 @@ class Reporter:
             )
         lines.append(f"{'resumed requests':>22}: {summary.get('num_resumed', 0)}")
         for loss in summary.get("node_losses", []):
+            seen = sorted((loss.get("detections_s") or {}).items(), key=lambda item: item[1])
+            when = ", ".join(f"{name} {at:.2f}s" for name, at in seen)  # after the node was removed
             lines.append(
-                f"{'node lost':>22}: {loss['node_id'][:12]} at step {loss['step']} ({loss['detected_by']}):"
+                f"{'node lost':>22}: {loss['node_id'][:12]} at step {loss['step']}"
+                f" (seen first by {loss['detected_by']}{': ' + when if when else ''}):"
                 f" {loss['requests_resumed']} requests resumed elsewhere,"
                 f" {loss['sandboxes_restored']} sandboxes restored elsewhere, tokens lost {loss['tokens_lost']},"
                 f" recovered in {loss['time_to_recover_s']:.2f}s; continuing on {len(loss['slots_left'])} slot(s)"
