@@ -319,3 +319,29 @@ async def test_the_link_flag_is_journaled_and_replayed_and_checked(tmp_path: Pat
         "b": False,
     }
     await replayed.aclose()
+
+
+async def test_a_worker_that_hangs_on_its_link_is_cut_after_the_read_timeout() -> None:
+    """An idle link has no read deadline; a submission starts one, so a hung worker is cut."""
+    config = RouterConfig(admin_token=ADMIN_TOKEN, resume_wait_s=60.0, worker_read_timeout_s=1.0)
+    async with (
+        running_worker(1, link=True, pause_at=3) as (url, hung),
+        running_worker(2, link=True) as (new_url, _worker),
+        running_router(config) as (router_url, app),
+        RouterClient(router_url, admin_token=ADMIN_TOKEN) as client,
+    ):
+        await client.register("s", url, 1, link=True)
+        assert await _tokens(client, 1, 3) == expected_tokens(1, 3)  # opens the link (no pause before 3)
+        await anyio.sleep(1.5)  # the link is idle longer than the read timeout: no harm
+        assert app.metrics.num_resumes == 0
+        async with anyio.create_task_group() as group:
+
+            async def run() -> None:
+                assert await _tokens(client, 2, 10) == expected_tokens(2, 10)
+
+            group.start_soon(run)
+            await wait_until(lambda: app.metrics.num_resumes >= 1, 60)  # cut after ~1 s of silence
+            await client.register("s", new_url, 2, link=True)
+        assert hung.num_paused == 1
+        assert hung.num_links == 1
+        hung.resume()

@@ -92,6 +92,7 @@ class Link:
         self.attempts: dict[int, LinkAttempt] = {}
         self.next_handle = 0
         self.broken: WorkerStreamError | None = None
+        self._read_scope: anyio.CancelScope | None = None
         self.outbox, self.outgoing = anyio.create_memory_object_stream[bytes](math.inf)
 
     def submit(self, body: bytes, record: RequestRecord, emit: Emit, num_received: int) -> LinkAttempt:
@@ -102,6 +103,9 @@ class Link:
         self.next_handle += 1
         self.attempts[attempt.handle] = attempt
         self.outbox.send_nowait(encode_submit(attempt.handle, body))
+        scope = self._read_scope
+        if scope is not None and scope.deadline == math.inf:  # the reader waits idle: time it now
+            scope.deadline = anyio.current_time() + self.read_timeout_s
         return attempt
 
     def abort(self, attempt: LinkAttempt) -> None:
@@ -157,12 +161,15 @@ class Link:
         frames = FrameBuffer()
         checked = False
         while True:
-            timeout = self.read_timeout_s if self.attempts else math.inf
-            with anyio.move_on_after(timeout) as scope:
+            deadline = anyio.current_time() + self.read_timeout_s if self.attempts else math.inf
+            with anyio.CancelScope(deadline=deadline) as scope:
+                self._read_scope = scope  # idle (no deadline) until a request is submitted
                 try:
                     data = await self.stream.receive(_READ_BYTES)
                 except anyio.EndOfStream:
                     raise WorkerStreamError(f"worker {self.worker.url} closed its link") from None
+                finally:
+                    self._read_scope = None
             if scope.cancelled_caught:
                 raise WorkerStreamError(
                     f"worker {self.worker.url} sent nothing for {self.read_timeout_s:g} s"
@@ -270,7 +277,8 @@ class LinkPool:
             if opening is None:
                 break
             await opening.wait()
-        assert self.group is not None, "links need the app's task group (RouterApp.serving_links)"
+        if self.group is None:
+            raise WorkerStreamError("the router's links are shut down (RouterApp.serving_links has ended)")
         self._opening[worker] = opening = anyio.Event()
         try:
             host, port, head = _head(worker.url)
