@@ -39,6 +39,7 @@ from belayer_router import (
     serve_asgi,
     serving,
 )
+from belayer_router.worker import LINK_PATH, LinkSubmit, encode_step, read_link_frames
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -56,7 +57,7 @@ class PacedWorker:
         events: str = "token",
     ) -> None:
         self.epoch, self.step, self.break_at, self.hang, self.frame = epoch, step, break_at, hang, frame
-        self.events = events  # "token": one line per token; "tokens": one frame per step
+        self.events = events  # "token": one line per token; "tokens": one frame per step; "link"
         self.broken = anyio.Event()
         self.break_time = 0.0
 
@@ -65,6 +66,9 @@ class PacedWorker:
             while (message := await receive())["type"] != "lifespan.shutdown":
                 await send({"type": "lifespan.startup.complete"})
             await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["path"] == LINK_PATH:
+            await self._link(receive, send)
             return
         body = b""
         while True:
@@ -101,6 +105,37 @@ class PacedWorker:
                 await anyio.sleep(self.step)
         final = f'{{"type":"finish","epoch":{self.epoch},"finish_reason":"length"}}\n'.encode()
         await send({"type": "http.response.body", "body": final, "more_body": False})
+
+    async def _link(self, receive: Any, send: Any) -> None:
+        """The multiplexed link: every ``step`` s ONE frame with a token for every running request."""
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        active: dict[int, list[int]] = {}  # handle -> [seed, next index, end]
+
+        async def stepper() -> None:
+            while True:
+                if active:
+                    entries, finished = [], []
+                    for handle, state in list(active.items()):
+                        seed, index, end = state
+                        entries.append((handle, index, [(seed * 7919 + index * 104729) % 32000], [-1.0]))
+                        state[1] = index + 1
+                        if index + 1 >= end:
+                            finished.append((handle, "length"))
+                            del active[handle]
+                    body = encode_step(self.epoch, entries, finished)
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                await anyio.sleep(self.step)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(stepper)
+            async for message in read_link_frames(receive):
+                if isinstance(message, LinkSubmit):
+                    request = message.body
+                    start = len(request["generated_token_ids"])
+                    active[message.handle] = [request["seed"], start, start + request["max_tokens"]]
+                else:
+                    active.pop(message.handle, None)
+            group.cancel_scope.cancel()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -223,7 +258,7 @@ async def fleet_rows(args: argparse.Namespace, worker_url: str) -> list[dict[str
         try:
             urls = [url for _, url in started]
             async with RouterFleet(urls, admin_token="bench") as fleet:
-                await fleet.register("bench", worker_url, 1)
+                await fleet.register("bench", worker_url, 1, link=args.worker_events[0] == "link")
             cpu_before = sum(cpu_seconds(p.pid) for p, _ in started)
             routed = await throughput(
                 urls, args.fleet_streams, args.tokens, via_router=True, tag=f"f{count}-"
@@ -257,7 +292,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         router, router_url = start_process(router_argv(args.loop))
         try:
             async with RouterClient(router_url, admin_token="bench") as client:
-                await client.register("bench", worker_url, 1)
+                await client.register("bench", worker_url, 1, link=events == "link")
             for streams in args.streams:
                 direct = await throughput(worker_url, streams, args.tokens, via_router=False)
                 cpu_before = cpu_seconds(router.pid)
@@ -317,7 +352,11 @@ def table(result: dict[str, Any]) -> str:
     lines: list[str] = []
     tokens = result["config"]["frame_tokens"]
     for events in result["config"]["worker_events"]:
-        kind = "one `token` line per token" if events == "token" else "one `tokens` frame per step"
+        kind = {
+            "token": "one `token` line per token",
+            "tokens": "one `tokens` frame per request per step",
+            "link": "the link: one binary `STEP` frame per step for all requests",
+        }[events]
         lines += [f"Worker events: {kind}, {tokens} token(s) per stream per step", ""]
         lines += _throughput_table([row for row in result["throughput"] if row["worker_events"] == events])
         lines.append("")
@@ -354,9 +393,10 @@ def main() -> None:
     parser.add_argument(
         "--worker-events",
         nargs="+",
-        choices=["token", "tokens"],
-        default=["token", "tokens"],
-        help="how the worker sends a step's tokens: token lines, a tokens frame (each measured)",
+        choices=["token", "tokens", "link"],
+        default=["token", "tokens", "link"],
+        help="how the worker sends a step's tokens: token lines, a tokens frame per request, or one "
+        "link frame for all requests (each measured)",
     )
     parser.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto")
     parser.add_argument("--skip-resume", action="store_true", help="only the throughput rows")
