@@ -76,14 +76,14 @@ def serve_rounds(run_round: Any, init_s: float) -> None:
         print(json.dumps({"tokens_per_s": rate, "outputs": outputs}), flush=True)
 
 
-def stock(folder: Path, num_requests: int, max_tokens: int) -> None:
-    """A child: vLLM's `LLM.generate` (one thread), one round per request on stdin."""
+def stock(folder: Path, num_requests: int, max_tokens: int, threads: int = 1) -> None:
+    """A child: vLLM's `LLM.generate` (`threads` CPU threads), one round per request on stdin."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     import torch
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     start = time.monotonic()
     llm = LLM(
         model=str(folder),
@@ -109,13 +109,58 @@ def stock(folder: Path, num_requests: int, max_tokens: int) -> None:
     serve_rounds(run_round, init_s)
 
 
-def direct(folder: Path, num_requests: int, max_tokens: int) -> None:
+def stepped(engine: Any, num_requests: int, max_tokens: int) -> Any:
+    """A round function stepping `engine` (VllmEngine or the built-in LLMEngine) directly."""
+    from belayer_shadow import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    rounds = [0]
+
+    def run_round() -> tuple[float, list[list[int]]]:
+        rounds[0] += 1
+        outputs: list[list[int]] = [[] for _ in range(num_requests)]
+        start = time.monotonic()
+        for i, prompt in enumerate(prompts(num_requests)):
+            engine.add_request(f"{rounds[0]}-{i}", prompt, params)
+        while engine.has_unfinished():
+            for out in engine.step():
+                outputs[int(out.request_id.split("-")[1])].append(out.token_id)
+        return sum(map(len, outputs)) / (time.monotonic() - start), outputs
+
+    return run_round
+
+
+def builtin(folder: Path, num_requests: int, max_tokens: int, threads: int = 1) -> None:
+    """A child: belayer-shadow's built-in `LLMEngine` stepped directly on a private KV arena
+    (weights from the folder), `threads` CPU threads, one round per request on stdin."""
+    import torch
+
+    from belayer_shadow import LLMEngine, allocate_kv_arena, load_safetensors
+
+    torch.set_num_threads(threads)
+    config = ModelConfig.from_json_file(folder / "config.json")
+    block_size = 16
+    blocks = num_requests * -(-(16 + max_tokens) // block_size) + 16
+    start = time.monotonic()
+    engine = LLMEngine(
+        config,
+        load_safetensors(folder / "model.safetensors"),
+        allocate_kv_arena(config, blocks, block_size),
+        max_num_seqs=num_requests,
+    )
+    init_s = time.monotonic() - start
+    run_round = stepped(engine, num_requests, max_tokens)
+    run_round()  # warm-up
+    serve_rounds(run_round, init_s)
+
+
+def direct(folder: Path, num_requests: int, max_tokens: int, threads: int = 1) -> None:
     """A child: `VllmEngine` stepped directly (no router, no HTTP) on a weight server filled with
     `weight_layout`'s table (every parameter a view), one round per request on stdin."""
     import torch
 
     from belayer_gpumem import ServerConfig, ServerProcess
-    from belayer_shadow import SamplingParams, fill_weight_server, load_safetensors, weight_layout
+    from belayer_shadow import fill_weight_server, load_safetensors, weight_layout
     from belayer_shadow._vllm import VllmEngine
 
     config = ModelConfig.from_json_file(folder / "config.json")
@@ -129,26 +174,17 @@ def direct(folder: Path, num_requests: int, max_tokens: int) -> None:
         )
         try:
             fill_weight_server(sockets / "w.sock", load_safetensors(folder / "model.safetensors"))
-            torch.set_num_threads(1)
+            torch.set_num_threads(threads)
             start = time.monotonic()
             engine = VllmEngine(
-                config, sockets / "w.sock", max_num_seqs=num_requests, kv_cache_bytes=KV_CACHE_BYTES
+                config,
+                sockets / "w.sock",
+                max_num_seqs=num_requests,
+                kv_cache_bytes=KV_CACHE_BYTES,
+                num_threads=threads,
             )
             init_s = time.monotonic() - start
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-            rounds = [0]
-
-            def run_round() -> tuple[float, list[list[int]]]:
-                rounds[0] += 1
-                outputs: list[list[int]] = [[] for _ in range(num_requests)]
-                start = time.monotonic()
-                for i, prompt in enumerate(prompts(num_requests)):
-                    engine.add_request(f"{rounds[0]}-{i}", prompt, params)
-                while engine.has_unfinished():
-                    for out in engine.step():
-                        outputs[int(out.request_id.split("-")[1])].append(out.token_id)
-                return sum(map(len, outputs)) / (time.monotonic() - start), outputs
-
+            run_round = stepped(engine, num_requests, max_tokens)
             run_round()  # warm-up
             serve_rounds(run_round, init_s)
             engine.close()
@@ -157,11 +193,12 @@ def direct(folder: Path, num_requests: int, max_tokens: int) -> None:
 
 
 class Child:
-    """A benchmark child process (`--stock` / `--direct`) driven one round at a time."""
+    """A benchmark child process (`--stock` / `--direct` / `--builtin`) driven one round at a time."""
 
     def __init__(self, role: str, folder: Path, args: argparse.Namespace) -> None:
         command = [sys.executable, __file__, f"--{role}", str(folder)]
         command += ["--num-requests", str(args.num_requests), "--max-tokens", str(args.max_tokens)]
+        command += ["--threads", str(args.threads)]
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.init_s = float(self._read()["init_s"])
 
@@ -290,7 +327,7 @@ async def measure_size(size: str, folder: Path, tmp: Path, args: argparse.Namesp
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"config": vars(args).copy(), "sizes": {}}
-    for internal in ("stock", "direct"):
+    for internal in ("stock", "direct", "builtin"):
         results["config"].pop(internal, None)
     results["config"]["cpus"] = os.cpu_count()
     if RESULTS.exists():  # sizes not re-run keep their earlier results (--sizes runs a subset)
@@ -342,15 +379,15 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)  # the children's
     parser.add_argument("--stock", type=Path, help=argparse.SUPPRESS)  # internal: the stock-vLLM child
     parser.add_argument("--direct", type=Path, help=argparse.SUPPRESS)  # internal: the VllmEngine child
+    parser.add_argument("--builtin", type=Path, help=argparse.SUPPRESS)  # internal: the LLMEngine child
     args = parser.parse_args()
-    if args.stock is not None:
-        stock(args.stock, args.num_requests, args.max_tokens)
-        return
-    if args.direct is not None:
-        direct(args.direct, args.num_requests, args.max_tokens)
-        return
+    for role, child in (("stock", stock), ("direct", direct), ("builtin", builtin)):
+        if getattr(args, role) is not None:
+            child(getattr(args, role), args.num_requests, args.max_tokens, args.threads)
+            return
     logging.getLogger("uvicorn.error").addFilter(lambda record: "lifespan" not in record.getMessage())
     results = run(args)
     table = render(results)
