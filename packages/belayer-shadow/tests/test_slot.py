@@ -102,6 +102,8 @@ async def test_conventional_recovery_restarts_and_regenerates(tmp_path: Path) ->
             await streams.wait_tokens(4)
             slot.kill_main()
         assert streams.tokens == reference
+        # The streams can end before the supervisor has counted the restart: wait for it.
+        await anyio.to_thread.run_sync(slot.wait_handovers, 1)
         assert slot.num_handovers == 1
         events = [e["event"] for e in slot.events()]
         assert events.count("conventional.miss") >= 2
@@ -126,6 +128,8 @@ async def test_restart_baseline_detects_at_once_and_resumes_without_regenerating
             await streams.wait_tokens(4)
             slot.kill_main()
         assert streams.tokens == reference
+        # The streams can end before the supervisor has counted the restart: wait for it.
+        await anyio.to_thread.run_sync(slot.wait_handovers, 1)
         assert slot.num_handovers == 1
         events = [e["event"] for e in slot.events()]
         assert "conventional.miss" not in events  # detected by waitpid, not by health checks
