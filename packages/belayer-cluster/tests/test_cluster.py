@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from typing import Any
 
 import httpx
@@ -19,6 +20,7 @@ from cluster_helpers import PROMPTS, TOKEN, ancestors, gone, rollout, wait_until
 from cluster_helpers import Rollout as Streams
 
 from belayer_cluster import DriverRouter, LocalRayCluster, RolloutCluster, SandboxCluster, SandboxHostError
+from belayer_cluster._detect import RouterStreams
 
 pytestmark = pytest.mark.timeout(300)
 MAX_TOKENS = 160
@@ -100,6 +102,17 @@ def test_a_sandbox_host_runs_on_every_node(local_ray: LocalRayCluster, sandboxes
     assert sorted(sandboxes.hosts) == sorted(local_ray.node_ids)
 
 
+def _read(sandboxes: SandboxCluster, trajectory: str, container_id: str) -> str:
+    """`cat a` in the sandbox, asked again while it comes back empty: on a loaded machine a docker
+    exec was seen to end with exit 0 and no output (belayer-grpo's repository hash retries too)."""
+    for _ in range(5):
+        found = sandboxes.probe(trajectory, ["cat", "a"], container_id=container_id)
+        if found["stdout"]:
+            return str(found["stdout"])
+        time.sleep(1.0)
+    return ""
+
+
 def test_a_trajectorys_sandbox_is_used_through_its_container_and_restored_by_its_owner(
     sandboxes: SandboxCluster,
 ) -> None:
@@ -107,34 +120,36 @@ def test_a_trajectorys_sandbox_is_used_through_its_container_and_restored_by_its
     # pool's working folder and labels; actions, a probe and a checkpoint in the same boundary.
     box = sandboxes.create("traj-own", working_dir="/work", labels={"belayer.test": "own"})
     mine = box.container_id
-    assert sandboxes.exec("traj-own", "echo 7 > a", container_id=mine)["prefix"] == 1
-    info, checkpoint, probed = sandboxes.checkpoint_at(
-        "traj-own",
-        "router:contexts/traj-own/1",
-        1,
-        probe_argv=["cat", "a"],
-        workdir="/work",
-        container_id=mine,
-    )
-    assert probed is not None
-    assert probed["stdout"] == "7\n"
-    assert (info.prefix, info.context_ref) == (1, "router:contexts/traj-own/1")
-    assert (checkpoint.prefix, checkpoint.context_ref) == (1, "router:contexts/traj-own/1")
-    assert checkpoint.path.is_relative_to(sandboxes.store_dir)  # published where every node reads
-    sandboxes.exec("traj-own", "echo 8 > a", container_id=mine)
-    assert sandboxes.control("traj-own", "kill", container_id=mine) == "kill"
-    # The owner restores its latest checkpoint (its node is alive: on the same node).
-    back = sandboxes.restore("traj-own", checkpoint, replacing=mine)
-    assert (back.node_id, back.prefix, back.context_ref) == (box.node_id, 1, checkpoint.context_ref)
-    assert back.container_id != mine
-    # The old container is refused by name: a caller still holding it learns that it moved.
-    with pytest.raises(SandboxHostError, match="restored or replaced since"):
-        sandboxes.exec("traj-own", "true", container_id=mine)
-    assert sandboxes.probe("traj-own", ["cat", "a"], container_id=back.container_id)["stdout"] == "7\n"
-    # Asked again for the same checkpoint by a holder of the old container: the restored one.
-    assert sandboxes.restore("traj-own", checkpoint, replacing=mine) == back
-    sandboxes.remove("traj-own", mine)
-    sandboxes.release("traj-own")
+    try:
+        assert sandboxes.exec("traj-own", "echo 7 > a", container_id=mine)["prefix"] == 1
+        info, checkpoint, probed = sandboxes.checkpoint_at(
+            "traj-own",
+            "router:contexts/traj-own/1",
+            1,
+            probe_argv=["cat", "a"],
+            workdir="/work",
+            container_id=mine,
+        )
+        assert probed is not None
+        assert probed["exit_code"] == 0  # the file was there, in the working folder
+        assert (info.prefix, info.context_ref) == (1, "router:contexts/traj-own/1")
+        assert (checkpoint.prefix, checkpoint.context_ref) == (1, "router:contexts/traj-own/1")
+        assert checkpoint.path.is_relative_to(sandboxes.store_dir)  # published where every node reads
+        sandboxes.exec("traj-own", "echo 8 > a", container_id=mine)
+        assert sandboxes.control("traj-own", "kill", container_id=mine) == "kill"
+        # The owner restores its latest checkpoint (its node is alive: on the same node).
+        back = sandboxes.restore("traj-own", checkpoint, replacing=mine)
+        assert (back.node_id, back.prefix, back.context_ref) == (box.node_id, 1, checkpoint.context_ref)
+        assert back.container_id != mine
+        # The old container is refused by name: a caller still holding it learns that it moved.
+        with pytest.raises(SandboxHostError, match="restored or replaced since"):
+            sandboxes.exec("traj-own", "true", container_id=mine)
+        assert _read(sandboxes, "traj-own", back.container_id) == "7\n"  # the checkpoint's state
+        # Asked again for the same checkpoint by a holder of the old container: the restored one.
+        assert sandboxes.restore("traj-own", checkpoint, replacing=mine) == back
+    finally:
+        sandboxes.remove("traj-own", mine)
+        sandboxes.release("traj-own")
     assert back.container_id not in sandboxes.containers()
     assert mine not in sandboxes.containers()
 
@@ -160,6 +175,8 @@ def test_a_node_removed_mid_rollout_resumes_on_another_node_exactly(
     fresh = sandboxes.create("traj-c", lost.node_id)  # no checkpoint: fenced, its owner restarts it
     streams = Streams(router.url, PROMPTS, MAX_TOKENS).start()
     streams.wait_tokens(4)
+    broken = RouterStreams(router.url, TOKEN)  # what the watcher reads of the router
+    assert broken.poll() is False
     local_ray.remove_node(lost.node_id)
     streams.join(240)
     assert streams.tokens == reference  # exactly the failure-free greedy output
@@ -168,9 +185,12 @@ def test_a_node_removed_mid_rollout_resumes_on_another_node_exactly(
     (loss,) = slots.wait_node_loss(1, timeout_s=120)
     assert loss.node_id == lost.node_id
     assert loss.slots == ("b",)
-    # Seen first by Ray's node table or by the router's broken streams (the streams were on it):
-    # the detector that named the node first, and when each one did.
-    assert loss.detected_by in ("ray", "router broken streams")
+    # The streams on it broke: the router's resume counter says so.
+    assert broken.poll() is True
+    # Seen first by Ray's node table or by the router (its broken streams; or its worker probe when
+    # the break was counted only after the probe ended): the detector that named the node first,
+    # and when each one did.
+    assert loss.detected_by in ("ray", "router broken streams", "worker probe")
     assert loss.detections[loss.detected_by] == min(loss.detections.values())
     assert loss.detected_at >= loss.detections[loss.detected_by]
     assert loss.slots_left == ("a",) == slots.healthy_slots  # no spare: continues on what is left

@@ -204,7 +204,9 @@ class RolloutCluster:
             for node_id in dead:  # also once handled: a report can say which detector came first
                 self.detections.saw(node_id, "ray", now)
             broke = self._streams.poll()
-            for node_id in self._probe(handled | dead):
+            suspects = self._probe(handled | dead)
+            broke = self._streams.poll() or broke  # a stream that broke while the probe waited counts
+            for node_id in suspects:
                 self.detections.saw(
                     node_id, "router broken streams" if broke else "worker probe", time.time()
                 )

@@ -11,6 +11,7 @@ node, not a Docker engine of its own.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -171,7 +172,11 @@ class SandboxHost:
         try:
             with sandbox.action_boundary():
                 if probe_argv:
-                    result = sandbox.probe(probe_argv, workdir=workdir)
+                    for attempt in range(3):  # read-only: asked again when a loaded engine lost its output
+                        result = sandbox.probe(probe_argv, workdir=workdir)
+                        if result.stdout.strip() or result.exit_code != 0:
+                            break
+                        time.sleep(0.5 * (attempt + 1))
                     probed = {"stdout": result.stdout, "stderr": result.stderr, "exit_code": result.exit_code}
                 ckpt = full_checkpoint(
                     sandbox, trajectory, prefix=prefix, context_ref=context_ref, store=self.store
