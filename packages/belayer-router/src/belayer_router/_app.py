@@ -322,10 +322,17 @@ class RouterApp(OpenAIRoutes):
             receive,
             send,
             produce,
-            lambda events: b"".join(encode_event(e) for e in events),
+            _render,
             _error_line,
             "application/x-ndjson",
         )
+
+
+def _render(events: list[Event]) -> bytes:
+    """The NDJSON lines of a writer wake-up's events (usually one: no join for it)."""
+    if len(events) == 1:
+        return encode_event(events[0])
+    return b"".join([encode_event(e) for e in events])
 
 
 def _parse_turn(turn: str) -> int:

@@ -82,6 +82,7 @@ class _Queue(Generic[_E]):
     def __init__(self) -> None:
         self.items: list[_E | BelayerRouterError] = []
         self.closed = False
+        self.failed = False  # an error was queued (the producer's last item)
         self.future: asyncio.Future[None] | None = None
         self.event: anyio.Event | None = None
         try:
@@ -103,6 +104,10 @@ class _Queue(Generic[_E]):
         self.items.append(item)
         if self.future is not None or self.event is not None:
             self._wake()
+
+    def fail(self, error: BelayerRouterError) -> None:
+        self.failed = True
+        self.put(error)
 
     def close(self) -> None:
         self.closed = True
@@ -136,7 +141,7 @@ async def stream_response(
         try:
             await produce(queue.put)
         except BelayerRouterError as error:
-            queue.put(error)
+            queue.fail(error)
         finally:
             queue.close()
 
@@ -145,7 +150,9 @@ async def stream_response(
         group.start_soon(run_producer)
         group.start_soon(_watch_disconnect, receive, group.cancel_scope)
         while batch := await queue.batch():
-            error = next((e for e in batch if isinstance(e, BelayerRouterError)), None)
+            error = (
+                next((e for e in batch if isinstance(e, BelayerRouterError)), None) if queue.failed else None
+            )
             if not started and error is not None and len(batch) == 1:
                 await send_json(
                     send, error.status, {"error": {"message": str(error), "status": error.status}}
