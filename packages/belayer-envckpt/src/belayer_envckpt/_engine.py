@@ -321,11 +321,31 @@ class Engine:
                 f"the engine refused {what} ({response.status_code}): {response.text.strip()}"
             )
 
-    def remove(self, ref: str) -> bool:
-        """Remove a container by id, forcefully; False if it did not exist."""
-        try:
-            with engine_errors(f"removing container {ref}", container=ref):
-                self.client.containers.get(ref).remove(force=True)
-        except ContainerNotFoundError:
-            return False
-        return True
+    def remove(self, ref: str, timeout_s: float = 60.0) -> bool:
+        """Remove a container by id, forcefully; False if it did not exist.
+
+        A removal already in progress (another caller's, or the engine's for a container whose
+        owner died mid-removal: the engine answers 409) is waited for, up to ``timeout_s``: when
+        this returns True the container is gone.
+        """
+        deadline = time.monotonic() + timeout_s
+        waited = False
+        while True:
+            try:
+                with engine_errors(f"removing container {ref}", container=ref):
+                    try:
+                        self.client.containers.get(ref).remove(force=True)
+                    except docker.errors.APIError as exc:
+                        if not _removal_in_progress(exc) or time.monotonic() > deadline:
+                            raise
+                        waited = True
+                        time.sleep(0.1)
+                        continue
+            except ContainerNotFoundError:
+                return waited  # gone: it existed if another removal was under way
+            return True
+
+
+def _removal_in_progress(exc: docker.errors.APIError) -> bool:
+    """The engine's 409 for a container that another removal is already taking away."""
+    return exc.status_code == 409 and "already in progress" in str(exc.explanation or exc)
