@@ -60,6 +60,7 @@ __all__ = ["ClusterSystem", "ClusterWeights", "cluster_wanted", "rollout_system"
 KILL_AFTER_TOKENS = 24  # the node is removed once this many tokens of the step have streamed
 # ... and, with sandboxes, once one of its sandboxes has a ready checkpoint (or after this long)
 KILL_WAIT_CHECKPOINT_S = 300.0
+KILL_HOLD_S = 300.0  # the held trajectory goes on after this long even if the loss is not handled
 SYNC_TIMEOUT_S = 120.0  # every rendezvous and transfer of the weight sync (a loaded machine)
 
 
@@ -198,6 +199,7 @@ class ClusterSystem:
     _losses: list[dict[str, Any]] = attrs.field(factory=list)
     _events: dict[str, list[dict[str, Any]]] = attrs.field(factory=dict)
     _killer: threading.Thread | None = None
+    _hold: _NodeLossHold | None = None
 
     @classmethod
     @asynccontextmanager
@@ -329,8 +331,17 @@ class ClusterSystem:
             raise
         return ClusterSandboxPool(
             engine, CheckpointStore(self.sandboxes.store_dir), capacity=config.rollout.max_sandboxes,
-            labels={RUN_LABEL: run_marker(run_dir)}, hosts=self.sandboxes,
+            labels={RUN_LABEL: run_marker(run_dir)}, hosts=self.sandboxes, checkpointed=self._checkpointed,
         )  # fmt: skip
+
+    def _checkpointed(self, node_id: str) -> None:
+        """`chaos.kill_node_at_step`: the first trajectory whose sandbox on the victim node has a
+        ready checkpoint waits here (its checkpointing thread, before its next action) until the
+        node is removed and the loss handled, so the node goes with that sandbox still in use and
+        its recovery restores it elsewhere (without the hold the trajectory could finish first)."""
+        hold = self._hold
+        if hold is not None and hold.claim(node_id):
+            hold.released.wait(KILL_HOLD_S)
 
     def _rollouts(self) -> list[RolloutCluster]:
         return [self.rollout, *self.replacements]
@@ -372,21 +383,26 @@ class ClusterSystem:
         return _outstanding_of(self.router_url, self.admin_token, slot)
 
     def _kill_node(self, step: int) -> None:
-        assert self.local is not None
-        start = _metrics(self.router_url).get("tokens_total", 0.0)
-        deadline = time.monotonic() + 600
-        while _metrics(self.router_url).get("tokens_total", 0.0) < start + KILL_AFTER_TOKENS:
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.02)
         victim_slot = self.slots[-1].config.slot
         victim = self.rollout.infos[victim_slot].node_id
-        if self.sandboxes is not None:  # remove it once it holds a sandbox with a ready checkpoint
-            wait_until = time.monotonic() + KILL_WAIT_CHECKPOINT_S
-            while time.monotonic() < wait_until and not any(
-                info.node_id == victim and info.context_ref for info in list(self.sandboxes.placed.values())
-            ):
-                time.sleep(0.05)
+        # With sandboxes, the node goes once a sandbox on it has a ready checkpoint (`_checkpointed`).
+        hold = self._hold = _NodeLossHold(victim) if self.sandboxes is not None else None
+        try:
+            start = _metrics(self.router_url).get("tokens_total", 0.0)
+            deadline = time.monotonic() + 600
+            while _metrics(self.router_url).get("tokens_total", 0.0) < start + KILL_AFTER_TOKENS:
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.02)
+            if hold is not None:
+                hold.claimed.wait(KILL_WAIT_CHECKPOINT_S)
+            self._remove_node(step, victim_slot, victim)
+        finally:
+            if hold is not None:
+                hold.released.set()
+
+    def _remove_node(self, step: int, victim_slot: str, victim: str) -> None:
+        assert self.local is not None
         in_flight = self._outstanding(victim_slot)
         before = _metrics(self.router_url)
         removed, removed_wall = time.monotonic(), time.time()
@@ -418,6 +434,24 @@ class ClusterSystem:
                 "failed_before": before.get("requests_failed_total", 0.0),
             }
         )
+
+
+@attrs.define
+class _NodeLossHold:
+    """The first trajectory to checkpoint a sandbox on the victim node claims this and waits
+    for `released` (set once the node's loss is handled, or given up)."""
+
+    node_id: str
+    claimed: threading.Event = attrs.field(factory=threading.Event)
+    released: threading.Event = attrs.field(factory=threading.Event)
+    _lock: threading.Lock = attrs.field(factory=threading.Lock)
+
+    def claim(self, node_id: str) -> bool:
+        with self._lock:
+            if node_id != self.node_id or self.claimed.is_set() or self.released.is_set():
+                return False
+            self.claimed.set()
+            return True
 
 
 @attrs.define

@@ -20,7 +20,7 @@ import contextlib
 import shutil
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, cast
 
 import anyio
@@ -165,6 +165,9 @@ class ClusterSandboxPool(SandboxPool):
     """
 
     hosts: SandboxCluster | None = attrs.field(default=None, kw_only=True)
+    # Called, in the checkpointing thread, with the sandbox's node after each ready checkpoint
+    # (before the trajectory's next action); chaos.kill_node_at_step holds one trajectory there.
+    checkpointed: Callable[[str], None] | None = attrs.field(default=None, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -211,10 +214,13 @@ class ClusterSandboxPool(SandboxPool):
         repo_hash = "" if probed is None else str(probed["stdout"]).strip()
         if probed is None or probed["exit_code"] != 0 or len(repo_hash) != 64:
             raise SandboxCommandError(f"hashing the repository of {trajectory} before its checkpoint failed")
-        return CheckpointRecord(
+        record = CheckpointRecord(
             prefix=prefix, turn=turn, context_ref=ref, context_hash=context_hash, repo_hash=repo_hash,
             duration_s=time.perf_counter() - started, checkpoint=checkpoint,
         )  # fmt: skip
+        if self.checkpointed is not None:
+            self.checkpointed(remote.node_id)
+        return record
 
     def restore(self, checkpoint: Checkpoint, current: Sandbox) -> Sandbox:
         """The trajectory's sandbox from ``checkpoint``: on its node if alive, else on another (or
