@@ -6,6 +6,7 @@ Real routers (in-process uvicorn, and `belayer-router serve` processes), real li
 
 from __future__ import annotations
 
+import json
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,8 @@ from belayer_router import (
     running_router,
     serving,
 )
+from belayer_router._links import LinkPool
+from belayer_router._registry import Worker
 from belayer_router._wire import STEP, FrameBuffer
 from belayer_router.testing import POISON, expected_tokens, logprob_of, running_worker, token_at, wait_until
 from belayer_router.worker import (
@@ -344,4 +347,41 @@ async def test_a_worker_that_hangs_on_its_link_is_cut_after_the_read_timeout() -
             await client.register("s", new_url, 2, link=True)
         assert hung.num_paused == 1
         assert hung.num_links == 1
+        hung.resume()
+
+
+# The link's own lifetime (a `LinkPool` driven directly, against a real link worker).
+
+
+def _link_pool() -> LinkPool:
+    return LinkPool(check=lambda *_: None, apply=lambda *_: None, on_stale=lambda: None)
+
+
+def _submit_body(seed: int, max_tokens: int) -> bytes:
+    body = {
+        "prompt_token_ids": [1, 2],
+        "max_tokens": max_tokens,
+        "seed": seed,
+        "generated_token_ids": [],
+        "stop_token_ids": [],
+        "epoch": 1,
+    }
+    return json.dumps(body).encode()
+
+
+async def test_a_request_on_a_link_ends_when_the_routers_links_shut_down() -> None:
+    """Cancelling the links' task group (app shutdown) fails the waiting request; it does not hang."""
+    async with running_worker(1, link=True, pause_at=0) as (url, hung):
+        worker, pool = Worker("s", url, 1, link=True), _link_pool()
+        async with anyio.create_task_group() as group:
+            pool.group = group
+            link = await pool.get(worker, 30.0, 60.0)
+            attempt = link.submit(_submit_body(1, 10), None, lambda *_: None, 0)  # type: ignore[arg-type]
+            await wait_until(lambda: hung.num_paused == 1, 60)
+            group.cancel_scope.cancel()
+        with anyio.fail_after(60):
+            await attempt.done.wait()
+        assert attempt.error is not None
+        assert "shut down" in str(attempt.error)
+        assert link.broken is not None
         hung.resume()

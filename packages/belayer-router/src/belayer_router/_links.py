@@ -121,27 +121,38 @@ class Link:
         attempt.done.set()
 
     async def run(self) -> None:
-        """Read and write the link until it breaks or its worker is retired; then fail what is left."""
+        """Read and write the link until it breaks or its worker is retired; then fail what is left.
+
+        The cleanup also runs when the link's task is cancelled from outside (the router's links
+        shutting down), so no request waits on a link that is gone.
+        """
         error: BaseException | None = None
-        with anyio.CancelScope() as scope:
-            self.worker.links.add(scope)
-            try:
-                async with anyio.create_task_group() as group:
-                    group.start_soon(self._write)
-                    await self._read()
-            except Exception as exc:
-                error = exc
-                while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
-                    error = error.exceptions[0]
-            finally:
-                self.worker.links.discard(scope)
-        why = WorkerStreamError(f"link to {self.worker.url} broke: {error!r}" if error else "worker retired")
-        self.broken = why
-        for attempt in list(self.attempts.values()):
-            self._close(attempt, None, why)
-        self.outbox.close()
-        with anyio.CancelScope(shield=True):
-            await self.stream.aclose()
+        try:
+            with anyio.CancelScope() as scope:
+                self.worker.links.add(scope)
+                try:
+                    async with anyio.create_task_group() as group:
+                        group.start_soon(self._write)
+                        await self._read()
+                except Exception as exc:
+                    error = exc
+                    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+                        error = error.exceptions[0]
+                finally:
+                    self.worker.links.discard(scope)
+        finally:
+            if error is not None:
+                why = WorkerStreamError(f"link to {self.worker.url} broke: {error!r}")
+            elif self.worker.retired:
+                why = WorkerStreamError("worker retired")
+            else:
+                why = WorkerStreamError(f"link to {self.worker.url} closed: the router's links shut down")
+            self.broken = why
+            for attempt in list(self.attempts.values()):
+                self._close(attempt, None, why)
+            self.outbox.close()
+            with anyio.CancelScope(shield=True):
+                await self.stream.aclose()
 
     async def _write(self) -> None:
         async with self.outgoing:
