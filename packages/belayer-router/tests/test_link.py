@@ -385,3 +385,18 @@ async def test_a_request_on_a_link_ends_when_the_routers_links_shut_down() -> No
         assert "shut down" in str(attempt.error)
         assert link.broken is not None
         hung.resume()
+
+
+async def test_a_link_whose_worker_is_retired_before_it_runs_closes() -> None:
+    """A worker retired between `LinkPool.get` and the link's task starting still has its link cut."""
+    async with running_worker(1, link=True) as (url, _worker):
+        worker, pool = Worker("s", url, 1, link=True), _link_pool()
+        async with anyio.create_task_group() as group:
+            pool.group = group
+            link = await pool.get(worker, 30.0, 60.0)
+            worker.retired = True  # as `Registry` retires it: its link's scope is not registered yet
+            for scope in worker.links:
+                scope.cancel()
+            await wait_until(lambda: link.broken is not None, 60)
+            assert "retired" in str(link.broken)
+            group.cancel_scope.cancel()

@@ -130,6 +130,8 @@ class Link:
         try:
             with anyio.CancelScope() as scope:
                 self.worker.links.add(scope)
+                if self.worker.retired:  # retired between `LinkPool.get` and now: nobody cancels it
+                    scope.cancel()
                 try:
                     async with anyio.create_task_group() as group:
                         group.start_soon(self._write)
