@@ -7,6 +7,7 @@ Real routers (in-process uvicorn, and `belayer-router serve` processes), real li
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -400,3 +401,27 @@ async def test_a_link_whose_worker_is_retired_before_it_runs_closes() -> None:
             await wait_until(lambda: link.broken is not None, 60)
             assert "retired" in str(link.broken)
             group.cancel_scope.cancel()
+
+
+async def test_a_submission_after_every_request_was_aborted_gets_a_fresh_read_deadline() -> None:
+    """The deadline an aborted request started (the worker quiet since) does not cut the next one."""
+    async with running_worker(1, link=True, pause_at=0) as (url, hung):
+        worker, pool = Worker("s", url, 1, link=True), _link_pool()
+        async with anyio.create_task_group() as group:
+            pool.group = group
+            link = await pool.get(worker, 30.0, 60.0)
+            first = link.submit(_submit_body(1, 10), None, lambda *_: None, 0)  # type: ignore[arg-type]
+            await wait_until(lambda: hung.num_paused == 1 and link._read_scope is not None, 60)
+            link.abort(first)
+            scope = link._read_scope
+            assert scope is not None
+            assert scope.deadline != math.inf  # the aborted request's deadline
+            aborted_at = anyio.current_time()
+            await wait_until(lambda: anyio.current_time() > aborted_at, 60)  # time moves on
+            submitted_at = anyio.current_time()
+            link.submit(_submit_body(2, 10), None, lambda *_: None, 0)  # type: ignore[arg-type]
+            scope = link._read_scope  # the reader waits in a read (it is only out of one synchronously)
+            assert scope is not None
+            assert scope.deadline >= submitted_at + 60.0
+            group.cancel_scope.cancel()
+        hung.resume()

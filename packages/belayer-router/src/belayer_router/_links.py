@@ -101,10 +101,11 @@ class Link:
             raise WorkerStreamError(f"link to {self.worker.url} is broken: {self.broken}")
         attempt = LinkAttempt(self.next_handle, record, emit, num_received)
         self.next_handle += 1
+        was_idle = not self.attempts  # a deadline left by aborted requests is not this one's
         self.attempts[attempt.handle] = attempt
         self.outbox.send_nowait(encode_submit(attempt.handle, body))
         scope = self._read_scope
-        if scope is not None and scope.deadline == math.inf:  # the reader waits idle: time it now
+        if scope is not None and (was_idle or scope.deadline == math.inf):  # time the reader from now
             scope.deadline = anyio.current_time() + self.read_timeout_s
         return attempt
 
