@@ -204,19 +204,21 @@ class FrameBuffer:
         """Add ``data``; return the frames it completed (payload views stay valid until the next feed)."""
         buffer = self.buffer
         buffer += data
-        frames: list[tuple[int, memoryview]] = []
+        spans: list[tuple[int, int]] = []
         offset, size = 0, len(buffer)
-        view = memoryview(bytes(buffer)) if size else memoryview(b"")
-        while size - offset >= 4:
-            (length,) = _LENGTH.unpack_from(view, offset)
+        while size - offset >= 4:  # scan in place: a frame arriving in pieces is not copied per piece
+            (length,) = _LENGTH.unpack_from(buffer, offset)
             if length < 1 or length > self.max_bytes:
                 raise LinkProtocolError(f"a link frame of {length} bytes (allowed 1..{self.max_bytes})")
             if size - offset - 4 < length:
                 break
-            frames.append((view[offset + 4], view[offset + 5 : offset + 4 + length]))
+            spans.append((offset, length))
             offset += 4 + length
+        if not spans:
+            return []
+        view = memoryview(bytes(buffer[:offset]))  # only the completed frames are copied, once
         del buffer[:offset]
-        return frames
+        return [(view[start + 4], view[start + 5 : start + 4 + length]) for start, length in spans]
 
     @property
     def pending(self) -> int:
