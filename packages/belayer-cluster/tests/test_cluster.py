@@ -154,6 +154,18 @@ def test_a_trajectorys_sandbox_is_used_through_its_container_and_restored_by_its
     assert mine not in sandboxes.containers()
 
 
+def test_creating_a_trajectorys_sandbox_again_removes_its_dead_one(sandboxes: SandboxCluster) -> None:
+    first = sandboxes.create("traj-again")
+    try:
+        assert sandboxes.control("traj-again", "kill", container_id=first.container_id) == "kill"
+        again = sandboxes.create("traj-again", first.node_id)  # same node: the host replaces it
+        assert again.container_id != first.container_id
+        assert first.container_id not in sandboxes.containers()  # not left until the hosts stop
+        assert again.container_id in sandboxes.containers()
+    finally:
+        sandboxes.release("traj-again")
+
+
 def test_a_node_removed_mid_rollout_resumes_on_another_node_exactly(
     local_ray: LocalRayCluster,
     slots: RolloutCluster,

@@ -11,6 +11,7 @@ node, not a Docker engine of its own.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,9 @@ class SandboxHost:
         old = self.sandboxes.get(trajectory)
         if old is not None and old.is_running():
             raise SandboxHostError(f"trajectory {trajectory!r} already has a sandbox on this node")
+        if old is not None:  # stopped or exited: replaced below, so its container goes now
+            with contextlib.suppress(BelayerEnvckptError):
+                old.remove()
         try:
             config = SandboxConfig(
                 image=image,

@@ -130,7 +130,9 @@ class SandboxCluster:
         result: dict[str, Any] = self._get(
             self._host(info.node_id).exec.remote(trajectory, command, timeout_s, container_id)
         )
-        self.placed[trajectory] = attrs.evolve(info, prefix=int(result["prefix"]))
+        with self._moving:  # not over a placement a lost node's recovery made meanwhile
+            if self.placed.get(trajectory, info).container_id == info.container_id:
+                self.placed[trajectory] = attrs.evolve(info, prefix=int(result["prefix"]))
         return result
 
     def probe(
