@@ -158,7 +158,11 @@ class Dispatcher:
                 else:
                     finish = await self._stream(worker, body, record, emit, num_received)
             except (httpx.HTTPError, OSError, anyio.BrokenResourceError) as error:
+                self.registry.stream_failed(worker)
                 raise WorkerStreamError(f"stream from {worker.url} broke: {error!r}") from error
+            except WorkerStreamError:
+                self.registry.stream_failed(worker)  # not counted if the router cut it (retired/held out)
+                raise
         if scope.cancelled_caught or finish is None:
             why = "held out (weight version)" if worker.held_out and not worker.retired else "retired"
             raise WorkerStreamError(f"worker {worker.url} (slot {worker.slot}) was {why} mid-stream")

@@ -99,6 +99,12 @@ class Metrics:
             [(f'{{slot="{s.name}"}}', s.max_epoch) for s in slots],
         )
         metric(
+            "slot_stream_failures_total",
+            "counter",
+            "Streams per slot that broke on the worker's side (not the router's own cuts).",
+            [(f'{{slot="{s.name}"}}', s.num_stream_failures) for s in slots],
+        )
+        metric(
             "slot_weight_version",
             "gauge",
             "Committed weight version per slot (slots that reported one).",

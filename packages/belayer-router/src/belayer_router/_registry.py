@@ -13,6 +13,7 @@ until it reports the required version; then it is back in rotation, same worker,
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -61,6 +62,8 @@ class Slot:
     num_outstanding: int = 0
     num_assigned: int = 0
     weight_version: int | None = None  # the committed weight version it last reported
+    num_stream_failures: int = 0  # its workers' streams that broke (worker side), every epoch
+    last_stream_failure_at: float | None = None  # ``time.time()`` of the last one
 
 
 def _check_version(version: int) -> None:
@@ -278,6 +281,18 @@ class Registry:
             worker.scopes.discard(scope)
             state.num_outstanding -= 1
 
+    def stream_failed(self, worker: Worker) -> None:
+        """Count a stream of ``worker`` that broke on the worker's side, on its slot.
+
+        A stream the router cut itself (``worker`` retired or held out) is not counted; the count
+        is the slot's, so it survives the slot's re-registrations.
+        """
+        state = self.slots.get(worker.slot)
+        if state is None or worker.retired or worker.held_out:
+            return
+        state.num_stream_failures += 1
+        state.last_stream_failure_at = time.time()
+
     def snapshot(self) -> list[dict[str, Any]]:
         """The slots as JSON-ready dicts, for ``GET /workers``."""
         return [
@@ -291,6 +306,8 @@ class Registry:
                 "num_outstanding": s.num_outstanding,
                 "weight_version": s.weight_version,
                 "current": not self._behind(s),
+                "num_stream_failures": s.num_stream_failures,
+                "last_stream_failure_at": s.last_stream_failure_at,
             }
             for s in self.slots.values()
         ]
