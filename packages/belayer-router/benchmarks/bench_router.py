@@ -1,17 +1,23 @@
-"""Router overhead and resume latency, against calling the worker directly, in the same run.
+"""Router overhead and resume latency, against calling the workers directly, in the same run.
 
     python benchmarks/bench_router.py [--streams 1 256] [--tokens 200] [--step-ms 30]
-        [--frame-tokens 1] [--worker-events token tokens] [--loop auto|asyncio|uvloop]
+        [--frame-tokens 1] [--worker-events token tokens link] [--router-server uvicorn belayer]
+        [--clients 2] [--workers 1] [--rounds 1] [--loop auto|asyncio|uvloop]
 
-Processes: a paced worker (``--frame-tokens`` tokens per stream every ``--step-ms``, like a
-continuously batched engine), the router (``belayer-router serve``) and this client (which asks
-the router for ``tokens`` frames).  The worker sends a step's tokens as ``token`` lines (one per
-token) or as one ``tokens`` frame; ``--worker-events token tokens`` measures both, each with a
-fresh worker and router, in one run.  For each concurrency
-it streams the same requests straight from the worker and through the router and reports
-throughput, inter-token latency and the router's CPU time per token.  Then it measures the
-time from a broken stream to the first resumed token on a ready replacement.  Prints a
-markdown table and saves JSON to ``benchmarks/results/bench_router.json``.
+Processes: ``--workers`` paced workers (``--frame-tokens`` tokens per stream every ``--step-ms``,
+like a continuously batched engine; ``--step-ms 0``: unpaced), one router per
+``--router-server`` (``belayer-router serve --server X``) and ``--clients`` client processes
+(`loadgen.ClientPool`: raw HTTP/1.1 with httptools, the streams split between them, results
+merged), which ask for ``tokens`` frames.  The worker sends a step's tokens as ``token`` lines (one
+per token), one ``tokens`` frame per request, or over the worker link (one binary ``STEP`` frame
+per step for all requests); each ``--worker-events`` kind gets fresh workers and routers.  For
+each concurrency the same requests are streamed straight from the workers (the "direct" column:
+the generator's ceiling when unpaced) and through each router, interleaved (direct, then the
+routers in an order rotated every round, ``--rounds`` times).  Reported: throughput, inter-token
+latency, the router's CPU time per token and per second of the pass, the clients' and workers'
+CPU per second, the load average.  Then the time from a broken stream to the first resumed
+token on a ready replacement.  Prints markdown tables and saves JSON to
+``benchmarks/results/bench_router.json``.
 """
 
 from __future__ import annotations
@@ -27,175 +33,12 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import httpx
-import orjson
+from loadgen import ClientPool, PacedWorker, cpu_seconds
 
-from belayer_router import (
-    RouterClient,
-    RouterFleet,
-    TokenEvent,
-    bind_socket,
-    owner_index,
-    serve_asgi,
-    serving,
-)
-from belayer_router.worker import LINK_PATH, LinkSubmit, encode_step, read_link_frames
+from belayer_router import RouterClient, RouterFleet, TokenEvent, owner_index, serving
 
 RESULTS = Path(__file__).parent / "results"
-
-
-class PacedWorker:
-    """The engine stand-in: deterministic tokens, one per ``step`` s per stream; can break/hang."""
-
-    def __init__(
-        self,
-        epoch: int,
-        step: float,
-        break_at: int | None = None,
-        hang: bool = False,
-        frame: int = 1,
-        events: str = "token",
-    ) -> None:
-        self.epoch, self.step, self.break_at, self.hang, self.frame = epoch, step, break_at, hang, frame
-        self.events = events  # "token": one line per token; "tokens": one frame per step; "link"
-        self.broken = anyio.Event()
-        self.break_time = 0.0
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while (message := await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-        if scope["path"] == LINK_PATH:
-            await self._link(receive, send)
-            return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        request = json.loads(body)
-        await send(
-            {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"x-ndjson")]}
-        )
-        start = len(request["generated_token_ids"])
-        end = start + request["max_tokens"]
-        for index in range(start, end, self.frame):
-            if self.break_at is not None and index <= self.break_at < index + self.frame:
-                self.break_time = time.monotonic()
-                self.broken.set()
-                if self.hang:
-                    await anyio.sleep_forever()
-                raise ConnectionAbortedError("worker died (benchmark)")
-            seed = request["seed"]
-            if self.events == "token":
-                line = b"".join(
-                    f'{{"type":"token","epoch":{self.epoch},"index":{i},"token_id":{(seed * 7919 + i * 104729) % 32000},"logprob":-1.0}}\n'.encode()
-                    for i in range(index, min(index + self.frame, end))
-                )
-            else:
-                count = min(self.frame, end - index)
-                tokens = [(seed * 7919 + i * 104729) % 32000 for i in range(index, index + count)]
-                frame = {"type": "tokens", "epoch": self.epoch, "index": index, "token_ids": tokens}
-                line = orjson.dumps(frame | {"logprobs": [-1.0] * count}, option=orjson.OPT_APPEND_NEWLINE)
-            await send({"type": "http.response.body", "body": line, "more_body": True})
-            if self.step:
-                await anyio.sleep(self.step)
-        final = f'{{"type":"finish","epoch":{self.epoch},"finish_reason":"length"}}\n'.encode()
-        await send({"type": "http.response.body", "body": final, "more_body": False})
-
-    async def _link(self, receive: Any, send: Any) -> None:
-        """The multiplexed link: every ``step`` s ONE frame with a token for every running request."""
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        active: dict[int, list[int]] = {}  # handle -> [seed, next index, end]
-
-        async def stepper() -> None:
-            while True:
-                if active:
-                    entries, finished = [], []
-                    for handle, state in list(active.items()):
-                        seed, index, end = state
-                        entries.append((handle, index, [(seed * 7919 + index * 104729) % 32000], [-1.0]))
-                        state[1] = index + 1
-                        if index + 1 >= end:
-                            finished.append((handle, "length"))
-                            del active[handle]
-                    body = encode_step(self.epoch, entries, finished)
-                    await send({"type": "http.response.body", "body": body, "more_body": True})
-                await anyio.sleep(self.step)
-
-        async with anyio.create_task_group() as group:
-            group.start_soon(stepper)
-            async for message in read_link_frames(receive):
-                if isinstance(message, LinkSubmit):
-                    request = message.body
-                    start = len(request["generated_token_ids"])
-                    active[message.handle] = [request["seed"], start, start + request["max_tokens"]]
-                else:
-                    active.pop(message.handle, None)
-            group.cancel_scope.cancel()
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-async def stream_one(http: httpx.AsyncClient, url: str, body: dict[str, Any], gaps: list[float]) -> int:
-    """Stream one request; ``gaps`` gets the time between token arrivals (0 within one frame)."""
-    count = 0
-    last = time.monotonic()
-    async with http.stream("POST", url, json=body) as response:
-        pending = b""
-        async for chunk in response.aiter_raw():
-            *lines, pending = (pending + chunk).split(b"\n")
-            now = time.monotonic()
-            for line in lines:
-                if line.startswith(b'{"type":"token'):
-                    event = orjson.loads(line)
-                    size = len(event["token_ids"]) if event["type"] == "tokens" else 1
-                    if count:
-                        gaps.append(now - last)
-                    gaps.extend([0.0] * (size - 1))
-                    last, count = now, count + size
-    return count
-
-
-async def throughput(
-    url: str | list[str], streams: int, tokens: int, via_router: bool, tag: str = ""
-) -> dict[str, float]:
-    """Stream ``streams`` requests at once; with several router URLs each goes to its owner."""
-    urls = [url] if isinstance(url, str) else url
-    gaps: list[float] = []
-    counts: list[int] = []
-    limits = httpx.Limits(max_connections=None)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
-
-        async def one(i: int) -> None:
-            body: dict[str, Any] = {"prompt_token_ids": [1, 2, 3], "max_tokens": tokens, "seed": i}
-            body["frames"] = True
-            request_id = f"{tag}{i}"
-            if not via_router:
-                body |= {"generated_token_ids": [], "temperature": 1.0, "top_p": 1.0}
-                body |= {"stop_token_ids": [], "epoch": 1, "request_id": request_id}
-            elif tag:
-                body["request_id"] = request_id
-            owner = urls[owner_index(urls, request_id)] if tag else urls[0]
-            counts.append(await stream_one(http, f"{owner}/generate", body, gaps))
-
-        began = time.monotonic()
-        async with anyio.create_task_group() as group:
-            for i in range(streams):
-                group.start_soon(one, i)
-        wall = time.monotonic() - began
-    assert sum(counts) == streams * tokens, "lost tokens"
-    return {
-        "tokens_per_s": sum(counts) / wall,
-        "itl_p50_ms": statistics.median(gaps) * 1e3,
-        "itl_p99_ms": statistics.quantiles(gaps, n=100)[98] * 1e3 if len(gaps) > 100 else max(gaps) * 1e3,
-    }
+LOADGEN = Path(__file__).parent / "loadgen.py"
 
 
 async def resume_latency(router_url: str, step: float, trials: int, hang: bool) -> list[float]:
@@ -234,49 +77,181 @@ def start_process(argv: list[str]) -> tuple[subprocess.Popen[bytes], str]:
     process = subprocess.Popen(argv, stdout=subprocess.PIPE)
     assert process.stdout is not None
     line = process.stdout.readline().decode()
+    if not line:
+        raise RuntimeError(f"{argv[2:4]} exited before listening (its error is above)")
     return process, json.loads(line)["url"] if line.startswith("{") else line.split()[-1]
 
 
-def serve_worker(port: int, step: float, frame: int, events: str) -> None:
-    sock = bind_socket("127.0.0.1", port)
-    print(f"worker listening on http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
-    anyio.run(serve_asgi, PacedWorker(1, step, frame=frame, events=events), sock, "critical")
+def stop(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.wait(timeout=60)
 
 
-def router_argv(loop: str) -> list[str]:
+def server_flag_supported() -> bool:
+    """Whether this router's ``serve`` has ``--server`` (older ones serve uvicorn only)."""
+    argv = [sys.executable, "-m", "belayer_router._cli", "serve", "--help"]
+    return "--server" in subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+
+
+def router_argv(loop: str, server: str, pass_server: bool) -> list[str]:
     argv = [sys.executable, "-m", "belayer_router._cli", "serve", "--port", "0", "--admin-token", "bench"]
-    return [*argv, "--json", "--loop", loop]
+    return [*argv, "--json", "--loop", loop, *(["--server", server] if pass_server else [])]
 
 
-async def fleet_rows(args: argparse.Namespace, worker_url: str) -> list[dict[str, Any]]:
+def worker_argv(args: argparse.Namespace, events: str) -> list[str]:
+    argv = [sys.executable, str(LOADGEN), "worker", "--step-ms", str(args.step_ms)]
+    return [*argv, "--frame-tokens", str(args.frame_tokens), "--events", events]
+
+
+def requests(
+    urls: list[str], streams: int, tokens: int, via_router: bool, tag: str = ""
+) -> list[tuple[str, dict[str, Any]]]:
+    """The run's requests: direct ones round robin over the workers; routed ones to ``urls[0]``, or
+    (with ``tag``, several routers) each to the owner of its request id."""
+    out = []
+    for i in range(streams):
+        body: dict[str, Any] = {
+            "prompt_token_ids": [1, 2, 3],
+            "max_tokens": tokens,
+            "seed": i,
+            "frames": True,
+        }
+        request_id = f"{tag}{i}"
+        if not via_router:
+            body |= {"generated_token_ids": [], "temperature": 1.0, "top_p": 1.0}
+            body |= {"stop_token_ids": [], "epoch": 1, "request_id": request_id}
+            url = urls[i % len(urls)]
+        elif tag:
+            body["request_id"] = request_id
+            url = urls[owner_index(urls, request_id)]
+        else:
+            url = urls[0]
+        out.append((f"{url}/generate", body))
+    return out
+
+
+async def measure(
+    pool: ClientPool, work: list[tuple[str, dict[str, Any]]], groups: dict[str, list[int]]
+) -> dict[str, Any]:
+    """One pass: stream ``work`` with every client at once; CPU-seconds of each process group."""
+    load = os.getloadavg()[0]
+    before = {name: sum(cpu_seconds(pid) for pid in pids) for name, pids in groups.items()}
+    result = await anyio.to_thread.run_sync(pool.run, work)
+    cpu = {name: sum(cpu_seconds(pid) for pid in pids) - before[name] for name, pids in groups.items()}
+    expected = sum(body["max_tokens"] for _, body in work)
+    if result["tokens"] != expected:
+        raise RuntimeError(f"lost tokens: {result['tokens']} of {expected}")
+    return result | {"cpu_s": cpu, "loadavg_1min": [load, os.getloadavg()[0]]}
+
+
+def combine(passes: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rounds of one configuration: median tokens/s, latency percentiles over all their gaps."""
+    gaps = sorted(g for p in passes for g in p["gaps"])
+    return {
+        "tokens_per_s": statistics.median(p["tokens_per_s"] for p in passes),
+        "tokens_per_s_rounds": [round(p["tokens_per_s"], 1) for p in passes],
+        "itl_p50_ms": statistics.median(gaps) * 1e3 if gaps else 0.0,
+        "itl_p99_ms": gaps[min(len(gaps) - 1, int(len(gaps) * 0.99))] * 1e3 if gaps else 0.0,
+        "wall_s": sum(p["wall_s"] for p in passes),
+        "tokens": sum(p["tokens"] for p in passes),
+        "cpu_s": {k: sum(p["cpu_s"][k] for p in passes) for k in passes[0]["cpu_s"]},
+        "loadavg_1min": [
+            min(p["loadavg_1min"][0] for p in passes),
+            max(p["loadavg_1min"][1] for p in passes),
+        ],
+    }
+
+
+def row(
+    events: str, server: str, streams: int, direct: dict[str, Any], routed: dict[str, Any]
+) -> dict[str, Any]:
+    cpu, wall, tokens = routed["cpu_s"], routed["wall_s"], routed["tokens"]
+    return {
+        "worker_events": events,
+        "server": server,
+        "streams": streams,
+        "direct": direct,
+        "router": routed,
+        "router_cpu_us_per_token": cpu["router"] / tokens * 1e6,
+        "router_cpu_s_per_s": cpu["router"] / wall,
+        "router_tokens_per_cpu_s": tokens / cpu["router"] if cpu["router"] else None,
+        "clients_cpu_s_per_s": cpu["clients"] / wall,
+        "workers_cpu_s_per_s": cpu["workers"] / wall,
+        "direct_clients_cpu_s_per_s": direct["cpu_s"]["clients"] / direct["wall_s"],
+        "direct_workers_cpu_s_per_s": direct["cpu_s"]["workers"] / direct["wall_s"],
+    }
+
+
+async def fleet_rows(
+    args: argparse.Namespace, pool: ClientPool, worker_urls: list[str], worker_pids: list[int]
+) -> list[dict[str, Any]]:
     """Tokens/s through 1..N router processes (requests spread by owner hash), against direct."""
     rows = []
-    direct = await throughput(worker_url, args.fleet_streams, args.tokens, via_router=False)
-    print({"generator_ceiling": direct}, file=sys.stderr, flush=True)
+    groups = {"workers": worker_pids, "clients": pool.pids()}
+    direct_work = requests(worker_urls, args.fleet_streams, args.tokens, via_router=False)
+    direct = await measure(pool, direct_work, {**groups, "router": []})
+    print({"generator_ceiling": direct["tokens_per_s"]}, file=sys.stderr, flush=True)
+    server = args.router_server[0]
     for count in args.fleet:
-        started = [start_process(router_argv(args.loop)) for _ in range(count)]
+        started = [start_process(router_argv(args.loop, server, args.pass_server)) for _ in range(count)]
         try:
             urls = [url for _, url in started]
             async with RouterFleet(urls, admin_token="bench") as fleet:
-                await fleet.register("bench", worker_url, 1, link=args.worker_events[0] == "link")
-            cpu_before = sum(cpu_seconds(p.pid) for p, _ in started)
-            routed = await throughput(
-                urls, args.fleet_streams, args.tokens, via_router=True, tag=f"f{count}-"
-            )
-            cpu = sum(cpu_seconds(p.pid) for p, _ in started) - cpu_before
+                for w, url in enumerate(worker_urls):
+                    await fleet.register(f"bench-{w}", url, 1, link=args.worker_events[0] == "link")
+            work = requests(urls, args.fleet_streams, args.tokens, via_router=True, tag=f"f{count}-")
+            routed = await measure(pool, work, {**groups, "router": [p.pid for p, _ in started]})
         finally:
-            for process, _ in started:
-                process.terminate()
-                process.wait()
+            stop([p for p, _ in started])
         rows.append(
             {
                 "routers": count,
+                "server": server,
                 "direct_tokens_per_s": direct["tokens_per_s"],
-                "router": routed,
-                "router_cpu_us_per_token": cpu / (args.fleet_streams * args.tokens) * 1e6,
+                "router": {k: v for k, v in routed.items() if k != "gaps"},
+                "router_cpu_us_per_token": routed["cpu_s"]["router"] / routed["tokens"] * 1e6,
+                "router_cpu_s_per_s": routed["cpu_s"]["router"] / routed["wall_s"],
             }
         )
         print(rows[-1], file=sys.stderr, flush=True)
+    return rows
+
+
+async def throughput_rows(
+    args: argparse.Namespace,
+    events: str,
+    pool: ClientPool,
+    workers: list[tuple[Any, str]],
+    routers: list[tuple[Any, str]],
+) -> list[dict[str, Any]]:
+    """Per concurrency: direct and every router, interleaved ``--rounds`` times."""
+    rows = []
+    worker_urls = [url for _, url in workers]
+    base = {"workers": [p.pid for p, _ in workers], "clients": pool.pids()}
+    for streams in args.streams:
+        passes: dict[str, list[dict[str, Any]]] = {"direct": []}
+        for r in range(args.rounds):
+            order = list(range(len(routers)))
+            order = order[r % len(order) :] + order[: r % len(order)]
+            work = requests(worker_urls, streams, args.tokens, via_router=False)
+            passes["direct"].append(await measure(pool, work, {**base, "router": []}))
+            for i in order:
+                process, url = routers[i]
+                work = requests([url], streams, args.tokens, via_router=True)
+                result = await measure(pool, work, {**base, "router": [process.pid]})
+                passes.setdefault(args.router_server[i], []).append(result)
+                print(
+                    f"{events} {args.router_server[i]} {streams} streams round {r}: "
+                    f"direct {passes['direct'][-1]['tokens_per_s']:.0f} tok/s, router "
+                    f"{result['tokens_per_s']:.0f} tok/s, {result['cpu_s']['router']:.2f} router CPU-s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        direct = combine(passes["direct"])
+        for server in args.router_server:
+            rows.append(row(events, server, streams, direct, combine(passes[server])))
     return rows
 
 
@@ -284,44 +259,38 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     fleet: list[dict[str, Any]] = []
     resume: dict[str, list[float]] = {}
-    for number, events in enumerate(args.worker_events):
-        first = number == 0  # the fleet and resume rows run once, with the first kind of events
-        worker_argv = [sys.executable, __file__, "--serve-worker", "--step-ms", str(args.step_ms)]
-        worker_argv += ["--frame-tokens", str(args.frame_tokens), "--worker-events", events]
-        worker, worker_url = start_process(worker_argv)
-        router, router_url = start_process(router_argv(args.loop))
-        try:
-            async with RouterClient(router_url, admin_token="bench") as client:
-                await client.register("bench", worker_url, 1, link=events == "link")
-            for streams in args.streams:
-                direct = await throughput(worker_url, streams, args.tokens, via_router=False)
-                cpu_before = cpu_seconds(router.pid)
-                routed = await throughput(router_url, streams, args.tokens, via_router=True)
-                cpu_per_token = (cpu_seconds(router.pid) - cpu_before) / (streams * args.tokens)
-                rows.append(
-                    {
-                        "worker_events": events,
-                        "streams": streams,
-                        "direct": direct,
-                        "router": routed,
-                        "router_cpu_us_per_token": cpu_per_token * 1e6,
+    pool = ClientPool(args.clients)
+    try:
+        for number, events in enumerate(args.worker_events):
+            first = number == 0  # the fleet and resume rows run once, with the first kind of events
+            workers = [start_process(worker_argv(args, events)) for _ in range(args.workers)]
+            routers = [start_process(router_argv(args.loop, s, args.pass_server)) for s in args.router_server]
+            try:
+                for _, router_url in routers:
+                    async with RouterClient(router_url, admin_token="bench") as client:
+                        for w, (_, url) in enumerate(workers):
+                            await client.register(f"bench-{w}", url, 1, link=events == "link")
+                rows += await throughput_rows(args, events, pool, workers, routers)
+                if first and args.fleet:
+                    fleet = await fleet_rows(args, pool, [u for _, u in workers], [p.pid for p, _ in workers])
+                if first and not args.skip_resume:
+                    router_url = routers[0][1]
+                    async with RouterClient(router_url, admin_token="bench") as client:
+                        for w in range(len(workers)):
+                            await client.mark_unhealthy(f"bench-{w}")  # resume requests go to their slots
+                    step = args.step_ms / 1e3
+                    resume = {
+                        "break_then_register": await resume_latency(
+                            router_url, step, args.trials, hang=False
+                        ),
+                        "register_retires_hung_worker": await resume_latency(
+                            router_url, step, args.trials, hang=True
+                        ),
                     }
-                )
-                print(rows[-1], file=sys.stderr, flush=True)
-            if first and args.fleet:
-                fleet = await fleet_rows(args, worker_url)
-            if first and not args.skip_resume:
-                step = args.step_ms / 1e3
-                resume = {
-                    "break_then_register": await resume_latency(router_url, step, args.trials, hang=False),
-                    "register_retires_hung_worker": await resume_latency(
-                        router_url, step, args.trials, hang=True
-                    ),
-                }
-        finally:
-            for process in (worker, router):
-                process.terminate()
-                process.wait()
+            finally:
+                stop([p for p, _ in workers + routers])
+    finally:
+        pool.close()
     return {
         "config": vars(args),
         "cpus": os.cpu_count(),
@@ -348,19 +317,44 @@ def _throughput_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _cpu_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| events | server | streams | router tok/s | router CPU-s per s | router tok per CPU-s | clients CPU-s per s (direct / router) | workers CPU-s per s (direct / router) | load avg |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        per_cpu = row["router_tokens_per_cpu_s"]
+        load = row["router"]["loadavg_1min"]
+        lines.append(
+            f"| {row['worker_events']} | {row['server']} | {row['streams']} | {row['router']['tokens_per_s']:.0f} | "
+            f"{row['router_cpu_s_per_s']:.2f} | {'-' if per_cpu is None else f'{per_cpu:.0f}'} | "
+            f"{row['direct_clients_cpu_s_per_s']:.2f} / {row['clients_cpu_s_per_s']:.2f} | "
+            f"{row['direct_workers_cpu_s_per_s']:.2f} / {row['workers_cpu_s_per_s']:.2f} | "
+            f"{load[0]:.1f}-{load[1]:.1f} |"
+        )
+    return lines
+
+
 def table(result: dict[str, Any]) -> str:
+    config = result["config"]
     lines: list[str] = []
-    tokens = result["config"]["frame_tokens"]
-    for events in result["config"]["worker_events"]:
+    for events in config["worker_events"]:
         kind = {
             "token": "one `token` line per token",
             "tokens": "one `tokens` frame per request per step",
             "link": "the link: one binary `STEP` frame per step for all requests",
         }[events]
-        lines += [f"Worker events: {kind}, {tokens} token(s) per stream per step", ""]
-        lines += _throughput_table([row for row in result["throughput"] if row["worker_events"] == events])
-        lines.append("")
-    lines.pop()
+        for server in config["router_server"]:
+            lines += [
+                f"Worker events: {kind}, {config['frame_tokens']} token(s) per stream per step; "
+                f"router server: {server}",
+                "",
+            ]
+            lines += _throughput_table(
+                [r for r in result["throughput"] if r["worker_events"] == events and r["server"] == server]
+            )
+            lines.append("")
+    lines += _cpu_table(result["throughput"])
     if result["fleet"]:
         lines += [
             "",
@@ -387,9 +381,10 @@ def main() -> None:
     )
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 256])
     parser.add_argument("--tokens", type=int, default=200)
-    parser.add_argument("--step-ms", type=float, default=30.0)
-    parser.add_argument("--trials", type=int, default=10)
-    parser.add_argument("--frame-tokens", type=int, default=1, help="tokens per worker event and step")
+    parser.add_argument("--step-ms", type=float, default=30.0, help="0: unpaced (the generator's ceiling)")
+    parser.add_argument("--trials", type=int, default=10, help="resume trials")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved passes per throughput row")
+    parser.add_argument("--frame-tokens", type=int, default=1, help="tokens per stream per worker step")
     parser.add_argument(
         "--worker-events",
         nargs="+",
@@ -398,17 +393,32 @@ def main() -> None:
         help="how the worker sends a step's tokens: token lines, a tokens frame per request, or one "
         "link frame for all requests (each measured)",
     )
+    parser.add_argument(
+        "--router-server",
+        nargs="+",
+        default=["uvicorn"],
+        help="HTTP servers of the router (`belayer-router serve --server X`), each measured",
+    )
+    parser.add_argument("--clients", type=int, default=2, help="client processes sharing the streams")
+    parser.add_argument("--workers", type=int, default=1, help="paced worker processes (one slot each)")
     parser.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto")
     parser.add_argument("--skip-resume", action="store_true", help="only the throughput rows")
     parser.add_argument("--fleet", type=int, nargs="*", default=[], help="router counts to compare")
     parser.add_argument("--fleet-streams", type=int, default=256, help="streams of the fleet rows")
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_router.json")
-    parser.add_argument("--serve-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.serve_worker:
-        serve_worker(0, args.step_ms / 1e3, args.frame_tokens, args.worker_events[0])
-        return
+    if len(set(args.router_server)) != len(args.router_server):
+        parser.error("--router-server: name each server once")
+    if min(args.clients, args.workers, args.rounds, args.frame_tokens) < 1:
+        parser.error("--clients, --workers, --rounds and --frame-tokens must be at least 1")
+    # Older routers have no --server: they serve uvicorn, so a uvicorn-only run needs no flag.
+    args.pass_server = server_flag_supported()
+    if not args.pass_server and args.router_server != ["uvicorn"]:
+        parser.error("this belayer-router has no `serve --server`: only --router-server uvicorn works")
+    began = time.time()
     result = anyio.run(run, args)
+    result["started_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(began))
+    result["command"] = "python benchmarks/bench_router.py " + " ".join(sys.argv[1:])
     text = table(result)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,344 @@
+"""The load of ``bench_router.py``: the paced worker and the client processes.
+
+    python benchmarks/loadgen.py worker [--step-ms 30] [--frame-tokens 1] [--events link]
+    python benchmarks/loadgen.py client        (driven by `ClientPool` over stdin/stdout)
+
+The worker prints its URL and serves ``POST /generate`` (``token`` lines or ``tokens`` frames) and
+the router's worker link (``POST /link``: one ``STEP`` frame per step for all its requests).  A
+client process streams the requests it is given over raw HTTP/1.1 connections (an asyncio protocol
+and httptools' C parser, uvloop when installed: the generator must not be the bottleneck) and
+returns its token count, first/last times and inter-token gaps; `ClientPool` runs several of them
+at once, starts them together and merges their results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, cast
+from urllib.parse import urlsplit
+
+import anyio
+import httptools
+import orjson
+
+from belayer_router import bind_socket, serve_asgi
+from belayer_router.worker import LINK_PATH, LinkSubmit, encode_step, read_link_frames
+
+CLIENT_TIMEOUT_S = 900.0  # a pass that takes longer has hung: the client process fails
+
+
+def token_id(seed: int, index: int) -> int:
+    return (seed * 7919 + index * 104729) % 32000
+
+
+class PacedWorker:
+    """The engine stand-in: deterministic tokens, ``frame`` per stream every ``step`` s; can break/hang."""
+
+    def __init__(
+        self,
+        epoch: int,
+        step: float,
+        break_at: int | None = None,
+        hang: bool = False,
+        frame: int = 1,
+        events: str = "token",
+    ) -> None:
+        self.epoch, self.step, self.break_at, self.hang, self.frame = epoch, step, break_at, hang, frame
+        self.events = events  # "token": one line per token; "tokens": one frame per step; "link"
+        self.broken = anyio.Event()
+        self.break_time = 0.0
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (message := await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["path"] == LINK_PATH:
+            await self._link(receive, send)
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        request = json.loads(body)
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"x-ndjson")]}
+        )
+        start = len(request["generated_token_ids"])
+        end = start + request["max_tokens"]
+        seed = request["seed"]
+        for index in range(start, end, self.frame):
+            if self.break_at is not None and index <= self.break_at < index + self.frame:
+                self.break_time = time.monotonic()
+                self.broken.set()
+                if self.hang:
+                    await anyio.sleep_forever()
+                raise ConnectionAbortedError("worker died (benchmark)")
+            if self.events == "token":
+                line = b"".join(
+                    f'{{"type":"token","epoch":{self.epoch},"index":{i},"token_id":{token_id(seed, i)},"logprob":-1.0}}\n'.encode()
+                    for i in range(index, min(index + self.frame, end))
+                )
+            else:
+                count = min(self.frame, end - index)
+                tokens = [token_id(seed, i) for i in range(index, index + count)]
+                frame = {"type": "tokens", "epoch": self.epoch, "index": index, "token_ids": tokens}
+                line = orjson.dumps(frame | {"logprobs": [-1.0] * count}, option=orjson.OPT_APPEND_NEWLINE)
+            await send({"type": "http.response.body", "body": line, "more_body": True})
+            await anyio.sleep(self.step)  # sleep(0) unpaced: a checkpoint, so other streams run
+        final = f'{{"type":"finish","epoch":{self.epoch},"finish_reason":"length"}}\n'.encode()
+        await send({"type": "http.response.body", "body": final, "more_body": False})
+
+    async def _link(self, receive: Any, send: Any) -> None:
+        """The multiplexed link: every ``step`` s ONE frame with ``frame`` tokens per running request."""
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        active: dict[int, list[int]] = {}  # handle -> [seed, next index, end]
+        submitted = anyio.Event()
+
+        async def stepper() -> None:
+            nonlocal submitted
+            while True:
+                if not active:  # idle: wait for a submission (no busy loop when unpaced)
+                    await submitted.wait()
+                    submitted = anyio.Event()
+                    continue
+                entries, finished = [], []
+                for handle, state in list(active.items()):
+                    seed, index, end = state
+                    count = min(self.frame, end - index)
+                    tokens = [token_id(seed, i) for i in range(index, index + count)]
+                    entries.append((handle, index, tokens, [-1.0] * count))
+                    state[1] = index + count
+                    if index + count >= end:
+                        finished.append((handle, "length"))
+                        del active[handle]
+                body = encode_step(self.epoch, entries, finished)
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+                await anyio.sleep(self.step)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(stepper)
+            async for message in read_link_frames(receive):
+                if isinstance(message, LinkSubmit):
+                    request = message.body
+                    start = len(request["generated_token_ids"])
+                    active[message.handle] = [request["seed"], start, start + request["max_tokens"]]
+                    submitted.set()
+                else:
+                    active.pop(message.handle, None)
+            group.cancel_scope.cancel()
+
+
+def serve_worker(step: float, frame: int, events: str) -> None:
+    sock = bind_socket("127.0.0.1", 0)
+    print(f"worker listening on http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
+    anyio.run(serve_asgi, PacedWorker(1, step, frame=frame, events=events), sock, "critical")
+
+
+class _Stream(asyncio.Protocol):
+    """One streamed ``/generate`` request on its own connection; counts tokens, records gaps."""
+
+    def __init__(self, request: bytes, done: asyncio.Future[int], gaps: list[float]) -> None:
+        self.request, self.done, self.gaps = request, done, gaps
+        self.parser = httptools.HttpResponseParser(self)
+        self.pending = b""
+        self.count = 0
+        self.last = self.now = time.monotonic()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self.transport.write(self.request)
+
+    def data_received(self, data: bytes) -> None:
+        self.now = time.monotonic()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as error:
+            self._fail(error)
+
+    def on_headers_complete(self) -> None:
+        if self.parser.get_status_code() != 200:
+            self._fail(RuntimeError(f"HTTP {self.parser.get_status_code()}"))
+
+    def on_body(self, body: bytes) -> None:
+        *lines, self.pending = (self.pending + body).split(b"\n")
+        for line in lines:
+            if line.startswith(b'{"type":"token'):
+                event = orjson.loads(line)
+                size = len(event["token_ids"]) if event["type"] == "tokens" else 1
+                if self.count:
+                    self.gaps.append(self.now - self.last)
+                if size > 1:
+                    self.gaps.extend([0.0] * (size - 1))
+                self.last, self.count = self.now, self.count + size
+            elif line.startswith(b'{"type":"error'):
+                self._fail(RuntimeError(line.decode()))
+
+    def on_message_complete(self) -> None:
+        if not self.done.done():
+            self.done.set_result(self.count)
+        if self.transport is not None:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(exc or ConnectionError("closed before the response ended"))
+
+    def _fail(self, error: BaseException) -> None:
+        if not self.done.done():
+            self.done.set_exception(error)
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _request(url: str, body: dict[str, Any]) -> tuple[str, int, bytes]:
+    parts = urlsplit(url)
+    payload = orjson.dumps(body)
+    head = (
+        f"POST {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+    )
+    return parts.hostname or "127.0.0.1", parts.port or 80, head.encode() + payload
+
+
+async def _stream_all(requests: list[tuple[str, int, bytes]]) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    gaps: list[float] = []
+
+    async def one(host: str, port: int, request: bytes) -> int:
+        done: asyncio.Future[int] = loop.create_future()
+        await loop.create_connection(lambda: _Stream(request, done, gaps), host, port)
+        return await done
+
+    began = time.monotonic()
+    counts = await asyncio.wait_for(asyncio.gather(*(one(*r) for r in requests)), CLIENT_TIMEOUT_S)
+    ended = time.monotonic()
+    return {"began": began, "ended": ended, "tokens": sum(counts), "gaps": array.array("f", gaps)}
+
+
+def client_main() -> None:
+    """Serve jobs from stdin: ``{"requests": [[url, body], ...], "gaps": path}``, then ``go``; write
+    the gaps (float32) to the path, answer one JSON line with the times and the token count."""
+    run: Any = asyncio.run
+    try:
+        import uvloop
+
+        run = uvloop.run
+    except ImportError:
+        pass
+    for line in sys.stdin:
+        job = json.loads(line)
+        requests = [_request(url, body) for url, body in job["requests"]]
+        print("ready", flush=True)
+        if sys.stdin.readline().strip() != "go":
+            return
+        result = run(_stream_all(requests))
+        Path(job["gaps"]).write_bytes(result.pop("gaps").tobytes())
+        print(json.dumps(result), flush=True)
+
+
+class ClientPool:
+    """``size`` client processes; `run` spreads requests over them and merges their results."""
+
+    def __init__(self, size: int) -> None:
+        self.folder = tempfile.TemporaryDirectory(prefix="bench-router-")  # the clients' gaps
+        argv = [sys.executable, str(Path(__file__)), "client"]
+        self.processes = [
+            subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            for _ in range(size)
+        ]
+
+    def run(self, requests: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+        """Stream ``requests`` (``(url, body)``, split round robin) at once; tokens/s and gaps."""
+        shares = [requests[i :: len(self.processes)] for i in range(len(self.processes))]
+        busy = [(p, share) for p, share in zip(self.processes, shares, strict=True) if share]
+        for number, (process, share) in enumerate(busy):
+            assert process.stdin is not None
+            job = {"requests": share, "gaps": str(Path(self.folder.name) / f"gaps-{number}")}
+            process.stdin.write(json.dumps(job) + "\n")
+            process.stdin.flush()
+        for process, _ in busy:  # every client has parsed its share: start them together
+            assert process.stdout is not None
+            if process.stdout.readline().strip() != "ready":
+                raise RuntimeError("a client process died before it was ready")
+        for process, _ in busy:
+            assert process.stdin is not None
+            process.stdin.write("go\n")
+            process.stdin.flush()
+        results = []
+        for process, _ in busy:
+            assert process.stdout is not None
+            line = process.stdout.readline()
+            if not line:
+                raise RuntimeError("a client process died mid-run (its traceback is above)")
+            results.append(json.loads(line))
+        for number, result in enumerate(results):
+            result["gaps"] = (Path(self.folder.name) / f"gaps-{number}").read_bytes()
+        return merge(results)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def close(self) -> None:
+        for process in self.processes:
+            assert process.stdin is not None
+            process.stdin.close()
+        for process in self.processes:
+            process.wait(timeout=30)
+        self.folder.cleanup()
+
+
+def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One pass's tokens/s (first start to last end over all clients) and pooled gap percentiles."""
+    gaps = array.array("f")
+    for result in results:
+        gaps.frombytes(result["gaps"])
+    wall = max(r["ended"] for r in results) - min(r["began"] for r in results)
+    tokens = sum(r["tokens"] for r in results)
+    values = sorted(gaps)
+    return {
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "itl_p50_ms": statistics.median(values) * 1e3 if values else 0.0,
+        "itl_p99_ms": values[min(len(values) - 1, int(len(values) * 0.99))] * 1e3 if values else 0.0,
+        "gaps": values,
+    }
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (``/proc``, 10 ms ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("role", choices=["worker", "client"])
+    parser.add_argument("--step-ms", type=float, default=30.0)
+    parser.add_argument("--frame-tokens", type=int, default=1)
+    parser.add_argument("--events", choices=["token", "tokens", "link"], default="token")
+    args = parser.parse_args()
+    if args.role == "worker":
+        serve_worker(args.step_ms / 1e3, args.frame_tokens, args.events)
+    else:
+        client_main()
+
+
+if __name__ == "__main__":
+    main()
