@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import struct
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,10 +17,11 @@ import pytest
 from handover_helpers import router
 
 from belayer_router import GenerateRequest, RouterClient, worker_request_body
-from belayer_router.worker import WorkerFinish, WorkerTokens, parse_worker_event
+from belayer_router.worker import WorkerFinish, WorkerTokens, decode_step, parse_worker_event
 from belayer_shadow import LLMEngine, ModelConfig, SamplingParams, StepOutput, allocate_kv_arena, init_weights
 from belayer_shadow._workers._events import EventLog, read_events, read_state, write_state
 from belayer_shadow._workers._heartbeat import HandoverFlag, Heartbeat
+from belayer_shadow._workers._link import LinkConn
 from belayer_shadow._workers._service import EngineService, _Job
 from belayer_shadow._workers._shadow import check_device_health
 from belayer_shadow._workers._worker import register_worker
@@ -177,25 +181,123 @@ def test_a_step_goes_out_as_one_frame_per_request(tmp_path: Path) -> None:
     )
     params = SamplingParams(max_tokens=8)
     streams = {}
-    for request_id, hidden in (("a", 0), ("b", 2)):
+    jobs = {}
+    for request_id, hidden in (("a", 0), ("b", 2), ("gone", 0)):
         send, receive = anyio.create_memory_object_stream[bytes](100)
-        service._jobs[request_id] = _Job(request_id, PROMPT, params, send, num_hidden=hidden)
+        jobs[request_id] = _Job(request_id, PROMPT, params, send, num_hidden=hidden)
         streams[request_id] = receive
+    jobs["gone"].finished = True  # aborted while the step ran: its tokens are dropped
     service._dispatch(
         [
-            StepOutput("a", 3, 11, -0.5),
-            StepOutput("b", 1, 21, -0.1),  # hidden: the client has it already
-            StepOutput("a", 4, 12, -0.25, finish_reason="stop"),
-            StepOutput("b", 2, 22, -0.2),
-            StepOutput("b", 3, 23, -0.3),
-            StepOutput("gone", 0, 1, -1.0),  # no such job: dropped
+            (jobs["a"], StepOutput("a", 3, 11, -0.5)),
+            (jobs["b"], StepOutput("b", 1, 21, -0.1)),  # hidden: the client has it already
+            (jobs["a"], StepOutput("a", 4, 12, -0.25, finish_reason="stop")),
+            (jobs["b"], StepOutput("b", 2, 22, -0.2)),
+            (jobs["b"], StepOutput("b", 3, 23, -0.3)),
+            (jobs["gone"], StepOutput("gone", 0, 1, -1.0)),
         ]
     )
+    assert _drain(streams["gone"]) == []
     a = [parse_worker_event(line) for line in _drain(streams["a"])]
     assert a == [WorkerTokens(4, 3, (11, 12), (-0.5, -0.25)), WorkerFinish(4, "stop")]
     b = [parse_worker_event(line) for line in _drain(streams["b"])]
     assert b == [WorkerTokens(4, 2, (22, 23), (-0.2, -0.3))]
     assert (service.num_tokens, service.num_tokens_regenerated) == (4, 1)
+
+
+class GatedEngine:
+    """The real engine, whose next step the test can hold in flight (after it computed its outputs,
+    before it returns them): the window in which the router may abort and resubmit a request."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.inner = engine
+        self.hold_next = threading.Event()
+        self.held = threading.Event()
+        self.release = threading.Event()
+
+    def step(self) -> list[StepOutput]:
+        outputs = self.inner.step()
+        if self.hold_next.is_set():
+            self.hold_next.clear()
+            self.held.set()
+            self.release.wait(60)
+        return outputs
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+@pytest.mark.anyio
+async def test_a_request_resubmitted_at_once_after_its_abort_gets_no_stale_token(tmp_path: Path) -> None:
+    """Abort + resubmission of the same request id while a step that still serves the old one is in
+    flight: the new submission streams exactly its own tokens, none of the old job's."""
+    engine = GatedEngine(_engine())
+    service = EngineService(engine, Heartbeat(tmp_path / "hb"), EventLog(tmp_path / "e.jsonl", "t"), epoch=1)  # type: ignore[arg-type]
+    outbox, frames = anyio.create_memory_object_stream[bytes](math.inf)
+    link = LinkConn(outbox)
+    other = [9, 8, 7, 6, 5]
+    second = GenerateRequest(prompt_token_ids=tuple(other), max_tokens=8, temperature=0.0)
+    reference = _greedy(other, 8)
+    tokens: dict[int, list[tuple[int, int]]] = {1: [], 2: []}
+    async with anyio.create_task_group() as group:
+        group.start_soon(service.run_loop)
+        engine.hold_next.set()
+        assert service.submit_link(link, 1, {**_body([], request_id="same"), "max_tokens": 200}) is None
+        assert await anyio.to_thread.run_sync(engine.held.wait, 60)  # its first token is in flight
+        service.abort_link(link, 1)
+        assert service.submit_link(link, 2, worker_request_body(second, "same", 7, [], 1)) is None
+        engine.release.set()
+        with anyio.fail_after(60):
+            done = False
+            while not done:
+                frame = await frames.receive()
+                _length, kind = struct.unpack_from("<IB", frame)  # the README's frame header
+                assert kind == 3, frame  # STEP (a REJECT would mean the engine still held the old job)
+                step = decode_step(memoryview(frame)[5:])
+                at = 0
+                for handle, first, count in zip(step.handles, step.firsts, step.counts, strict=True):
+                    ids = step.token_ids[at : at + count]
+                    tokens[handle] += [(first + i, t) for i, t in enumerate(ids)]
+                    at += count
+                done = 2 in step.finished
+        group.cancel_scope.cancel()
+    assert tokens == {1: [], 2: list(enumerate(reference))}
+    assert not service.engine.has_unfinished()
+    assert service._jobs == {}
+
+
+@pytest.mark.anyio
+async def test_the_heartbeat_goes_stale_when_the_step_or_the_event_loop_is_stuck(tmp_path: Path) -> None:
+    """The stepping thread touches the heartbeat only in iterations in which the event loop ran too."""
+    engine = GatedEngine(_engine())
+    heartbeat = Heartbeat(tmp_path / "hb")
+    service = EngineService(engine, heartbeat, EventLog(tmp_path / "e.jsonl", "t"), epoch=1)  # type: ignore[arg-type]
+    outbox, _frames = anyio.create_memory_object_stream[bytes](math.inf)
+    link = LinkConn(outbox)
+
+    async def fresh() -> None:
+        with anyio.fail_after(60):
+            while (age := heartbeat.age_s()) is None or age > 0.5:  # noqa: ASYNC110
+                await anyio.sleep(0.02)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(service.run_loop)
+        await fresh()
+        engine.hold_next.set()
+        assert service.submit_link(link, 1, _body([])) is None
+        assert await anyio.to_thread.run_sync(engine.held.wait, 60)
+        await anyio.sleep(3)  # the event loop runs on; the step does not return
+        stuck_step = heartbeat.age_s()
+        engine.release.set()
+        await fresh()
+        time.sleep(3)  # noqa: ASYNC251  the event loop is stuck; the stepping thread is not
+        stuck_loop = heartbeat.age_s()
+        await fresh()
+        group.cancel_scope.cancel()
+    assert stuck_step is not None
+    assert stuck_step > 1.0
+    assert stuck_loop is not None
+    assert stuck_loop > 1.0
 
 
 def _drain(stream: anyio.streams.memory.MemoryObjectReceiveStream[bytes]) -> list[bytes]:

@@ -1,7 +1,8 @@
 """Liveness between a main worker and its shadow: a heartbeat file and a handover flag.
 
-The main worker touches the heartbeat in every scheduling-loop iteration (one `utime` call, and
-its pid written once so a shadow knows whom to fence). The shadow polls the file's mtime; the
+The main worker's stepping thread touches the heartbeat in every iteration in which its event loop
+has run too (one `utime` call, and its pid written once so a shadow knows whom to fence): a stuck
+step or a stuck event loop both let it go stale. The shadow polls the file's mtime; the
 slot supervisor, which reaps the main, raises the handover flag the moment the main exits.
 """
 

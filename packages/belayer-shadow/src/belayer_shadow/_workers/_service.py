@@ -1,16 +1,17 @@
 """`EngineService`: the router's worker protocol over one `LLMEngine`, and the scheduling loop.
 
-The loop owns the engine: HTTP handlers only queue additions and aborts, which the loop applies
-between steps; `step()` runs in a worker thread so the event loop keeps streaming. Every loop
-iteration touches the heartbeat, also when idle (at least every `idle_tick_s`). Every event a
-worker streams carries its epoch, so the router can fence a stale worker.
+A stepping thread owns the engine (`_stepper.Stepper`): HTTP handlers only queue additions and
+aborts, which it applies between steps; it steps back to back while the engine has work and hands
+each step's outputs to the event loop without waiting for it, and the event loop streams them.
+The heartbeat is touched once per stepping-thread iteration in which the event loop has run too
+(also when idle: at least every `idle_tick_s` or so). Every event a worker streams carries its
+epoch, so the router can fence a stale worker.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -33,6 +34,7 @@ from belayer_shadow._errors import RequestError
 from belayer_shadow._workers._events import EventLog
 from belayer_shadow._workers._heartbeat import Heartbeat
 from belayer_shadow._workers._link import LinkConn, serve_link
+from belayer_shadow._workers._stepper import Delivery, Stepper
 
 __all__ = ["Engine", "EngineService", "ResumeMode"]
 
@@ -138,65 +140,57 @@ class EngineService:
     resume_mode: ResumeMode = "continue"
     idle_tick_s: float = 0.05
     weight_refresh_s: float = 0.2
-    num_steps: int = 0
     num_tokens: int = 0
     num_tokens_regenerated: int = 0
     num_link_frames: int = 0  # STEP frames sent on router links (at most one per step and link)
     _jobs: dict[str, _Job] = attrs.field(factory=dict)
-    _adds: list[_Job] = attrs.field(factory=list)
-    _aborts: list[str] = attrs.field(factory=list)
-    _wake: anyio.Event = attrs.field(factory=anyio.Event)
-    _last_refresh: float = 0.0
+    _stepper: Stepper = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._stepper = Stepper(
+            self.engine, self.heartbeat, self.log, self.idle_tick_s, self.weight_refresh_s
+        )
+
+    @property
+    def num_steps(self) -> int:
+        """Engine steps taken so far."""
+        return self._stepper.num_steps
 
     # The scheduling loop.
 
     async def run_loop(self) -> None:
-        """Step the engine forever (until cancelled), touching the heartbeat every iteration."""
-        while True:
-            self.heartbeat.touch()
-            was_idle = not self.engine.has_unfinished()
-            if was_idle and (self._adds or time.monotonic() - self._last_refresh > self.weight_refresh_s):
-                self._refresh_weights()  # new weights take effect before the next batch starts
-            self._apply_pending()
-            if self.engine.has_unfinished():
-                outputs = await anyio.to_thread.run_sync(self.engine.step)
-                self.num_steps += 1
-                self._dispatch(outputs)
-                continue
-            with anyio.move_on_after(self.idle_tick_s):
-                await self._wake.wait()
-            self._wake = anyio.Event()
+        """Step the engine in the stepping thread until cancelled (then wait for its step in progress);
+        re-raises what ended the stepping thread."""
+        self._stepper.start(self._deliver)
+        try:
+            while self._stepper.error is None:
+                self._stepper.tick()
+                await anyio.sleep(self.idle_tick_s)
+            raise self._stepper.error
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._stepper.stop)
 
-    def _refresh_weights(self) -> None:
-        self._last_refresh = time.monotonic()
-        if self.engine.refresh_weights():
-            self.log.emit("weights.refreshed")
-
-    def _apply_pending(self) -> None:
-        for request_id in self._aborts:
-            self.engine.abort(request_id)
-        self._aborts.clear()
-        for job in self._adds:
+    def _deliver(self, delivery: Delivery) -> None:
+        for job, reason in delivery.rejected:
             if job.finished:
                 continue
-            try:
-                self.engine.add_request(job.request_id, job.prompt, job.params)
-            except RequestError as exc:
-                if job.link is not None:
-                    self._end_link_job(job)
-                    job.link.outbox.send_nowait(encode_reject(job.handle, str(exc)))
-                else:
-                    self._finish(job, _line({"type": "error", "epoch": self.epoch, "message": str(exc)}))
-        self._adds.clear()
+            if job.link is not None:
+                self._end_link_job(job)
+                job.link.outbox.send_nowait(encode_reject(job.handle, reason))
+            else:
+                self._finish(job, _line({"type": "error", "epoch": self.epoch, "message": reason}))
+        if delivery.outputs:
+            self._dispatch(delivery.outputs)
 
-    def _dispatch(self, outputs: list[StepOutput]) -> None:
+    def _dispatch(self, outputs: list[tuple[_Job, StepOutput]]) -> None:
         """Send a step's outputs: per job one ``tokens`` frame (the visible tokens), then its finish line;
-        for the jobs of a link, ONE STEP frame per link with all of them."""
+        for the jobs of a link, ONE STEP frame per link with all of them. Outputs of a job that is
+        finished (aborted while the step ran) are dropped, even if its id was submitted again."""
         frames: dict[str, tuple[_Job, int, list[int], list[float]]] = {}  # job, first index, ids, logprobs
         finished: list[tuple[_Job, str]] = []
-        for out in outputs:
-            job = self._jobs.get(out.request_id)
-            if job is None or job.finished:
+        for job, out in outputs:
+            if job.finished:
                 continue
             if out.index < job.num_hidden:
                 self.num_tokens_regenerated += 1
@@ -281,6 +275,9 @@ class EngineService:
             "tokens_total": self.num_tokens,
             "tokens_regenerated_total": self.num_tokens_regenerated,
             "epoch": self.epoch,
+            # The stepping thread's wall clock: inside engine.step(), and between back-to-back steps.
+            "step_seconds_total": round(self._stepper.step_s, 6),
+            "between_steps_seconds_total": round(self._stepper.gap_s, 6),
         }
         lines = [f"belayer_shadow_{name} {value}" for name, value in counters.items()]
         return "\n".join(lines) + "\n" + self.log.render_metrics()
@@ -298,16 +295,15 @@ class EngineService:
         job.link, job.handle = link, handle
         link.jobs[handle] = job
         self._jobs[job.request_id] = job
-        self._adds.append(job)
-        self._wake.set()
+        self._stepper.add(job)
         return None
 
     def abort_link(self, link: LinkConn, handle: int) -> None:
         """The router no longer wants request ``handle`` of ``link`` (also for every job of a closed link)."""
         job = link.jobs.get(handle)
         if job is not None and not job.finished:
-            self._end_link_job(job)
-            self._aborts.append(job.request_id)
+            self._end_link_job(job)  # its tokens from a step in flight are dropped (`_dispatch`)
+            self._stepper.abort(job)
 
     async def _generate(self, receive: Receive, send: Send) -> None:
         events, stream = anyio.create_memory_object_stream[bytes](math.inf)
@@ -326,8 +322,7 @@ class EngineService:
             await _send_json(send, 409, {"error": f"request {job.request_id!r} is already running here"})
             return
         self._jobs[job.request_id] = job
-        self._adds.append(job)
-        self._wake.set()
+        self._stepper.add(job)
         try:
             await send(
                 {
@@ -344,7 +339,7 @@ class EngineService:
             self._jobs.pop(job.request_id, None)
             if not job.finished:
                 job.finished = True
-                self._aborts.append(job.request_id)
+                self._stepper.abort(job)
             events.close()
             stream.close()
 
