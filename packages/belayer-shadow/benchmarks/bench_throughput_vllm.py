@@ -10,7 +10,12 @@ x 128 new tokens, 16-token prompts, one CPU thread for every system:
   weight server, in its own process: the engine's own cost against stock;
 - `belayer vLLM slot`: `SlotSupervisor(engine="vllm")` (weight server, vLLM main worker on its
   views, a vLLM shadow standing by) behind belayer-router, streamed by 32 concurrent clients;
-- `belayer engine slot`: the same slot with the built-in engine (`engine="belayer"`).
+- `belayer engine slot`: the same slot with the built-in engine (`engine="belayer"`);
+- `built-in engine in process`: belayer-shadow's `LLMEngine` stepped directly, in its own process:
+  with `VllmEngine in process`, what each slot's engine does without the serving path.
+For each slot the JSON also has the main worker's stepping-thread seconds inside `step()` and
+between steps over all rounds (its /metrics) and this process's CPU seconds per round (the router,
+the 32 clients and the slot supervisor: the serving path beside the worker).
 All four are started first (each warmed up), then measured in interleaved rounds (the order rotates
 every round), so that the shared machine's load falls on all of them alike; the load average is
 recorded with every round and the ratio to stock is taken per round (the median is reported).
@@ -278,7 +283,26 @@ async def running_slot(
             await anyio.to_thread.run_sync(slot.stop)
 
 
-SYSTEMS = ("stock_vllm", "vllm_engine_direct", "belayer_vllm_slot", "belayer_engine_slot")
+SYSTEMS = (
+    "stock_vllm",
+    "vllm_engine_direct",
+    "belayer_vllm_slot",
+    "belayer_engine_slot",
+    "builtin_engine_direct",
+)
+WORKER_METRICS = ("steps_total", "step_seconds_total", "between_steps_seconds_total")
+
+
+async def worker_metrics(url: str) -> dict[str, float]:
+    """The slot's main worker's stepping-thread counters (its /metrics), read through the router."""
+    import httpx
+
+    async with RouterClient(url, TOKEN) as admin:
+        [slot] = await admin.workers()
+    async with httpx.AsyncClient(timeout=30) as client:
+        text = (await client.get(f"{slot['url']}/metrics")).text
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("belayer_shadow_"))
+    return {name: float(values[f"belayer_shadow_{name}"]) for name in WORKER_METRICS}
 
 
 async def measure_size(size: str, folder: Path, tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -286,7 +310,12 @@ async def measure_size(size: str, folder: Path, tmp: Path, args: argparse.Namesp
     entry: dict[str, Any] = {"parameters": write_model(size, folder)}
     children = {}
     try:
-        for role, key in (("stock", "stock_vllm"), ("direct", "vllm_engine_direct")):
+        children_roles = (
+            ("stock", "stock_vllm"),
+            ("direct", "vllm_engine_direct"),
+            ("builtin", "builtin_engine_direct"),
+        )
+        for role, key in children_roles:
             children[key] = await anyio.to_thread.run_sync(Child, role, folder, args)
         async with (
             running_slot("vllm", folder, tmp / f"{size}-vllm", args) as (vllm_url, vllm_init_s),
@@ -297,6 +326,7 @@ async def measure_size(size: str, folder: Path, tmp: Path, args: argparse.Namesp
             urls = {"belayer_vllm_slot": vllm_url, "belayer_engine_slot": ours_url}
             results = {key: {"init_s": init[key], "tokens_per_s": [], "load_1min": []} for key in SYSTEMS}
             outputs: dict[str, list[list[int]]] = {}
+            before = {key: await worker_metrics(urls[key]) for key in urls}
             for round_ in range(args.rounds):
                 order = SYSTEMS[round_ % len(SYSTEMS) :] + SYSTEMS[: round_ % len(SYSTEMS)]
                 for key in order:
@@ -304,10 +334,16 @@ async def measure_size(size: str, folder: Path, tmp: Path, args: argparse.Namesp
                     if key in children:
                         rate, outputs[key] = await anyio.to_thread.run_sync(children[key].round)
                     else:
+                        cpu = time.process_time()
                         rate, outputs[key] = await through_router(
                             urls[key], args.num_requests, args.max_tokens
                         )
+                        # The router + 32 clients (this process) beside the worker, per round.
+                        results[key].setdefault("router_clients_cpu_s", []).append(time.process_time() - cpu)
                     results[key]["tokens_per_s"].append(rate)
+            for key, url in urls.items():  # the main worker's step thread over all rounds
+                after = await worker_metrics(url)
+                results[key]["worker"] = {name: after[name] - before[key][name] for name in WORKER_METRICS}
     finally:
         for child in children.values():
             await anyio.to_thread.run_sync(child.close)
@@ -353,8 +389,8 @@ def render(results: dict[str, Any]) -> str:
         "",
         "| model | stock vLLM `LLM.generate` | VllmEngine in process | ratio | "
         "router + vLLM main worker (shadow standing by) | ratio | router + built-in engine slot | "
-        "ratio | load | outputs equal |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "ratio | built-in engine in process | ratio | load | outputs equal |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for size, e in sorted(results["sizes"].items(), key=lambda item: item[1]["parameters"]):
         cells = [
@@ -362,11 +398,14 @@ def render(results: dict[str, Any]) -> str:
             f"{e['stock_vllm']['median_tokens_per_s']:,.0f}",
         ]
         for key in SYSTEMS[1:]:
+            if key not in e:  # a row measured before this system was added
+                cells += ["", ""]
+                continue
             r = e[key]
             cells += [f"{r['median_tokens_per_s']:,.0f}", f"{r['median_ratio_to_stock']:.2f}"]
-        loads = [x for key in SYSTEMS for x in e[key]["load_1min"]]
+        loads = [x for key in SYSTEMS if key in e for x in e[key]["load_1min"]]
         cells.append(f"{min(loads):.1f}-{max(loads):.1f}")
-        cells.append(str(all(e[key]["outputs_equal_stock"] for key in SYSTEMS)))
+        cells.append(str(all(e[key]["outputs_equal_stock"] for key in SYSTEMS if key in e)))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
