@@ -4,7 +4,7 @@ Each repetition starts a fresh local Ray cluster of 4 simulated nodes (1 CPU eac
 router, two slots (`a`, `b`) on two nodes and a sandbox host per node. Both arms lose the node of
 slot `b` mid-rollout (6 greedy streams of `--tokens` tokens, 8 tokens in), with a live sandbox on
 that node checkpointed just before; both see the loss the same way (`RolloutCluster`'s watcher:
-Ray's node table or the worker probe).
+Ray's node table or the router's broken streams).
 
 - **whole-job restart** (the baseline, first): on detection the job is torn down (router, every
   slot) and restarted on the nodes left: a new router, two new slots that load the last trainer

@@ -1,11 +1,13 @@
 """Fixtures of the Ray tests: one local Ray cluster for the session, a router and slots per module.
 
 The modules that need Ray (test_cluster.py, test_weightsync.py) share one `LocalRayCluster`
-(starting one takes a while on a loaded machine). Each module gets at least `NODES` live nodes
-(a node a module before removed is replaced by a fresh one), its own shared folder, its own
-router and its own slots "a" and "b", stopped when the module ends. A module sets
-`SLOT_OPTIONS` (belayer-shadow `SlotConfig` fields) and `WITH_SANDBOXES = True` to give the
-slots a sandbox host per node.
+(starting one takes a while on a loaded machine) while they ask for the same Ray settings: a
+module sets `RAY_HEALTH_CHECK_FAILURES` to have Ray declare a removed node dead that many
+health-check periods (1 s) after it went (the default: 5), and gets a cluster of its own when
+that differs from the running one. Each module gets at least `NODES` live nodes (a node a module
+before removed is replaced by a fresh one), its own shared folder, its own router and its own
+slots "a" and "b", stopped when the module ends. A module sets `SLOT_OPTIONS` (belayer-shadow
+`SlotConfig` fields) and `WITH_SANDBOXES = True` to give the slots a sandbox host per node.
 """
 
 from __future__ import annotations
@@ -22,19 +24,45 @@ NODES = 3  # live simulated nodes of 1 CPU each module starts with
 DEFAULT_SLOT_OPTIONS = {"num_kv_blocks": 128, "stale_s": 5.0}  # stale_s: a loaded machine is no hang
 
 
+class RayClusters:
+    """The session's local Ray cluster (this process is connected to it), one at a time."""
+
+    def __init__(self) -> None:
+        self.current: LocalRayCluster | None = None
+
+    def get(self, config: LocalClusterConfig) -> LocalRayCluster:
+        """The running cluster if it has `config`, else a new one with it (the old one shut down)."""
+        if self.current is not None and self.current.config != config:
+            self.close()
+        if self.current is None:
+            self.current = LocalRayCluster(config).start()
+        return self.current
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current.shutdown()
+            self.current = None
+
+
 @pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[LocalRayCluster]:
-    """The session's local Ray cluster of `NODES` simulated nodes (this process is connected)."""
-    with LocalRayCluster(LocalClusterConfig(num_nodes=NODES, cpus_per_node=1)) as cluster:
-        yield cluster
+def ray_clusters() -> Iterator[RayClusters]:
+    """The session's local Ray clusters of `NODES` simulated nodes, shut down when it ends."""
+    clusters = RayClusters()
+    try:
+        yield clusters
+    finally:
+        clusters.close()
 
 
 @pytest.fixture(scope="module")
-def local_ray(ray_cluster: LocalRayCluster) -> LocalRayCluster:
-    """The session's cluster with at least `NODES` live nodes for this module."""
-    while len(ray_cluster.node_ids) < NODES:
-        ray_cluster.add_node()
-    return ray_cluster
+def local_ray(request: pytest.FixtureRequest, ray_clusters: RayClusters) -> LocalRayCluster:
+    """The session's cluster, with the module's Ray settings and at least `NODES` live nodes."""
+    failures = getattr(request.module, "RAY_HEALTH_CHECK_FAILURES", 5)
+    config = LocalClusterConfig(num_nodes=NODES, cpus_per_node=1, health_check_failures=failures)
+    cluster = ray_clusters.get(config)
+    while len(cluster.node_ids) < NODES:
+        cluster.add_node()
+    return cluster
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,9 @@
 
 The session's Ray cluster (at least 3 live nodes of 1 CPU, conftest.py), the module's
 driver-owned router, two slots and a sandbox host per node; the tests run in file order: the
-node-loss test removes a node, the tests after it run on what is left.
+node-loss test removes a node, the tests after it run on what is left. Ray declares a removed
+node dead only `RAY_HEALTH_CHECK_FAILURES` s after it went, so the router's broken streams name it
+first, deterministically.
 """
 
 from __future__ import annotations
@@ -20,12 +22,19 @@ from cluster_helpers import PROMPTS, TOKEN, ancestors, gone, rollout, wait_until
 from cluster_helpers import Rollout as Streams
 
 from belayer_cluster import DriverRouter, LocalRayCluster, RolloutCluster, SandboxCluster, SandboxHostError
-from belayer_cluster._detect import RouterStreams
 
 pytestmark = pytest.mark.timeout(300)
 MAX_TOKENS = 160
 SLOT_OPTIONS = {"num_kv_blocks": 256, "stale_s": 5.0}  # a loaded machine is no hang
 WITH_SANDBOXES = True
+RAY_HEALTH_CHECK_FAILURES = 40  # Ray's health checks give up on a removed node after ~40 s
+
+
+def _stream_failures(router: DriverRouter) -> dict[str, tuple[int, float | None]]:
+    """Each slot's broken streams as the router counts them (`GET /workers`)."""
+    admin = {"Authorization": f"Bearer {TOKEN}"}
+    workers = httpx.get(f"{router.url}/workers", headers=admin, timeout=30).json()["slots"]
+    return {w["slot"]: (w["num_stream_failures"], w["last_stream_failure_at"]) for w in workers}
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +88,7 @@ def test_a_killed_main_is_replaced_by_the_shadow_on_the_same_node(
 ) -> None:
     host, info = slots.hosts["a"], slots.infos["a"]
     before = _pids(slots, "a")
+    failures = _stream_failures(router)["a"][0]
     streams = Streams(router.url, PROMPTS, MAX_TOKENS).start()
     streams.wait_tokens(4)
     ray.get(host.kill_main.remote(), timeout=60)
@@ -93,7 +103,10 @@ def test_a_killed_main_is_replaced_by_the_shadow_on_the_same_node(
     assert after["weights"] == before["weights"]
     assert after["kv"] == before["kv"]
     assert local_ray.raylet_pid(info.node_id) in ancestors(after["main"])
-    # The router's streams broke (a handover), but the slot's host answered: no node loss.
+    # The router counted a's streams that broke (a handover); the watcher saw the count rise and
+    # pinged a's host, which answered: no node loss, no detection.
+    wait_until(lambda: _stream_failures(router)["a"][0] > failures, 60, "the router to count a's breaks")
+    wait_until(lambda: slots.live_breaks.get("a", 0) > failures, 60, "the watcher to check slot a")
     assert slots.losses == []
     assert slots.detections.of(info.node_id) == {}
 
@@ -103,8 +116,9 @@ def test_a_sandbox_host_runs_on_every_node(local_ray: LocalRayCluster, sandboxes
 
 
 def _read(sandboxes: SandboxCluster, trajectory: str, container_id: str) -> str:
-    """`cat a` in the sandbox, asked again while it comes back empty: on a loaded machine a docker
-    exec was seen to end with exit 0 and no output (belayer-grpo's repository hash retries too)."""
+    """`cat a` in the sandbox, asked again while it comes back empty: on a loaded machine docker-py
+    loses an exec's output that arrived with the response headers (exit 0, no output; see
+    `SandboxHost.checkpoint_at`)."""
     for _ in range(5):
         found = sandboxes.probe(trajectory, ["cat", "a"], container_id=container_id)
         if found["stdout"]:
@@ -187,8 +201,8 @@ def test_a_node_removed_mid_rollout_resumes_on_another_node_exactly(
     fresh = sandboxes.create("traj-c", lost.node_id)  # no checkpoint: fenced, its owner restarts it
     streams = Streams(router.url, PROMPTS, MAX_TOKENS).start()
     streams.wait_tokens(4)
-    broken = RouterStreams(router.url, TOKEN)  # what the watcher reads of the router
-    assert broken.poll() is False
+    failures = _stream_failures(router)
+    removed_at = time.time()
     local_ray.remove_node(lost.node_id)
     streams.join(240)
     assert streams.tokens == reference  # exactly the failure-free greedy output
@@ -197,14 +211,17 @@ def test_a_node_removed_mid_rollout_resumes_on_another_node_exactly(
     (loss,) = slots.wait_node_loss(1, timeout_s=120)
     assert loss.node_id == lost.node_id
     assert loss.slots == ("b",)
-    # The streams on it broke: the router's resume counter says so.
-    assert broken.poll() is True
-    # Seen first by Ray's node table or by the router (its broken streams; or its worker probe when
-    # the break was counted only after the probe ended): the detector that named the node first,
-    # and when each one did.
-    assert loss.detected_by in ("ray", "router broken streams", "worker probe")
-    assert loss.detections[loss.detected_by] == min(loss.detections.values())
-    assert loss.detected_at >= loss.detections[loss.detected_by]
+    # Slot b's streams broke: the router counted them on b (not on a, which took them over).
+    after = _stream_failures(router)
+    assert after["b"][0] > failures["b"][0]
+    assert after["b"][1] is not None
+    assert after["b"][1] >= removed_at
+    assert after["a"] == failures["a"]
+    # Named by the router's broken streams (b's host did not answer the ping), after the removal
+    # and before Ray's node table said anything (its health checks give up only after ~40 s).
+    assert loss.detected_by == "router broken streams"
+    assert set(loss.detections) == {"router broken streams"}
+    assert removed_at <= loss.detections["router broken streams"] <= loss.detected_at
     assert loss.slots_left == ("a",) == slots.healthy_slots  # no spare: continues on what is left
     admin = {"Authorization": f"Bearer {TOKEN}"}
     workers = httpx.get(f"{router.url}/workers", headers=admin, timeout=30).json()["slots"]
@@ -266,6 +283,10 @@ def test_status_reports_the_lost_node_and_exits_unhealthy(
     assert dead == set(removed)
     alive = {n["node_id"] for n in report["nodes"] if n["alive"]}
     assert set(local_ray.node_ids) <= alive
-    wait_until(  # Ray's detection is kept after the handling, whichever came first
-        lambda: "ray" in slots.detections.of(slots.infos["b"].node_id), 60, "the watcher to see Ray's word"
+    lost = slots.infos["b"].node_id
+    wait_until(  # Ray's detection is kept after the handling, later than the router's
+        lambda: "ray" in slots.detections.of(lost), 60, "the watcher to see Ray's word"
     )
+    seen = slots.detections.of(lost)
+    assert seen["ray"] > seen["router broken streams"]
+    assert [loss.detected_by for loss in slots.losses] == ["router broken streams"]

@@ -17,7 +17,7 @@ from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from belayer_cluster._detect import Detections, RouterStreams, reachable
+from belayer_cluster._detect import Detections, RouterStreams
 from belayer_cluster._errors import ClusterConfigError, ClusterStartError, SandboxHostError, SlotHostError
 from belayer_cluster._sandboxes import SandboxCluster, SandboxRestore
 from belayer_cluster._slot_host import SlotHost, SlotInfo
@@ -30,8 +30,8 @@ class NodeLoss:
     """A lost node: how it was seen, the slots fenced at the router, the sandboxes restored elsewhere.
 
     `detected_by` is the detector that named the node first: `"ray"` (Ray's node table said
-    dead), `"router broken streams"` (the router's streams broke and the slot's worker and host
-    are gone) or `"worker probe"` (the slot's worker and host are gone, no stream broke);
+    dead) or `"router broken streams"` (the router counted broken streams of one of its slots and
+    that slot's host did not answer a ping);
     `detections` has the time (`time.time()`) each detector first named it, up to the handling
     (`RolloutCluster.detections` keeps counting after). `slots_left` are the slots still serving:
     no replacement is started, so with no spare capacity the rollout continues on them.
@@ -62,13 +62,14 @@ class RolloutCluster:
     is the caller's (the driver owns it, its journal on `shared_dir` or other storage that outlives
     any node); `start` registers nothing itself: each slot's main worker registers.
 
-    A watcher thread polls Ray's node table every `poll_s`, and the router's broken streams
-    (`_detect.RouterStreams`: its resume counter and its workers, through its public API); a slot
-    whose worker refuses connections and whose host actor does not answer within
-    `probe_timeout_s` has lost its node. Whichever comes first (`detections` keeps when each
-    detector named each node), the node's slots are marked unhealthy at the router, which resumes their requests on
-    the other slots, and the node's sandboxes (`sandboxes`) are restored on another node. No
-    replacement slot is started: the rollout continues on the slots left, and says so.
+    A watcher thread polls Ray's node table every `poll_s`, and the router's per-slot broken
+    streams (`_detect.RouterStreams`, `GET /workers`); a slot whose count rose and whose host
+    actor does not answer a ping within `probe_timeout_s` has lost its node (a host that answers
+    is on a live node: a handover; `live_breaks`). Whichever comes first (`detections` keeps when
+    each detector named each node), the node's slots are marked unhealthy at the router, which
+    resumes their requests on the other slots, and the node's sandboxes (`sandboxes`) are restored
+    on another node. No replacement slot is started: the rollout continues on the slots left, and
+    says so.
     """
 
     def __init__(
@@ -108,6 +109,9 @@ class RolloutCluster:
         self._refused: str | None = None  # why the router refused a node loss (a 4xx), if it did
         self._watcher: threading.Thread | None = None
         self.detections = Detections()  # when Ray / the router first named each lost node
+        # per slot, the router's broken-stream count the watcher last found explained by a live
+        # host (its ping answered: a handover or a crashed worker on a live node, no node loss)
+        self.live_breaks: dict[str, int] = {}
         self._streams = RouterStreams(self.router_url, admin_token)
 
     def start(self) -> dict[str, SlotInfo]:
@@ -203,13 +207,8 @@ class RolloutCluster:
                 dead = set()
             for node_id in dead:  # also once handled: a report can say which detector came first
                 self.detections.saw(node_id, "ray", now)
-            broke = self._streams.poll()
-            suspects = self._probe(handled | dead)
-            broke = self._streams.poll() or broke  # a stream that broke while the probe waited counts
-            for node_id in suspects:
-                self.detections.saw(
-                    node_id, "router broken streams" if broke else "worker probe", time.time()
-                )
+            for node_id in self._broken_streams(handled | dead | self._suspected()):
+                self.detections.saw(node_id, "router broken streams", time.time())
             for node_id in sorted(dead | self._suspected() - handled):
                 if node_id not in handled and self._handle(node_id, self.detections.first(node_id)):
                     handled.add(node_id)
@@ -217,19 +216,25 @@ class RolloutCluster:
     def _suspected(self) -> set[str]:
         return {info.node_id for info in self.infos.values() if self.detections.of(info.node_id)}
 
-    def _probe(self, skip: set[str]) -> set[str]:
-        """Nodes whose slot's worker refuses connections and whose slot host does not answer."""
-        urls = self._streams.workers()
-        if urls is None:
-            return set()  # the router is away: Ray's node table still works
+    def _broken_streams(self, skip: set[str]) -> set[str]:
+        """Nodes of slots whose broken-stream count rose at the router and whose host does not
+        answer a ping within `probe_timeout_s`; a host that answers explains the breaks (a
+        handover or a crashed worker on a live node): they are acknowledged, `live_breaks`."""
         suspects: set[str] = set()
-        for slot, info in self.infos.items():
-            if info.node_id in skip or info.node_id in suspects or reachable(urls.get(slot)):
+        for slot, streams in self._streams.rises().items():
+            info = self.infos.get(slot)
+            if info is None or info.node_id in skip:  # not this cluster's slot, or its node is known
+                self._streams.acknowledge(streams)
                 continue
-            try:  # a handover also leaves the worker away for a moment, but its host answers
+            if info.node_id in suspects:
+                continue
+            try:
                 ray.get(self.hosts[slot].ping.remote(), timeout=self.probe_timeout_s)
             except (RayError, KeyError):
-                suspects.add(info.node_id)
+                suspects.add(info.node_id)  # not acknowledged: a later poll still sees the rise
+            else:
+                self._streams.acknowledge(streams)
+                self.live_breaks[slot] = streams.num_stream_failures
         return suspects
 
     def _handle(self, node_id: str, detected_by: str) -> bool:

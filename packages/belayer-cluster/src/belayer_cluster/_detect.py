@@ -2,69 +2,77 @@
 
 Both are polled by the watcher; whichever names a node first decides `NodeLoss.detected_by`, and
 the time each first named it is kept (`Detections`), so a report can say which came first and by
-how much. The router's side uses belayer-router's public HTTP API only:
-
-- ``GET /metrics``: ``belayer_router_resumes_total`` rises when a worker's stream breaks (the
-  router resumes the request elsewhere); the router has no per-slot count, so
-- ``GET /workers`` names each slot's registered worker; a slot whose worker refuses connections
-  while streams broke is the suspect, and its node is lost when its slot host does not answer
-  either (a handover also breaks streams and leaves the worker away for a moment, but its host
-  answers).
-
-A slot whose worker is gone without a broken stream (no request was on it) is still found, as
-``"worker probe"``.
+how much. The router's side uses belayer-router's public HTTP API only: ``GET /workers`` gives,
+per slot, ``num_stream_failures`` (streams of that slot's workers that broke on the worker's side;
+the router does not count a stream it cut itself) and ``last_stream_failure_at``. A slot whose
+count rose since the watcher last looked is a suspect; its `SlotHost` is then pinged: a host that
+answers is on a live node (a handover or a crashed worker its shadow replaces, also breaking
+streams), one that does not has lost its node (`RolloutCluster` does the ping: it owns the hosts).
 """
 
 from __future__ import annotations
 
-import re
-import socket
 import threading
-import time
 
+import attrs
 import httpx
 
-__all__ = ["DETECTORS", "Detections", "RouterStreams", "reachable"]
+__all__ = ["DETECTORS", "Detections", "RouterStreams", "SlotStreams"]
 
 # The detectors, in the order a tie (same poll) is broken.
-DETECTORS = ("ray", "router broken streams", "worker probe")
-_RESUMES = re.compile(r"^belayer_router_resumes_total\s+([0-9.eE+-]+)\s*$", re.MULTILINE)
+DETECTORS = ("ray", "router broken streams")
+
+
+@attrs.frozen
+class SlotStreams:
+    """A slot's broken streams as the router counts them (`GET /workers`)."""
+
+    slot: str
+    num_stream_failures: int
+    last_stream_failure_at: float | None  # time.time() of the last one, None before any
 
 
 class RouterStreams:
-    """The router's broken streams, read from its `/metrics` and `/workers`."""
+    """Each slot's broken streams, read from the router's `GET /workers`.
 
-    def __init__(self, router_url: str, admin_token: str | None, *, window_s: float = 10.0) -> None:
+    `rises()` returns the slots whose count rose since it was last acknowledged (`acknowledge`):
+    the watcher acknowledges a slot once its host answered (a live node), so the next break of the
+    same slot is a new suspect. A slot's first count (when the watcher first sees it, at its start)
+    is its baseline: breaks before the watcher ran are not counted.
+    """
+
+    def __init__(self, router_url: str, admin_token: str | None) -> None:
         self.router_url = router_url.rstrip("/")
         self.headers = {} if admin_token is None else {"Authorization": f"Bearer {admin_token}"}
-        self.window_s = window_s  # a break counts for this long (its node may be confirmed later)
-        self._last: float | None = None
-        self._broke_at: float | None = None
+        self._baseline: dict[str, int] = {}
 
-    def poll(self) -> bool:
-        """Read the resume counter; True while a stream broke within the last `window_s`."""
-        try:
-            text = httpx.get(f"{self.router_url}/metrics", timeout=5.0).text
-        except httpx.HTTPError:
-            return self._recent()
-        match = _RESUMES.search(text)
-        if match is not None:
-            value = float(match.group(1))
-            if self._last is not None and value > self._last:
-                self._broke_at = time.monotonic()
-            self._last = value
-        return self._recent()
-
-    def _recent(self) -> bool:
-        return self._broke_at is not None and time.monotonic() - self._broke_at <= self.window_s
-
-    def workers(self) -> dict[str, str | None] | None:
-        """Each slot's registered worker URL, or None when the router does not answer."""
+    def read(self) -> dict[str, SlotStreams] | None:
+        """Each slot's broken streams now, or None when the router does not answer (a router that
+        does not count them per slot gives 0 for every slot: only Ray's detector then works)."""
         try:
             answer = httpx.get(f"{self.router_url}/workers", headers=self.headers, timeout=5.0)
-            return {w["slot"]: w["url"] for w in answer.raise_for_status().json()["slots"]}
+            slots = answer.raise_for_status().json()["slots"]
+            return {
+                s["slot"]: SlotStreams(
+                    s["slot"], int(s.get("num_stream_failures") or 0), s.get("last_stream_failure_at")
+                )
+                for s in slots
+            }
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return None
+
+    def rises(self) -> dict[str, SlotStreams]:
+        """The slots whose broken-stream count rose since acknowledged (empty if the router is away)."""
+        now = self.read()
+        if now is None:
+            return {}
+        for slot, streams in now.items():
+            self._baseline.setdefault(slot, streams.num_stream_failures)
+        return {slot: s for slot, s in now.items() if s.num_stream_failures > self._baseline[slot]}
+
+    def acknowledge(self, streams: SlotStreams) -> None:
+        """The slot's breaks up to `streams` are explained (its host answered)."""
+        self._baseline[streams.slot] = max(self._baseline.get(streams.slot, 0), streams.num_stream_failures)
 
 
 class Detections:
@@ -88,15 +96,3 @@ class Detections:
         """The detector that named the node first (ties: `DETECTORS` order)."""
         seen = self.of(node_id)
         return min(seen, key=lambda name: (seen[name], DETECTORS.index(name)))
-
-
-def reachable(url: str | None) -> bool:
-    """True when something accepts TCP connections at the worker URL's host and port."""
-    if not url:
-        return False
-    parsed = httpx.URL(url)
-    try:
-        with socket.create_connection((parsed.host, parsed.port or 80), timeout=2.0):
-            return True
-    except OSError:
-        return False

@@ -176,7 +176,12 @@ class SandboxHost:
         try:
             with sandbox.action_boundary():
                 if probe_argv:
-                    for attempt in range(3):  # read-only: asked again when a loaded engine lost its output
+                    # Read-only, so asked again when it came back empty with exit 0: docker-py
+                    # (7.2.0, `APIClient._get_raw_response_socket`) reads an exec's output from the
+                    # raw socket under http.client's buffered reader, so output that arrived with
+                    # the response headers (a short command on a loaded machine) is lost; about 1
+                    # exec in 80 under load 10-15 here (belayer-envckpt's exec_in uses it).
+                    for attempt in range(3):
                         result = sandbox.probe(probe_argv, workdir=workdir)
                         if result.stdout.strip() or result.exit_code != 0:
                             break
