@@ -23,6 +23,15 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+@pytest.fixture(params=["uvicorn", "belayer"])
+def http_server(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test once per HTTP server (``$BELAYER_ROUTER_SERVER``): its in-process routers,
+    ``belayer-router serve`` processes and fake workers are served by uvicorn, then by the
+    router's own server.  Modules opt in with ``pytest.mark.usefixtures("http_server")``."""
+    monkeypatch.setenv("BELAYER_ROUTER_SERVER", request.param)
+    return str(request.param)
+
+
 @pytest.fixture
 async def router_process() -> AsyncIterator[StartRouter]:
     """``start(journal, port=0) -> (process, url)``: a real ``belayer-router serve`` process.

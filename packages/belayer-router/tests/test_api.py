@@ -9,7 +9,7 @@ import pytest
 from belayer_router import ByteTokenizer, RouterClient, RouterClientError, RouterConfig, running_router
 from belayer_router.testing import expected_tokens, running_worker
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("http_server")]  # on both servers
 
 TOKEN = "s3cret"
 

@@ -22,7 +22,7 @@ import pytest
 from belayer_router import ChatTemplateTokenizer, RouterClient, RouterConfig, load_tokenizer, running_router
 from belayer_router.testing import running_worker, text_script, write_chat_tokenizer
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("http_server")]  # on both servers
 
 TOOLS = [
     {

@@ -14,7 +14,7 @@ from router_helpers import ADMIN_TOKEN, StartRouter
 from belayer_router import InvalidRequestError, RouterFleet, TokenEvent, owner_index
 from belayer_router.testing import expected_tokens, running_worker, wait_until
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("http_server")]  # on both servers
 
 
 def test_the_owner_is_a_deterministic_spread_hash() -> None:

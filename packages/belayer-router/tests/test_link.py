@@ -42,7 +42,7 @@ from belayer_router.worker import (
     read_link_frames,
 )
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("http_server")]  # on both servers
 
 
 async def _tokens(client: RouterClient, seed: int, max_tokens: int, **options: Any) -> list[int]:

@@ -11,7 +11,7 @@ import pytest
 from belayer_router import FinishEvent, RouterClient, RouterConfig, TokenEvent, running_router
 from belayer_router.testing import POISON, expected_tokens, running_worker, wait_until
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("http_server")]  # on both servers
 
 PROMPT = [5, 6, 7]
 

@@ -15,7 +15,7 @@ from router_helpers import ADMIN_TOKEN
 from belayer_router import RouterClient, RouterConfig, TokenEvent, running_router
 from belayer_router.testing import expected_tokens, running_worker, wait_until
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("http_server")]  # on both servers
 
 
 async def _slots(client: RouterClient) -> dict[str, dict[str, Any]]:

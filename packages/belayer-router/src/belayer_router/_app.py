@@ -13,7 +13,15 @@ import anyio
 import attrs
 import httpx
 
-from belayer_router._asgi import Receive, Send, read_json, send_json, send_text, stream_response
+from belayer_router._asgi import (
+    Receive,
+    Send,
+    direct_writer,
+    read_json,
+    send_json,
+    send_text,
+    stream_response,
+)
 from belayer_router._config import RouterConfig
 from belayer_router._dispatch import Dispatcher, Emit, new_seed
 from belayer_router._errors import (
@@ -181,11 +189,11 @@ class RouterApp(OpenAIRoutes):
                         f"prompt has {len(request.prompt_token_ids)} tokens, over the limit of "
                         f"{self.config.max_prompt_tokens} (router option max_prompt_tokens); shorten it"
                     )
-                await self._generate(request, receive, send)
+                await self._generate(request, scope, receive, send)
             case "POST", ["v1", "completions"]:
-                await self._completions(await self._body(receive), receive, send)
+                await self._completions(await self._body(receive), scope, receive, send)
             case "POST", ["v1", "chat", "completions"]:
-                await self._chat_completions(await self._body(receive), receive, send)
+                await self._chat_completions(await self._body(receive), scope, receive, send)
             case "GET", ["v1", "models"]:
                 model = {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "belayer"}
                 await send_json(send, 200, {"object": "list", "data": [model]})
@@ -296,7 +304,9 @@ class RouterApp(OpenAIRoutes):
         await self._run(record, events.append, num_received)
         return events
 
-    async def _generate(self, request: GenerateRequest, receive: Receive, send: Send) -> None:
+    async def _generate(
+        self, request: GenerateRequest, scope: dict[str, Any], receive: Receive, send: Send
+    ) -> None:
         record = self._begin(request)
         skip = request.num_received_tokens
         if not request.stream:
@@ -325,6 +335,7 @@ class RouterApp(OpenAIRoutes):
             _render,
             _error_line,
             "application/x-ndjson",
+            direct_writer(scope),
         )
 
 

@@ -17,10 +17,21 @@ import anyio.abc
 
 from belayer_router._errors import BelayerRouterError, InvalidRequestError, PayloadTooLargeError
 
-__all__ = ["MAX_BODY_BYTES", "Receive", "Send", "read_json", "send_json", "send_text", "stream_response"]
+__all__ = [
+    "MAX_BODY_BYTES",
+    "Receive",
+    "Send",
+    "Write",
+    "direct_writer",
+    "read_json",
+    "send_json",
+    "send_text",
+    "stream_response",
+]
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
+Write = Callable[[bytes], bool]
 _E = TypeVar("_E")
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
@@ -71,6 +82,16 @@ async def _watch_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
     scope.cancel()
 
 
+def _no_render(events: list[Any]) -> bytes:
+    raise AssertionError("a direct write without a renderer")
+
+
+def direct_writer(scope: dict[str, Any]) -> Write | None:
+    """The server's synchronous body writer (``belayer.write`` extension), if it offers one."""
+    write = scope.get("extensions", {}).get("belayer.write")
+    return write if callable(write) else None
+
+
 class _Queue(Generic[_E]):
     """The producer -> writer hand-off of a streamed response: ``put`` is synchronous, and the
     writer takes everything queued at once; one wake-up per writer wait, none per item (anyio's
@@ -84,6 +105,8 @@ class _Queue(Generic[_E]):
         self.closed = False
         self.failed = False  # an error was queued (the producer's last item)
         self.future: asyncio.Future[None] | None = None
+        self.write: Write | None = None
+        self.render: Callable[[list[_E]], bytes] = _no_render
         self.event: anyio.Event | None = None
         try:
             self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
@@ -101,12 +124,23 @@ class _Queue(Generic[_E]):
             event.set()
 
     def put(self, item: _E | BelayerRouterError) -> None:
+        write = self.write
+        if write is not None and not self.items:  # the writer is idle: nothing queued to pass
+            body = self.render([item])  # type: ignore[list-item]  # errors go through `fail`
+            if not body or write(body):
+                return
         self.items.append(item)
         if self.future is not None or self.event is not None:
             self._wake()
 
+    def direct(self, write: Write, render: Callable[[list[_E]], bytes]) -> None:
+        """From now on, ``put`` writes an item straight to the connection when nothing is queued
+        (``write`` is the server's ``belayer.write`` extension; False: queue it as usual)."""
+        self.write, self.render = write, render
+
     def fail(self, error: BelayerRouterError) -> None:
         self.failed = True
+        self.write = None  # the error (and anything after it) goes through the writer
         self.put(error)
 
     def close(self) -> None:
@@ -133,8 +167,15 @@ async def stream_response(
     render: Callable[[list[_E]], bytes],
     render_error: Callable[[BelayerRouterError], bytes],
     content_type: str,
+    write: Write | None = None,
 ) -> None:
-    """Stream what ``produce`` emits; an error before the first event becomes an error status."""
+    """Stream what ``produce`` emits; an error before the first event becomes an error status.
+
+    ``write``: the server's ``belayer.write`` extension (`direct_writer`): once the response has
+    started, an event emitted while nothing is queued is rendered and written by the producer
+    itself, synchronously; the writer task wakes only for what it could not write (back-pressure)
+    and for the end of the stream.
+    """
     queue: _Queue[_E] = _Queue()
 
     async def run_producer() -> None:
@@ -166,6 +207,8 @@ async def stream_response(
             events = [e for e in batch if not isinstance(e, BelayerRouterError)] if error else batch
             body = render(events) + (b"" if error is None else render_error(error))  # type: ignore[arg-type]
             await send({"type": "http.response.body", "body": body, "more_body": True})
+            if write is not None and queue.write is None and not queue.failed:
+                queue.direct(write, render)
         if not started:
             await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"", "more_body": False})

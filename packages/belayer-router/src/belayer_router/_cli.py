@@ -19,7 +19,7 @@ import anyio
 
 from belayer_router._app import RouterApp, RouterConfig
 from belayer_router._errors import BelayerRouterError
-from belayer_router._server import bind_socket, serve_asgi
+from belayer_router._server import SERVERS, bind_socket, serve_asgi
 from belayer_router._tokenizer import load_tokenizer
 
 __all__ = ["ExitCode", "main"]
@@ -79,6 +79,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="413 past this")
     serve.add_argument("--max-prompt-tokens", type=int, default=131_072, help="400 past this")
     serve.add_argument("--log-level", default="warning")
+    serve.add_argument(
+        "--server",
+        choices=list(SERVERS),
+        default=os.environ.get("BELAYER_ROUTER_SERVER") or "uvicorn",
+        help="HTTP server: uvicorn, or the router's own (belayer: streams with no per-token task "
+        "switch); default $BELAYER_ROUTER_SERVER or uvicorn",
+    )
     serve.add_argument("--json", action="store_true", help='print {"url": ...} once listening')
     serve.add_argument(
         "--loop",
@@ -128,8 +135,8 @@ def _serve(args: argparse.Namespace) -> ExitCode:
         print(json.dumps({"url": f"http://{host}:{port}"}), flush=True)
     else:
         print(f"belayer-router listening on http://{host}:{port}", file=sys.stderr, flush=True)
-    anyio.run(serve_asgi, app, sock, args.log_level, backend_options={"use_uvloop": use_uvloop})
-    return ExitCode.INTERRUPTED  # uvicorn returns only after Ctrl-C / SIGTERM, shut down cleanly
+    anyio.run(serve_asgi, app, sock, args.log_level, args.server, backend_options={"use_uvloop": use_uvloop})
+    return ExitCode.INTERRUPTED  # the server returns only after Ctrl-C / SIGTERM, shut down cleanly
 
 
 class _UsageError(Exception):

@@ -7,7 +7,7 @@ from typing import Any
 
 import anyio
 
-from belayer_router._asgi import Receive, Send, send_json, stream_response
+from belayer_router._asgi import Receive, Send, direct_writer, send_json, stream_response
 from belayer_router._chat import ChatRenderer, parse_chat_request
 from belayer_router._config import RouterConfig
 from belayer_router._dispatch import Emit
@@ -33,16 +33,16 @@ class OpenAIRoutes:
     async def _run(self, record: RequestRecord, emit: Emit, num_received: int) -> None:
         raise NotImplementedError
 
-    async def _completions(self, body: Any, receive: Receive, send: Send) -> None:
+    async def _completions(self, body: Any, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         tokenizer = self.config.tokenizer
         params, prompts, logprobs = parse_completion_request(
             body, tokenizer, default_model=self.config.model_name
         )
         requests = self._choices(params, prompts)
         renderer = CompletionRenderer(params, requests, tokenizer, logprobs, f"cmpl-{params.request_id}")
-        await self._openai(requests, renderer, params.stream, receive, send)
+        await self._openai(requests, renderer, params.stream, scope, receive, send)
 
-    async def _chat_completions(self, body: Any, receive: Receive, send: Send) -> None:
+    async def _chat_completions(self, body: Any, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         tokenizer = self.config.tokenizer
         params, prompt, tools, logprobs = parse_chat_request(
             body,
@@ -53,7 +53,7 @@ class OpenAIRoutes:
         assert isinstance(tokenizer, ChatTokenizer)  # parse_chat_request refuses any other
         requests = self._choices(params, [prompt])
         renderer = ChatRenderer(params, requests, tokenizer, tools, logprobs, f"chatcmpl-{params.request_id}")
-        await self._openai(requests, renderer, params.stream, receive, send)
+        await self._openai(requests, renderer, params.stream, scope, receive, send)
 
     def _choices(self, params: OpenAIParams, prompts: list[list[int]]) -> list[GenerateRequest]:
         return split_choices(
@@ -68,6 +68,7 @@ class OpenAIRoutes:
         requests: list[GenerateRequest],
         renderer: CompletionRenderer | ChatRenderer,
         stream: bool,
+        scope: dict[str, Any],
         receive: Receive,
         send: Send,
     ) -> None:
@@ -89,7 +90,13 @@ class OpenAIRoutes:
             await send_json(send, 200, renderer.whole(events))
             return
         await stream_response(
-            receive, send, produce, renderer.chunks, renderer.error_chunk, "text/event-stream"
+            receive,
+            send,
+            produce,
+            renderer.chunks,
+            renderer.error_chunk,
+            "text/event-stream",
+            direct_writer(scope),
         )
 
     async def _run_choices(self, records: list[RequestRecord], emit: Callable[[ChoiceEvent], None]) -> None:

@@ -1,9 +1,14 @@
-"""Serving an ASGI app with uvicorn on a socket we bind, so port 0 works and the URL is known."""
+"""Serving an ASGI app (uvicorn, or the router's own `HttpServer`) on a socket we bind, so port 0
+works and the URL is known."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import signal
 import socket
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, Literal
@@ -12,8 +17,11 @@ import anyio
 import uvicorn
 
 from belayer_router._app import RouterApp, RouterConfig
+from belayer_router._errors import InvalidRequestError
+from belayer_router._http import HttpServer
+from belayer_router._lifespan import lifespan
 
-__all__ = ["bind_socket", "running_router", "serve_asgi", "serving"]
+__all__ = ["SERVERS", "bind_socket", "choose_server", "running_router", "serve_asgi", "serving"]
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -27,7 +35,23 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _server(app: Any, log_level: str, lifespan: Literal["on", "off"] = "on") -> uvicorn.Server:
+SERVERS = ("uvicorn", "belayer")
+Server = Literal["uvicorn", "belayer"]
+
+
+def choose_server(server: str | None = None) -> Server:
+    """``server``, else ``$BELAYER_ROUTER_SERVER``, else ``"uvicorn"``; checked."""
+    choice = server if server is not None else os.environ.get("BELAYER_ROUTER_SERVER") or "uvicorn"
+    if choice == "uvicorn":
+        return "uvicorn"
+    if choice == "belayer":
+        return "belayer"
+    raise InvalidRequestError(
+        f"unknown HTTP server {choice!r} (argument or $BELAYER_ROUTER_SERVER); use one of {SERVERS}"
+    )
+
+
+def _uvicorn(app: Any, log_level: str, lifespan: Literal["on", "off"] = "on") -> uvicorn.Server:
     config = uvicorn.Config(
         app,
         lifespan=lifespan,
@@ -40,46 +64,79 @@ def _server(app: Any, log_level: str, lifespan: Literal["on", "off"] = "on") -> 
     return uvicorn.Server(config)
 
 
-async def serve_asgi(app: Any, sock: socket.socket, log_level: str = "warning") -> None:
-    """Serve ``app`` on ``sock`` until cancelled (or a signal, when run as the main program)."""
-    await _server(app, log_level).serve(sockets=[sock])
+async def serve_asgi(
+    app: Any, sock: socket.socket, log_level: str = "warning", server: str | None = None
+) -> None:
+    """Serve ``app`` on ``sock`` until cancelled (or a signal, when run as the main program).
+
+    ``server``: ``"uvicorn"`` or ``"belayer"`` (the router's own HTTP/1.1 server, `HttpServer`);
+    default ``$BELAYER_ROUTER_SERVER`` or uvicorn.  Both run the app's ASGI lifespan.
+    """
+    if choose_server(server) == "uvicorn":
+        await _uvicorn(app, log_level).serve(sockets=[sock])
+        return
+    logging.getLogger("belayer_router.http").setLevel(log_level.upper())
+    http_server = HttpServer(app)
+    async with lifespan(app):
+        await http_server.listen(sock)
+        try:
+            if threading.current_thread() is threading.main_thread():
+                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for _ in signals:
+                        break
+            else:
+                await anyio.sleep_forever()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await http_server.close(grace_s=1.0)
 
 
 @asynccontextmanager
 async def serving(
-    app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"
+    app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", server: str | None = None
 ) -> AsyncIterator[str]:
     """Serve ``app`` in the background for the block; yields its base URL.
 
-    Without ASGI lifespan events: the block ends with a forced exit (open streams must not hold it
-    back), and uvicorn skips the lifespan shutdown then, leaving its task pending ("Task was
-    destroyed but it is pending!" at exit). Whoever owns the app releases its resources
-    (`running_router` closes the router).
+    ``server`` as in `serve_asgi`.  Without ASGI lifespan events: the block ends with a forced
+    exit (open streams must not hold it back); under uvicorn the lifespan shutdown is skipped
+    then, leaving its task pending ("Task was destroyed but it is pending!" at exit). Whoever
+    owns the app releases its resources (`running_router` closes the router).
     """
+    choice = choose_server(server)
     sock = bind_socket(host, port)
-    server = _server(app, log_level, lifespan="off")
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # signals are not ours
     bound_host, bound_port = sock.getsockname()[:2]
+    if choice == "belayer":
+        http_server = HttpServer(app)
+        try:
+            await http_server.listen(sock)
+            yield f"http://{bound_host}:{bound_port}"
+        finally:
+            with anyio.CancelScope(shield=True):
+                await http_server.close(grace_s=0)
+            sock.close()
+        return
+    uvicorn_server = _uvicorn(app, log_level, lifespan="off")
+    uvicorn_server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # signals are not ours
     async with anyio.create_task_group() as group:
-        group.start_soon(server.serve, [sock])
-        while not server.started:  # noqa: ASYNC110  (uvicorn offers no started event)
+        group.start_soon(uvicorn_server.serve, [sock])
+        while not uvicorn_server.started:  # noqa: ASYNC110  (uvicorn offers no started event)
             await anyio.sleep(0.005)
         try:
             yield f"http://{bound_host}:{bound_port}"
         finally:
-            server.should_exit = True
-            server.force_exit = True
+            uvicorn_server.should_exit = True
+            uvicorn_server.force_exit = True
     sock.close()
 
 
 @asynccontextmanager
 async def running_router(
-    config: RouterConfig | None = None, host: str = "127.0.0.1", port: int = 0
+    config: RouterConfig | None = None, host: str = "127.0.0.1", port: int = 0, server: str | None = None
 ) -> AsyncIterator[tuple[str, RouterApp]]:
-    """A router served in this process for the block: ``(base_url, app)``."""
+    """A router served in this process for the block: ``(base_url, app)``; ``server`` as in `serve_asgi`."""
     app = RouterApp(config or RouterConfig())
     try:
-        async with app.serving_links(), serving(app, host, port) as url:
+        async with app.serving_links(), serving(app, host, port, server=server) as url:
             yield url, app
     finally:
         with anyio.CancelScope(shield=True):

@@ -1,0 +1,249 @@
+"""The router's own HTTP/1.1 server (``server="belayer"``): bad HTTP gets a clean 4xx and a
+closed connection, never a crashed server; keep-alive, pipelining, both body framings; the
+``belayer.write`` extension writes a streamed response directly and falls back to ``send``
+under back-pressure without reordering anything."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import httpx
+import pytest
+from router_helpers import ADMIN_TOKEN, StartRouter
+
+from belayer_router import ExitCode, RouterClient, RouterConfig, running_router, serving
+from belayer_router.asgi import Receive, Send
+from belayer_router.testing import expected_tokens, running_worker
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+async def router() -> AsyncIterator[tuple[str, int]]:
+    """A router on the belayer server with one worker registered; ``(host, port)``."""
+    config = RouterConfig(max_body_bytes=4096)
+    async with (
+        running_router(config, server="belayer") as (url, _),
+        running_worker(1) as (worker_url, _),
+        RouterClient(url) as client,
+    ):
+        await client.register("s", worker_url, 1)
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        yield host, int(port)
+
+
+async def _exchange(address: tuple[str, int], data: bytes, limit_s: float = 60) -> bytes:
+    """Send ``data`` on a fresh connection, then read until the server closes it."""
+    with anyio.fail_after(limit_s):
+        async with await anyio.connect_tcp(*address) as stream:
+            await stream.send(data)
+            received = b""
+            while True:
+                try:
+                    received += await stream.receive()
+                except (anyio.EndOfStream, anyio.BrokenResourceError):
+                    return received
+
+
+async def _still_serving(address: tuple[str, int]) -> None:
+    async with httpx.AsyncClient(timeout=60) as http:
+        response = await http.get(f"http://{address[0]}:{address[1]}/health")
+    assert response.status_code == 200
+
+
+def _statuses(data: bytes) -> list[int]:
+    return [int(status) for status in re.findall(rb"HTTP/1\.1 (\d{3}) ", data)]
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (b"NOT HTTP AT ALL\r\n\r\n", 400),
+        (b"GET /health HTTP/9.7\r\n\r\n", 400),
+        (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n", 431),
+        (b"GET /" + b"p" * 70_000 + b" HTTP/1.1\r\n\r\n", 431),
+        (b"POST /generate HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nZZ\r\n", 400),
+    ],
+    ids=["garbage", "bad-version", "big-header", "big-url", "bad-chunk"],
+)
+async def test_malformed_http_gets_a_4xx_and_a_closed_connection(
+    router: tuple[str, int], request_bytes: bytes, status: int
+) -> None:
+    answer = await _exchange(router, request_bytes)
+    assert _statuses(answer) == [status]
+    assert b"connection: close" in answer.lower()
+    await _still_serving(router)
+
+
+async def test_an_upgrade_request_is_served_as_plain_http_and_closed(router: tuple[str, int]) -> None:
+    upgrade = (
+        b"GET /health HTTP/1.1\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\nGET /x HTTP/1.1\r\n\r\n"
+    )
+    answer = await _exchange(router, upgrade)
+    assert _statuses(answer) == [200]
+    assert b"connection: close" in answer.lower()
+    await _still_serving(router)
+
+
+async def test_an_oversized_body_is_a_413_and_the_rest_is_not_read(router: tuple[str, int]) -> None:
+    body = b'{"prompt_token_ids": [' + b"1," * 100_000 + b"1]}"
+    head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+    answer = await _exchange(router, head + body)
+    assert _statuses(answer) == [413]
+    assert b"max_body_bytes" in answer
+    await _still_serving(router)
+
+
+async def test_a_truncated_body_and_a_vanished_client_leave_the_server_serving(
+    router: tuple[str, int],
+) -> None:
+    with anyio.fail_after(60):
+        for partial in (
+            b'POST /generate HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n10\r\n{"prompt',
+            b'POST /generate HTTP/1.1\r\nContent-Length: 500\r\n\r\n{"prompt_token_ids"',
+            b"GET /hea",
+        ):
+            async with await anyio.connect_tcp(*router) as stream:
+                await stream.send(partial)
+    await _still_serving(router)
+
+
+async def test_pipelined_requests_are_answered_in_order_on_one_connection(router: tuple[str, int]) -> None:
+    generate = json.dumps({"prompt_token_ids": [1], "max_tokens": 5, "seed": 2, "stream": False}).encode()
+    chunked = b"%x\r\n%b\r\n0\r\n\r\n" % (len(generate), generate)
+    data = (
+        b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+        + b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%b" % (len(generate), generate)
+        + b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n"
+        + b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + chunked
+        + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    answer = await _exchange(router, data)
+    assert _statuses(answer) == [200, 200, 404, 200, 200]
+    assert answer.count(b'"token_ids":%s' % json.dumps(expected_tokens(2, 5)).replace(" ", "").encode()) == 2
+
+
+async def test_keep_alive_serves_many_requests_and_streams_on_one_client_connection(
+    router: tuple[str, int],
+) -> None:
+    url = f"http://{router[0]}:{router[1]}"
+    limits = httpx.Limits(max_connections=1)
+    async with RouterClient(url) as client, httpx.AsyncClient(timeout=60, limits=limits) as http:
+        for seed in range(5):
+            body = {"prompt_token_ids": [1], "max_tokens": 8, "seed": seed}
+            async with http.stream("POST", f"{url}/generate", json=body) as response:
+                assert response.headers["transfer-encoding"] == "chunked"
+                lines = [json.loads(line) async for line in response.aiter_lines() if line]
+            assert [e["token_id"] for e in lines if e["type"] == "token"] == expected_tokens(seed, 8)
+            assert (await http.get(f"{url}/health")).status_code == 200
+            assert (await client.generate([1], 8, seed=seed)).token_ids == expected_tokens(seed, 8)
+
+
+async def test_an_app_error_is_a_500_and_an_unfinished_response_closes_the_connection() -> None:
+    async def app(scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if scope["path"] == "/raise":
+            raise RuntimeError("the app broke")
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"partial", "more_body": True})
+
+    async with serving(app, server="belayer") as url:
+        address = url.removeprefix("http://").rsplit(":", 1)
+        host, port = address[0], int(address[1])
+        assert _statuses(await _exchange((host, port), b"GET /raise HTTP/1.1\r\n\r\n")) == [500]
+        cut = await _exchange((host, port), b"GET /cut HTTP/1.1\r\n\r\n")
+        assert _statuses(cut) == [200]
+        assert cut.endswith(b"7\r\npartial\r\n")  # no terminating chunk: the client sees it cut
+
+
+async def test_direct_writes_fall_back_to_send_under_back_pressure_in_order() -> None:
+    from belayer_router._asgi import direct_writer, stream_response
+
+    num_events, size = 5000, 4000
+    counts = {"direct": 0, "refused": 0}
+
+    async def app(scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        write = direct_writer(scope)
+        assert write is not None
+        assert write(b"x") is False
+
+        def counting(body: bytes) -> bool:
+            written = write(body)
+            counts["direct" if written else "refused"] += 1
+            return written
+
+        async def produce(emit: Any) -> None:
+            for index in range(num_events):
+                emit(index)
+                if index % 50 == 0:
+                    await anyio.lowlevel.checkpoint()
+
+        def render(events: list[int]) -> bytes:
+            return b"".join(b"%06d:%s\n" % (i, b"y" * size) for i in events)
+
+        await stream_response(receive, send, produce, render, lambda e: b"", "text/plain", counting)
+
+    async with serving(app, server="belayer") as url:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        with anyio.fail_after(120):
+            async with await anyio.connect_tcp(host, int(port)) as stream:
+                await stream.send(b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n")
+                await anyio.sleep(0.5)  # 20 MB fill the socket buffers: the transport pauses
+                pieces: list[bytes] = []
+                while True:
+                    try:
+                        pieces.append(await stream.receive(1 << 20))
+                    except (anyio.EndOfStream, anyio.BrokenResourceError):
+                        break
+    _head, _, body = b"".join(pieces).partition(b"\r\n\r\n")
+    chunks, at = [], 0
+    while True:  # undo the chunked encoding
+        end = body.index(b"\r\n", at)
+        length = int(body[at:end], 16)
+        chunks.append(body[end + 2 : end + 2 + length])
+        at = end + 4 + length
+        if length == 0:
+            break
+    assert at == len(body)
+    lines = b"".join(chunks).split(b"\n")[:-1]
+    assert [int(line[:6]) for line in lines] == list(range(num_events))
+    assert counts["direct"] > 0
+    assert counts["refused"] > 0
+
+
+@pytest.mark.parametrize("server", ["uvicorn", "belayer"])
+async def test_sigterm_stops_a_router_process_with_an_open_stream_cleanly(
+    tmp_path: Path, router_process: StartRouter, monkeypatch: pytest.MonkeyPatch, server: str
+) -> None:
+    monkeypatch.setenv("BELAYER_ROUTER_SERVER", server)
+    journal = tmp_path / "router.jsonl"
+    process, url = await router_process(journal)
+    async with (
+        running_worker(1, token_delay_s=0.05) as (worker_url, _),
+        RouterClient(url, admin_token=ADMIN_TOKEN) as client,
+        httpx.AsyncClient(timeout=60) as http,
+    ):
+        await client.register("s", worker_url, 1)
+        body = {"prompt_token_ids": [1], "max_tokens": 100_000, "seed": 1, "request_id": "open"}
+        with anyio.fail_after(60):
+            async with http.stream("POST", f"{url}/generate", json=body) as response:
+                lines = response.aiter_lines()
+                for _ in range(3):
+                    await lines.__anext__()
+                process.send_signal(signal.SIGTERM)
+                with contextlib.suppress(httpx.HTTPError):
+                    async for _ in lines:  # the stream ends: the server cut it at shutdown
+                        pass
+            code = await process.wait()
+    # uvicorn re-raises the SIGTERM it captured once it has shut down: the process ends by it.
+    assert code == (ExitCode.INTERRUPTED if server == "belayer" else -signal.SIGTERM)
+    ops = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert any(op.get("request_id") == "open" for op in ops)  # journaled, file closed whole
