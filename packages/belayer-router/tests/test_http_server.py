@@ -152,6 +152,10 @@ async def test_an_app_error_is_a_500_and_an_unfinished_response_closes_the_conne
     async def app(scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["path"] == "/raise":
             raise RuntimeError("the app broke")
+        if scope["path"] == "/read-then-raise":
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            raise RuntimeError("the app broke after its client's body went bad")
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"partial", "more_body": True})
 
@@ -159,6 +163,8 @@ async def test_an_app_error_is_a_500_and_an_unfinished_response_closes_the_conne
         address = url.removeprefix("http://").rsplit(":", 1)
         host, port = address[0], int(address[1])
         assert _statuses(await _exchange((host, port), b"GET /raise HTTP/1.1\r\n\r\n")) == [500]
+        bad_body = b"POST /read-then-raise HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\nZZ\r\n"
+        assert _statuses(await _exchange((host, port), bad_body)) == [400]  # and no 500 after it
         cut = await _exchange((host, port), b"GET /cut HTTP/1.1\r\n\r\n")
         assert _statuses(cut) == [200]
         assert cut.endswith(b"7\r\npartial\r\n")  # no terminating chunk: the client sees it cut

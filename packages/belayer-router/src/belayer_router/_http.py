@@ -373,7 +373,8 @@ class _Connection(asyncio.Protocol):
             self._done(cycle)
 
     def _done(self, cycle: _Cycle) -> None:
-        if self.closed:
+        if self.closed or cycle.disconnected:  # gone, or refused mid-body (its answer is written)
+            self.linger()
             return
         if not cycle.complete:
             if not cycle.started:
