@@ -43,6 +43,11 @@ class ContainerEngineError(BelayerEnvckptError):
     """
 
 
+class ExecStreamError(ContainerEngineError):
+    """The engine's answer to an exec start broke the stream format (a bad frame or head, a frame
+    cut short): the command's output cannot be trusted, so none is returned."""
+
+
 class ImageNotFoundError(ContainerEngineError):
     """The image is not present locally (there is no registry to pull from)."""
 

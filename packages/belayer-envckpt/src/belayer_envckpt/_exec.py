@@ -7,13 +7,15 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
+import docker.transport
 
 from ._boundary import engine_errors
+from ._exec_stream import read_exec_output
 
 
 @attrs.frozen
@@ -51,13 +53,77 @@ def kill_tree(pid: int) -> None:
             os.kill(current, signal.SIGKILL)
 
 
+def engine_socket_path(api: Any) -> str | None:
+    """The engine's Unix socket path when ``api`` (a docker ``APIClient``) talks to a local Unix
+    socket; None for a tcp / TLS / ssh engine."""
+    get_adapter = getattr(api, "get_adapter", None)
+    if get_adapter is None:
+        return None
+    try:
+        adapter = get_adapter(api.base_url)
+    except Exception:  # requests' InvalidSchema: no adapter, so not a Unix socket either
+        return None
+    if isinstance(adapter, docker.transport.UnixHTTPAdapter):
+        return str(adapter.socket_path)
+    return None
+
+
 def exec_in(
     api: Any, container_id: str, argv: Sequence[str], *, workdir: str, timeout_s: float
 ) -> ExecResult:
-    """Run ``argv`` in a running container; at ``timeout_s`` its whole process tree is killed."""
+    """Run ``argv`` in a running container; at ``timeout_s`` its whole process tree is killed.
+
+    On a local Unix-socket engine the output is read by `read_exec_output` over its own
+    connection (docker-py's ``exec_start`` can drop output that arrives with the response head);
+    on a tcp / TLS engine docker-py's ``exec_start`` is used as it is.
+    """
     what = f"running {list(argv)[:3]!r} in container {container_id[:12]}"
     with engine_errors(what, container=container_id):
         exec_id = api.exec_create(container_id, list(argv), workdir=workdir)["Id"]
+
+    def kill() -> None:
+        with engine_errors(what, container=container_id):
+            pid = api.exec_inspect(exec_id).get("Pid", 0)
+        if pid:
+            kill_tree(int(pid))
+
+    started = time.perf_counter()
+    socket_path = engine_socket_path(api)
+    if socket_path is not None:
+        with engine_errors(what, container=container_id):
+            stdout, stderr, timed_out = read_exec_output(
+                socket_path,
+                str(api.api_version),
+                exec_id,
+                timeout_s=timeout_s,
+                on_timeout=kill,
+                what=what,
+                connect_timeout_s=float(getattr(api, "timeout", None) or 60),
+            )
+    else:
+        stdout, stderr, timed_out = _exec_start_sdk(api, exec_id, what, container_id, timeout_s, kill)
+    duration_s = time.perf_counter() - started
+    with engine_errors(what, container=container_id):
+        info = api.exec_inspect(exec_id)
+        # The stream can end a moment before the engine records the exit code.
+        settle = time.monotonic() + 30
+        while info.get("Running") and time.monotonic() < settle:
+            time.sleep(0.02)
+            info = api.exec_inspect(exec_id)
+    code = info.get("ExitCode")
+    return ExecResult(
+        stdout.decode(errors="replace"),
+        stderr.decode(errors="replace"),
+        int(code) if code is not None and not info.get("Running") else -1,
+        duration_s,
+        timed_out,
+    )
+
+
+def _exec_start_sdk(
+    api: Any, exec_id: str, what: str, container_id: str, timeout_s: float, kill: Callable[[], None]
+) -> tuple[bytes, bytes, bool]:
+    """docker-py's ``exec_start`` in a thread (the path for engines that are not a Unix socket)."""
     output: list[tuple[bytes | None, bytes | None]] = []
     failure: list[BaseException] = []
 
@@ -67,27 +133,15 @@ def exec_in(
         except Exception as exc:  # re-raised, translated, in the calling thread
             failure.append(exc)
 
-    started = time.perf_counter()
     runner = threading.Thread(target=run, daemon=True)
     runner.start()
     runner.join(timeout_s)
     timed_out = runner.is_alive()
+    if timed_out:
+        kill()
+        runner.join(30)
     with engine_errors(what, container=container_id):
-        if timed_out:
-            pid = api.exec_inspect(exec_id).get("Pid", 0)
-            if pid:
-                kill_tree(int(pid))
-            runner.join(30)
-        duration_s = time.perf_counter() - started
         if failure:
             raise failure[0]
-        info = api.exec_inspect(exec_id)
     stdout, stderr = output[0] if output else (b"", b"")
-    code = info.get("ExitCode")
-    return ExecResult(
-        (stdout or b"").decode(errors="replace"),
-        (stderr or b"").decode(errors="replace"),
-        int(code) if code is not None else -1,
-        duration_s,
-        timed_out,
-    )
+    return stdout or b"", stderr or b"", timed_out
