@@ -180,6 +180,32 @@ def test_creating_a_trajectorys_sandbox_again_removes_its_dead_one(sandboxes: Sa
         sandboxes.release("traj-again")
 
 
+def test_a_parked_sandbox_serves_the_next_trajectory_with_its_folder_emptied(
+    sandboxes: SandboxCluster,
+) -> None:
+    first = sandboxes.create("traj-park", working_dir="/work")
+    taken = None
+    try:
+        sandboxes.exec("traj-park", "echo left > /work/f", container_id=first.container_id)
+        assert sandboxes.park("traj-park", "another-container", "/work") is False  # not its current one
+        assert sandboxes.park("traj-park", first.container_id, "/work") is True
+        with pytest.raises(SandboxHostError, match="no sandbox for trajectory"):
+            sandboxes.where("traj-park")  # forgotten: a node's recovery does not restore it
+        assert sandboxes.take_idle("traj-next", "belayer/busybox", "/elsewhere") is None  # other folder
+        taken = sandboxes.take_idle("traj-next", "belayer/busybox", "/work")
+        assert taken is not None
+        assert (taken.container_id, taken.node_id, taken.prefix) == (first.container_id, first.node_id, 0)
+        assert (
+            sandboxes.exec("traj-next", "test -e /work/f", container_id=taken.container_id)["exit_code"] == 1
+        )
+        assert sandboxes.exec("traj-next", "test -d /work")["exit_code"] == 0
+        assert sandboxes.take_idle("traj-other", "belayer/busybox", "/work") is None  # taken once
+    finally:
+        sandboxes.release("traj-next")
+        sandboxes.release("traj-park")
+    assert first.container_id not in sandboxes.containers()
+
+
 def test_a_node_removed_mid_rollout_resumes_on_another_node_exactly(
     local_ray: LocalRayCluster,
     slots: RolloutCluster,
@@ -199,6 +225,8 @@ def test_a_node_removed_mid_rollout_resumes_on_another_node_exactly(
     assert (checkpointed.node_id, checkpointed.prefix) == (lost.node_id, 2)
     sandboxes.exec("traj-b", "echo late > /late.txt")
     fresh = sandboxes.create("traj-c", lost.node_id)  # no checkpoint: fenced, its owner restarts it
+    parked = sandboxes.create("traj-idle", lost.node_id, working_dir="/work")  # idle: fenced too
+    assert sandboxes.park("traj-idle", parked.container_id, "/work")
     streams = Streams(router.url, PROMPTS, MAX_TOKENS).start()
     streams.wait_tokens(4)
     failures = _stream_failures(router)
@@ -241,6 +269,8 @@ def test_a_node_removed_mid_rollout_resumes_on_another_node_exactly(
     containers = sandboxes.containers()
     assert box.container_id not in containers  # nothing of the lost node's sandboxes is left
     assert fresh.container_id not in containers
+    assert parked.container_id not in containers
+    assert sandboxes.idle == []
     assert containers == [restore.container_id]
     # The run after the loss is served by the slot that is left, still exactly.
     assert rollout(router.url, PROMPTS[:2], MAX_TOKENS).tokens == reference[:2]

@@ -241,8 +241,9 @@ class RolloutCluster:
         """Fence the node's slots and restore its sandboxes; False to try again on the next poll."""
         began, detected_at = time.monotonic(), time.time()
         slots = tuple(s for s, info in self.infos.items() if info.node_id == node_id)
-        has_sandboxes = self.sandboxes is not None and any(
-            info.node_id == node_id for info in list(self.sandboxes.placed.values())
+        has_sandboxes = self.sandboxes is not None and (
+            any(info.node_id == node_id for info in list(self.sandboxes.placed.values()))
+            or any(parked.node_id == node_id for parked in list(self.sandboxes.idle))
         )
         if not slots and not has_sandboxes:
             return True

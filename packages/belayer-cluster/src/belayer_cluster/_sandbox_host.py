@@ -12,6 +12,7 @@ node, not a Docker engine of its own.
 from __future__ import annotations
 
 import contextlib
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ class SandboxHost:
         self.engine = Engine.connect()
         self.store = CheckpointStore(Path(store_dir))
         self.sandboxes: dict[str, Any] = {}  # trajectory -> belayer_envckpt.Sandbox
+        self.idle: dict[str, Any] = {}  # container id -> a parked belayer_envckpt.Sandbox (reuse)
 
     def node(self) -> str:
         """This host's Ray node id (hex)."""
@@ -221,6 +223,41 @@ class SandboxHost:
             del self.sandboxes[trajectory]
         return bool(self.engine.remove(container_id))
 
+    def park(self, trajectory: str, container_id: str, workdir: str) -> tuple[str, str] | None:
+        """Empty `workdir` of the trajectory's sandbox (container `container_id`) and keep it idle for
+        another trajectory (`adopt`): returns its (image, working folder), or None when it cannot
+        be reused (not that container, not running, the reset failed); then it is removed."""
+        from belayer_envckpt import BelayerEnvckptError
+
+        sandbox = self.sandboxes.get(trajectory)
+        if sandbox is None or sandbox.id != container_id:
+            return None
+        del self.sandboxes[trajectory]
+        quoted = shlex.quote(workdir)
+        try:
+            with sandbox.action_boundary():
+                reset = sandbox.probe(["/bin/sh", "-c", f"rm -rf {quoted} && mkdir -p {quoted}"], 30.0)
+            if reset.exit_code == 0 and sandbox.is_running():
+                self.idle[container_id] = sandbox
+                return str(sandbox.config.image), str(sandbox.config.working_dir)
+        except BelayerEnvckptError:
+            pass
+        with contextlib.suppress(BelayerEnvckptError):
+            sandbox.remove()
+        return None
+
+    def adopt(self, container_id: str, trajectory: str) -> SandboxInfo:
+        """Hand the idle sandbox `container_id` to `trajectory` (prefix 0, no LLM context)."""
+        current = self.sandboxes.get(trajectory)
+        if current is not None and current.is_running():
+            raise SandboxHostError(f"trajectory {trajectory!r} already has a sandbox on this node")
+        sandbox = self.idle.pop(container_id, None)
+        if sandbox is None or not sandbox.is_running():
+            raise SandboxHostError(f"container {container_id[:12]} is not an idle sandbox of this node")
+        sandbox.trajectory, sandbox.prefix, sandbox.context_ref = trajectory, 0, ""
+        self.sandboxes[trajectory] = sandbox
+        return self._info(trajectory, "")
+
     def remove_container(self, container_id: str) -> bool:
         """Remove a container by id (a lost node's sandbox, fenced); False if it was gone."""
         return bool(self.engine.remove(container_id))
@@ -231,9 +268,10 @@ class SandboxHost:
 
     def stop(self) -> None:
         """Remove every sandbox of this host."""
-        for sandbox in self.sandboxes.values():
+        for sandbox in [*self.sandboxes.values(), *self.idle.values()]:
             sandbox.remove()
         self.sandboxes.clear()
+        self.idle.clear()
 
     def _info(self, trajectory: str, context_ref: str, prefix: int | None = None) -> SandboxInfo:
         sandbox = self.sandboxes[trajectory]

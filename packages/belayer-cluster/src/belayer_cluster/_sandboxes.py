@@ -45,6 +45,8 @@ class SandboxCluster:
     through an existing library in production). `recover_node(node_id)` fences the lost node's
     containers and restores each of its sandboxes on a surviving node from its latest ready
     checkpoint. Here every simulated node shares the one Docker daemon: a host is its Ray node.
+    A done trajectory's sandbox can be kept for the next one (`park`, `take_idle`): its host
+    empties its working folder; a lost node's parked sandboxes are fenced, not restored.
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class SandboxCluster:
         self.hosts: dict[str, Any] = {}  # node id -> SandboxHost actor handle
         self.placed: dict[str, SandboxInfo] = {}  # trajectory -> where its sandbox runs now
         self.restores: list[SandboxRestore] = []
+        self.idle: list[_Idle] = []  # parked sandboxes, to be taken by another trajectory (reuse)
         self._turn = itertools.count()
         self._placing = itertools.count()
         # A lost node's recovery and a caller's own restore of the same trajectory exclude each other.
@@ -265,6 +268,11 @@ class SandboxCluster:
                 with contextlib.suppress(RayError):
                     ray.kill(lost_host)
             survivors = list(self.hosts)
+            idle = [i for i in self.idle if i.node_id == node_id]  # parked there: fenced, not restored
+            self.idle = [i for i in self.idle if i.node_id != node_id]
+            for parked in idle if survivors else []:  # on the shared daemon here: fence them
+                with contextlib.suppress(SandboxHostError):
+                    self._get(self.hosts[survivors[0]].remove_container.remote(parked.container_id))
             lost = [t for t, info in list(self.placed.items()) if info.node_id == node_id]
             if lost and not survivors:
                 raise SandboxHostError(
@@ -308,6 +316,45 @@ class SandboxCluster:
             )
         return done
 
+    def park(self, trajectory: str, container_id: str, workdir: str) -> bool:
+        """Keep the done trajectory's sandbox (container `container_id`) for another trajectory: its
+        host empties `workdir` and holds it idle (`take_idle`), and the trajectory is forgotten.
+        False when it cannot be reused (moved or restored since, its node lost, the reset failed):
+        the caller then `release`s the trajectory."""
+        with self._moving:
+            info = self.placed.get(trajectory)
+            if info is None or info.container_id != container_id or info.node_id not in self.hosts:
+                return False
+            try:
+                key = self._get(self.hosts[info.node_id].park.remote(trajectory, container_id, workdir))
+            except SandboxHostError:
+                return False
+            if key is None:
+                return False
+            self.placed.pop(trajectory, None)
+            self.idle.append(_Idle(info.node_id, container_id, key[0], key[1]))
+            return True
+
+    def take_idle(self, trajectory: str, image: str, working_dir: str) -> SandboxInfo | None:
+        """An idle sandbox of `image` and `working_dir` (`park`) handed to `trajectory` (prefix 0),
+        or None when there is none (the caller then `create`s one)."""
+        with self._moving:
+            while True:
+                found = next((i for i in self.idle if (i.image, i.working_dir) == (image, working_dir)), None)
+                if found is None:
+                    return None
+                self.idle.remove(found)
+                if found.node_id not in self.hosts:
+                    continue
+                try:
+                    info: SandboxInfo = self._get(
+                        self.hosts[found.node_id].adopt.remote(found.container_id, trajectory)
+                    )
+                except SandboxHostError:
+                    continue  # gone meanwhile: its host removes what is left when it stops
+                self.placed[trajectory] = info
+                return info
+
     def containers(self) -> list[str]:
         """Every container of this cluster that exists (any node)."""
         for host in self.hosts.values():
@@ -349,6 +396,16 @@ class SandboxCluster:
             if isinstance(cause, SandboxHostError):
                 raise cause from exc
             raise SandboxHostError(f"a sandbox host call failed: {exc}") from exc
+
+
+@attrs.frozen
+class _Idle:
+    """A parked sandbox: where, and what it can serve."""
+
+    node_id: str
+    container_id: str
+    image: str
+    working_dir: str
 
 
 class _HostLost(SandboxHostError):
