@@ -73,22 +73,38 @@ async def serve_asgi(
     default ``$BELAYER_ROUTER_SERVER`` or uvicorn.  Both run the app's ASGI lifespan.
     """
     if choose_server(server) == "uvicorn":
-        await _uvicorn(app, log_level).serve(sockets=[sock])
+        uvicorn_server = _uvicorn(app, log_level)
+        # Our own signal handling: uvicorn's re-raises a captured SIGTERM once it has shut down,
+        # and the process would end by it instead of returning (exit code 130, the CLI contract).
+        uvicorn_server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
+        async with anyio.create_task_group() as group:
+
+            async def stop_on_signal() -> None:
+                await _until_signal()
+                uvicorn_server.should_exit = True
+
+            group.start_soon(stop_on_signal)
+            await uvicorn_server.serve(sockets=[sock])
+            group.cancel_scope.cancel()
         return
     logging.getLogger("belayer_router.http").setLevel(log_level.upper())
     http_server = HttpServer(app)
     async with lifespan(app):
         await http_server.listen(sock)
         try:
-            if threading.current_thread() is threading.main_thread():
-                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    async for _ in signals:
-                        break
-            else:
-                await anyio.sleep_forever()
+            await _until_signal()
         finally:
             with anyio.CancelScope(shield=True):
                 await http_server.close(grace_s=1.0)
+
+
+async def _until_signal() -> None:
+    """Return at SIGINT or SIGTERM (on the main thread; elsewhere wait to be cancelled)."""
+    if threading.current_thread() is threading.main_thread():
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for _ in signals:
+                return
+    await anyio.sleep_forever()
 
 
 @asynccontextmanager
