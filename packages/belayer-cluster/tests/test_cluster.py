@@ -199,6 +199,12 @@ def test_a_parked_sandbox_serves_the_next_trajectory_with_its_folder_emptied(
             sandboxes.exec("traj-next", "test -e /work/f", container_id=taken.container_id)["exit_code"] == 1
         )
         assert sandboxes.exec("traj-next", "test -d /work")["exit_code"] == 0
+        # A reused sandbox is checkpointed like a fresh one (its processes' working folder was
+        # emptied, not deleted: CRIU refuses a deleted one).
+        _, checkpoint, _ = sandboxes.checkpoint_at(
+            "traj-next", "router:contexts/traj-next/2", 2, container_id=taken.container_id
+        )
+        assert (checkpoint.prefix, checkpoint.context_ref) == (2, "router:contexts/traj-next/2")
         assert sandboxes.take_idle("traj-other", "belayer/busybox", "/work") is None  # taken once
     finally:
         sandboxes.release("traj-next")

@@ -233,10 +233,14 @@ class SandboxHost:
         if sandbox is None or sandbox.id != container_id:
             return None
         del self.sandboxes[trajectory]
+        # Its contents, not the folder: the container's processes have it as their working
+        # directory, and CRIU cannot checkpoint a process whose working directory was deleted
+        # ("Can't create link remap"), so a reused sandbox could never be checkpointed again.
         quoted = shlex.quote(workdir)
+        empty = f"rm -rf -- {quoted}/* {quoted}/.[!.]* {quoted}/..?* && mkdir -p {quoted}"
         try:
             with sandbox.action_boundary():
-                reset = sandbox.probe(["/bin/sh", "-c", f"rm -rf {quoted} && mkdir -p {quoted}"], 30.0)
+                reset = sandbox.probe(["/bin/sh", "-c", empty], 30.0)
             if reset.exit_code == 0 and sandbox.is_running():
                 self.idle[container_id] = sandbox
                 return str(sandbox.config.image), str(sandbox.config.working_dir)
