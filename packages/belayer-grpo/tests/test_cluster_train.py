@@ -49,10 +49,12 @@ def test_a_math_run_on_two_nodes_survives_losing_one(tmp_path: Path) -> None:
     assert loss["step"] == 2
     assert loss["slots"] == ["slot1"]
     assert loss["slots_left"] == ["slot0"]  # no spare capacity: training goes on with what is left
-    # Ray's node table or the router (its streams broke, or only the slot's worker is gone),
-    # whichever named the node first; when each did, seconds after the removal.
-    assert loss["detected_by"] in ("ray", "router broken streams", "worker probe")
-    assert loss["detections_s"][loss["detected_by"]] == min(loss["detections_s"].values())
+    # Ray's node table or the router (slot1's streams broke and its host did not answer),
+    # whichever named the node first: never before the removal, and before the loss was handled
+    # (detect_s).
+    assert loss["detected_by"] in ("ray", "router broken streams")
+    assert 0 <= loss["detections_s"][loss["detected_by"]] <= loss["detect_s"]
+    assert all(at >= 0 for at in loss["detections_s"].values())
     assert f"seen first by {loss['detected_by']}" in out.getvalue()
     assert loss["tokens_lost"] == 0
     assert loss["requests_resumed"] >= 0
@@ -114,7 +116,9 @@ def test_an_agentic_run_on_two_nodes_restores_the_lost_nodes_sandboxes_elsewhere
     assert (loss["step"], loss["slots"], loss["slots_left"]) == (1, ["slot1"], ["slot0"])
     assert loss["tokens_lost"] == 0
     assert loss["time_to_recover_s"] > 0
-    assert loss["detections_s"][loss["detected_by"]] == min(loss["detections_s"].values())
+    assert loss["detected_by"] in ("ray", "router broken streams")
+    assert 0 <= loss["detections_s"][loss["detected_by"]] <= loss["detect_s"]
+    assert all(at >= 0 for at in loss["detections_s"].values())
     # The node held a sandbox with a ready checkpoint when it went: restored on the other node from
     # the latest ready checkpoint, tied to its trajectory's LLM context at that prefix.
     assert loss["sandboxes_restored"] >= 1, log
@@ -223,3 +227,43 @@ def test_the_default_run_does_not_ask_for_ray() -> None:
     from belayer_grpo._cluster_system import cluster_wanted
 
     assert not cluster_wanted(load_config(None, []))
+
+
+@pytest.mark.docker
+def test_the_cluster_pool_gives_a_done_trajectorys_sandbox_to_the_next_one(tmp_path: Path) -> None:
+    from belayer_cluster import LocalClusterConfig, LocalRayCluster, SandboxCluster
+    from belayer_envckpt import CheckpointStore, Engine
+    from belayer_grpo._agentic.cluster_pool import ClusterSandboxPool
+    from belayer_grpo._agentic.pool import POOL_LABEL
+
+    async def two_trajectories(pool: ClusterSandboxPool) -> list[str]:
+        used = []
+        async with pool.lease("t-1", "belayer/busybox", "/work") as lease:
+            used.append(lease.sandbox.id)
+            done = await anyio.to_thread.run_sync(lambda: lease.sandbox.exec("echo 1 > /work/f"))
+            assert done.exit_code == 0
+        async with pool.lease("t-2", "belayer/busybox", "/work") as lease:
+            used.append(lease.sandbox.id)
+            assert lease.sandbox.prefix == 0  # a fresh trajectory's sandbox
+            found = await anyio.to_thread.run_sync(lambda: lease.sandbox.exec("test -e /work/f"))
+            assert found.exit_code == 1  # its working directory was emptied
+        return used
+
+    with LocalRayCluster(LocalClusterConfig(num_nodes=1)):
+        hosts = SandboxCluster(tmp_path)
+        hosts.start()
+        engine = Engine.connect()
+        pool = ClusterSandboxPool(
+            engine, CheckpointStore(hosts.store_dir), capacity=2, reuse=True, hosts=hosts
+        )
+        try:
+            first, second = anyio.run(two_trajectories, pool)
+            assert first == second  # t-2 got t-1's container, parked on its node
+            assert pool.num_reused == 1
+            assert [parked.container_id for parked in hosts.idle] == [first]  # parked again after t-2
+            anyio.run(pool.aclose)
+        finally:
+            hosts.stop()
+            mine = engine.list_containers([f"{POOL_LABEL}={pool.pool_id}"])
+            engine.close()
+    assert mine == []  # the parked sandbox went with the hosts

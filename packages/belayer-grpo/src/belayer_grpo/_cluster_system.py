@@ -317,21 +317,17 @@ class ClusterSystem:
 
     def open_pool(self, config: Config, run_dir: Path) -> SandboxPool:
         """The run's sandbox pool on the nodes' sandbox hosts (checkpoints in the shared directory)."""
-        from belayer_envckpt import CheckpointStore, Engine
+        from belayer_envckpt import CheckpointStore
         from belayer_grpo._agentic.cluster_pool import ClusterSandboxPool
         from belayer_grpo._guardian import RUN_LABEL, run_marker
+        from belayer_grpo._swe import connect_checkpoint_engine
 
         if self.sandboxes is None:
             raise SystemStartError("this cluster run has no sandbox hosts (a math workload)")
-        engine = Engine.connect()
-        try:
-            engine.require_checkpoint_support()
-        except BaseException:
-            engine.close()
-            raise
         return ClusterSandboxPool(
-            engine, CheckpointStore(self.sandboxes.store_dir), capacity=config.rollout.max_sandboxes,
-            labels={RUN_LABEL: run_marker(run_dir)}, hosts=self.sandboxes, checkpointed=self._checkpointed,
+            connect_checkpoint_engine(), CheckpointStore(self.sandboxes.store_dir), capacity=config.rollout.max_sandboxes,
+            labels={RUN_LABEL: run_marker(run_dir)}, reuse=config.data.workload == "tooluse",
+            hosts=self.sandboxes, checkpointed=self._checkpointed,
         )  # fmt: skip
 
     def _checkpointed(self, node_id: str) -> None:

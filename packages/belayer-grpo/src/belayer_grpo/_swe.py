@@ -112,17 +112,22 @@ def agentic_config(config: Config, run_dir: Path, tokenizer: PolicyTokenizer, st
     )
 
 
-def open_pool(config: Config, run_dir: Path) -> SandboxPool:
-    """The run's sandbox pool, kept from step to step.  tooluse reuses its sandboxes (the state
-    of a task lives in its working directory, which the pool empties between trajectories)."""
+def connect_checkpoint_engine() -> Engine:
+    """The local Docker engine, checked to checkpoint containers (CRIU); closed again if not."""
     engine = Engine.connect()
     try:
         engine.require_checkpoint_support()
     except BaseException:
         engine.close()
         raise
+    return engine
+
+
+def open_pool(config: Config, run_dir: Path) -> SandboxPool:
+    """The run's sandbox pool, kept from step to step.  tooluse reuses its sandboxes (the state
+    of a task lives in its working directory, which the pool empties between trajectories)."""
     return SandboxPool(
-        engine, CheckpointStore(run_dir / "env-checkpoints"), capacity=config.rollout.max_sandboxes,
+        connect_checkpoint_engine(), CheckpointStore(run_dir / "env-checkpoints"), capacity=config.rollout.max_sandboxes,
         labels={RUN_LABEL: run_marker(run_dir)}, reuse=config.data.workload == "tooluse",
     )  # fmt: skip
 

@@ -161,7 +161,11 @@ class ClusterSandboxPool(SandboxPool):
     """`SandboxPool` whose sandboxes live on belayer-cluster's sandbox hosts.
 
     ``store`` is the shared directory's checkpoint store (the one the hosts write); ``engine`` is
-    this machine's, used only to check checkpoint support.  Sandboxes are not reused.
+    this machine's, used only to check checkpoint support.  With ``reuse`` (tooluse) a done
+    trajectory's sandbox that this pool created fresh is parked on its node's host, its working
+    directory emptied (`SandboxCluster.park`), and the next trajectory of the same image and
+    working directory takes it (`SandboxCluster.take_idle`), on whichever node it is; a restored
+    sandbox is never reused, and a lost node's parked sandboxes are fenced with it.
     """
 
     hosts: SandboxCluster | None = attrs.field(default=None, kw_only=True)
@@ -173,7 +177,6 @@ class ClusterSandboxPool(SandboxPool):
         super().__attrs_post_init__()
         if self.hosts is None:
             raise ValueError("ClusterSandboxPool needs hosts (a started belayer_cluster.SandboxCluster)")
-        self.reuse = False
 
     @property
     def _hosts(self) -> SandboxCluster:
@@ -193,6 +196,19 @@ class ClusterSandboxPool(SandboxPool):
             raise SandboxCommandError(f"no sandbox for {trajectory}: {error}") from error
         # The loop calls a sandbox's methods only; RemoteSandbox answers every one it calls.
         return cast(Sandbox, RemoteSandbox(self._hosts, trajectory, config, info))
+
+    async def _take(self, config: SandboxConfig, trajectory: str) -> Sandbox:
+        if self.reuse:
+            info = await anyio.to_thread.run_sync(
+                lambda: self._hosts.take_idle(trajectory, config.image, config.working_dir)
+            )
+            if info is not None:
+                self.num_reused += 1
+                return cast(Sandbox, RemoteSandbox(self._hosts, trajectory, config, info))
+        sandbox = await self._create(config, trajectory)
+        if self.reuse:
+            self._created.add(sandbox.id)
+        return sandbox
 
     def take_checkpoint(
         self, sandbox: Sandbox, *, trajectory: str, prefix: int, turn: int, workdir: str, context_hash: str
@@ -235,12 +251,21 @@ class ClusterSandboxPool(SandboxPool):
         return cast(Sandbox, RemoteSandbox(self._hosts, remote.trajectory, remote.config, info))
 
     def _clean(self, lease: SandboxLease) -> None:
-        lease.sandbox.remove()
-        self._hosts.release(lease.trajectory)  # also a sandbox a node's recovery restored meanwhile
+        sandbox = lease.sandbox
+        parked = (
+            self.reuse
+            and sandbox.id in self._created
+            and self._hosts.park(lease.trajectory, sandbox.id, lease.config.working_dir)
+        )
+        if not parked:
+            self._created.discard(sandbox.id)
+            sandbox.remove()
+            self._hosts.release(lease.trajectory)  # also a sandbox a node's recovery restored meanwhile
         if not self.keep_checkpoints:
             shutil.rmtree(self.store.trajectory_dir(lease.trajectory), ignore_errors=True)
 
     async def aclose(self) -> None:
         """Nothing to do: every lease cleans up after itself, and the cluster's `SandboxCluster.stop`
-        removes whatever is left on any node."""
+        removes whatever is left on any node (parked sandboxes too)."""
         self._idle.clear()
+        self._created.clear()
