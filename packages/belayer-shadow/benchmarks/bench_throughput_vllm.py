@@ -1,6 +1,7 @@
 """Throughput on vLLM: the router + a vLLM main worker (shadow standing by) vs stock `LLM.generate`.
 
     python benchmarks/bench_throughput_vllm.py      # needs belayer-shadow[vllm]
+    python benchmarks/bench_throughput_vllm.py --sizes 1M --rounds 9 --router-server uvicorn belayer
 
 Three model sizes (Qwen3 layout, seeded weights, float32). For each: 32 concurrent greedy requests
 x 128 new tokens, 16-token prompts, one CPU thread for every system:
@@ -16,7 +17,12 @@ x 128 new tokens, 16-token prompts, one CPU thread for every system:
 For each slot the JSON also has the main worker's stepping-thread seconds inside `step()` and
 between steps over all rounds (its /metrics) and this process's CPU seconds per round (the router,
 the 32 clients and the slot supervisor: the serving path beside the worker).
-All four are started first (each warmed up), then measured in interleaved rounds (the order rotates
+`--router-server uvicorn belayer` runs both slots once per HTTP server (belayer_router's
+`server=` choice: uvicorn, or the router's own HTTP/1.1 server), for the router AND the slot's
+workers (they serve through belayer_router's `serving`, which reads `$BELAYER_ROUTER_SERVER`, set
+while the slot starts its workers); the uvicorn slots keep their keys (`belayer_vllm_slot`), the
+others are `belayer_vllm_slot@belayer` etc., all in the same interleaved rounds.
+All systems are started first (each warmed up), then measured in interleaved rounds (the order rotates
 every round), so that the shared machine's load falls on all of them alike; the load average is
 recorded with every round and the ratio to stock is taken per round (the median is reported).
 Saves JSON to benchmarks/results/bench_throughput_vllm.json.
@@ -248,12 +254,28 @@ async def through_router(url: str, num_requests: int, max_tokens: int) -> tuple[
     return sum(len(t) for t in tokens) / elapsed, tokens
 
 
+@contextlib.contextmanager
+def server_env(server: str) -> Any:
+    """`$BELAYER_ROUTER_SERVER` = `server` for the block: the workers a slot spawns serve on it."""
+    earlier = os.environ.get("BELAYER_ROUTER_SERVER")
+    os.environ["BELAYER_ROUTER_SERVER"] = server
+    try:
+        yield
+    finally:
+        if earlier is None:
+            del os.environ["BELAYER_ROUTER_SERVER"]
+        else:
+            os.environ["BELAYER_ROUTER_SERVER"] = earlier
+
+
 @contextlib.asynccontextmanager
 async def running_slot(
-    engine: str, folder: Path, run_dir: Path, args: argparse.Namespace
+    engine: str, folder: Path, run_dir: Path, args: argparse.Namespace, server: str = "uvicorn"
 ) -> AsyncIterator[tuple[str, float]]:
-    """A router and a protected slot (main + shadow standing by) on `engine`: (url, init_s)."""
-    async with running_router(RouterConfig(admin_token=TOKEN, resume_wait_s=600)) as (url, _app):
+    """A router and a protected slot (main + shadow standing by) on `engine`, router and workers
+    served by `server`: (url, init_s)."""
+    config = RouterConfig(admin_token=TOKEN, resume_wait_s=600)
+    async with running_router(config, server=server) as (url, _app):
         config = SlotConfig(
             slot="s0",
             router_url=url,
@@ -273,9 +295,10 @@ async def running_slot(
         )
         slot = SlotSupervisor(config)
         start = time.monotonic()
-        await anyio.to_thread.run_sync(slot.start)
         try:
-            await anyio.to_thread.run_sync(lambda: slot.wait_protected(900.0))
+            with server_env(server):  # start() spawns the main and the shadow worker
+                await anyio.to_thread.run_sync(slot.start)
+                await anyio.to_thread.run_sync(lambda: slot.wait_protected(900.0))
             init_s = time.monotonic() - start
             await through_router(url, args.num_requests, args.max_tokens)  # warm-up: a full round
             yield url, init_s
@@ -290,6 +313,20 @@ SYSTEMS = (
     "belayer_engine_slot",
     "builtin_engine_direct",
 )
+SLOTS = {"belayer_vllm_slot": "vllm", "belayer_engine_slot": "belayer"}  # key -> SlotConfig.engine
+
+
+def slot_key(key: str, server: str) -> str:
+    """A slot's system key on `server` (uvicorn keeps the plain key, as in earlier runs)."""
+    return key if server == "uvicorn" else f"{key}@{server}"
+
+
+def systems(servers: list[str]) -> tuple[str, ...]:
+    """The systems measured: the three children, and both slots on every server."""
+    slots = [slot_key(key, server) for server in servers for key in SLOTS]
+    return ("stock_vllm", "vllm_engine_direct", *slots, "builtin_engine_direct")
+
+
 WORKER_METRICS = ("steps_total", "step_seconds_total", "between_steps_seconds_total")
 
 
@@ -306,8 +343,9 @@ async def worker_metrics(url: str) -> dict[str, float]:
 
 
 async def measure_size(size: str, folder: Path, tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """Start all four systems on one model folder, then interleaved rounds; per-system results."""
+    """Start all systems on one model folder, then interleaved rounds; per-system results."""
     entry: dict[str, Any] = {"parameters": write_model(size, folder)}
+    measured = systems(args.router_server)
     children = {}
     try:
         children_roles = (
@@ -317,18 +355,25 @@ async def measure_size(size: str, folder: Path, tmp: Path, args: argparse.Namesp
         )
         for role, key in children_roles:
             children[key] = await anyio.to_thread.run_sync(Child, role, folder, args)
-        async with (
-            running_slot("vllm", folder, tmp / f"{size}-vllm", args) as (vllm_url, vllm_init_s),
-            running_slot("belayer", folder, tmp / f"{size}-ours", args) as (ours_url, ours_init_s),
-        ):
+        async with contextlib.AsyncExitStack() as slots:
             init = {key: child.init_s for key, child in children.items()}
-            init |= {"belayer_vllm_slot": vllm_init_s, "belayer_engine_slot": ours_init_s}
-            urls = {"belayer_vllm_slot": vllm_url, "belayer_engine_slot": ours_url}
-            results = {key: {"init_s": init[key], "tokens_per_s": [], "load_1min": []} for key in SYSTEMS}
+            urls = {}
+            for server in args.router_server:
+                for plain, engine in SLOTS.items():
+                    key = slot_key(plain, server)
+                    run_dir = tmp / f"{size}-{engine}-{server}"
+                    urls[key], init[key] = await slots.enter_async_context(
+                        running_slot(engine, folder, run_dir, args, server)
+                    )
+            results: dict[str, dict[str, Any]] = {
+                key: {"init_s": init[key], "tokens_per_s": [], "load_1min": []} for key in measured
+            }
+            for key in urls:
+                results[key]["server"] = key.partition("@")[2] or "uvicorn"
             outputs: dict[str, list[list[int]]] = {}
             before = {key: await worker_metrics(urls[key]) for key in urls}
             for round_ in range(args.rounds):
-                order = SYSTEMS[round_ % len(SYSTEMS) :] + SYSTEMS[: round_ % len(SYSTEMS)]
+                order = measured[round_ % len(measured) :] + measured[: round_ % len(measured)]
                 for key in order:
                     results[key]["load_1min"].append(os.getloadavg()[0])
                     if key in children:
@@ -338,7 +383,7 @@ async def measure_size(size: str, folder: Path, tmp: Path, args: argparse.Namesp
                         rate, outputs[key] = await through_router(
                             urls[key], args.num_requests, args.max_tokens
                         )
-                        # The router + 32 clients (this process) beside the worker, per round.
+                        # The router + 32 clients + supervisor (this process) beside the worker.
                         results[key].setdefault("router_clients_cpu_s", []).append(time.process_time() - cpu)
                     results[key]["tokens_per_s"].append(rate)
             for key, url in urls.items():  # the main worker's step thread over all rounds
@@ -348,7 +393,7 @@ async def measure_size(size: str, folder: Path, tmp: Path, args: argparse.Namesp
         for child in children.values():
             await anyio.to_thread.run_sync(child.close)
     stock_rates = results["stock_vllm"]["tokens_per_s"]
-    for key in SYSTEMS:
+    for key in measured:
         r = results[key]
         r["median_tokens_per_s"] = statistics.median(r["tokens_per_s"])
         r["outputs_equal_stock"] = outputs[key] == outputs["stock_vllm"]
@@ -362,15 +407,27 @@ async def measure_size(size: str, folder: Path, tmp: Path, args: argparse.Namesp
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    results: dict[str, Any] = {"config": vars(args).copy(), "sizes": {}}
+    results: dict[str, Any] = {"config": vars(args).copy(), "sizes": {}, "runs": {}}
     for internal in ("stock", "direct", "builtin"):
         results["config"].pop(internal, None)
     results["config"]["cpus"] = os.cpu_count()
+    command = "python benchmarks/bench_throughput_vllm.py " + " ".join(sys.argv[1:])
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     if RESULTS.exists():  # sizes not re-run keep their earlier results (--sizes runs a subset)
-        earlier = json.loads(RESULTS.read_text()).get("sizes", {})
+        before = json.loads(RESULTS.read_text())
+        earlier = before.get("sizes", {})
         results["sizes"] = {
             k: v for k, v in earlier.items() if "median_ratio_to_stock" in v.get("belayer_vllm_slot", {})
         }
+        results["runs"] = before.get("runs", {})
+        for size in args.sizes:  # a re-run size's earlier row moves to `runs`, not lost
+            if size in results["sizes"]:
+                results["runs"][f"{size}, replaced {started}"] = {
+                    "command": results["runs"].pop(size, "unknown"),
+                    "row": results["sizes"].pop(size),
+                }
+    for size in args.sizes:
+        results["runs"][size] = f"{command} ({started}, load in the rows)"
     with tempfile.TemporaryDirectory(prefix="bench-throughput-vllm-") as tmp:
         for size in args.sizes:
             entry = anyio.run(measure_size, size, Path(tmp) / size, Path(tmp), args)
@@ -393,20 +450,23 @@ def render(results: dict[str, Any]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for size, e in sorted(results["sizes"].items(), key=lambda item: item[1]["parameters"]):
-        cells = [
-            f"{size} ({e['parameters'] / 1e6:.1f} M params)",
-            f"{e['stock_vllm']['median_tokens_per_s']:,.0f}",
-        ]
-        for key in SYSTEMS[1:]:
-            if key not in e:  # a row measured before this system was added
-                cells += ["", ""]
-                continue
-            r = e[key]
-            cells += [f"{r['median_tokens_per_s']:,.0f}", f"{r['median_ratio_to_stock']:.2f}"]
-        loads = [x for key in SYSTEMS if key in e for x in e[key]["load_1min"]]
-        cells.append(f"{min(loads):.1f}-{max(loads):.1f}")
-        cells.append(str(all(e[key]["outputs_equal_stock"] for key in SYSTEMS if key in e)))
-        lines.append("| " + " | ".join(cells) + " |")
+        servers = ["uvicorn", *sorted({k.partition("@")[2] for k in e if "@" in k})]
+        keys = [k for k in e if isinstance(e[k], dict)]
+        loads = [x for key in keys for x in e[key]["load_1min"]]
+        equal = str(all(e[key]["outputs_equal_stock"] for key in keys))
+        for server in servers:  # one row per HTTP server of the router and the workers
+            label = f"{size} ({e['parameters'] / 1e6:.1f} M params)"
+            cells = [label if len(servers) == 1 else f"{label}, {server} server"]
+            cells.append(f"{e['stock_vllm']['median_tokens_per_s']:,.0f}")
+            for system in SYSTEMS[1:]:
+                key = slot_key(system, server) if system in SLOTS else system
+                if key not in e:  # a row measured before this system was added
+                    cells += ["", ""]
+                    continue
+                r = e[key]
+                cells += [f"{r['median_tokens_per_s']:,.0f}", f"{r['median_ratio_to_stock']:.2f}"]
+            cells += [f"{min(loads):.1f}-{max(loads):.1f}", equal]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -418,6 +478,13 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--router-server",
+        nargs="+",
+        default=["uvicorn"],
+        choices=["uvicorn", "belayer"],
+        help="HTTP server(s) of the router and the slot's workers; both slots run on each",
+    )
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)  # the children's
     parser.add_argument("--stock", type=Path, help=argparse.SUPPRESS)  # internal: the stock-vLLM child
     parser.add_argument("--direct", type=Path, help=argparse.SUPPRESS)  # internal: the VllmEngine child
