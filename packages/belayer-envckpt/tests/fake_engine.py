@@ -31,13 +31,24 @@ def frame(stream: int, payload: bytes) -> bytes:
 class ExecScript:
     """What the fake answers to `POST /exec/{id}/start`: ``writes`` are sent one `sendall` each
     (``pause_s`` apart); ``before_close`` runs before the connection is closed (a test waits there
-    for a process to be killed); ``exit_code`` and ``pid`` are what exec inspect reports."""
+    for a process to be killed).  Exec inspect reports ``pid`` running while that host process
+    lives, then ``exit_code``; its first ``unstarted_inspects`` answers say the exec has not started
+    yet (Pid 0, no exit code), as a slow engine does."""
 
     writes: list[bytes]
     exit_code: int = 0
     pid: int = 0
     pause_s: float = 0.0
     before_close: Callable[[], None] | None = None
+    unstarted_inspects: int = 0
+
+
+def alive(pid: int) -> bool:
+    """Whether host process ``pid`` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
 
 
 class FakeDockerEngine:
@@ -47,6 +58,7 @@ class FakeDockerEngine:
         self.socket_path = socket_path
         self.script = script
         self.starts = 0
+        self.inspects = 0
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._server.bind(str(socket_path))
         self._server.listen(16)
@@ -102,7 +114,14 @@ class FakeDockerEngine:
                         self.script.before_close()
                     return  # the stream ends with the connection
                 elif method == "GET" and path.endswith("/json"):
-                    info = {"Running": False, "ExitCode": self.script.exit_code, "Pid": self.script.pid}
+                    self.inspects += 1
+                    pid = self.script.pid
+                    if self.inspects <= self.script.unstarted_inspects:
+                        info: dict[str, object] = {"Running": False, "ExitCode": None, "Pid": 0}
+                    elif pid and alive(pid):
+                        info = {"Running": True, "ExitCode": None, "Pid": pid}
+                    else:
+                        info = {"Running": False, "ExitCode": self.script.exit_code, "Pid": pid}
                     self._json(conn, 200, info)
                 else:
                     self._json(conn, 404, {"message": f"fake engine: no route {method} {path}"})

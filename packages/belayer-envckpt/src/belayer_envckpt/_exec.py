@@ -53,6 +53,24 @@ def kill_tree(pid: int) -> None:
             os.kill(current, signal.SIGKILL)
 
 
+def kill_exec(api: Any, exec_id: str, what: str, container_id: str, *, pid_wait_s: float = 30.0) -> None:
+    """Kill exec ``exec_id``'s process tree if it runs.  An exec the engine has not started yet
+    (Pid 0, no exit code: a slow engine) is inspected again until its Pid appears (then killed) or
+    it has exited, for at most ``pid_wait_s``; an exec that has exited is left alone (its Pid may
+    already name another process)."""
+    deadline = time.monotonic() + pid_wait_s
+    while True:
+        with engine_errors(what, container=container_id):
+            info = api.exec_inspect(exec_id)
+        pid = int(info.get("Pid") or 0)
+        if info.get("Running") and pid:
+            kill_tree(pid)
+            return
+        if info.get("ExitCode") is not None or time.monotonic() >= deadline:
+            return
+        time.sleep(0.05)
+
+
 def engine_socket_path(api: Any) -> str | None:
     """The engine's Unix socket path when ``api`` (a docker ``APIClient``) talks to a local Unix
     socket; None for a tcp / TLS / ssh engine."""
@@ -82,10 +100,7 @@ def exec_in(
         exec_id = api.exec_create(container_id, list(argv), workdir=workdir)["Id"]
 
     def kill() -> None:
-        with engine_errors(what, container=container_id):
-            pid = api.exec_inspect(exec_id).get("Pid", 0)
-        if pid:
-            kill_tree(int(pid))
+        kill_exec(api, exec_id, what, container_id)
 
     started = time.perf_counter()
     socket_path = engine_socket_path(api)
@@ -96,7 +111,7 @@ def exec_in(
                 str(api.api_version),
                 exec_id,
                 timeout_s=timeout_s,
-                on_timeout=kill,
+                kill=kill,
                 what=what,
                 connect_timeout_s=float(getattr(api, "timeout", None) or 60),
             )

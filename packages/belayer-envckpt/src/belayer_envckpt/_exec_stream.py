@@ -9,6 +9,7 @@ Here every byte after the head is kept.  No Docker SDK import: `_exec` finds the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import struct
@@ -121,22 +122,59 @@ def read_exec_output(
     exec_id: str,
     *,
     timeout_s: float,
-    on_timeout: Callable[[], None],
+    kill: Callable[[], None],
     what: str,
     connect_timeout_s: float = 60.0,
     grace_s: float = 30.0,
 ) -> tuple[bytes, bytes, bool]:
     """Start exec ``exec_id`` and read its output until EOF: (stdout, stderr, timed_out).
 
-    At ``timeout_s`` ``on_timeout`` runs (it kills the exec's process tree) and reading goes on
-    for up to ``grace_s`` more, so output written before the kill is kept.  An error answer of the
-    engine or a malformed stream raises a `BelayerEnvckptError` subclass; socket errors (OSError)
-    propagate for the caller's engine boundary to translate.
+    At ``timeout_s`` ``kill`` runs (it kills the exec's process tree) and reading goes on for up
+    to ``grace_s`` more, so output written before the kill is kept.  An error answer of the engine
+    or a malformed stream raises a `BelayerEnvckptError` subclass; socket errors (OSError)
+    propagate for the caller's engine boundary to translate.  Once the engine has accepted the
+    start (its 101/200 head), any error while reading runs ``kill`` first (its own errors are
+    dropped: the reading error is the one raised), so a broken stream leaves no process running.
     """
-    started = time.monotonic()
-    deadline = started + timeout_s
-    timed_out = False
     demux = FrameDemuxer()
+    accepted: list[bool] = []
+    try:
+        timed_out = _read(
+            socket_path,
+            api_version,
+            exec_id,
+            demux,
+            accepted,
+            timeout_s,
+            kill,
+            what,
+            connect_timeout_s,
+            grace_s,
+        )
+    except BaseException:
+        if accepted:
+            with contextlib.suppress(Exception):
+                kill()
+        raise
+    return bytes(demux.stdout), bytes(demux.stderr), timed_out
+
+
+def _read(
+    socket_path: str,
+    api_version: str,
+    exec_id: str,
+    demux: FrameDemuxer,
+    accepted: list[bool],
+    timeout_s: float,
+    kill: Callable[[], None],
+    what: str,
+    connect_timeout_s: float,
+    grace_s: float,
+) -> bool:
+    """`read_exec_output`'s loop: feeds ``demux``, appends to ``accepted`` once the engine accepted
+    the start; whether the exec timed out."""
+    deadline = time.monotonic() + timeout_s
+    timed_out = False
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(connect_timeout_s)
         sock.connect(socket_path)
@@ -150,7 +188,7 @@ def read_exec_output(
                 if timed_out:  # the grace after the kill is over too: keep what came
                     break
                 timed_out = True
-                on_timeout()
+                kill()
                 deadline = time.monotonic() + grace_s
                 continue
             sock.settimeout(deadline - now)
@@ -173,12 +211,13 @@ def read_exec_output(
                 if status not in (101, 200):
                     body = data if eof else _read_error_body(sock, headers, data)
                     raise _error_answer(status, body, what)
+                accepted.append(True)
             if data:
                 demux.feed(data)
             if eof:
                 demux.finish()
                 break
-    return bytes(demux.stdout), bytes(demux.stderr), timed_out
+    return timed_out
 
 
 def _read_error_body(sock: socket.socket, headers: dict[str, str], body: bytes) -> bytes:
