@@ -171,10 +171,14 @@ async def test_an_app_error_is_a_500_and_an_unfinished_response_closes_the_conne
 
 
 async def test_direct_writes_fall_back_to_send_under_back_pressure_in_order() -> None:
+    """Every event rendered exactly once, in order, by a stateful renderer (like the OpenAI ones:
+    a line carries how many events it has rendered so far), direct writes and refused ones mixed."""
     from belayer_router._asgi import direct_writer, stream_response
 
     num_events, size = 5000, 4000
     counts = {"direct": 0, "refused": 0}
+    rendered: list[int] = []
+    refused = anyio.Event()
 
     async def app(scope: dict[str, Any], receive: Receive, send: Send) -> None:
         write = direct_writer(scope)
@@ -184,6 +188,8 @@ async def test_direct_writes_fall_back_to_send_under_back_pressure_in_order() ->
         def counting(body: bytes) -> bool:
             written = write(body)
             counts["direct" if written else "refused"] += 1
+            if not written:
+                refused.set()
             return written
 
         async def produce(emit: Any) -> None:
@@ -193,7 +199,11 @@ async def test_direct_writes_fall_back_to_send_under_back_pressure_in_order() ->
                     await anyio.lowlevel.checkpoint()
 
         def render(events: list[int]) -> bytes:
-            return b"".join(b"%06d:%s\n" % (i, b"y" * size) for i in events)
+            lines = []
+            for i in events:
+                rendered.append(i)
+                lines.append(b"%06d:%06d:%s\n" % (i, len(rendered), b"y" * size))
+            return b"".join(lines)
 
         await stream_response(receive, send, produce, render, lambda e: b"", "text/plain", counting)
 
@@ -202,7 +212,8 @@ async def test_direct_writes_fall_back_to_send_under_back_pressure_in_order() ->
         with anyio.fail_after(120):
             async with await anyio.connect_tcp(host, int(port)) as stream:
                 await stream.send(b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n")
-                await anyio.sleep(0.5)  # 20 MB fill the socket buffers: the transport pauses
+                with anyio.fail_after(60):  # read nothing until 20 MB filled the buffers
+                    await refused.wait()
                 pieces: list[bytes] = []
                 while True:
                     try:
@@ -221,6 +232,8 @@ async def test_direct_writes_fall_back_to_send_under_back_pressure_in_order() ->
     assert at == len(body)
     lines = b"".join(chunks).split(b"\n")[:-1]
     assert [int(line[:6]) for line in lines] == list(range(num_events))
+    assert [int(line[7:13]) for line in lines] == list(range(1, num_events + 1))  # rendered once each
+    assert rendered == list(range(num_events))
     assert counts["direct"] > 0
     assert counts["refused"] > 0
 

@@ -92,6 +92,16 @@ def direct_writer(scope: dict[str, Any]) -> Write | None:
     return write if callable(write) else None
 
 
+class _Rendered:
+    """Bytes already rendered from one item (a direct write the server refused): renderers keep
+    state (OpenAI choices), so an item is rendered exactly once and its bytes are what is queued."""
+
+    __slots__ = ("body",)
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+
+
 class _Queue(Generic[_E]):
     """The producer -> writer hand-off of a streamed response: ``put`` is synchronous, and the
     writer takes everything queued at once; one wake-up per writer wait, none per item (anyio's
@@ -101,7 +111,7 @@ class _Queue(Generic[_E]):
     ``anyio.Event``.  Cancellation is the same either way (the waiting task is cancelled)."""
 
     def __init__(self) -> None:
-        self.items: list[_E | BelayerRouterError] = []
+        self.items: list[_E | BelayerRouterError | _Rendered] = []
         self.closed = False
         self.failed = False  # an error was queued (the producer's last item)
         self.future: asyncio.Future[None] | None = None
@@ -129,7 +139,9 @@ class _Queue(Generic[_E]):
             body = self.render([item])  # type: ignore[list-item]  # errors go through `fail`
             if not body or write(body):
                 return
-        self.items.append(item)
+            self.items.append(_Rendered(body))  # rendered once: never again by the writer
+        else:
+            self.items.append(item)
         if self.future is not None or self.event is not None:
             self._wake()
 
@@ -147,7 +159,7 @@ class _Queue(Generic[_E]):
         self.closed = True
         self._wake()
 
-    async def batch(self) -> list[_E | BelayerRouterError]:
+    async def batch(self) -> list[_E | BelayerRouterError | _Rendered]:
         """Everything queued (waiting for at least one item); empty once closed and drained."""
         while not self.items and not self.closed:
             if self.loop is not None:
@@ -158,6 +170,28 @@ class _Queue(Generic[_E]):
                 await event.wait()
         batch, self.items = self.items, []
         return batch
+
+
+def _render_batch(
+    batch: list[_E | BelayerRouterError | _Rendered], render: Callable[[list[_E]], bytes]
+) -> bytes:
+    """The body for a batch in order: events rendered (in runs), refused direct writes as they
+    were rendered, errors left out (the caller renders the error last)."""
+    if not any(isinstance(item, (_Rendered, BelayerRouterError)) for item in batch):
+        return render(batch)  # type: ignore[arg-type]  # only events
+    pieces: list[bytes] = []
+    run: list[_E] = []
+    for item in batch:
+        if isinstance(item, _Rendered):
+            if run:
+                pieces.append(render(run))
+                run = []
+            pieces.append(item.body)
+        elif not isinstance(item, BelayerRouterError):
+            run.append(item)
+    if run:
+        pieces.append(render(run))
+    return b"".join(pieces)
 
 
 async def stream_response(
@@ -204,8 +238,7 @@ async def stream_response(
                 headers = [(b"content-type", content_type.encode()), (b"cache-control", b"no-cache")]
                 await send({"type": "http.response.start", "status": 200, "headers": headers})
                 started = True
-            events = [e for e in batch if not isinstance(e, BelayerRouterError)] if error else batch
-            body = render(events) + (b"" if error is None else render_error(error))  # type: ignore[arg-type]
+            body = _render_batch(batch, render) + (b"" if error is None else render_error(error))
             await send({"type": "http.response.body", "body": body, "more_body": True})
             if write is not None and queue.write is None and not queue.failed:
                 queue.direct(write, render)

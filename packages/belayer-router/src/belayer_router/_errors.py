@@ -12,6 +12,8 @@ __all__ = [
     "PayloadTooLargeError",
     "RequestConflictError",
     "RouterClientError",
+    "ServerConfigError",
+    "ServerStartupError",
     "StaleEpochError",
     "TokenizerError",
     "UnauthorizedError",
@@ -27,6 +29,15 @@ class BelayerRouterError(Exception):
     """
 
     status = 500
+
+
+class ServerConfigError(BelayerRouterError):
+    """An option of the HTTP serving is invalid (an unknown server, a timeout <= 0); the message
+    names the option and the values to use.  A configuration error, not a request's."""
+
+
+class ServerStartupError(BelayerRouterError):
+    """The served ASGI app reported that its lifespan startup failed; the message carries its reason."""
 
 
 class InvalidRequestError(BelayerRouterError):

@@ -9,9 +9,12 @@ for back-pressure, the client is gone, the response is not a chunked one in prog
 then uses ``send`` as usual.  Under another server the extension is absent.
 
 HTTP/1.1 with keep-alive and pipelining (one request at a time per connection, in order),
-``Content-Length`` and chunked bodies both ways, ``Expect: 100-continue``.  A malformed request
-gets a 400, oversized request line + headers (``MAX_HEAD_BYTES``) a 431, then the connection is
-closed; a response the app left unfinished closes it.  A client that disconnects gets its app a
+``Content-Length`` and chunked bodies both ways (an app's own ``transfer-encoding: chunked`` gets
+chunk framing), ``Expect: 100-continue`` (no ``100`` once the response has begun).  A malformed
+request gets a 400, oversized request line + headers (``MAX_HEAD_BYTES``) a 431, a request head not
+complete within ``head_timeout_s`` a 408, then the connection is closed; a response the app left
+unfinished closes it.  A connection idle (no request running, none begun) for ``keep_alive_s``
+is closed, as uvicorn does after 5 s.  A client that disconnects gets its app a
 ``http.disconnect`` from ``receive``.
 """
 
@@ -29,9 +32,13 @@ from typing import Any, cast
 
 import httptools
 
-__all__ = ["MAX_HEAD_BYTES", "HttpServer"]
+from belayer_router._errors import ServerConfigError
+
+__all__ = ["HEAD_TIMEOUT_S", "KEEP_ALIVE_S", "MAX_HEAD_BYTES", "HttpServer"]
 
 MAX_HEAD_BYTES = 64 * 1024  # request line + headers
+KEEP_ALIVE_S = 5.0  # an idle connection (between requests, or before the first) is closed
+HEAD_TIMEOUT_S = 30.0  # a request line + headers must be complete this long after their first byte
 _HIGH_WATER = 256 * 1024  # body bytes buffered for the app before reading pauses
 _LINGER_S = 2.0  # a connection closed on an error drains what the client still sends this long
 _DISCONNECT = {"type": "http.disconnect"}
@@ -102,7 +109,7 @@ class _Cycle:
                 self.delivered = not self.more_body
                 self.conn.resume_reading()
                 return {"type": "http.request", "body": body, "more_body": self.more_body}
-            if self.expect and not self.delivered:
+            if self.expect and not self.delivered and not self.head_written:
                 self.expect = False
                 self.conn.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             if self.more_body:
@@ -116,7 +123,14 @@ class _Cycle:
     def _write_head(self, body: bytes, more: bool) -> None:
         names = {name.lower() for name, _ in self.headers}
         extra = b""
-        if b"content-length" not in names and b"transfer-encoding" not in names:
+        encoding = [v.lower() for n, v in self.headers if n.lower() == b"transfer-encoding"]
+        if encoding and encoding[-1].rsplit(b",", 1)[-1].strip() == b"chunked":  # the app's own
+            if self.scope["http_version"] == "1.1":
+                self.chunked = True  # framed here, as the header says
+            else:  # an HTTP/1.0 client reads no chunks: the body ends with the connection
+                self.headers = [(n, v) for n, v in self.headers if n.lower() != b"transfer-encoding"]
+                self.keep_alive = False
+        elif b"content-length" not in names and b"transfer-encoding" not in names:
             if not more:
                 extra = b"content-length: %d\r\n" % len(body)
             elif self.scope["http_version"] == "1.1":
@@ -192,6 +206,34 @@ class _Connection(asyncio.Protocol):
         self.url = b""
         self.head_size = 0
         self.headers: list[tuple[bytes, bytes]] = []
+        self.in_head = False  # a request head has begun and is not complete yet
+        self.timer: asyncio.TimerHandle | None = None  # the idle or the head timeout
+
+    # Timeouts
+
+    def _arm(self, delay_s: float, callback: Callable[[], None]) -> None:
+        self._disarm()
+        self.timer = self.loop.call_later(delay_s, callback)
+
+    def _disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _idle(self) -> None:
+        """Wait ``keep_alive_s`` for the next request (nothing running, nothing begun)."""
+        if not self.closed and not self.lingering and not self.cycles and not self.in_head:
+            self._arm(self.server.keep_alive_s, self._idle_timeout)
+
+    def _idle_timeout(self) -> None:
+        self.timer = None
+        if not self.closed and not self.lingering and not self.cycles and not self.in_head:
+            self.transport.close()
+
+    def _head_timeout(self) -> None:
+        self.timer = None
+        if not self.closed and not self.lingering and self.in_head and self.bad is None:
+            self._refuse(408, f"request line and headers not received within {self.server.head_timeout_s} s")
 
     # asyncio.Protocol
 
@@ -201,9 +243,11 @@ class _Connection(asyncio.Protocol):
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.server.connections.add(self)
+        self._idle()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._disarm()
         self.server.connections.discard(self)
         for cycle in self.cycles:
             cycle.disconnected = True
@@ -286,6 +330,7 @@ class _Connection(asyncio.Protocol):
         if self.closed or self.lingering:
             return
         self.lingering = True
+        self._disarm()
         try:
             if not self.transport.can_write_eof():
                 raise OSError("no half-close on this transport")
@@ -301,6 +346,8 @@ class _Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self.url, self.head_size, self.headers = b"", 0, []
+        self.in_head = True
+        self._arm(self.server.head_timeout_s, self._head_timeout)
 
     def _grow(self, size: int) -> None:
         self.head_size += size
@@ -316,6 +363,8 @@ class _Connection(asyncio.Protocol):
         self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
+        self.in_head = False
+        self._disarm()
         parsed = httptools.parse_url(self.url)
         raw_path = parsed.path
         path = raw_path.decode("latin-1")
@@ -389,14 +438,25 @@ class _Connection(asyncio.Protocol):
             self._start()
         elif self.bad is not None:
             self._answer_bad()
+        else:
+            self._idle()
         self.resume_reading()
 
 
 class HttpServer:
     """Serves an ASGI app on listening sockets; see the module docstring."""
 
-    def __init__(self, app: App) -> None:
+    def __init__(
+        self, app: App, keep_alive_s: float = KEEP_ALIVE_S, head_timeout_s: float = HEAD_TIMEOUT_S
+    ) -> None:
+        """``keep_alive_s``: an idle connection is closed after it; ``head_timeout_s``: a request
+        head not complete this long after its first byte gets a 408 and the connection closes."""
+        if keep_alive_s <= 0 or head_timeout_s <= 0:
+            raise ServerConfigError(
+                f"keep_alive_s ({keep_alive_s}) and head_timeout_s ({head_timeout_s}) must be > 0 seconds"
+            )
         self.app = app
+        self.keep_alive_s, self.head_timeout_s = keep_alive_s, head_timeout_s
         self.connections: set[_Connection] = set()
         self.tasks: set[asyncio.Task[None]] = set()
         self.servers: list[asyncio.Server] = []

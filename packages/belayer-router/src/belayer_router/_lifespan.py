@@ -9,6 +9,8 @@ from typing import Any
 
 import anyio
 
+from belayer_router._errors import ServerStartupError
+
 __all__ = ["lifespan"]
 
 _log = logging.getLogger("belayer_router.http")
@@ -20,7 +22,7 @@ async def lifespan(app: App) -> AsyncIterator[None]:
     """Run ``app``'s ASGI lifespan around the block (startup before, shutdown after).
 
     An app that does not speak lifespan (raises on it) is served without; one that reports
-    ``lifespan.startup.failed`` raises RuntimeError.
+    ``lifespan.startup.failed`` raises `ServerStartupError`.
     """
     started, stopped, shutdown = anyio.Event(), anyio.Event(), anyio.Event()
     failure: list[str] = []
@@ -57,12 +59,16 @@ async def lifespan(app: App) -> AsyncIterator[None]:
     async with anyio.create_task_group() as group:
         group.start_soon(run)
         await started.wait()
-        if failure:
+        if failure:  # raised below, outside the task group (not wrapped in an exception group)
             group.cancel_scope.cancel()
-            raise RuntimeError(f"the ASGI app's lifespan startup failed: {failure[0]}")
-        try:
-            yield
-        finally:
-            shutdown.set()
-            with anyio.CancelScope(shield=True), anyio.move_on_after(30):
-                await stopped.wait()
+        else:
+            try:
+                yield
+            finally:
+                shutdown.set()
+                with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+                    await stopped.wait()
+    if failure:
+        raise ServerStartupError(
+            f"the ASGI app's lifespan startup failed: {failure[0]}; fix what it names and start again"
+        )

@@ -17,8 +17,8 @@ import anyio
 import uvicorn
 
 from belayer_router._app import RouterApp, RouterConfig
-from belayer_router._errors import InvalidRequestError
-from belayer_router._http import HttpServer
+from belayer_router._errors import ServerConfigError
+from belayer_router._http import KEEP_ALIVE_S, HttpServer
 from belayer_router._lifespan import lifespan
 
 __all__ = ["SERVERS", "bind_socket", "choose_server", "running_router", "serve_asgi", "serving"]
@@ -46,18 +46,21 @@ def choose_server(server: str | None = None) -> Server:
         return "uvicorn"
     if choice == "belayer":
         return "belayer"
-    raise InvalidRequestError(
+    raise ServerConfigError(
         f"unknown HTTP server {choice!r} (argument or $BELAYER_ROUTER_SERVER); use one of {SERVERS}"
     )
 
 
-def _uvicorn(app: Any, log_level: str, lifespan: Literal["on", "off"] = "on") -> uvicorn.Server:
+def _uvicorn(
+    app: Any, log_level: str, keep_alive_s: float, lifespan: Literal["on", "off"] = "on"
+) -> uvicorn.Server:
     config = uvicorn.Config(
         app,
         lifespan=lifespan,
         log_level=log_level,
         http="httptools",
         access_log=False,
+        timeout_keep_alive=keep_alive_s,  # type: ignore[arg-type]  # seconds for call_later: a float works
         timeout_graceful_shutdown=1,
         backlog=4096,
     )
@@ -65,15 +68,21 @@ def _uvicorn(app: Any, log_level: str, lifespan: Literal["on", "off"] = "on") ->
 
 
 async def serve_asgi(
-    app: Any, sock: socket.socket, log_level: str = "warning", server: str | None = None
+    app: Any,
+    sock: socket.socket,
+    log_level: str = "warning",
+    server: str | None = None,
+    keep_alive_s: float = KEEP_ALIVE_S,
 ) -> None:
     """Serve ``app`` on ``sock`` until cancelled (or a signal, when run as the main program).
 
     ``server``: ``"uvicorn"`` or ``"belayer"`` (the router's own HTTP/1.1 server, `HttpServer`);
-    default ``$BELAYER_ROUTER_SERVER`` or uvicorn.  Both run the app's ASGI lifespan.
+    default ``$BELAYER_ROUTER_SERVER`` or uvicorn.  Both run the app's ASGI lifespan.  Both close a
+    keep-alive connection idle for ``keep_alive_s`` (default 5 s); the belayer server also answers
+    a request head not complete within `HEAD_TIMEOUT_S` (30 s) with a 408.
     """
     if choose_server(server) == "uvicorn":
-        uvicorn_server = _uvicorn(app, log_level)
+        uvicorn_server = _uvicorn(app, log_level, keep_alive_s)
         # Our own signal handling: uvicorn's re-raises a captured SIGTERM once it has shut down,
         # and the process would end by it instead of returning (exit code 130, the CLI contract).
         uvicorn_server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
@@ -88,7 +97,7 @@ async def serve_asgi(
             group.cancel_scope.cancel()
         return
     logging.getLogger("belayer_router.http").setLevel(log_level.upper())
-    http_server = HttpServer(app)
+    http_server = HttpServer(app, keep_alive_s)
     async with lifespan(app):
         await http_server.listen(sock)
         try:
@@ -109,11 +118,16 @@ async def _until_signal() -> None:
 
 @asynccontextmanager
 async def serving(
-    app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", server: str | None = None
+    app: Any,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    log_level: str = "warning",
+    server: str | None = None,
+    keep_alive_s: float = KEEP_ALIVE_S,
 ) -> AsyncIterator[str]:
     """Serve ``app`` in the background for the block; yields its base URL.
 
-    ``server`` as in `serve_asgi`.  Without ASGI lifespan events: the block ends with a forced
+    ``server`` and ``keep_alive_s`` as in `serve_asgi`.  Without ASGI lifespan events: the block ends with a forced
     exit (open streams must not hold it back); under uvicorn the lifespan shutdown is skipped
     then, leaving its task pending ("Task was destroyed but it is pending!" at exit). Whoever
     owns the app releases its resources (`running_router` closes the router).
@@ -122,7 +136,7 @@ async def serving(
     sock = bind_socket(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     if choice == "belayer":
-        http_server = HttpServer(app)
+        http_server = HttpServer(app, keep_alive_s)
         try:
             await http_server.listen(sock)
             yield f"http://{bound_host}:{bound_port}"
@@ -131,7 +145,7 @@ async def serving(
                 await http_server.close(grace_s=0)
             sock.close()
         return
-    uvicorn_server = _uvicorn(app, log_level, lifespan="off")
+    uvicorn_server = _uvicorn(app, log_level, keep_alive_s, lifespan="off")
     uvicorn_server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # signals are not ours
     async with anyio.create_task_group() as group:
         group.start_soon(uvicorn_server.serve, [sock])
