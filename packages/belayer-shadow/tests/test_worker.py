@@ -24,6 +24,7 @@ from belayer_shadow._workers._heartbeat import HandoverFlag, Heartbeat
 from belayer_shadow._workers._link import LinkConn
 from belayer_shadow._workers._service import EngineService, _Job
 from belayer_shadow._workers._shadow import check_device_health
+from belayer_shadow._workers._stepper import Delivery, Stepper
 from belayer_shadow._workers._worker import register_worker
 
 PROMPT = [5, 17, 99, 3, 250, 8]
@@ -298,6 +299,115 @@ async def test_the_heartbeat_goes_stale_when_the_step_or_the_event_loop_is_stuck
     assert stuck_step > 1.0
     assert stuck_loop is not None
     assert stuck_loop > 1.0
+
+
+def _link_tokens(frame: bytes, tokens: dict[int, list[tuple[int, int]]]) -> set[int]:
+    """Add a STEP frame's tokens to ``tokens`` (per handle, (index, token id)); its finished handles."""
+    _length, kind = struct.unpack_from("<IB", frame)  # the README's frame header
+    assert kind == 3, frame  # STEP
+    step = decode_step(memoryview(frame)[5:])
+    at = 0
+    for handle, first, count in zip(step.handles, step.firsts, step.counts, strict=True):
+        ids = step.token_ids[at : at + count]
+        tokens.setdefault(handle, []).extend((first + i, t) for i, t in enumerate(ids))
+        at += count
+    return set(step.finished)
+
+
+@pytest.mark.anyio
+async def test_a_link_closed_under_a_step_ends_its_jobs_and_other_links_stream_on(tmp_path: Path) -> None:
+    """A STEP frame for a link whose stream is already closed (the router just left, its jobs not
+    yet aborted) ends that link's jobs; the other link's frames of the same steps still go out."""
+    service = EngineService(
+        _engine(), Heartbeat(tmp_path / "hb"), EventLog(tmp_path / "e.jsonl", "t"), epoch=1
+    )
+    closed_out, closed_in = anyio.create_memory_object_stream[bytes](math.inf)
+    closed_in.close()
+    outbox, frames = anyio.create_memory_object_stream[bytes](math.inf)
+    gone, link = LinkConn(closed_out), LinkConn(outbox)
+    reference = _greedy(PROMPT, MAX_TOKENS)
+    # Both queued before the loop starts: the engine serves them in the same steps, `gone` first.
+    assert service.submit_link(gone, 1, _body([], request_id="gone")) is None
+    assert service.submit_link(link, 1, _body([], request_id="kept")) is None
+    tokens: dict[int, list[tuple[int, int]]] = {}
+    async with anyio.create_task_group() as group:
+        group.start_soon(service.run_loop)
+        with anyio.fail_after(60):
+            while 1 not in _link_tokens(await frames.receive(), tokens):
+                pass
+        group.cancel_scope.cancel()
+    assert tokens == {1: list(enumerate(reference))}
+    assert gone.jobs == {}
+    assert link.jobs == {}
+    assert service._jobs == {}
+    assert not service.engine.has_unfinished()
+
+
+@pytest.mark.anyio
+async def test_a_failed_delivery_does_not_strand_the_deliveries_behind_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The event loop's handler raising on one delivery: logged, and the next one is still delivered
+    (the engine is idle: no later hand-off would take it)."""
+    stepper = Stepper(_engine(), Heartbeat(tmp_path / "hb"), EventLog(None, "t"), 0.05, 0.2)
+    bad, good = Delivery([], []), Delivery([], [])
+    delivered: list[Delivery] = []
+
+    def deliver(delivery: Delivery) -> None:
+        if delivery is bad:
+            raise RuntimeError("a bug in the handler")
+        delivered.append(delivery)
+
+    stepper.start(deliver)
+    try:
+        stepper._hand_off(bad)  # as the stepping thread does after a step: queued, one drain posted
+        stepper._hand_off(good)
+        with anyio.fail_after(60):
+            while not delivered:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+    finally:
+        await anyio.to_thread.run_sync(stepper.stop)
+    assert len(delivered) == 1
+    assert delivered[0] is good
+    assert "a bug in the handler" in caplog.text
+
+
+@pytest.mark.anyio
+async def test_stopping_gives_up_on_a_hung_step_after_its_bound_and_can_start_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A step that does not return does not block the loop's shutdown past `stop_timeout_s`: the stop
+    is logged and the step is left to the daemon thread; once it returns, the loop runs again."""
+    engine = GatedEngine(_engine())
+    log = EventLog(tmp_path / "e.jsonl", "t")
+    service = EngineService(engine, Heartbeat(tmp_path / "hb"), log, epoch=1, stop_timeout_s=0.5)  # type: ignore[arg-type]
+    outbox, frames = anyio.create_memory_object_stream[bytes](math.inf)
+    link = LinkConn(outbox)
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(service.run_loop)
+            engine.hold_next.set()
+            assert service.submit_link(link, 1, _body([], request_id="held")) is None
+            assert await anyio.to_thread.run_sync(engine.held.wait, 60)
+            group.cancel_scope.cancel()  # run_loop stops the stepper: it waits at most 0.5 s
+        assert service.step_in_progress
+        assert "did not return" in caplog.text
+        assert "stepper.stop_timed_out" in [event["event"] for event in read_events(tmp_path / "e.jsonl")]
+    finally:
+        engine.release.set()
+    with anyio.fail_after(60):
+        while service.step_in_progress:  # noqa: ASYNC110
+            await anyio.sleep(0.02)
+    service.abort_link(link, 1)
+    tokens: dict[int, list[tuple[int, int]]] = {}
+    async with anyio.create_task_group() as group:
+        group.start_soon(service.run_loop)
+        assert service.submit_link(link, 2, _body([], request_id="next")) is None
+        with anyio.fail_after(60):
+            while 2 not in _link_tokens(await frames.receive(), tokens):
+                pass
+        group.cancel_scope.cancel()
+    assert tokens[2] == list(enumerate(_greedy(PROMPT, MAX_TOKENS)))
 
 
 def _drain(stream: anyio.streams.memory.MemoryObjectReceiveStream[bytes]) -> list[bytes]:

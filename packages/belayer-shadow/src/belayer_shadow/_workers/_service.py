@@ -140,6 +140,7 @@ class EngineService:
     resume_mode: ResumeMode = "continue"
     idle_tick_s: float = 0.05
     weight_refresh_s: float = 0.2
+    stop_timeout_s: float = 10.0  # how long stopping waits for a step in progress (then leaves it)
     num_tokens: int = 0
     num_tokens_regenerated: int = 0
     num_link_frames: int = 0  # STEP frames sent on router links (at most one per step and link)
@@ -148,13 +149,24 @@ class EngineService:
 
     def __attrs_post_init__(self) -> None:
         self._stepper = Stepper(
-            self.engine, self.heartbeat, self.log, self.idle_tick_s, self.weight_refresh_s
+            self.engine,
+            self.heartbeat,
+            self.log,
+            self.idle_tick_s,
+            self.weight_refresh_s,
+            stop_timeout_s=self.stop_timeout_s,
         )
 
     @property
     def num_steps(self) -> int:
         """Engine steps taken so far."""
         return self._stepper.num_steps
+
+    @property
+    def step_in_progress(self) -> bool:
+        """Whether the stepping thread still runs: after `run_loop` ended, a step that did not return
+        within `stop_timeout_s` (the engine must then not be used or closed)."""
+        return self._stepper.in_step
 
     # The scheduling loop.
 
@@ -177,7 +189,7 @@ class EngineService:
                 continue
             if job.link is not None:
                 self._end_link_job(job)
-                job.link.outbox.send_nowait(encode_reject(job.handle, reason))
+                self._send_link(job.link, encode_reject(job.handle, reason))
             else:
                 self._finish(job, _line({"type": "error", "epoch": self.epoch, "message": reason}))
         if delivery.outputs:
@@ -208,8 +220,7 @@ class EngineService:
         ] = {}
         for job, first_index, token_ids, logprobs in frames.values():
             if job.link is None:
-                assert job.events is not None
-                job.events.send_nowait(encode_worker_tokens(self.epoch, first_index, token_ids, logprobs))
+                self._send_job(job, encode_worker_tokens(self.epoch, first_index, token_ids, logprobs))
             else:
                 steps.setdefault(id(job.link), (job.link, [], []))[1].append(
                     (job.handle, first_index, token_ids, logprobs)
@@ -223,8 +234,37 @@ class EngineService:
                 steps.setdefault(id(job.link), (job.link, [], []))[2].append((job.handle, finish_reason))
                 self._end_link_job(job)
         for link, entries, done in steps.values():
-            link.outbox.send_nowait(encode_step(self.epoch, entries, done))
-            self.num_link_frames += 1
+            if self._send_link(link, encode_step(self.epoch, entries, done)):
+                self.num_link_frames += 1
+
+    def _send_job(self, job: _Job, line: bytes) -> None:
+        """Queue ``line`` on the stream of ``job``; a stream already closed ends that job only."""
+        assert job.events is not None
+        try:
+            job.events.send_nowait(line)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            self._abandon(job)
+
+    def _send_link(self, link: LinkConn, frame: bytes) -> bool:
+        """Queue ``frame`` on ``link``; a link already closed ends its jobs (and nothing else)."""
+        try:
+            link.outbox.send_nowait(frame)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            for job in list(link.jobs.values()):
+                self._abandon(job)
+            return False
+        return True
+
+    def _abandon(self, job: _Job) -> None:
+        """Its client is gone before the job was aborted: finish it and abort it in the engine."""
+        if job.finished:
+            return
+        job.finished = True
+        if self._jobs.get(job.request_id) is job:
+            del self._jobs[job.request_id]
+        if job.link is not None:
+            job.link.jobs.pop(job.handle, None)
+        self._stepper.abort(job)
 
     def _end_link_job(self, job: _Job) -> None:
         job.finished = True
@@ -233,9 +273,9 @@ class EngineService:
             job.link.jobs.pop(job.handle, None)
 
     def _finish(self, job: _Job, last: bytes) -> None:
+        self._send_job(job, last)
         job.finished = True
         assert job.events is not None
-        job.events.send_nowait(last)
         job.events.close()
 
     # HTTP.

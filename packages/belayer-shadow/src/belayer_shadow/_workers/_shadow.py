@@ -124,6 +124,7 @@ def run_shadow(config: ShadowConfig) -> int:
     log = EventLog(worker.event_log, f"shadow:{os.getpid()}")
     with log.step("shadow.attach"):
         engine = build_engine(worker)
+    service: EngineService | None = None
     try:
         with log.step("shadow.warmup"):
             for _ in range(NUM_WARMUPS):  # the first runs of each shape are slow; pay for them now
@@ -161,4 +162,7 @@ def run_shadow(config: ShadowConfig) -> int:
         anyio.run(lambda: serve_service(service, worker, prepare=prepare))
         return EXIT_UNHEALTHY if failed else 0
     finally:
-        engine.close()
+        if service is not None and service.step_in_progress:  # as in `run_worker`
+            log.emit("worker.close_skipped", reason="engine.step() still running after the stop")
+        else:
+            engine.close()

@@ -11,12 +11,18 @@ Each output is tagged with the submission (`_Job`) the engine was serving under 
 so tokens of an aborted job that a step in flight still produced never reach a job resubmitted
 under the same id: the old job is marked finished by the event loop at the abort and its tokens
 are dropped; the engine drops the old job (between steps) before it takes the new one.
+
+A delivery that fails (a bug in the event loop's handler) is logged and the rest of the batch is
+still delivered: a stranded delivery would stall other clients' streams once the engine idles.
+`stop` waits for the step in progress at most `stop_timeout_s`: a hung `engine.step()` (a CUDA/NCCL
+hang) is logged and left behind in the daemon thread, so the process can still exit.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +39,8 @@ if TYPE_CHECKING:
     from belayer_shadow._workers._service import Engine, _Job
 
 __all__ = ["Delivery", "Stepper"]
+
+_log = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -53,6 +61,7 @@ class Stepper:
     log: EventLog
     idle_tick_s: float
     weight_refresh_s: float
+    stop_timeout_s: float = 10.0  # how long `stop` waits for the step in progress
     num_steps: int = 0
     step_s: float = 0.0  # wall seconds inside engine.step()
     gap_s: float = 0.0  # wall seconds between back-to-back steps (queue, bookkeeping, hand-off)
@@ -96,23 +105,49 @@ class Stepper:
             raise WorkerError(
                 "EngineService.run_loop needs anyio's asyncio backend (the workers serve through uvicorn)"
             ) from None
+        if self.in_step:
+            raise WorkerError(
+                "the previous stepping thread is still inside engine.step(); this engine cannot be "
+                "stepped again: restart the worker"
+            )
+        self._stopping = False
+        self.error = None
         self._deliver, self._post = deliver, loop.call_soon_threadsafe
         self._thread = threading.Thread(target=self._run, name="belayer-step", daemon=True)
         self._thread.start()
 
+    @property
+    def in_step(self) -> bool:
+        """Whether the stepping thread still runs (after `stop`: a step that did not return)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self) -> None:
-        """Stop stepping and wait for the thread (at most the step in progress). Blocking."""
+        """Stop stepping and wait for the thread (the step in progress), at most `stop_timeout_s`.
+        Blocking. A step still running then is logged and left to the daemon thread (`in_step`
+        stays True); the engine must not be used again, and the process may exit."""
         self._stopping = True
         self._kick.set()
-        if self._thread is not None:
-            self._thread.join()
+        if self._thread is None:
+            return
+        self._thread.join(self.stop_timeout_s)
+        if self._thread.is_alive():
+            _log.error(
+                "engine.step() did not return within %.1f s of the stop; the stepping thread is "
+                "left behind (a daemon: it does not keep the process alive)",
+                self.stop_timeout_s,
+            )
+            self.log.emit("stepper.stop_timed_out", timeout_s=self.stop_timeout_s)
 
     def _drain(self) -> None:  # on the event loop
         self._delivery_posted = False  # first: an iteration appending from now on posts again
         self.tick()
         assert self._deliver is not None
         while self._deliveries:
-            self._deliver(self._deliveries.popleft())
+            delivery = self._deliveries.popleft()
+            try:
+                self._deliver(delivery)
+            except Exception:  # one failed delivery must not strand the ones behind it
+                _log.exception("delivering a step's outputs failed; the next deliveries go on")
 
     # Stepping thread.
 

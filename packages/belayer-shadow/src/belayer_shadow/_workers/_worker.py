@@ -172,6 +172,7 @@ def run_worker(config: WorkerConfig) -> None:
     log = EventLog(config.event_log, f"worker:{os.getpid()}")
     with log.step("worker.attach"):
         engine = build_engine(config)
+    service: EngineService | None = None
     try:
         with log.step("worker.warmup"):
             for _ in range(NUM_WARMUPS):  # the first runs of each shape are slow; pay for them now
@@ -185,4 +186,9 @@ def run_worker(config: WorkerConfig) -> None:
         )
         anyio.run(serve_service, service, config)
     finally:
-        engine.close()
+        if service is not None and service.step_in_progress:
+            # A hung engine.step() outlived the stop's bound: closing the engine under it could hang
+            # or crash; the process exits now and the daemon stepping thread ends with it.
+            log.emit("worker.close_skipped", reason="engine.step() still running after the stop")
+        else:
+            engine.close()
