@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,7 +22,14 @@ import ray
 from cluster_helpers import PROMPTS, TOKEN, ancestors, gone, rollout, wait_until
 from cluster_helpers import Rollout as Streams
 
-from belayer_cluster import DriverRouter, LocalRayCluster, RolloutCluster, SandboxCluster, SandboxHostError
+from belayer_cluster import (
+    DriverRouter,
+    LocalRayCluster,
+    RolloutCluster,
+    RouterAccessError,
+    SandboxCluster,
+    SandboxHostError,
+)
 
 pytestmark = pytest.mark.timeout(300)
 MAX_TOKENS = 160
@@ -185,20 +193,25 @@ def test_a_parked_sandbox_serves_the_next_trajectory_with_its_folder_emptied(
 ) -> None:
     first = sandboxes.create("traj-park", working_dir="/work")
     taken = None
+    sleeping = "grep -q sleep /proc/$(cat /tmp/sleeper.pid)/cmdline"
     try:
-        sandboxes.exec("traj-park", "echo left > /work/f", container_id=first.container_id)
-        assert sandboxes.park("traj-park", "another-container", "/work") is False  # not its current one
-        assert sandboxes.park("traj-park", first.container_id, "/work") is True
+        sandboxes.exec(
+            "traj-park", "echo left > /work/f; echo hidden > /work/.h", container_id=first.container_id
+        )
+        sandboxes.exec("traj-park", "sleep 1000 > /dev/null 2>&1 & echo $! > /tmp/sleeper.pid")
+        assert sandboxes.exec("traj-park", sleeping)["exit_code"] == 0  # the leftover process runs
+        assert sandboxes.park("traj-park", "another-container") is False  # not its current one
+        assert sandboxes.park("traj-park", first.container_id) is True
         with pytest.raises(SandboxHostError, match="no sandbox for trajectory"):
             sandboxes.where("traj-park")  # forgotten: a node's recovery does not restore it
         assert sandboxes.take_idle("traj-next", "belayer/busybox", "/elsewhere") is None  # other folder
         taken = sandboxes.take_idle("traj-next", "belayer/busybox", "/work")
         assert taken is not None
         assert (taken.container_id, taken.node_id, taken.prefix) == (first.container_id, first.node_id, 0)
-        assert (
-            sandboxes.exec("traj-next", "test -e /work/f", container_id=taken.container_id)["exit_code"] == 1
-        )
-        assert sandboxes.exec("traj-next", "test -d /work")["exit_code"] == 0
+        listing = sandboxes.exec("traj-next", "ls -A /work", container_id=taken.container_id)
+        assert (listing["exit_code"], listing["stdout"]) == (0, "")  # emptied, hidden files too
+        assert sandboxes.exec("traj-next", sleeping)["exit_code"] != 0  # killed by the reset
+        assert sandboxes.exec("traj-next", "cat /tmp/sleeper.pid")["exit_code"] == 0  # not reset: outside
         # A reused sandbox is checkpointed like a fresh one (its processes' working folder was
         # emptied, not deleted: CRIU refuses a deleted one).
         _, checkpoint, _ = sandboxes.checkpoint_at(
@@ -210,6 +223,37 @@ def test_a_parked_sandbox_serves_the_next_trajectory_with_its_folder_emptied(
         sandboxes.release("traj-next")
         sandboxes.release("traj-park")
     assert first.container_id not in sandboxes.containers()
+
+
+def test_a_parked_sandbox_that_stopped_is_removed_not_taken(sandboxes: SandboxCluster) -> None:
+    parked = sandboxes.create("traj-stops", working_dir="/work")
+    assert sandboxes.park("traj-stops", parked.container_id) is True
+    subprocess.run(["docker", "kill", parked.container_id], check=True, capture_output=True, timeout=120)
+    assert sandboxes.take_idle("traj-after", "belayer/busybox", "/work") is None
+    assert parked.container_id not in sandboxes.containers()  # removed by its host, not leaked
+
+
+def test_a_sandbox_with_the_root_as_working_folder_is_not_parked(sandboxes: SandboxCluster) -> None:
+    box = sandboxes.create("traj-root")  # working folder "/": never emptied
+    assert sandboxes.park("traj-root", box.container_id) is False
+    assert box.container_id not in sandboxes.containers()  # removed by its host
+    sandboxes.release("traj-root")  # as a caller does when park says False
+
+
+def test_a_router_that_refuses_the_watcher_is_a_config_error_at_start(
+    local_ray: LocalRayCluster, router: DriverRouter, shared_dir: Path
+) -> None:
+    # Not "router away" (which leaves the Ray detector alone on purpose): a 4xx is a setting to fix.
+    wrong = RolloutCluster(["w"], router_url=router.url, shared_dir=shared_dir, admin_token="not-the-token")
+    with pytest.raises(RouterAccessError, match=r"401.*admin token"):
+        wrong.start()
+    elsewhere = RolloutCluster(
+        ["w"], router_url=f"{router.url}/nothing", shared_dir=shared_dir, admin_token=TOKEN
+    )
+    with pytest.raises(RouterAccessError, match=r"404.*router_url"):
+        elsewhere.start()
+    assert not wrong.hosts  # refused before any slot was placed
+    assert not elsewhere.hosts
 
 
 def test_a_node_removed_mid_rollout_resumes_on_another_node_exactly(
@@ -232,7 +276,7 @@ def test_a_node_removed_mid_rollout_resumes_on_another_node_exactly(
     sandboxes.exec("traj-b", "echo late > /late.txt")
     fresh = sandboxes.create("traj-c", lost.node_id)  # no checkpoint: fenced, its owner restarts it
     parked = sandboxes.create("traj-idle", lost.node_id, working_dir="/work")  # idle: fenced too
-    assert sandboxes.park("traj-idle", parked.container_id, "/work")
+    assert sandboxes.park("traj-idle", parked.container_id)
     streams = Streams(router.url, PROMPTS, MAX_TOKENS).start()
     streams.wait_tokens(4)
     failures = _stream_failures(router)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import threading
 import time
@@ -18,11 +19,19 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from belayer_cluster._detect import Detections, RouterStreams
-from belayer_cluster._errors import ClusterConfigError, ClusterStartError, SandboxHostError, SlotHostError
+from belayer_cluster._errors import (
+    ClusterConfigError,
+    ClusterStartError,
+    RouterAccessError,
+    SandboxHostError,
+    SlotHostError,
+)
 from belayer_cluster._sandboxes import SandboxCluster, SandboxRestore
 from belayer_cluster._slot_host import SlotHost, SlotInfo
 
 __all__ = ["NodeLoss", "RolloutCluster"]
+
+_log = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -113,11 +122,13 @@ class RolloutCluster:
         # host (its ping answered: a handover or a crashed worker on a live node, no node loss)
         self.live_breaks: dict[str, int] = {}
         self._streams = RouterStreams(self.router_url, admin_token)
+        self.router_refused: str | None = None  # why the router refused GET /workers in a poll, if it did
 
     def start(self) -> dict[str, SlotInfo]:
         """Reserve the bundles, start every slot (concurrently) and the node watcher."""
         if not ray.is_initialized():
             raise ClusterStartError("connect to Ray first (ray.init(address=...) or LocalRayCluster)")
+        self._streams.read()  # RouterAccessError now for a wrong admin token or URL (a router away is fine)
         bundles = [{"CPU": self.cpus_per_slot, **self.resources} for _ in self.slots]
         self._group = placement_group(bundles, strategy="SPREAD", name="")
         try:
@@ -221,7 +232,14 @@ class RolloutCluster:
         answer a ping within `probe_timeout_s`; a host that answers explains the breaks (a
         handover or a crashed worker on a live node): they are acknowledged, `live_breaks`."""
         suspects: set[str] = set()
-        for slot, streams in self._streams.rises().items():
+        try:
+            rises = self._streams.rises()
+        except RouterAccessError as exc:  # refused after start (checked there): said once, Ray goes on
+            if self.router_refused is None:
+                _log.warning("router broken-stream detector off: %s", exc)
+            self.router_refused = str(exc)
+            return suspects
+        for slot, streams in rises.items():
             info = self.infos.get(slot)
             if info is None or info.node_id in skip:  # not this cluster's slot, or its node is known
                 self._streams.acknowledge(streams)

@@ -17,6 +17,8 @@ import threading
 import attrs
 import httpx
 
+from belayer_cluster._errors import RouterAccessError
+
 __all__ = ["DETECTORS", "Detections", "RouterStreams", "SlotStreams"]
 
 # The detectors, in the order a tie (same poll) is broken.
@@ -48,9 +50,24 @@ class RouterStreams:
 
     def read(self) -> dict[str, SlotStreams] | None:
         """Each slot's broken streams now, or None when the router does not answer (a router that
-        does not count them per slot gives 0 for every slot: only Ray's detector then works)."""
+        does not count them per slot gives 0 for every slot: only Ray's detector then works).
+        `RouterAccessError` when the router refuses the read (a 4xx): that is a setting to fix,
+        not a router away."""
         try:
             answer = httpx.get(f"{self.router_url}/workers", headers=self.headers, timeout=5.0)
+        except httpx.HTTPError:
+            return None
+        if 400 <= answer.status_code < 500 and answer.status_code not in (408, 429):
+            fix = (
+                "pass the router's admin token (RolloutCluster admin_token)"
+                if answer.status_code in (401, 403)
+                else "check router_url: it must be the belayer-router's base URL"
+            )
+            raise RouterAccessError(
+                f"the router at {self.router_url} answered GET /workers with {answer.status_code} "
+                f"{answer.reason_phrase}: {fix}"
+            )
+        try:
             slots = answer.raise_for_status().json()["slots"]
             return {
                 s["slot"]: SlotStreams(
@@ -62,7 +79,8 @@ class RouterStreams:
             return None
 
     def rises(self) -> dict[str, SlotStreams]:
-        """The slots whose broken-stream count rose since acknowledged (empty if the router is away)."""
+        """The slots whose broken-stream count rose since acknowledged (empty if the router is away;
+        `RouterAccessError` if it refuses the read)."""
         now = self.read()
         if now is None:
             return {}

@@ -21,6 +21,11 @@ class ClusterConfigError(BelayerClusterError, ValueError):
     """A cluster setting that cannot work (the message names the field and what to change)."""
 
 
+class RouterAccessError(ClusterConfigError):
+    """The router refused the cluster's read of ``GET /workers`` (a 4xx: a wrong or missing admin
+    token, a wrong router URL); the message names the status and what to fix."""
+
+
 class ClusterStartError(BelayerClusterError):
     """Ray could not be started or joined, or the slots could not be placed."""
 

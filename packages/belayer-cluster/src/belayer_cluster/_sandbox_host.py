@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import shlex
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +21,26 @@ import ray
 
 from belayer_cluster._errors import SandboxHostError
 
-__all__ = ["CLUSTER_LABEL", "SandboxHost", "SandboxInfo"]
+__all__ = ["CLUSTER_LABEL", "SandboxHost", "SandboxInfo", "reset_command"]
 
 CLUSTER_LABEL = "belayer.cluster"  # every container a sandbox host creates carries it
+
+
+def reset_command(working_dir: str) -> list[str]:
+    """The command that readies a done trajectory's sandbox for the next one: kill every process
+    but PID 1 (twice: one forked meanwhile is caught), then empty `working_dir`'s contents.
+
+    The contents, not the folder: the container's processes have it as their working directory,
+    and CRIU cannot checkpoint a process whose working directory was deleted ("Can't create link
+    remap"), so a sandbox reset with ``rm -rf DIR`` could never be checkpointed again.
+    """
+    folder = shlex.quote(working_dir.rstrip("/") or "/")
+    kill = "kill -9 -1 2>/dev/null; kill -9 -1 2>/dev/null"
+    return [
+        "/bin/sh",
+        "-c",
+        f"{kill}; rm -rf -- {folder}/* {folder}/.[!.]* {folder}/..?* && mkdir -p {folder}",
+    ]
 
 
 @attrs.frozen
@@ -178,16 +194,7 @@ class SandboxHost:
         try:
             with sandbox.action_boundary():
                 if probe_argv:
-                    # Read-only, so asked again when it came back empty with exit 0: docker-py
-                    # (7.2.0, `APIClient._get_raw_response_socket`) reads an exec's output from the
-                    # raw socket under http.client's buffered reader, so output that arrived with
-                    # the response headers (a short command on a loaded machine) is lost; about 1
-                    # exec in 80 under load 10-15 here (belayer-envckpt's exec_in uses it).
-                    for attempt in range(3):
-                        result = sandbox.probe(probe_argv, workdir=workdir)
-                        if result.stdout.strip() or result.exit_code != 0:
-                            break
-                        time.sleep(0.5 * (attempt + 1))
+                    result = sandbox.probe(probe_argv, workdir=workdir)
                     probed = {"stdout": result.stdout, "stderr": result.stderr, "exit_code": result.exit_code}
                 ckpt = full_checkpoint(
                     sandbox, trajectory, prefix=prefix, context_ref=context_ref, store=self.store
@@ -223,27 +230,26 @@ class SandboxHost:
             del self.sandboxes[trajectory]
         return bool(self.engine.remove(container_id))
 
-    def park(self, trajectory: str, container_id: str, workdir: str) -> tuple[str, str] | None:
-        """Empty `workdir` of the trajectory's sandbox (container `container_id`) and keep it idle for
-        another trajectory (`adopt`): returns its (image, working folder), or None when it cannot
-        be reused (not that container, not running, the reset failed); then it is removed."""
+    def park(self, trajectory: str, container_id: str) -> tuple[str, str] | None:
+        """Reset the trajectory's sandbox (container `container_id`) and keep it idle for another
+        trajectory (`adopt`): returns its (image, working folder), or None when it cannot be reused
+        (not that container, not running, a working folder of "/", the reset failed); then it is
+        removed. The reset is `reset_command`: every process but PID 1 killed, the working folder
+        emptied; files outside the working folder are not reset."""
         from belayer_envckpt import BelayerEnvckptError
 
         sandbox = self.sandboxes.get(trajectory)
         if sandbox is None or sandbox.id != container_id:
             return None
         del self.sandboxes[trajectory]
-        # Its contents, not the folder: the container's processes have it as their working
-        # directory, and CRIU cannot checkpoint a process whose working directory was deleted
-        # ("Can't create link remap"), so a reused sandbox could never be checkpointed again.
-        quoted = shlex.quote(workdir)
-        empty = f"rm -rf -- {quoted}/* {quoted}/.[!.]* {quoted}/..?* && mkdir -p {quoted}"
+        working_dir = str(sandbox.config.working_dir)
         try:
-            with sandbox.action_boundary():
-                reset = sandbox.probe(["/bin/sh", "-c", empty], 30.0)
-            if reset.exit_code == 0 and sandbox.is_running():
-                self.idle[container_id] = sandbox
-                return str(sandbox.config.image), str(sandbox.config.working_dir)
+            if working_dir.rstrip("/"):  # never empty "/": such a sandbox is not reused
+                with sandbox.action_boundary():
+                    reset = sandbox.probe(reset_command(working_dir), 30.0, workdir="/")
+                if reset.exit_code == 0 and sandbox.is_running():
+                    self.idle[container_id] = sandbox
+                    return str(sandbox.config.image), working_dir
         except BelayerEnvckptError:
             pass
         with contextlib.suppress(BelayerEnvckptError):
@@ -251,13 +257,20 @@ class SandboxHost:
         return None
 
     def adopt(self, container_id: str, trajectory: str) -> SandboxInfo:
-        """Hand the idle sandbox `container_id` to `trajectory` (prefix 0, no LLM context)."""
+        """Hand the idle sandbox `container_id` to `trajectory` (prefix 0, no LLM context); one that
+        stopped running while idle is removed (and `SandboxHostError` raised)."""
+        from belayer_envckpt import BelayerEnvckptError
+
         current = self.sandboxes.get(trajectory)
         if current is not None and current.is_running():
             raise SandboxHostError(f"trajectory {trajectory!r} already has a sandbox on this node")
         sandbox = self.idle.pop(container_id, None)
-        if sandbox is None or not sandbox.is_running():
+        if sandbox is None:
             raise SandboxHostError(f"container {container_id[:12]} is not an idle sandbox of this node")
+        if not sandbox.is_running():  # exited or OOM-killed while idle: nobody else removes it
+            with contextlib.suppress(BelayerEnvckptError):
+                sandbox.remove()
+            raise SandboxHostError(f"idle sandbox {container_id[:12]} stopped running; removed")
         sandbox.trajectory, sandbox.prefix, sandbox.context_ref = trajectory, 0, ""
         self.sandboxes[trajectory] = sandbox
         return self._info(trajectory, "")

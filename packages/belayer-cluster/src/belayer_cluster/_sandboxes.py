@@ -46,7 +46,8 @@ class SandboxCluster:
     containers and restores each of its sandboxes on a surviving node from its latest ready
     checkpoint. Here every simulated node shares the one Docker daemon: a host is its Ray node.
     A done trajectory's sandbox can be kept for the next one (`park`, `take_idle`): its host
-    empties its working folder; a lost node's parked sandboxes are fenced, not restored.
+    kills its processes but PID 1 and empties its working folder (files elsewhere stay); a lost
+    node's parked sandboxes are fenced, not restored.
     """
 
     def __init__(
@@ -316,9 +317,10 @@ class SandboxCluster:
             )
         return done
 
-    def park(self, trajectory: str, container_id: str, workdir: str) -> bool:
+    def park(self, trajectory: str, container_id: str) -> bool:
         """Keep the done trajectory's sandbox (container `container_id`) for another trajectory: its
-        host empties `workdir` and holds it idle (`take_idle`), and the trajectory is forgotten.
+        host kills every process in it but PID 1, empties its working folder (`reset_command`) and
+        holds it idle (`take_idle`), and the trajectory is forgotten.
         False when it cannot be reused (moved or restored since, its node lost, the reset failed):
         the caller then `release`s the trajectory."""
         with self._moving:
@@ -326,7 +328,7 @@ class SandboxCluster:
             if info is None or info.container_id != container_id or info.node_id not in self.hosts:
                 return False
             try:
-                key = self._get(self.hosts[info.node_id].park.remote(trajectory, container_id, workdir))
+                key = self._get(self.hosts[info.node_id].park.remote(trajectory, container_id))
             except SandboxHostError:
                 return False
             if key is None:
@@ -351,7 +353,7 @@ class SandboxCluster:
                         self.hosts[found.node_id].adopt.remote(found.container_id, trajectory)
                     )
                 except SandboxHostError:
-                    continue  # gone meanwhile: its host removes what is left when it stops
+                    continue  # stopped while idle: its host removed it
                 self.placed[trajectory] = info
                 return info
 
