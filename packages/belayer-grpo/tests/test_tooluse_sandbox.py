@@ -14,7 +14,7 @@ import pytest
 from agent_script import STOP
 from agentic_support import ADMIN, agentic_config, connect_engine, run_id
 
-from belayer_envckpt import CheckpointStore, Engine
+from belayer_envckpt import CheckpointStore, Engine, full_checkpoint
 from belayer_grpo._agentic import SandboxPool, generate_tooluse_tasks, run_agentic_rollouts
 from belayer_router import ByteTokenizer, RouterClient, RouterConfig, running_router
 from belayer_router.testing import running_worker, text_script
@@ -101,3 +101,36 @@ async def test_a_kill_after_the_read_is_harmless_only_when_the_state_comes_back(
     if recovery == "image":
         assert all("can't open" in t.test_output for t in trajectories)
     assert not list((tmp_path / "ckpt").glob("*/*"))  # every trajectory's checkpoints went with it
+
+
+async def test_a_reused_sandbox_has_no_leftover_process_or_file_and_checkpoints(
+    engine: Engine, tmp_path: Path
+) -> None:
+    store = CheckpointStore(tmp_path / "ckpt")
+    pool = SandboxPool(engine, store, capacity=1, reuse=True)
+    sleeping = "grep -q sleep /proc/$(cat /tmp/sleeper.pid)/cmdline"
+    try:
+        async with pool.lease("reuse-1", "belayer/busybox", "/work") as first:
+            box = first.sandbox
+            await anyio.to_thread.run_sync(lambda: box.exec("echo left > f; echo hidden > .h; mkdir d"))
+            await anyio.to_thread.run_sync(
+                lambda: box.exec("sleep 1000 > /dev/null 2>&1 & echo $! > /tmp/sleeper.pid")
+            )
+            assert (await anyio.to_thread.run_sync(lambda: box.exec(sleeping))).exit_code == 0
+        async with pool.lease("reuse-2", "belayer/busybox", "/work") as second:
+            reused = second.sandbox
+            assert reused.id == box.id
+            assert pool.num_reused == 1
+            listing = await anyio.to_thread.run_sync(lambda: reused.exec("ls -A /work"))
+            assert (listing.exit_code, listing.stdout) == (0, "")  # emptied, hidden files too
+            assert (await anyio.to_thread.run_sync(lambda: reused.exec(sleeping))).exit_code != 0
+            kept = await anyio.to_thread.run_sync(lambda: reused.exec("cat /tmp/sleeper.pid"))
+            assert kept.exit_code == 0  # outside the working directory: not reset (documented)
+            # The directory was emptied, not deleted: CRIU checkpoints the reused sandbox.
+            checkpoint = await anyio.to_thread.run_sync(
+                lambda: full_checkpoint(reused, "reuse-2", prefix=reused.prefix, context_ref="c", store=store)
+            )
+            assert checkpoint.prefix == reused.prefix == 3
+    finally:
+        await pool.aclose()
+    assert not engine.list_containers([f"belayer.grpo.pool={pool.pool_id}"])

@@ -162,8 +162,8 @@ class ClusterSandboxPool(SandboxPool):
 
     ``store`` is the shared directory's checkpoint store (the one the hosts write); ``engine`` is
     this machine's, used only to check checkpoint support.  With ``reuse`` (tooluse) a done
-    trajectory's sandbox that this pool created fresh is parked on its node's host, its working
-    directory emptied (`SandboxCluster.park`), and the next trajectory of the same image and
+    trajectory's sandbox that this pool created fresh is parked on its node's host, its processes
+    but PID 1 killed and its working directory emptied (`SandboxCluster.park`), and the next trajectory of the same image and
     working directory takes it (`SandboxCluster.take_idle`), on whichever node it is; a restored
     sandbox is never reused, and a lost node's parked sandboxes are fenced with it.
     """
@@ -252,11 +252,7 @@ class ClusterSandboxPool(SandboxPool):
 
     def _clean(self, lease: SandboxLease) -> None:
         sandbox = lease.sandbox
-        parked = (
-            self.reuse
-            and sandbox.id in self._created
-            and self._hosts.park(lease.trajectory, sandbox.id, lease.config.working_dir)
-        )
+        parked = self.reuse and sandbox.id in self._created and self._hosts.park(lease.trajectory, sandbox.id)
         if not parked:
             self._created.discard(sandbox.id)
             sandbox.remove()

@@ -6,10 +6,11 @@ to keep them, every checkpoint of the trajectory; closing the pool removes anyth
 is still there (containers carry the pool's label, restored ones included).
 
 With ``reuse`` a sandbox the pool created that is still running when its trajectory ends is not
-removed: its working directory is emptied (``rm -rf`` and ``mkdir``) and the next trajectory of
-the same image and working directory gets it, which saves a container start and removal per
-trajectory.  Only the working directory is reset, so reuse suits tasks whose state lives there
-(the tool-use tasks); a container restored from a checkpoint is never reused.
+removed: every process in it but PID 1 is killed and its working directory's contents are
+emptied (`reset_argv`), and the next trajectory of the same image and working directory gets it,
+which saves a container start and removal per trajectory.  Files outside the working directory
+are not reset, so reuse suits tasks whose state lives there (the tool-use tasks); a container
+restored from a checkpoint, or one whose working directory is ``/``, is never reused.
 """
 
 from __future__ import annotations
@@ -35,9 +36,26 @@ from belayer_envckpt import (
 from belayer_grpo._agentic import environment
 from belayer_grpo._agentic.records import CheckpointRecord
 
-__all__ = ["POOL_LABEL", "SandboxLease", "SandboxPool"]
+__all__ = ["POOL_LABEL", "SandboxLease", "SandboxPool", "reset_argv"]
 
 POOL_LABEL = "belayer.grpo.pool"
+
+
+def reset_argv(working_dir: str) -> list[str]:
+    """The command that readies a done trajectory's sandbox for the next one: kill every process
+    but PID 1 (twice, for one forked meanwhile), then empty ``working_dir``'s contents.
+
+    The contents, not the directory: the container's processes have it as their working
+    directory, and CRIU cannot checkpoint a process whose working directory was deleted ("Can't
+    create link remap"), so a sandbox reset with ``rm -rf DIR`` could never be checkpointed again.
+    """
+    folder = shlex.quote(working_dir.rstrip("/") or "/")
+    kill = "kill -9 -1 2>/dev/null; kill -9 -1 2>/dev/null"
+    return [
+        "/bin/sh",
+        "-c",
+        f"{kill}; rm -rf -- {folder}/* {folder}/.[!.]* {folder}/..?* && mkdir -p {folder}",
+    ]
 
 
 @attrs.define(eq=False)
@@ -133,14 +151,11 @@ class SandboxPool:
         return sandbox
 
     def _reset(self, sandbox: Sandbox) -> bool:
-        """Empty the working directory of a sandbox this pool created; False if it cannot be reused."""
-        if sandbox.id not in self._created:
+        """Reset a sandbox this pool created (`reset_argv`); False if it cannot be reused."""
+        if sandbox.id not in self._created or not sandbox.config.working_dir.rstrip("/"):
             return False
-        workdir = shlex.quote(sandbox.config.working_dir)
         try:
-            result = sandbox.probe(
-                ["/bin/sh", "-c", f"rm -rf {workdir} && mkdir -p {workdir}"], timeout_s=30.0
-            )
+            result = sandbox.probe(reset_argv(sandbox.config.working_dir), timeout_s=30.0, workdir="/")
             return result.exit_code == 0 and sandbox.is_running()
         except BelayerEnvckptError:
             return False
