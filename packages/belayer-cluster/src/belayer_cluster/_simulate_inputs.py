@@ -160,7 +160,7 @@ class SimInputs:
     detection_s: float = attrs.field(default=29.741925954818726, validator=_non_negative)
     worker_restart_s: float = attrs.field(default=79.3382933139801, validator=_non_negative)
     shadow_handover_s: float = attrs.field(default=0.636053204536438, validator=_non_negative)
-    node_loss_resume_s: float = attrs.field(default=3.4801058769226074, validator=_non_negative)
+    node_loss_resume_s: float = attrs.field(default=3.3494436740875244, validator=_non_negative)
     sandbox_restore_s: float = attrs.field(default=5.355012, validator=_non_negative)
     sandbox_restart_s: float = attrs.field(default=5.355012, validator=_non_negative)
 
