@@ -17,7 +17,7 @@ import anyio
 import anyio.lowlevel
 import httpx
 import pytest
-from router_helpers import ADMIN_TOKEN, StartRouter
+from router_helpers import ADMIN_TOKEN, StartRouter, exchange
 
 from belayer_router import ExitCode, RouterClient, RouterConfig, running_router, serving
 from belayer_router.asgi import Receive, Send
@@ -38,19 +38,6 @@ async def router() -> AsyncIterator[tuple[str, int]]:
         await client.register("s", worker_url, 1)
         host, port = url.removeprefix("http://").rsplit(":", 1)
         yield host, int(port)
-
-
-async def _exchange(address: tuple[str, int], data: bytes, limit_s: float = 60) -> bytes:
-    """Send ``data`` on a fresh connection, then read until the server closes it."""
-    with anyio.fail_after(limit_s):
-        async with await anyio.connect_tcp(*address) as stream:
-            await stream.send(data)
-            received = b""
-            while True:
-                try:
-                    received += await stream.receive()
-                except (anyio.EndOfStream, anyio.BrokenResourceError):
-                    return received
 
 
 async def _still_serving(address: tuple[str, int]) -> None:
@@ -77,7 +64,7 @@ def _statuses(data: bytes) -> list[int]:
 async def test_malformed_http_gets_a_4xx_and_a_closed_connection(
     router: tuple[str, int], request_bytes: bytes, status: int
 ) -> None:
-    answer = await _exchange(router, request_bytes)
+    answer = await exchange(router, request_bytes)
     assert _statuses(answer) == [status]
     assert b"connection: close" in answer.lower()
     await _still_serving(router)
@@ -87,7 +74,7 @@ async def test_an_upgrade_request_is_served_as_plain_http_and_closed(router: tup
     upgrade = (
         b"GET /health HTTP/1.1\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\nGET /x HTTP/1.1\r\n\r\n"
     )
-    answer = await _exchange(router, upgrade)
+    answer = await exchange(router, upgrade)
     assert _statuses(answer) == [200]
     assert b"connection: close" in answer.lower()
     await _still_serving(router)
@@ -96,7 +83,7 @@ async def test_an_upgrade_request_is_served_as_plain_http_and_closed(router: tup
 async def test_an_oversized_body_is_a_413_and_the_rest_is_not_read(router: tuple[str, int]) -> None:
     body = b'{"prompt_token_ids": [' + b"1," * 100_000 + b"1]}"
     head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
-    answer = await _exchange(router, head + body)
+    answer = await exchange(router, head + body)
     assert _statuses(answer) == [413]
     assert b"max_body_bytes" in answer
     await _still_serving(router)
@@ -127,7 +114,7 @@ async def test_pipelined_requests_are_answered_in_order_on_one_connection(router
         + chunked
         + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
     )
-    answer = await _exchange(router, data)
+    answer = await exchange(router, data)
     assert _statuses(answer) == [200, 200, 404, 200, 200]
     assert answer.count(b'"token_ids":%s' % json.dumps(expected_tokens(2, 5)).replace(" ", "").encode()) == 2
 
@@ -162,10 +149,10 @@ async def test_an_app_error_is_a_500_and_an_unfinished_response_closes_the_conne
     async with serving(app, server="belayer") as url:
         address = url.removeprefix("http://").rsplit(":", 1)
         host, port = address[0], int(address[1])
-        assert _statuses(await _exchange((host, port), b"GET /raise HTTP/1.1\r\n\r\n")) == [500]
+        assert _statuses(await exchange((host, port), b"GET /raise HTTP/1.1\r\n\r\n")) == [500]
         bad_body = b"POST /read-then-raise HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\nZZ\r\n"
-        assert _statuses(await _exchange((host, port), bad_body)) == [400]  # and no 500 after it
-        cut = await _exchange((host, port), b"GET /cut HTTP/1.1\r\n\r\n")
+        assert _statuses(await exchange((host, port), bad_body)) == [400]  # and no 500 after it
+        cut = await exchange((host, port), b"GET /cut HTTP/1.1\r\n\r\n")
         assert _statuses(cut) == [200]
         assert cut.endswith(b"7\r\npartial\r\n")  # no terminating chunk: the client sees it cut
 

@@ -14,6 +14,7 @@ import anyio.abc
 import anyio.lowlevel
 import httpx
 import pytest
+from router_helpers import exchange
 
 from belayer_router import (
     ByteTokenizer,
@@ -36,19 +37,6 @@ pytestmark = pytest.mark.anyio
 def _address(url: str) -> tuple[str, int]:
     host, port = url.removeprefix("http://").rsplit(":", 1)
     return host, int(port)
-
-
-async def _exchange(address: tuple[str, int], data: bytes, limit_s: float = 60) -> bytes:
-    """Send ``data`` on a fresh connection, then read until the server closes it."""
-    with anyio.fail_after(limit_s):
-        async with await anyio.connect_tcp(*address) as stream:
-            await stream.send(data)
-            received = b""
-            while True:
-                try:
-                    received += await stream.receive()
-                except (anyio.EndOfStream, anyio.BrokenResourceError):
-                    return received
 
 
 @pytest.fixture
@@ -84,7 +72,7 @@ async def test_streamed_completions_over_http10_are_rendered_once(router: str) -
         {"model": "m", "prompt": [1, 2], "max_tokens": num_tokens, "seed": seed, "stream": True}
     ).encode()
     head = b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-    answer = await _exchange(_address(router), head % len(body) + body)
+    answer = await exchange(_address(router), head % len(body) + body)
     assert answer.startswith(b"HTTP/1.1 200 ")
     text_10, ids_10 = _sse_text(answer.partition(b"\r\n\r\n")[2])
     async with httpx.AsyncClient(timeout=60) as http:  # the same over HTTP/1.1 (direct writes)
@@ -122,8 +110,8 @@ async def test_a_refused_direct_write_is_not_rendered_again_on_http10_and_head()
         )
 
     async with serving(app, server="belayer") as url:
-        old = await _exchange(_address(url), b"GET / HTTP/1.0\r\n\r\n")
-        head = await _exchange(_address(url), b"HEAD / HTTP/1.1\r\nConnection: close\r\n\r\n")
+        old = await exchange(_address(url), b"GET / HTTP/1.0\r\n\r\n")
+        head = await exchange(_address(url), b"HEAD / HTTP/1.1\r\nConnection: close\r\n\r\n")
     lines = old.partition(b"\r\n\r\n")[2].split(b"\n")[:-1]
     assert lines == [b"%d:%d" % (i, i + 1) for i in range(num_events)]
     assert rendered["GET 1.0"] == list(range(num_events))
@@ -197,9 +185,9 @@ async def test_an_apps_own_chunked_header_gets_chunk_framing_and_no_late_100_con
     async with serving(app, server="belayer") as url, httpx.AsyncClient(timeout=60) as http:
         response = await http.get(url)
         assert response.text == "one,two"
-        old = await _exchange(_address(url), b"GET / HTTP/1.0\r\n\r\n")  # 1.0: no chunks
+        old = await exchange(_address(url), b"GET / HTTP/1.0\r\n\r\n")  # 1.0: no chunks
         expect = b"POST /expect HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n"
-        answer = await _exchange(_address(url), expect)
+        answer = await exchange(_address(url), expect)
     assert old.partition(b"\r\n\r\n")[2] == b"one,two"
     assert b"transfer-encoding" not in old.lower()
     assert answer.startswith(b"HTTP/1.1 200 ")
