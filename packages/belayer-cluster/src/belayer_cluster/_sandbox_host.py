@@ -12,7 +12,6 @@ node, not a Docker engine of its own.
 from __future__ import annotations
 
 import contextlib
-import shlex
 from pathlib import Path
 from typing import Any
 
@@ -21,26 +20,9 @@ import ray
 
 from belayer_cluster._errors import SandboxHostError
 
-__all__ = ["CLUSTER_LABEL", "SandboxHost", "SandboxInfo", "reset_command"]
+__all__ = ["CLUSTER_LABEL", "SandboxHost", "SandboxInfo"]
 
 CLUSTER_LABEL = "belayer.cluster"  # every container a sandbox host creates carries it
-
-
-def reset_command(working_dir: str) -> list[str]:
-    """The command that readies a done trajectory's sandbox for the next one: kill every process
-    but PID 1 (twice: one forked meanwhile is caught), then empty `working_dir`'s contents.
-
-    The contents, not the folder: the container's processes have it as their working directory,
-    and CRIU cannot checkpoint a process whose working directory was deleted ("Can't create link
-    remap"), so a sandbox reset with ``rm -rf DIR`` could never be checkpointed again.
-    """
-    folder = shlex.quote(working_dir.rstrip("/") or "/")
-    kill = "kill -9 -1 2>/dev/null; kill -9 -1 2>/dev/null"
-    return [
-        "/bin/sh",
-        "-c",
-        f"{kill}; rm -rf -- {folder}/* {folder}/.[!.]* {folder}/..?* && mkdir -p {folder}",
-    ]
 
 
 @attrs.frozen
@@ -234,7 +216,7 @@ class SandboxHost:
         """Reset the trajectory's sandbox (container `container_id`) and keep it idle for another
         trajectory (`adopt`): returns its (image, working folder), or None when it cannot be reused
         (not that container, not running, a working folder of "/", the reset failed); then it is
-        removed. The reset is `reset_command`: every process but PID 1 killed, the working folder
+        removed. The reset is `belayer_envckpt.Sandbox.reset_for_reuse`: every process but PID 1 killed, the working folder
         emptied; files outside the working folder are not reset."""
         from belayer_envckpt import BelayerEnvckptError
 
@@ -244,12 +226,11 @@ class SandboxHost:
         del self.sandboxes[trajectory]
         working_dir = str(sandbox.config.working_dir)
         try:
-            if working_dir.rstrip("/"):  # never empty "/": such a sandbox is not reused
-                with sandbox.action_boundary():
-                    reset = sandbox.probe(reset_command(working_dir), 30.0, workdir="/")
-                if reset.exit_code == 0 and sandbox.is_running():
-                    self.idle[container_id] = sandbox
-                    return str(sandbox.config.image), working_dir
+            with sandbox.action_boundary():
+                reset = sandbox.reset_for_reuse(30.0)  # False for a working folder of "/"
+            if reset:
+                self.idle[container_id] = sandbox
+                return str(sandbox.config.image), working_dir
         except BelayerEnvckptError:
             pass
         with contextlib.suppress(BelayerEnvckptError):

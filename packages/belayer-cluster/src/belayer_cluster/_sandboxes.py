@@ -319,7 +319,7 @@ class SandboxCluster:
 
     def park(self, trajectory: str, container_id: str) -> bool:
         """Keep the done trajectory's sandbox (container `container_id`) for another trajectory: its
-        host kills every process in it but PID 1, empties its working folder (`reset_command`) and
+        host kills every process in it but PID 1, empties its working folder (`belayer_envckpt.Sandbox.reset_for_reuse`) and
         holds it idle (`take_idle`), and the trajectory is forgotten.
         False when it cannot be reused (moved or restored since, its node lost, the reset failed):
         the caller then `release`s the trajectory."""

@@ -18,6 +18,7 @@ from ._exec import ExecResult, exec_in
 from ._ids import validate_id
 from ._limit_guard import LimitGuard, init_killed_error
 from ._limits import LIMITS_LABEL, LimitCause, SandboxLimits, enforced_limits, limits_of
+from ._reuse import reuse_reset_argv
 
 TRAJECTORY_LABEL = "belayer.trajectory"
 KEEPALIVE = ("/bin/sh", "-c", "trap 'exit 0' TERM; while :; do sleep 3600 & wait $!; done")
@@ -232,6 +233,20 @@ class Sandbox:
         """
         with self._boundary:
             return self._run(command, timeout_s, workdir)
+
+    def reset_for_reuse(self, timeout_s: float = 30.0) -> bool:
+        """Ready this sandbox for another trajectory (a pool's reuse): every process but PID 1
+        killed, the contents of ``config.working_dir`` removed (the folder itself stays, so CRIU
+        can still checkpoint the sandbox). Files outside the working folder are NOT reset.
+
+        Returns False, having done nothing, when the working folder is "/" (emptying it would wipe
+        the container: do not reuse such a sandbox); False when the reset failed or the sandbox
+        stopped. Engine failures raise `BelayerEnvckptError` subclasses as every call does.
+        """
+        if not self.config.working_dir.rstrip("/"):
+            return False
+        result = self.probe(reuse_reset_argv(self.config.working_dir), timeout_s, workdir="/")
+        return result.exit_code == 0 and self.is_running()
 
     def _run(self, command: str | Sequence[str], timeout_s: float, workdir: str | None) -> ExecResult:
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)

@@ -7,7 +7,7 @@ is still there (containers carry the pool's label, restored ones included).
 
 With ``reuse`` a sandbox the pool created that is still running when its trajectory ends is not
 removed: every process in it but PID 1 is killed and its working directory's contents are
-emptied (`reset_argv`), and the next trajectory of the same image and working directory gets it,
+emptied (`belayer_envckpt.Sandbox.reset_for_reuse`), and the next trajectory of the same image and working directory gets it,
 which saves a container start and removal per trajectory.  Files outside the working directory
 are not reset, so reuse suits tasks whose state lives there (the tool-use tasks); a container
 restored from a checkpoint, or one whose working directory is ``/``, is never reused.
@@ -15,7 +15,6 @@ restored from a checkpoint, or one whose working directory is ``/``, is never re
 
 from __future__ import annotations
 
-import shlex
 import shutil
 import uuid
 from collections.abc import AsyncIterator
@@ -36,26 +35,9 @@ from belayer_envckpt import (
 from belayer_grpo._agentic import environment
 from belayer_grpo._agentic.records import CheckpointRecord
 
-__all__ = ["POOL_LABEL", "SandboxLease", "SandboxPool", "reset_argv"]
+__all__ = ["POOL_LABEL", "SandboxLease", "SandboxPool"]
 
 POOL_LABEL = "belayer.grpo.pool"
-
-
-def reset_argv(working_dir: str) -> list[str]:
-    """The command that readies a done trajectory's sandbox for the next one: kill every process
-    but PID 1 (twice, for one forked meanwhile), then empty ``working_dir``'s contents.
-
-    The contents, not the directory: the container's processes have it as their working
-    directory, and CRIU cannot checkpoint a process whose working directory was deleted ("Can't
-    create link remap"), so a sandbox reset with ``rm -rf DIR`` could never be checkpointed again.
-    """
-    folder = shlex.quote(working_dir.rstrip("/") or "/")
-    kill = "kill -9 -1 2>/dev/null; kill -9 -1 2>/dev/null"
-    return [
-        "/bin/sh",
-        "-c",
-        f"{kill}; rm -rf -- {folder}/* {folder}/.[!.]* {folder}/..?* && mkdir -p {folder}",
-    ]
 
 
 @attrs.define(eq=False)
@@ -151,12 +133,11 @@ class SandboxPool:
         return sandbox
 
     def _reset(self, sandbox: Sandbox) -> bool:
-        """Reset a sandbox this pool created (`reset_argv`); False if it cannot be reused."""
-        if sandbox.id not in self._created or not sandbox.config.working_dir.rstrip("/"):
+        """Reset a sandbox this pool created (`Sandbox.reset_for_reuse`); False if it cannot be reused."""
+        if sandbox.id not in self._created:
             return False
         try:
-            result = sandbox.probe(reset_argv(sandbox.config.working_dir), timeout_s=30.0, workdir="/")
-            return result.exit_code == 0 and sandbox.is_running()
+            return sandbox.reset_for_reuse(30.0)  # False for a working folder of "/"
         except BelayerEnvckptError:
             return False
 
