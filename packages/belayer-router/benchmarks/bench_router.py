@@ -2,7 +2,7 @@
 
     python benchmarks/bench_router.py [--streams 1 256] [--tokens 200] [--step-ms 30]
         [--frame-tokens 1] [--worker-events token tokens link] [--router-server uvicorn belayer]
-        [--clients 2] [--workers 1] [--rounds 1] [--loop auto|asyncio|uvloop]
+        [--clients 2] [--workers 1] [--rounds 1] [--loop auto|asyncio|uvloop] [--no-floor]
 
 Processes: ``--workers`` paced workers (``--frame-tokens`` tokens per stream every ``--step-ms``,
 like a continuously batched engine; ``--step-ms 0``: unpaced), one router per
@@ -13,9 +13,13 @@ per token), one ``tokens`` frame per request, or over the worker link (one binar
 per step for all requests); each ``--worker-events`` kind gets fresh workers and routers.  For
 each concurrency the same requests are streamed straight from the workers (the "direct" column:
 the generator's ceiling when unpaced) and through each router, interleaved (direct, then the
-routers in an order rotated every round, ``--rounds`` times).  Reported: throughput, inter-token
-latency, the router's CPU time per token and per second of the pass, the clients' and workers'
-CPU per second, the load average.  Then the time from a broken stream to the first resumed
+routers in an order rotated every round, ``--rounds`` times).  The "floor" pass (unless
+``--no-floor``) streams the same router requests from `loadgen.serve_floor`: a bare process that
+writes each stream the router's event bytes, one write per stream per step, paced the same; its
+CPU per token is the least one write per token per client connection costs here, the floor under
+the router's.  Reported: throughput, inter-token latency, the router's and the floor's CPU time
+per token (user and system apart) and per second of the pass, the clients' and workers' CPU per
+second, the load average.  Then the time from a broken stream to the first resumed
 token on a ready replacement.  Prints markdown tables and saves JSON to
 ``benchmarks/results/bench_router.json``.
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -33,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from loadgen import ClientPool, PacedWorker, cpu_seconds
+from loadgen import ClientPool, PacedWorker, cpu_split
 
 from belayer_router import RouterClient, RouterFleet, TokenEvent, owner_index, serving
 
@@ -72,13 +77,24 @@ async def resume_latency(router_url: str, step: float, trials: int, hang: bool) 
     return latencies
 
 
-def start_process(argv: list[str]) -> tuple[subprocess.Popen[bytes], str]:
-    """Start a server process that prints its URL as the first stdout line (``--json`` or plain)."""
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE)
+START_TIMEOUT_S = 120.0
+
+
+def start_process(argv: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """Start a server process that prints its URL as the first stdout line (``--json`` or plain).
+
+    One that exits first, or prints nothing within `START_TIMEOUT_S`, is reaped (killed if still
+    running) and raises."""
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, env=env)
     assert process.stdout is not None
-    line = process.stdout.readline().decode()
+    ready, _, _ = select.select([process.stdout], [], [], START_TIMEOUT_S)
+    line = process.stdout.readline().decode() if ready else ""
     if not line:
-        raise RuntimeError(f"{argv[2:4]} exited before listening (its error is above)")
+        if process.poll() is None:
+            process.kill()
+        code = process.wait(timeout=60)
+        why = f"exited with {code}" if ready else f"printed no URL within {START_TIMEOUT_S:g} s (killed)"
+        raise RuntimeError(f"{argv[2:4]} {why} before listening (its error is above)")
     return process, json.loads(line)["url"] if line.startswith("{") else line.split()[-1]
 
 
@@ -98,6 +114,11 @@ def server_flag_supported() -> bool:
 def router_argv(loop: str, server: str, pass_server: bool) -> list[str]:
     argv = [sys.executable, "-m", "belayer_router._cli", "serve", "--port", "0", "--admin-token", "bench"]
     return [*argv, "--json", "--loop", loop, *(["--server", server] if pass_server else [])]
+
+
+def floor_argv(args: argparse.Namespace) -> list[str]:
+    argv = [sys.executable, str(LOADGEN), "floor", "--step-ms", str(args.step_ms)]
+    return [*argv, "--frame-tokens", str(args.frame_tokens)]
 
 
 def worker_argv(args: argparse.Namespace, events: str) -> list[str]:
@@ -137,13 +158,27 @@ async def measure(
 ) -> dict[str, Any]:
     """One pass: stream ``work`` with every client at once; CPU-seconds of each process group."""
     load = os.getloadavg()[0]
-    before = {name: sum(cpu_seconds(pid) for pid in pids) for name, pids in groups.items()}
+    before = {name: _split(pids) for name, pids in groups.items()}
     result = await anyio.to_thread.run_sync(pool.run, work)
-    cpu = {name: sum(cpu_seconds(pid) for pid in pids) - before[name] for name, pids in groups.items()}
+    after = {name: _split(pids) for name, pids in groups.items()}
+    user = {name: after[name][0] - before[name][0] for name in groups}
+    system = {name: after[name][1] - before[name][1] for name in groups}
+    cpu = {name: user[name] + system[name] for name in groups}
     expected = sum(body["max_tokens"] for _, body in work)
     if result["tokens"] != expected:
         raise RuntimeError(f"lost tokens: {result['tokens']} of {expected}")
-    return result | {"cpu_s": cpu, "loadavg_1min": [load, os.getloadavg()[0]]}
+    return result | {
+        "cpu_s": cpu,
+        "cpu_user_s": user,
+        "cpu_sys_s": system,
+        "loadavg_1min": [load, os.getloadavg()[0]],
+    }
+
+
+def _split(pids: list[int]) -> tuple[float, float]:
+    """User and system CPU-seconds of ``pids`` together."""
+    splits = [cpu_split(pid) for pid in pids]
+    return sum(u for u, _ in splits), sum(s for _, s in splits)
 
 
 def combine(passes: list[dict[str, Any]]) -> dict[str, Any]:
@@ -157,6 +192,8 @@ def combine(passes: list[dict[str, Any]]) -> dict[str, Any]:
         "wall_s": sum(p["wall_s"] for p in passes),
         "tokens": sum(p["tokens"] for p in passes),
         "cpu_s": {k: sum(p["cpu_s"][k] for p in passes) for k in passes[0]["cpu_s"]},
+        "cpu_user_s": {k: sum(p["cpu_user_s"][k] for p in passes) for k in passes[0]["cpu_s"]},
+        "cpu_sys_s": {k: sum(p["cpu_sys_s"][k] for p in passes) for k in passes[0]["cpu_s"]},
         "loadavg_1min": [
             min(p["loadavg_1min"][0] for p in passes),
             max(p["loadavg_1min"][1] for p in passes),
@@ -164,10 +201,29 @@ def combine(passes: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _per_token_us(result: dict[str, Any], key: str) -> float:
+    return float(result[key]["router"] / result["tokens"] * 1e6)
+
+
 def row(
-    events: str, server: str, streams: int, direct: dict[str, Any], routed: dict[str, Any]
+    events: str,
+    server: str,
+    streams: int,
+    direct: dict[str, Any],
+    routed: dict[str, Any],
+    floor: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """One table row; ``floor``: the floor process's passes (its CPU under the "router" key)."""
     cpu, wall, tokens = routed["cpu_s"], routed["wall_s"], routed["tokens"]
+    floor_fields: dict[str, Any] = {}
+    if floor is not None:
+        floor_fields = {
+            "floor": floor,
+            "floor_cpu_us_per_token": _per_token_us(floor, "cpu_s"),
+            "floor_user_us_per_token": _per_token_us(floor, "cpu_user_s"),
+            "floor_sys_us_per_token": _per_token_us(floor, "cpu_sys_s"),
+            "floor_cpu_s_per_s": floor["cpu_s"]["router"] / floor["wall_s"],
+        }
     return {
         "worker_events": events,
         "server": server,
@@ -175,12 +231,15 @@ def row(
         "direct": direct,
         "router": routed,
         "router_cpu_us_per_token": cpu["router"] / tokens * 1e6,
+        "router_user_us_per_token": _per_token_us(routed, "cpu_user_s"),
+        "router_sys_us_per_token": _per_token_us(routed, "cpu_sys_s"),
         "router_cpu_s_per_s": cpu["router"] / wall,
         "router_tokens_per_cpu_s": tokens / cpu["router"] if cpu["router"] else None,
         "clients_cpu_s_per_s": cpu["clients"] / wall,
         "workers_cpu_s_per_s": cpu["workers"] / wall,
         "direct_clients_cpu_s_per_s": direct["cpu_s"]["clients"] / direct["wall_s"],
         "direct_workers_cpu_s_per_s": direct["cpu_s"]["workers"] / direct["wall_s"],
+        **floor_fields,
     }
 
 
@@ -225,33 +284,37 @@ async def throughput_rows(
     pool: ClientPool,
     workers: list[tuple[Any, str]],
     routers: list[tuple[Any, str]],
+    floor: tuple[Any, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Per concurrency: direct and every router, interleaved ``--rounds`` times."""
+    """Per concurrency: direct, every router and the floor, interleaved ``--rounds`` times."""
     rows = []
     worker_urls = [url for _, url in workers]
     base = {"workers": [p.pid for p, _ in workers], "clients": pool.pids()}
+    named = list(zip(args.router_names, routers, strict=True))
+    if floor is not None:
+        named.append(("floor", floor))
     for streams in args.streams:
         passes: dict[str, list[dict[str, Any]]] = {"direct": []}
         for r in range(args.rounds):
-            order = list(range(len(routers)))
-            order = order[r % len(order) :] + order[: r % len(order)]
+            order = named[r % len(named) :] + named[: r % len(named)]
             work = requests(worker_urls, streams, args.tokens, via_router=False)
             passes["direct"].append(await measure(pool, work, {**base, "router": []}))
-            for i in order:
-                process, url = routers[i]
+            for name, (process, url) in order:
                 work = requests([url], streams, args.tokens, via_router=True)
                 result = await measure(pool, work, {**base, "router": [process.pid]})
-                passes.setdefault(args.router_server[i], []).append(result)
+                passes.setdefault(name, []).append(result)
                 print(
-                    f"{events} {args.router_server[i]} {streams} streams round {r}: "
-                    f"direct {passes['direct'][-1]['tokens_per_s']:.0f} tok/s, router "
-                    f"{result['tokens_per_s']:.0f} tok/s, {result['cpu_s']['router']:.2f} router CPU-s",
+                    f"{events} {name} {streams} streams round {r}: "
+                    f"direct {passes['direct'][-1]['tokens_per_s']:.0f} tok/s, {name} "
+                    f"{result['tokens_per_s']:.0f} tok/s, {result['cpu_s']['router']:.2f} CPU-s "
+                    f"({result['cpu_user_s']['router']:.2f} user, {result['cpu_sys_s']['router']:.2f} sys)",
                     file=sys.stderr,
                     flush=True,
                 )
         direct = combine(passes["direct"])
-        for server in args.router_server:
-            rows.append(row(events, server, streams, direct, combine(passes[server])))
+        floor_passes = combine(passes["floor"]) if floor is not None else None
+        for name in args.router_names:
+            rows.append(row(events, name, streams, direct, combine(passes[name]), floor_passes))
     return rows
 
 
@@ -260,17 +323,24 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     fleet: list[dict[str, Any]] = []
     resume: dict[str, list[float]] = {}
     pool = ClientPool(args.clients)
+    floor = None if args.no_floor else start_process(floor_argv(args))
     try:
         for number, events in enumerate(args.worker_events):
             first = number == 0  # the fleet and resume rows run once, with the first kind of events
             workers = [start_process(worker_argv(args, events)) for _ in range(args.workers)]
             routers = [start_process(router_argv(args.loop, s, args.pass_server)) for s in args.router_server]
+            if args.baseline_src is not None:  # the same servers, from another source tree
+                env = {**os.environ, "PYTHONPATH": str(args.baseline_src)}
+                routers += [
+                    start_process(router_argv(args.loop, s, args.pass_server), env)
+                    for s in args.router_server
+                ]
             try:
                 for _, router_url in routers:
                     async with RouterClient(router_url, admin_token="bench") as client:
                         for w, (_, url) in enumerate(workers):
                             await client.register(f"bench-{w}", url, 1, link=events == "link")
-                rows += await throughput_rows(args, events, pool, workers, routers)
+                rows += await throughput_rows(args, events, pool, workers, routers, floor)
                 if first and args.fleet:
                     fleet = await fleet_rows(args, pool, [u for _, u in workers], [p.pid for p, _ in workers])
                 if first and not args.skip_resume:
@@ -290,6 +360,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             finally:
                 stop([p for p, _ in workers + routers])
     finally:
+        if floor is not None:
+            stop([floor[0]])
         pool.close()
     return {
         "config": vars(args),
@@ -302,19 +374,44 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _throughput_table(rows: list[dict[str, Any]]) -> list[str]:
+    floor = any("floor" in row for row in rows)
     lines = [
-        "| streams | direct tok/s | router tok/s | throughput loss | ITL p50 direct / router (ms) | ITL p99 direct / router (ms) | router CPU per token (us) |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| streams | direct tok/s | router tok/s | throughput loss | ITL p50 direct / router (ms) | ITL p99 direct / router (ms) | "
+        + ("floor CPU per token (us) | " if floor else "")
+        + "router CPU per token (us) |",
+        "|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if floor else ""),
     ]
     for row in rows:
         d, r = row["direct"], row["router"]
         loss = 100 * (1 - r["tokens_per_s"] / d["tokens_per_s"])
+        floor_cell = (
+            f"{row['floor_cpu_us_per_token']:.1f} | " if "floor" in row else ("- | " if floor else "")
+        )
         lines.append(
             f"| {row['streams']} | {d['tokens_per_s']:.0f} | {r['tokens_per_s']:.0f} | {loss:.1f}% | "
             f"{d['itl_p50_ms']:.1f} / {r['itl_p50_ms']:.1f} | {d['itl_p99_ms']:.1f} / {r['itl_p99_ms']:.1f} | "
-            f"{row['router_cpu_us_per_token']:.0f} |"
+            f"{floor_cell}{row['router_cpu_us_per_token']:.1f} |"
         )
     return lines
+
+
+def _split_table(rows: list[dict[str, Any]]) -> list[str]:
+    """CPU per token, user and system apart: the floor's and the router's, and the router above it."""
+    lines = [
+        "| events | server | streams | floor tok/s | floor CPU per token user / sys (us) | router CPU per token user / sys (us) | router above the floor (us) |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        if "floor" not in row:
+            continue
+        above = row["router_cpu_us_per_token"] - row["floor_cpu_us_per_token"]
+        lines.append(
+            f"| {row['worker_events']} | {row['server']} | {row['streams']} | "
+            f"{row['floor']['tokens_per_s']:.0f} | "
+            f"{row['floor_user_us_per_token']:.1f} / {row['floor_sys_us_per_token']:.1f} | "
+            f"{row['router_user_us_per_token']:.1f} / {row['router_sys_us_per_token']:.1f} | {above:.1f} |"
+        )
+    return lines if len(lines) > 2 else []
 
 
 def _cpu_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -344,7 +441,7 @@ def table(result: dict[str, Any]) -> str:
             "tokens": "one `tokens` frame per request per step",
             "link": "the link: one binary `STEP` frame per step for all requests",
         }[events]
-        for server in config["router_server"]:
+        for server in config["router_names"]:
             lines += [
                 f"Worker events: {kind}, {config['frame_tokens']} token(s) per stream per step; "
                 f"router server: {server}",
@@ -355,6 +452,9 @@ def table(result: dict[str, Any]) -> str:
             )
             lines.append("")
     lines += _cpu_table(result["throughput"])
+    split = _split_table(result["throughput"])
+    if split:
+        lines += ["", *split]
     if result["fleet"]:
         lines += [
             "",
@@ -373,6 +473,19 @@ def table(result: dict[str, Any]) -> str:
     for name, values in result["resume_ms"].items():
         lines.append(f"| {name} | {statistics.median(values):.1f} | {max(values):.1f} |")
     return "\n".join(lines)
+
+
+def router_source() -> str:
+    """Where the measured router came from: its module folder and that tree's commit (dirty or not)."""
+    import belayer_router
+
+    folder = Path(belayer_router.__file__).parent
+    git = ["git", "-C", str(folder)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        return f"{folder} (not in a git checkout)"
+    dirty = subprocess.run([*git, "status", "--porcelain", "--", "."], capture_output=True, text=True)
+    return f"{folder} at {head.stdout.strip()}{' + uncommitted changes' if dirty.stdout.strip() else ''}"
 
 
 def main() -> None:
@@ -403,8 +516,17 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1, help="paced worker processes (one slot each)")
     parser.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto")
     parser.add_argument("--skip-resume", action="store_true", help="only the throughput rows")
+    parser.add_argument(
+        "--no-floor", action="store_true", help="skip the floor pass (the bare fan-out process)"
+    )
     parser.add_argument("--fleet", type=int, nargs="*", default=[], help="router counts to compare")
     parser.add_argument("--fleet-streams", type=int, default=256, help="streams of the fleet rows")
+    parser.add_argument(
+        "--baseline-src",
+        type=Path,
+        help="also run each --router-server from this source folder (e.g. an older commit's src via "
+        "git archive), as SERVER@baseline, interleaved with the rest",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_router.json")
     args = parser.parse_args()
     if len(set(args.router_server)) != len(args.router_server):
@@ -415,10 +537,14 @@ def main() -> None:
     args.pass_server = server_flag_supported()
     if not args.pass_server and args.router_server != ["uvicorn"]:
         parser.error("this belayer-router has no `serve --server`: only --router-server uvicorn works")
+    args.router_names = list(args.router_server)
+    if args.baseline_src is not None:
+        args.router_names += [f"{s}@baseline" for s in args.router_server]
     began = time.time()
     result = anyio.run(run, args)
     result["started_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(began))
     result["command"] = "python benchmarks/bench_router.py " + " ".join(sys.argv[1:])
+    result["router_src"] = router_source()
     text = table(result)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,7 @@
 """The load of ``bench_router.py``: the paced worker and the client processes.
 
     python benchmarks/loadgen.py worker [--step-ms 30] [--frame-tokens 1] [--events link]
+    python benchmarks/loadgen.py floor [--step-ms 30] [--frame-tokens 1]
     python benchmarks/loadgen.py client        (driven by `ClientPool` over stdin/stdout)
 
 The worker prints its URL and serves ``POST /generate`` (``token`` lines or ``tokens`` frames) and
@@ -9,6 +10,13 @@ client process streams the requests it is given over raw HTTP/1.1 connections (a
 and httptools' C parser, uvloop when installed: the generator must not be the bottleneck) and
 returns its token count, first/last times and inter-token gaps; `ClientPool` runs several of them
 at once, starts them together and merges their results.
+
+The floor (`serve_floor`) is the least a Python process can do to stream the router's tokens to
+its clients: it answers the router's ``POST /generate`` (one JSON parse per request) with the
+router's response head and, every ``--step-ms``, writes each stream the bytes of the router's
+``tokens`` (or ``token``) event, chunk-framed, with one ``transport.write`` per stream per step
+(uvloop, an asyncio Protocol, httptools).  No worker, no journal, no parsing per token: its CPU
+per token is what one write per token per client connection costs on this machine.
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ import array
 import asyncio
 import json
 import os
+import select
+import socket
 import statistics
 import subprocess
 import sys
@@ -35,6 +45,7 @@ from belayer_router import bind_socket, serve_asgi
 from belayer_router.worker import LINK_PATH, LinkSubmit, encode_step, read_link_frames
 
 CLIENT_TIMEOUT_S = 900.0  # a pass that takes longer has hung: the client process fails
+READY_TIMEOUT_S = 120.0  # a client process that has not parsed its share by then is stuck
 
 
 def token_id(seed: int, index: int) -> int:
@@ -148,6 +159,155 @@ def serve_worker(step: float, frame: int, events: str) -> None:
     anyio.run(serve_asgi, PacedWorker(1, step, frame=frame, events=events), sock, "critical")
 
 
+# The floor: the router's client side with nothing behind it.
+
+_FLOOR_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\ncache-control: no-cache\r\n"
+    b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+)  # what the router's own server answers a streamed /generate of a `Connection: close` client
+_FLOOR_FINISH = (
+    b'{"type":"finish","request_id":"%b","finish_reason":"length","num_prompt_tokens":%d,'
+    b'"num_generated_tokens":%d,"num_resumes":0}\n'
+)
+
+
+class _FloorStream:
+    """One client stream of the floor: its transport, seed, next index, end, event kind."""
+
+    __slots__ = ("end", "frames", "index", "num_prompt", "request_id", "seed", "transport")
+
+    def __init__(self, transport: asyncio.Transport, request: dict[str, Any]) -> None:
+        self.transport = transport
+        self.seed, self.index, self.end = request.get("seed") or 0, 0, int(request["max_tokens"])
+        self.frames = bool(request.get("frames", False))
+        self.request_id = str(request.get("request_id") or id(self)).encode()
+        self.num_prompt = len(request["prompt_token_ids"])
+
+
+class _FloorConnection(asyncio.Protocol):
+    def __init__(self, floor: Floor) -> None:
+        self.floor = floor
+        self.parser = httptools.HttpRequestParser(self)
+        self.body: list[bytes] = []
+        self.transport: asyncio.Transport | None = None
+        self.stream: _FloorStream | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as the router's server
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            if self.transport is not None:
+                self.transport.close()
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        assert self.transport is not None
+        self.transport.write(_FLOOR_HEAD)
+        self.stream = _FloorStream(self.transport, orjson.loads(b"".join(self.body)))
+        self.floor.add(self.stream)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.stream is not None:
+            self.floor.streams.pop(self.stream, None)
+
+
+class Floor:
+    """Every ``step`` s (a fixed schedule; as fast as it can when behind or unpaced) one chunk per
+    running stream with its next ``frame`` tokens' event."""
+
+    def __init__(self, step: float, frame: int) -> None:
+        self.step, self.frame = step, frame
+        self.streams: dict[_FloorStream, None] = {}  # insertion ordered, O(1) removal
+        self.wake: asyncio.Future[None] | None = None
+
+    def add(self, stream: _FloorStream) -> None:
+        self.streams[stream] = None
+        if self.wake is not None and not self.wake.done():
+            self.wake.set_result(None)
+
+    def _line(self, stream: _FloorStream, index: int, count: int) -> bytes:
+        seed = stream.seed
+        if count == 1:
+            if stream.frames:
+                return b'{"type":"tokens","index":%d,"token_ids":[%d],"logprobs":[-1.0]}\n' % (
+                    index,
+                    (seed * 7919 + index * 104729) % 32000,
+                )
+            return b'{"type":"token","index":%d,"token_id":%d,"logprob":-1.0}\n' % (
+                index,
+                (seed * 7919 + index * 104729) % 32000,
+            )
+        ids = b",".join([b"%d" % token_id(seed, i) for i in range(index, index + count)])
+        if stream.frames:
+            logprobs = b",".join([b"-1.0"] * count)
+            return b'{"type":"tokens","index":%d,"token_ids":[%b],"logprobs":[%b]}\n' % (index, ids, logprobs)
+        return b"".join(
+            b'{"type":"token","index":%d,"token_id":%d,"logprob":-1.0}\n' % (i, token_id(seed, i))
+            for i in range(index, index + count)
+        )
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        frame, streams = self.frame, self.streams
+        deadline = loop.time()
+        while True:
+            if not streams:
+                self.wake = loop.create_future()
+                await self.wake
+                deadline = loop.time()
+                continue
+            deadline += self.step  # a fixed step: the writes' own time does not stretch it
+            for stream in list(streams):
+                index = stream.index
+                count = min(frame, stream.end - index)
+                line = self._line(stream, index, count)
+                transport = stream.transport
+                transport.write(b"%x\r\n%b\r\n" % (len(line), line))  # ONE write per stream per step
+                stream.index = index + count
+                if stream.index >= stream.end:
+                    last = _FLOOR_FINISH % (stream.request_id, stream.num_prompt, stream.end)
+                    transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(last), last))
+                    transport.close()
+                    del streams[stream]
+            delay = deadline - loop.time()
+            if delay < 0:  # behind (or unpaced): no catching up in bursts
+                deadline, delay = loop.time(), 0.0
+            await asyncio.sleep(delay)
+
+
+def serve_floor(step: float, frame: int) -> None:
+    """Serve the floor on a free loopback port; print its URL (the first stdout line)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(4096)
+    print(f"floor listening on http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
+
+    async def main() -> None:
+        floor = Floor(step, frame)
+        loop = asyncio.get_running_loop()
+        await loop.create_server(lambda: _FloorConnection(floor), sock=sock, backlog=4096)
+        await floor.run()
+
+    _loop_run()(main())
+
+
+def _loop_run() -> Any:
+    try:
+        import uvloop
+
+        return uvloop.run
+    except ImportError:
+        return asyncio.run
+
+
 class _Stream(asyncio.Protocol):
     """One streamed ``/generate`` request on its own connection; counts tokens, records gaps."""
 
@@ -232,13 +392,7 @@ async def _stream_all(requests: list[tuple[str, int, bytes]]) -> dict[str, Any]:
 def client_main() -> None:
     """Serve jobs from stdin: ``{"requests": [[url, body], ...], "gaps": path}``, then ``go``; write
     the gaps (float32) to the path, answer one JSON line with the times and the token count."""
-    run: Any = asyncio.run
-    try:
-        import uvloop
-
-        run = uvloop.run
-    except ImportError:
-        pass
+    run = _loop_run()
     for line in sys.stdin:
         job = json.loads(line)
         requests = [_request(url, body) for url, body in job["requests"]]
@@ -271,23 +425,32 @@ class ClientPool:
             process.stdin.write(json.dumps(job) + "\n")
             process.stdin.flush()
         for process, _ in busy:  # every client has parsed its share: start them together
-            assert process.stdout is not None
-            if process.stdout.readline().strip() != "ready":
-                raise RuntimeError("a client process died before it was ready")
+            if self._readline(process, READY_TIMEOUT_S).strip() != "ready":
+                raise RuntimeError("a client process died before it was ready (its traceback is above)")
         for process, _ in busy:
             assert process.stdin is not None
             process.stdin.write("go\n")
             process.stdin.flush()
         results = []
         for process, _ in busy:
-            assert process.stdout is not None
-            line = process.stdout.readline()
+            line = self._readline(process, CLIENT_TIMEOUT_S + 60)
             if not line:
                 raise RuntimeError("a client process died mid-run (its traceback is above)")
             results.append(json.loads(line))
         for number, result in enumerate(results):
             result["gaps"] = (Path(self.folder.name) / f"gaps-{number}").read_bytes()
         return merge(results)
+
+    def _readline(self, process: subprocess.Popen[str], timeout_s: float) -> str:
+        """The client's next stdout line; its clients are killed if none comes within ``timeout_s``."""
+        assert process.stdout is not None
+        ready, _, _ = select.select([process.stdout], [], [], timeout_s)  # one line per exchange:
+        if not ready:  # nothing is left in Python's buffer between two exchanges
+            for each in self.processes:
+                each.kill()
+                each.wait()
+            raise RuntimeError(f"client process {process.pid} gave no answer within {timeout_s:g} s (killed)")
+        return process.stdout.readline()
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.processes]
@@ -319,23 +482,31 @@ def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (``/proc``, 10 ms ticks)."""
+def cpu_split(pid: int) -> tuple[float, float]:
+    """User and system CPU time of a process so far (``/proc/PID/stat``, 10 ms ticks)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    return sum(cpu_split(pid))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("role", choices=["worker", "client"])
+    parser.add_argument("role", choices=["worker", "client", "floor"])
     parser.add_argument("--step-ms", type=float, default=30.0)
     parser.add_argument("--frame-tokens", type=int, default=1)
     parser.add_argument("--events", choices=["token", "tokens", "link"], default="token")
     args = parser.parse_args()
     if args.role == "worker":
         serve_worker(args.step_ms / 1e3, args.frame_tokens, args.events)
+    elif args.role == "floor":
+        serve_floor(args.step_ms / 1e3, args.frame_tokens)
     else:
         client_main()
 

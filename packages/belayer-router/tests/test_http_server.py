@@ -251,3 +251,41 @@ async def test_sigterm_stops_a_router_process_with_an_open_stream_cleanly(
             assert await process.wait() == ExitCode.INTERRUPTED
     ops = [json.loads(line) for line in journal.read_text().splitlines()]
     assert any(op.get("request_id") == "open" for op in ops)  # journaled, file closed whole
+
+
+@pytest.mark.parametrize("server", ["uvicorn", "belayer"])
+async def test_sigterm_with_open_worker_links_logs_no_traceback(
+    tmp_path: Path, router_process: StartRouter, monkeypatch: pytest.MonkeyPatch, server: str
+) -> None:
+    """The lifespan ends only after the links' tasks: uvicorn logged their CancelledError as an
+    "Exception in 'lifespan' protocol" traceback when the shutdown completed before them."""
+    monkeypatch.setenv("BELAYER_ROUTER_SERVER", server)
+    process, url = await router_process(tmp_path / "router.jsonl")
+    async with (
+        running_worker(1, link=True, token_delay_s=0.05) as (first_url, _),
+        running_worker(1, link=True, token_delay_s=0.05) as (second_url, _),
+        RouterClient(url, admin_token=ADMIN_TOKEN) as client,
+        httpx.AsyncClient(timeout=60) as http,
+    ):
+        await client.register("a", first_url, 1, link=True)
+        await client.register("b", second_url, 1, link=True)
+        with anyio.fail_after(60):
+            async with contextlib.AsyncExitStack() as streams:
+                for seed in range(4):  # requests on both links
+                    body = {"prompt_token_ids": [1], "max_tokens": 100_000, "seed": seed}
+                    response = await streams.enter_async_context(
+                        http.stream("POST", f"{url}/generate", json=body)
+                    )
+                    await response.aiter_lines().__anext__()
+                process.send_signal(signal.SIGTERM)
+                assert await process.wait() == ExitCode.INTERRUPTED
+    assert process.stderr is not None
+    stderr = b""
+    with anyio.fail_after(60):
+        while True:
+            try:
+                stderr += await process.stderr.receive()
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                break
+    assert b"Traceback" not in stderr, stderr.decode(errors="replace")
+    assert b"CancelledError" not in stderr, stderr.decode(errors="replace")

@@ -355,7 +355,7 @@ async def test_a_worker_that_hangs_on_its_link_is_cut_after_the_read_timeout() -
 
 
 def _link_pool() -> LinkPool:
-    return LinkPool(check=lambda *_: None, apply=lambda *_: None, on_stale=lambda: None)
+    return LinkPool(check=lambda *_: None, apply=lambda *_: [], on_stale=lambda: None)
 
 
 def _submit_body(seed: int, max_tokens: int) -> bytes:

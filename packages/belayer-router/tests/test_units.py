@@ -235,3 +235,25 @@ def test_a_failed_group_commit_is_reported_by_the_next_append(
 def test_an_unknown_durability_mode_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="durability"):
         JournalStore(tmp_path / "j.jsonl", durability="sometimes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("frames", [True, False])
+@pytest.mark.parametrize(
+    ("token_ids", "logprobs"),
+    [([7], [-1.0]), ((3, 31999, 0), (-0.25, -1e-05, -12.5)), ([5, 6], [0.0, -3.0000000000000004])],
+)
+def test_a_streams_frame_renders_the_bytes_of_its_events(
+    frames: bool, token_ids: list[int], logprobs: list[float]
+) -> None:
+    """The direct frame rendering (no event objects) writes exactly what the events would."""
+    from belayer_router._app import _render, _StreamEmit
+    from belayer_router._protocol import TokenEvent, TokensEvent
+
+    written: list[bytes] = []
+    emit = _StreamEmit(lambda event: None, written.append, frames)
+    emit.frame(40, token_ids, logprobs)
+    if frames:
+        events: list[TokenEvent | TokensEvent] = [TokensEvent(40, tuple(token_ids), tuple(logprobs))]
+    else:
+        events = [TokenEvent(40 + i, t, v) for i, (t, v) in enumerate(zip(token_ids, logprobs, strict=True))]
+    assert written == [_render(events)]  # type: ignore[arg-type]

@@ -5,13 +5,14 @@ from __future__ import annotations
 import hmac
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 import attrs
 import httpx
+import orjson
 
 from belayer_router._asgi import (
     Receive,
@@ -164,9 +165,12 @@ class RouterApp(OpenAIRoutes):
                 if message["type"] == "lifespan.startup":
                     await send({"type": "lifespan.startup.complete"})
                 elif message["type"] == "lifespan.shutdown":
-                    await self.aclose()
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+                    break
+        # Only once the links' tasks have ended: a server treats the lifespan as over at
+        # ``shutdown.complete`` and may cancel what is left of it (uvicorn logged the
+        # CancelledError of links still closing as a lifespan failure).
+        await self.aclose()
+        await send({"type": "lifespan.shutdown.complete"})
 
     async def _body(self, receive: Receive) -> Any:
         return await read_json(receive, self.config.max_body_bytes)
@@ -326,6 +330,9 @@ class RouterApp(OpenAIRoutes):
             return
 
         async def produce(emit: Emit) -> None:
+            put_rendered = getattr(emit, "put_rendered", None)
+            if callable(put_rendered):  # frames rendered to bytes here, no event objects
+                emit = _StreamEmit(emit, put_rendered, request.frames)
             await self._run(record, emit, skip)
 
         await stream_response(
@@ -337,6 +344,34 @@ class RouterApp(OpenAIRoutes):
             "application/x-ndjson",
             direct_writer(scope),
         )
+
+
+class _StreamEmit:
+    """A ``/generate`` stream's emit: events go to the response queue; a frame's tokens (the
+    dispatcher's ``frame`` call) are rendered here to the same NDJSON bytes `encode_event` gives,
+    with no event object, and queued (or written) as one piece: one write per frame."""
+
+    __slots__ = ("emit", "frames", "put_rendered")
+
+    def __init__(self, emit: Emit, put_rendered: Callable[[bytes], None], frames: bool) -> None:
+        self.emit, self.put_rendered, self.frames = emit, put_rendered, frames
+
+    def __call__(self, event: Event) -> None:
+        self.emit(event)
+
+    def frame(self, start: int, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
+        if self.frames:
+            payload = {"type": "tokens", "index": start, "token_ids": token_ids, "logprobs": logprobs}
+            self.put_rendered(orjson.dumps(payload, option=orjson.OPT_APPEND_NEWLINE))
+            return
+        lines = [
+            orjson.dumps(
+                {"type": "token", "index": start + offset, "token_id": token_id, "logprob": logprobs[offset]},
+                option=orjson.OPT_APPEND_NEWLINE,
+            )
+            for offset, token_id in enumerate(token_ids)
+        ]
+        self.put_rendered(lines[0] if len(lines) == 1 else b"".join(lines))
 
 
 def _render(events: list[Event]) -> bytes:

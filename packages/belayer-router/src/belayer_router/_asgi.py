@@ -133,6 +133,20 @@ class _Queue(Generic[_E]):
             self.event = None
             event.set()
 
+    def __call__(self, item: _E) -> None:
+        """The producer's ``emit`` (`put`); `put_rendered` is its pre-rendered sibling."""
+        self.put(item)
+
+    def put_rendered(self, body: bytes) -> None:
+        """Queue (or write straight away, when the writer is idle) bytes the producer rendered
+        itself, in order with the items around them: no event object, no renderer call."""
+        write = self.write
+        if write is not None and not self.items and write(body):
+            return
+        self.items.append(_Rendered(body))
+        if self.future is not None or self.event is not None:
+            self._wake()
+
     def put(self, item: _E | BelayerRouterError) -> None:
         write = self.write
         if write is not None and not self.items:  # the writer is idle: nothing queued to pass
@@ -208,13 +222,14 @@ async def stream_response(
     ``write``: the server's ``belayer.write`` extension (`direct_writer`): once the response has
     started, an event emitted while nothing is queued is rendered and written by the producer
     itself, synchronously; the writer task wakes only for what it could not write (back-pressure)
-    and for the end of the stream.
+    and for the end of the stream.  ``produce``'s emit is callable with an event and also has
+    ``put_rendered(body)``: bytes the producer rendered itself, kept in order with the events.
     """
     queue: _Queue[_E] = _Queue()
 
     async def run_producer() -> None:
         try:
-            await produce(queue.put)
+            await produce(queue)
         except BelayerRouterError as error:
             queue.fail(error)
         finally:

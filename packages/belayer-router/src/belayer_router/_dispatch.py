@@ -22,7 +22,7 @@ import orjson
 from belayer_router._errors import NoHealthyWorkerError, WorkerStreamError
 from belayer_router._journal import Journal, RequestRecord
 from belayer_router._link import open_link
-from belayer_router._links import LinkAttempt, LinkPool
+from belayer_router._links import Entry, LinkAttempt, LinkPool
 from belayer_router._metrics import Metrics
 from belayer_router._protocol import (
     MAX_FRAME_BYTES,
@@ -41,6 +41,9 @@ __all__ = ["Dispatcher", "Emit", "new_seed"]
 
 _T = TypeVar("_T")
 Emit = Callable[[TokenEvent | TokensEvent | FinishEvent], None]
+"""An emit may also have ``frame(start, token_ids, logprobs)``: a checked, journaled frame's tokens
+(indices ``start, start+1, ...``) rendered by the emit itself; the dispatcher then builds no events
+for them."""
 
 
 def new_seed() -> int:
@@ -64,7 +67,7 @@ class Dispatcher:
     links: LinkPool = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        self.links = LinkPool(self._check_frame, self._apply_link, self._stale)
+        self.links = LinkPool(self._check_frame, self._apply_step, self._stale)
 
     def _stale(self) -> None:
         self.metrics.num_stale_events += 1
@@ -181,6 +184,30 @@ class Dispatcher:
         if attempt.error is not None:
             raise attempt.error
         return attempt.finish
+
+    def _apply_step(self, worker: Worker, live: list[Entry]) -> list[tuple[LinkAttempt, str]]:
+        """Journal and emit a checked link frame's entries (synchronously, from the link's reader);
+        the attempts a stop string ended.  The common entry (no stop strings, nothing regenerated)
+        costs one journal extend and one ``frame`` call; the token counter moves once per frame."""
+        stopped: list[tuple[LinkAttempt, str]] = []
+        extend = self.journal.extend
+        num_tokens = 0
+        for attempt, first, token_ids, logprobs in live:
+            record = attempt.record
+            if record.request.stop or first < attempt.num_received:  # the general path
+                reason = self._apply_link(worker, attempt, first, token_ids, logprobs)
+                if reason is not None:
+                    stopped.append((attempt, reason))
+                continue
+            extend(record, token_ids, logprobs)
+            num_tokens += len(token_ids)
+            frame = attempt.frame
+            if frame is not None:
+                frame(first, token_ids, logprobs)
+            else:
+                _emit(record, attempt.emit, first, token_ids, logprobs)
+        self.metrics.num_tokens += num_tokens
+        return stopped
 
     def _apply_link(
         self, worker: Worker, attempt: LinkAttempt, first: int, token_ids: list[int], logprobs: list[float]
@@ -301,11 +328,11 @@ class Dispatcher:
             return
         if skip:
             token_ids, logprobs = token_ids[skip:], logprobs[skip:]
-        if record.request.frames:
-            emit(TokensEvent(start + skip, tuple(token_ids), tuple(logprobs)))
+        frame = getattr(emit, "frame", None)
+        if callable(frame):
+            frame(start + skip, token_ids, logprobs)
         else:
-            for offset, token_id in enumerate(token_ids):
-                emit(TokenEvent(start + skip + offset, token_id, logprobs[offset]))
+            _emit(record, emit, start + skip, token_ids, logprobs)
 
     def _token(
         self,
@@ -338,3 +365,14 @@ class Dispatcher:
         window = 4 * longest + 4  # a character is at most 4 byte-level tokens
         text = self.tokenizer.decode(record.token_ids[-window:])
         return any(s in text for s in record.request.stop)
+
+
+def _emit(
+    record: RequestRecord, emit: Emit, start: int, token_ids: Sequence[int], logprobs: Sequence[float]
+) -> None:
+    """A frame's tokens as events: one `TokensEvent` for a frames client, else one per token."""
+    if record.request.frames:
+        emit(TokensEvent(start, tuple(token_ids), tuple(logprobs)))
+    else:
+        for offset, token_id in enumerate(token_ids):
+            emit(TokenEvent(start + offset, token_id, logprobs[offset]))

@@ -5,7 +5,10 @@ chunked both ways, `_wire` frames inside).  Every request the router runs on tha
 ``SUBMIT`` on the link; the worker answers with one ``STEP`` frame per engine step carrying every
 request's new tokens and finishes.  The link's reader task checks a frame whole (epoch, handles,
 indices, room left) before it journals and emits anything of it, then hands each entry to its
-request synchronously: no per-request task wakes up per token, only the client's writer.
+request synchronously: no per-request task wakes up per token, only the client's writer.  The
+frame's checked entries go to the dispatcher in one call (``apply``), which journals them and
+hands each request its tokens (rendered straight to the client's bytes where the client's
+stream offers it: no event object per token).
 
 The link breaking (connection error, malformed frame, stale epoch, retired worker, a read slower
 than ``read_timeout_s`` while requests are out) breaks every request on it: each resumes through
@@ -15,7 +18,7 @@ the dispatcher's usual path.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
@@ -46,7 +49,9 @@ __all__ = ["Link", "LinkAttempt", "LinkPool"]
 
 _READ_BYTES = 262144
 Check = Callable[["Worker", "RequestRecord", int, list[int]], None]
-Apply = Callable[["Worker", "LinkAttempt", int, list[int], list[float]], "str | None"]
+Entry = tuple["LinkAttempt", int, list[int], list[float]]  # attempt, first index, token ids, logprobs
+Apply = Callable[["Worker", list[Entry]], list[tuple["LinkAttempt", str]]]  # -> those a stop string ended
+EmitFrame = Callable[[int, Sequence[int], Sequence[float]], None]
 
 
 @attrs.define(eq=False)
@@ -57,6 +62,7 @@ class LinkAttempt:
     record: RequestRecord
     emit: Emit
     num_received: int
+    frame: EmitFrame | None = None  # the emit's ``frame(first, token_ids, logprobs)``, if it has one
     done: anyio.Event = attrs.field(factory=anyio.Event)
     finish: str | None = None
     error: WorkerStreamError | None = None
@@ -99,7 +105,10 @@ class Link:
         """Send a request on the link; wait on the returned attempt's ``done``."""
         if self.broken is not None:
             raise WorkerStreamError(f"link to {self.worker.url} is broken: {self.broken}")
-        attempt = LinkAttempt(self.next_handle, record, emit, num_received)
+        frame = getattr(emit, "frame", None)
+        attempt = LinkAttempt(
+            self.next_handle, record, emit, num_received, frame if callable(frame) else None
+        )
         self.next_handle += 1
         was_idle = not self.attempts  # a deadline left by aborted requests is not this one's
         self.attempts[attempt.handle] = attempt
@@ -248,22 +257,20 @@ class Link:
         self._known(step.finished)
         if len(set(handles)) != len(handles):
             raise LinkProtocolError(f"worker {worker.url} sent one request twice in a STEP frame")
-        attempts, token_ids, logprobs = self.attempts, step.token_ids, step.logprobs
-        live: list[tuple[LinkAttempt, int, list[int], list[float]]] = []
+        attempts, token_ids, logprobs, check = self.attempts, step.token_ids, step.logprobs, self.check
+        live: list[Entry] = []
         offset = 0
-        for i, handle in enumerate(handles):  # check the whole frame before using any of it
-            end = offset + counts[i]
+        for handle, first, count in zip(handles, step.firsts, counts, strict=True):
+            end = offset + count  # check the whole frame before using any of it
             attempt = attempts.get(handle)
             if attempt is not None:  # else aborted by the router: late tokens, dropped
                 ids = token_ids[offset:end]
-                self.check(worker, attempt.record, step.firsts[i], ids)
-                live.append((attempt, step.firsts[i], ids, logprobs[offset:end]))
+                check(worker, attempt.record, first, ids)
+                live.append((attempt, first, ids, logprobs[offset:end]))
             offset = end
-        for attempt, first, ids, values in live:
-            reason = self.apply(worker, attempt, first, ids, values)
-            if reason is not None:  # a stop string: the router ends it, the worker stops
-                self.abort(attempt)
-                self._close(attempt, reason)
+        for attempt, reason in self.apply(worker, live):  # a stop string: the router ends it
+            self.abort(attempt)  # and the worker stops
+            self._close(attempt, reason)
         for handle, reason in zip(step.finished, step.reasons, strict=True):
             attempt = attempts.get(handle)
             if attempt is not None:
