@@ -189,6 +189,10 @@ def combine(passes: list[dict[str, Any]]) -> dict[str, Any]:
         "tokens_per_s_rounds": [round(p["tokens_per_s"], 1) for p in passes],
         "itl_p50_ms": statistics.median(gaps) * 1e3 if gaps else 0.0,
         "itl_p99_ms": gaps[min(len(gaps) - 1, int(len(gaps) * 0.99))] * 1e3 if gaps else 0.0,
+        "itl_mean_ms": statistics.fmean(gaps) * 1e3 if gaps else 0.0,
+        # the ramp: from the pass's start to a stream's first token (median / the last stream's)
+        "first_token_p50_ms_rounds": [round(p["first_token_p50_ms"], 1) for p in passes],
+        "first_token_max_ms_rounds": [round(p["first_token_max_ms"], 1) for p in passes],
         "wall_s": sum(p["wall_s"] for p in passes),
         "tokens": sum(p["tokens"] for p in passes),
         "cpu_s": {k: sum(p["cpu_s"][k] for p in passes) for k in passes[0]["cpu_s"]},
@@ -306,7 +310,9 @@ async def throughput_rows(
                 print(
                     f"{events} {name} {streams} streams round {r}: "
                     f"direct {passes['direct'][-1]['tokens_per_s']:.0f} tok/s, {name} "
-                    f"{result['tokens_per_s']:.0f} tok/s, {result['cpu_s']['router']:.2f} CPU-s "
+                    f"{result['tokens_per_s']:.0f} tok/s, first token p50/max "
+                    f"{result['first_token_p50_ms']:.0f}/{result['first_token_max_ms']:.0f} ms, ITL mean "
+                    f"{result['itl_mean_ms']:.1f} ms, {result['cpu_s']['router']:.2f} CPU-s "
                     f"({result['cpu_user_s']['router']:.2f} user, {result['cpu_sys_s']['router']:.2f} sys)",
                     file=sys.stderr,
                     flush=True,

@@ -311,8 +311,10 @@ def _loop_run() -> Any:
 class _Stream(asyncio.Protocol):
     """One streamed ``/generate`` request on its own connection; counts tokens, records gaps."""
 
-    def __init__(self, request: bytes, done: asyncio.Future[int], gaps: list[float]) -> None:
-        self.request, self.done, self.gaps = request, done, gaps
+    def __init__(
+        self, request: bytes, done: asyncio.Future[int], gaps: list[float], firsts: list[float]
+    ) -> None:
+        self.request, self.done, self.gaps, self.firsts = request, done, gaps, firsts
         self.parser = httptools.HttpResponseParser(self)
         self.pending = b""
         self.count = 0
@@ -342,6 +344,8 @@ class _Stream(asyncio.Protocol):
                 size = len(event["token_ids"]) if event["type"] == "tokens" else 1
                 if self.count:
                     self.gaps.append(self.now - self.last)
+                else:
+                    self.firsts.append(self.now)  # the stream's first token (time.monotonic)
                 if size > 1:
                     self.gaps.extend([0.0] * (size - 1))
                 self.last, self.count = self.now, self.count + size
@@ -377,16 +381,23 @@ def _request(url: str, body: dict[str, Any]) -> tuple[str, int, bytes]:
 async def _stream_all(requests: list[tuple[str, int, bytes]]) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     gaps: list[float] = []
+    firsts: list[float] = []
 
     async def one(host: str, port: int, request: bytes) -> int:
         done: asyncio.Future[int] = loop.create_future()
-        await loop.create_connection(lambda: _Stream(request, done, gaps), host, port)
+        await loop.create_connection(lambda: _Stream(request, done, gaps, firsts), host, port)
         return await done
 
     began = time.monotonic()
     counts = await asyncio.wait_for(asyncio.gather(*(one(*r) for r in requests)), CLIENT_TIMEOUT_S)
     ended = time.monotonic()
-    return {"began": began, "ended": ended, "tokens": sum(counts), "gaps": array.array("f", gaps)}
+    return {
+        "began": began,
+        "ended": ended,
+        "tokens": sum(counts),
+        "firsts": firsts,
+        "gaps": array.array("f", gaps),
+    }
 
 
 def client_main() -> None:
@@ -469,13 +480,18 @@ def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
     gaps = array.array("f")
     for result in results:
         gaps.frombytes(result["gaps"])
-    wall = max(r["ended"] for r in results) - min(r["began"] for r in results)
+    began = min(r["began"] for r in results)
+    wall = max(r["ended"] for r in results) - began
     tokens = sum(r["tokens"] for r in results)
     values = sorted(gaps)
+    firsts = sorted(f - began for r in results for f in r.get("firsts", []))  # CLOCK_MONOTONIC: one clock
     return {
         "tokens": tokens,
         "wall_s": wall,
         "tokens_per_s": tokens / wall,
+        "first_token_p50_ms": statistics.median(firsts) * 1e3 if firsts else 0.0,
+        "first_token_max_ms": firsts[-1] * 1e3 if firsts else 0.0,
+        "itl_mean_ms": statistics.fmean(values) * 1e3 if values else 0.0,
         "itl_p50_ms": statistics.median(values) * 1e3 if values else 0.0,
         "itl_p99_ms": values[min(len(values) - 1, int(len(values) * 0.99))] * 1e3 if values else 0.0,
         "gaps": values,
