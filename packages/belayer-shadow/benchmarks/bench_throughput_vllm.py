@@ -32,7 +32,10 @@ between steps over all rounds (its /metrics). For every served system (slots and
 this process's CPU seconds per round (`bench_process_cpu_s`: the 32 clients, and for a slot the
 router and the slot supervisor too; rows before `vllm serve` was added call it
 `router_clients_cpu_s`) and the server side's CPU seconds per round per process (`server_cpu_s`:
-a slot's main worker and standby shadow; `vllm serve`'s API server, engine core and worker).
+a slot's main worker and standby shadow; `vllm serve`'s API server, engine core and worker), and
+per such process per round each busy thread's [CPU s, run-queue wait s] (`server_threads`, from
+schedstat: the rest of a thread's wall clock it was asleep, e.g. waiting for the GIL); the
+children (`LLM.generate`, both engines in process) have the same two under the name `process`.
 `--router-server uvicorn belayer` runs both slots once per HTTP server (belayer_router's
 `server=` choice: uvicorn, or the router's own HTTP/1.1 server), for the router AND the slot's
 workers (they serve through belayer_router's `serving`, which reads `$BELAYER_ROUTER_SERVER`, set
@@ -266,6 +269,28 @@ def process_cpu_s(pid: int) -> float:
     except FileNotFoundError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_times(pid: int) -> dict[int, tuple[float, float]]:
+    """Each thread of a live process: (seconds on a CPU, seconds runnable but waiting for a CPU),
+    from /proc/<pid>/task/<tid>/schedstat; a thread asleep (a lock such as the GIL, I/O) is in neither."""
+    times = {}
+    for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        with contextlib.suppress(OSError, ValueError):
+            on_cpu, waiting, _ = stat.read_text().split()
+            times[int(stat.parent.name)] = (int(on_cpu) / 1e9, int(waiting) / 1e9)
+    return times
+
+
+def busy_threads(
+    before: dict[int, tuple[float, float]], after: dict[int, tuple[float, float]]
+) -> list[list[float]]:
+    """[CPU s, run-queue wait s] per thread that used 10 ms or more between two `thread_times`, busiest first."""
+    deltas = [
+        [round(a[0] - before.get(tid, (0.0, 0.0))[0], 4), round(a[1] - before.get(tid, (0.0, 0.0))[1], 4)]
+        for tid, a in after.items()
+    ]
+    return sorted((d for d in deltas if d[0] >= 0.01), reverse=True)
 
 
 def descendants(pid: int) -> list[int]:
@@ -551,7 +576,8 @@ async def measure_size(size: str, folder: Path, tmp: Path, args: argparse.Namesp
             if key in measured:
                 children[key] = await anyio.to_thread.run_sync(Child, role, folder, args)
         init = {key: child.init_s for key, child in children.items()}
-        processes: dict[str, dict[str, int]] = {}  # served system -> its server side's processes
+        # system -> its processes (a child's own; a served system's server side)
+        processes = {key: {"process": child.process.pid} for key, child in children.items()}
         if "stock_vllm_serve" in measured:
             serve = VllmServe(folder, tmp / f"{size}-vllm-serve.log", args)
             await serve.wait_ready()
@@ -579,13 +605,12 @@ async def measure_size(size: str, folder: Path, tmp: Path, args: argparse.Namesp
                 order = measured[round_ % len(measured) :] + measured[: round_ % len(measured)]
                 for key in order:
                     results[key]["load_1min"].append(os.getloadavg()[0])
-                    if key in children:
-                        rate, outputs[key] = await anyio.to_thread.run_sync(children[key].round)
-                        results[key]["tokens_per_s"].append(rate)
-                        continue
                     cpu = time.process_time()
                     server_cpu = {name: process_cpu_s(pid) for name, pid in processes[key].items()}
-                    if serve is not None and key == "stock_vllm_serve":
+                    threads = {name: thread_times(pid) for name, pid in processes[key].items()}
+                    if key in children:
+                        rate, outputs[key] = await anyio.to_thread.run_sync(children[key].round)
+                    elif serve is not None and key == "stock_vllm_serve":
                         rate, outputs[key] = await through_vllm_serve(
                             serve, args.num_requests, args.max_tokens
                         )
@@ -593,11 +618,14 @@ async def measure_size(size: str, folder: Path, tmp: Path, args: argparse.Namesp
                         rate, outputs[key] = await through_router(
                             urls[key], args.num_requests, args.max_tokens
                         )
-                    # This process beside the server: the 32 clients (+ router and supervisor for a slot).
-                    results[key].setdefault("bench_process_cpu_s", []).append(time.process_time() - cpu)
-                    for name, pid in processes[key].items():  # the server side, per process
+                    if key not in children:  # this process beside the server: the 32 clients (+ router
+                        used = time.process_time() - cpu  # and slot supervisor for a slot)
+                        results[key].setdefault("bench_process_cpu_s", []).append(used)
+                    for name, pid in processes[key].items():  # the server side (or child), per process
                         used = process_cpu_s(pid) - server_cpu[name]
                         results[key].setdefault("server_cpu_s", {}).setdefault(name, []).append(used)
+                        busy = busy_threads(threads[name], thread_times(pid))
+                        results[key].setdefault("server_threads", {}).setdefault(name, []).append(busy)
                     results[key]["tokens_per_s"].append(rate)
             for key, url in urls.items():  # the main worker's step thread over all rounds
                 after = await worker_metrics(url)
