@@ -438,6 +438,27 @@ def _cpu_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _ramp_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The start of a pass (every stream asks at once) and the mean gap: where throughput goes."""
+    lines = [
+        "| events | server | streams | last stream's first token direct / floor / router (ms) | ITL mean direct / floor / router (ms) |",
+        "|---|---|---:|---:|---:|",
+    ]
+
+    def cells(key: str, pick: Any) -> str:
+        results = [row["direct"], row.get("floor"), row["router"]]
+        return " / ".join("-" if r is None or key not in r else f"{pick(r[key]):.1f}" for r in results)
+
+    for row in rows:
+        if "first_token_max_ms_rounds" not in row["router"]:
+            continue
+        lines.append(
+            f"| {row['worker_events']} | {row['server']} | {row['streams']} | "
+            f"{cells('first_token_max_ms_rounds', statistics.median)} | {cells('itl_mean_ms', float)} |"
+        )
+    return lines if len(lines) > 2 else []
+
+
 def table(result: dict[str, Any]) -> str:
     config = result["config"]
     lines: list[str] = []
@@ -461,6 +482,9 @@ def table(result: dict[str, Any]) -> str:
     split = _split_table(result["throughput"])
     if split:
         lines += ["", *split]
+    ramp = _ramp_table(result["throughput"])
+    if ramp:
+        lines += ["", *ramp]
     if result["fleet"]:
         lines += [
             "",
