@@ -309,8 +309,24 @@ def descendants(pid: int) -> list[int]:
 
 
 # A guardian for the `vllm serve` process group: when the benchmark dies (even by SIGKILL) its end
-# of the pipe closes, the read returns and the whole group (API server, engine core) is killed.
-GUARDIAN = "import os, signal, sys; sys.stdin.buffer.read(); os.killpg(int(sys.argv[1]), signal.SIGKILL)"
+# of the pipe closes and the read returns: SIGTERM to the group (vLLM then unlinks its shared-memory
+# queues in /dev/shm; a SIGKILL alone leaves them behind), SIGKILL to what is left 15 s later.
+GUARDIAN = """
+import os, signal, sys, time
+sys.stdin.buffer.read()
+for sig, wait_s in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 0.0)):
+    try:
+        os.killpg(int(sys.argv[1]), sig)
+    except ProcessLookupError:
+        break
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(int(sys.argv[1]), 0)
+        except ProcessLookupError:
+            sys.exit(0)
+        time.sleep(0.2)
+"""
 
 
 # `vllm serve` is vLLM's own CLI (`vllm.entrypoints.cli.main`), run as the `vllm` script does. One
