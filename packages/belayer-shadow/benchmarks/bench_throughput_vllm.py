@@ -394,6 +394,20 @@ class VllmServe:
         for pid in descendants(self.process.pid):  # the engine core (and multiprocessing's helpers)
             self.processes[f"{process_name(pid)} ({pid})"] = pid
 
+    async def wait_idle(self, timeout_s: float = 10.0) -> float:
+        """Wait until the server's processes stop using CPU; the seconds waited. vLLM's model
+        worker busy-polls its shared-memory queue (sched_yield) for 1 s after its last work: left
+        alone, it would run into the next system's round on the same 2 cores."""
+        start = time.monotonic()
+        used = sum(map(process_cpu_s, self.processes.values()))
+        while time.monotonic() - start < timeout_s:
+            await anyio.sleep(0.25)
+            now = sum(map(process_cpu_s, self.processes.values()))
+            if now - used < 0.02:
+                break
+            used = now
+        return time.monotonic() - start
+
     def close(self) -> None:
         """SIGTERM the group (API server, engine core), SIGKILL what is left after 30 s, end the guardian."""
         members = [self.process.pid, *descendants(self.process.pid)]
@@ -598,6 +612,7 @@ async def measure_size(size: str, folder: Path, tmp: Path, args: argparse.Namesp
             serve = VllmServe(folder, tmp / f"{size}-vllm-serve.log", args)
             await serve.wait_ready()
             await through_vllm_serve(serve, args.num_requests, args.max_tokens)  # warm-up: a full round
+            await serve.wait_idle()
             init["stock_vllm_serve"], processes["stock_vllm_serve"] = serve.init_s, serve.processes
         async with contextlib.AsyncExitStack() as slots:
             urls = {}
@@ -643,6 +658,9 @@ async def measure_size(size: str, folder: Path, tmp: Path, args: argparse.Namesp
                         busy = busy_threads(threads[name], thread_times(pid))
                         results[key].setdefault("server_threads", {}).setdefault(name, []).append(busy)
                     results[key]["tokens_per_s"].append(rate)
+                    if serve is not None and key == "stock_vllm_serve":  # counted in no round: until
+                        idle_s = await serve.wait_idle()  # its worker stops spinning (see wait_idle)
+                        results[key].setdefault("idle_wait_s", []).append(idle_s)
             for key, url in urls.items():  # the main worker's step thread over all rounds
                 after = await worker_metrics(url)
                 results[key]["worker"] = {name: after[name] - before[key][name] for name in WORKER_METRICS}
