@@ -355,7 +355,7 @@ async def test_a_worker_that_hangs_on_its_link_is_cut_after_the_read_timeout() -
 
 
 def _link_pool() -> LinkPool:
-    return LinkPool(check=lambda *_: None, apply=lambda *_: [], on_stale=lambda: None)
+    return LinkPool(check=lambda *_: None, apply=lambda *_: None, on_stale=lambda: None)
 
 
 def _submit_body(seed: int, max_tokens: int) -> bytes:
@@ -425,3 +425,56 @@ async def test_a_submission_after_every_request_was_aborted_gets_a_fresh_read_de
             assert scope.deadline >= submitted_at + 60.0
             group.cancel_scope.cancel()
         hung.resume()
+
+
+class PairWorker:
+    """Serves ``POST /link``: once two requests are submitted, one STEP frame carrying both."""
+
+    async def __call__(
+        self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]
+    ) -> None:
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        handles: list[int] = []
+        async for message in read_link_frames(receive):
+            if isinstance(message, LinkAbort):
+                continue
+            handles.append(message.handle)
+            if len(handles) == 2:
+                frame = encode_step(1, [(handle, 0, [5], [-0.5]) for handle in handles])
+                await send({"type": "http.response.body", "body": frame, "more_body": True})
+
+
+async def test_a_stopped_request_stays_stopped_when_a_later_entry_of_its_frame_fails() -> None:
+    """A stop string ends its request at once: an entry after it in the same STEP frame that fails
+    (a journal error, say) breaks the link for the others, not for the one already stopped."""
+    from belayer_router import WorkerStreamError
+    from belayer_router._links import Entry, LinkAttempt, Stop
+
+    seen: list[int] = []
+
+    def apply(worker: Worker, live: list[Entry], stop: Stop) -> None:
+        seen.append(len(live))
+        stop(live[0][0], "stop")
+        raise WorkerStreamError("the journal failed on the second entry")
+
+    pool = LinkPool(check=lambda *_: None, apply=apply, on_stale=lambda: None)
+    async with serving(PairWorker(), log_level="critical") as url:
+        worker = Worker("s", url, 1, link=True)
+        async with anyio.create_task_group() as group:
+            pool.group = group
+            link = await pool.get(worker, 30.0, 60.0)
+            attempts: list[LinkAttempt] = [
+                link.submit(_submit_body(seed, 10), None, lambda *_: None, 0)  # type: ignore[arg-type]
+                for seed in (1, 2)
+            ]
+            with anyio.fail_after(60):
+                for attempt in attempts:
+                    await attempt.done.wait()
+            group.cancel_scope.cancel()
+    assert seen == [2]
+    assert attempts[0].finish == "stop"
+    assert attempts[0].error is None
+    assert attempts[1].finish is None
+    assert "journal failed" in str(attempts[1].error)

@@ -257,3 +257,17 @@ def test_a_streams_frame_renders_the_bytes_of_its_events(
     else:
         events = [TokenEvent(40 + i, t, v) for i, (t, v) in enumerate(zip(token_ids, logprobs, strict=True))]
     assert written == [_render(events)]  # type: ignore[arg-type]
+
+
+def test_an_empty_pre_rendered_body_is_neither_written_nor_queued() -> None:
+    """Nothing to send must not start the response (a later error could then not be a 503)."""
+    from belayer_router._asgi import _Queue
+
+    queue: _Queue[object] = _Queue()
+    written: list[bytes] = []
+    queue.write = lambda body: bool(written.append(body)) or True
+    queue.put_rendered(b"")
+    assert written == []
+    assert queue.items == []
+    queue.put_rendered(b"x\n")
+    assert written == [b"x\n"]

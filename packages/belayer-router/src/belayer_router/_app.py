@@ -159,17 +159,28 @@ class RouterApp(OpenAIRoutes):
                 group.cancel_scope.cancel()
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
-        async with self.serving_links():
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    break
+        try:
+            async with self.serving_links():
+                while True:
+                    message = await receive()
+                    if message["type"] == "lifespan.startup":
+                        await send({"type": "lifespan.startup.complete"})
+                    elif message["type"] == "lifespan.shutdown":
+                        break
+        except BaseException:
+            with anyio.CancelScope(shield=True):  # the journal is closed (synced) on every way out
+                await self.aclose()
+            raise
         # Only once the links' tasks have ended: a server treats the lifespan as over at
         # ``shutdown.complete`` and may cancel what is left of it (uvicorn logged the
         # CancelledError of links still closing as a lifespan failure).
-        await self.aclose()
+        try:
+            await self.aclose()
+        except Exception as error:
+            await send(
+                {"type": "lifespan.shutdown.failed", "message": f"closing the router failed: {error!r}"}
+            )
+            raise
         await send({"type": "lifespan.shutdown.complete"})
 
     async def _body(self, receive: Receive) -> Any:

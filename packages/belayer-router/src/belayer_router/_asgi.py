@@ -140,6 +140,8 @@ class _Queue(Generic[_E]):
     def put_rendered(self, body: bytes) -> None:
         """Queue (or write straight away, when the writer is idle) bytes the producer rendered
         itself, in order with the items around them: no event object, no renderer call."""
+        if not body:  # nothing to send: must not start the response (as `put` does not)
+            return
         write = self.write
         if write is not None and not self.items and write(body):
             return

@@ -22,7 +22,7 @@ import orjson
 from belayer_router._errors import NoHealthyWorkerError, WorkerStreamError
 from belayer_router._journal import Journal, RequestRecord
 from belayer_router._link import open_link
-from belayer_router._links import Entry, LinkAttempt, LinkPool
+from belayer_router._links import Entry, LinkAttempt, LinkPool, Stop
 from belayer_router._metrics import Metrics
 from belayer_router._protocol import (
     MAX_FRAME_BYTES,
@@ -185,29 +185,30 @@ class Dispatcher:
             raise attempt.error
         return attempt.finish
 
-    def _apply_step(self, worker: Worker, live: list[Entry]) -> list[tuple[LinkAttempt, str]]:
+    def _apply_step(self, worker: Worker, live: list[Entry], stop: Stop) -> None:
         """Journal and emit a checked link frame's entries (synchronously, from the link's reader);
-        the attempts a stop string ended.  The common entry (no stop strings, nothing regenerated)
-        costs one journal extend and one ``frame`` call; the token counter moves once per frame."""
-        stopped: list[tuple[LinkAttempt, str]] = []
+        an attempt a stop string ended goes to ``stop`` at once.  The common entry (no stop strings,
+        nothing regenerated) costs one journal extend and one ``frame`` call; the token counter
+        moves once per frame (also when an entry fails half-way through the frame)."""
         extend = self.journal.extend
         num_tokens = 0
-        for attempt, first, token_ids, logprobs in live:
-            record = attempt.record
-            if record.request.stop or first < attempt.num_received:  # the general path
-                reason = self._apply_link(worker, attempt, first, token_ids, logprobs)
-                if reason is not None:
-                    stopped.append((attempt, reason))
-                continue
-            extend(record, token_ids, logprobs)
-            num_tokens += len(token_ids)
-            frame = attempt.frame
-            if frame is not None:
-                frame(first, token_ids, logprobs)
-            else:
-                _emit(record, attempt.emit, first, token_ids, logprobs)
-        self.metrics.num_tokens += num_tokens
-        return stopped
+        try:
+            for attempt, first, token_ids, logprobs in live:
+                record = attempt.record
+                if record.request.stop or first < attempt.num_received:  # the general path
+                    reason = self._apply_link(worker, attempt, first, token_ids, logprobs)
+                    if reason is not None:
+                        stop(attempt, reason)
+                    continue
+                extend(record, token_ids, logprobs)
+                num_tokens += len(token_ids)
+                frame = attempt.frame
+                if frame is not None:
+                    frame(first, token_ids, logprobs)
+                else:
+                    _emit(record, attempt.emit, first, token_ids, logprobs)
+        finally:
+            self.metrics.num_tokens += num_tokens
 
     def _apply_link(
         self, worker: Worker, attempt: LinkAttempt, first: int, token_ids: list[int], logprobs: list[float]

@@ -50,7 +50,8 @@ __all__ = ["Link", "LinkAttempt", "LinkPool"]
 _READ_BYTES = 262144
 Check = Callable[["Worker", "RequestRecord", int, list[int]], None]
 Entry = tuple["LinkAttempt", int, list[int], list[float]]  # attempt, first index, token ids, logprobs
-Apply = Callable[["Worker", list[Entry]], list[tuple["LinkAttempt", str]]]  # -> those a stop string ended
+Stop = Callable[["LinkAttempt", str], None]  # a stop string ended the attempt: end it now
+Apply = Callable[["Worker", list[Entry], Stop], None]
 EmitFrame = Callable[[int, Sequence[int], Sequence[float]], None]
 
 
@@ -230,6 +231,12 @@ class Link:
                 f"{self.next_handle} handles"
             )
 
+    def _stop(self, attempt: LinkAttempt, reason: str) -> None:
+        """A stop string ended ``attempt`` (the router ends it, the worker stops): closed at once,
+        so a later entry of the same frame that fails cannot turn it into a broken stream."""
+        self.abort(attempt)
+        self._close(attempt, reason)
+
     def _reject(self, payload: memoryview) -> None:
         if len(payload) < 4:
             raise LinkProtocolError(f"worker {self.worker.url} sent a REJECT frame without a handle")
@@ -268,9 +275,7 @@ class Link:
                 check(worker, attempt.record, first, ids)
                 live.append((attempt, first, ids, logprobs[offset:end]))
             offset = end
-        for attempt, reason in self.apply(worker, live):  # a stop string: the router ends it
-            self.abort(attempt)  # and the worker stops
-            self._close(attempt, reason)
+        self.apply(worker, live, self._stop)
         for handle, reason in zip(step.finished, step.reasons, strict=True):
             attempt = attempts.get(handle)
             if attempt is not None:
