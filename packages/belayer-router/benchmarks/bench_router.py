@@ -99,10 +99,15 @@ def start_process(argv: list[str], env: dict[str, str] | None = None) -> tuple[s
 
 
 def stop(processes: list[subprocess.Popen[bytes]]) -> None:
+    """Terminate every process, wait for each (60 s), kill one that does not end."""
     for process in processes:
         process.terminate()
     for process in processes:
-        process.wait(timeout=60)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def server_flag_supported() -> bool:
@@ -329,19 +334,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     fleet: list[dict[str, Any]] = []
     resume: dict[str, list[float]] = {}
     pool = ClientPool(args.clients)
-    floor = None if args.no_floor else start_process(floor_argv(args))
+    floor = None
     try:
+        floor = None if args.no_floor else start_process(floor_argv(args))
         for number, events in enumerate(args.worker_events):
             first = number == 0  # the fleet and resume rows run once, with the first kind of events
-            workers = [start_process(worker_argv(args, events)) for _ in range(args.workers)]
-            routers = [start_process(router_argv(args.loop, s, args.pass_server)) for s in args.router_server]
-            if args.baseline_src is not None:  # the same servers, from another source tree
-                env = {**os.environ, "PYTHONPATH": str(args.baseline_src)}
-                routers += [
-                    start_process(router_argv(args.loop, s, args.pass_server), env)
-                    for s in args.router_server
-                ]
-            try:
+            workers: list[tuple[subprocess.Popen[bytes], str]] = []
+            routers: list[tuple[subprocess.Popen[bytes], str]] = []
+            try:  # whatever started is stopped, also when a later one fails to start
+                for _ in range(args.workers):
+                    workers.append(start_process(worker_argv(args, events)))
+                for s in args.router_server:
+                    routers.append(start_process(router_argv(args.loop, s, args.pass_server)))
+                if args.baseline_src is not None:  # the same servers, from another source tree
+                    env = {**os.environ, "PYTHONPATH": str(args.baseline_src)}
+                    for s in args.router_server:
+                        routers.append(start_process(router_argv(args.loop, s, args.pass_server), env))
                 for _, router_url in routers:
                     async with RouterClient(router_url, admin_token="bench") as client:
                         for w, (_, url) in enumerate(workers):
