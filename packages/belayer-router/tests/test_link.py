@@ -427,7 +427,7 @@ async def test_a_submission_after_every_request_was_aborted_gets_a_fresh_read_de
         hung.resume()
 
 
-class PairWorker:
+class FakePairWorker:
     """Serves ``POST /link``: once two requests are submitted, one STEP frame carrying both."""
 
     async def __call__(
@@ -460,7 +460,7 @@ async def test_a_stopped_request_stays_stopped_when_a_later_entry_of_its_frame_f
         raise WorkerStreamError("the journal failed on the second entry")
 
     pool = LinkPool(check=lambda *_: None, apply=apply, on_stale=lambda: None)
-    async with serving(PairWorker(), log_level="critical") as url:
+    async with serving(FakePairWorker(), log_level="critical") as url:
         worker = Worker("s", url, 1, link=True)
         async with anyio.create_task_group() as group:
             pool.group = group
