@@ -17,11 +17,28 @@ request body, the worker's in the chunked response body.  Every frame is
 
 Decoding checks a frame whole (sizes, counts, reasons) before anything of it is used, and raises
 `LinkProtocolError`; the arrays come out as lists in one C call each, not per token.
+
+The client link (``POST /client-link``: many generation streams of one client on one connection)
+uses the same framing with kinds 16..21:
+
+- ``OPEN`` (client -> router): ``u32 handle`` then the JSON of a ``POST /generate`` body.  Handles
+  are the client's, strictly increasing on a link.
+- ``CANCEL`` (client -> router): ``u32 handle``: the client no longer wants that request.
+- ``TOKENS`` (router -> client): ``u32 n``, then ``u32 handle[n], u32 first[n], u32 count[n],
+  u32 token_id[sum(count)], f64 logprob[sum(count)]``: the tokens of every stream of the link
+  produced in one event-loop turn.
+- ``FINISH`` (router -> client): ``u32 handle`` then the JSON of the ``/generate`` finish event's
+  fields (request_id, finish_reason, num_prompt_tokens, num_generated_tokens, num_resumes).
+- ``ERROR`` (router -> client): ``u32 handle`` then JSON ``{"status", "message"}``: that request
+  failed as ``/generate`` would have answered it.
+- ``LINK_ERROR`` (router -> client): JSON ``{"status", "message"}``: the client broke the link.
 """
 
 from __future__ import annotations
 
 import struct
+import sys
+from array import array
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -32,21 +49,45 @@ from belayer_router._errors import LinkProtocolError
 
 __all__ = [
     "ABORT",
+    "CANCEL",
+    "CLIENT_LINK_PATH",
+    "ERROR",
+    "FINISH",
+    "LINK_ERROR",
     "LINK_PATH",
+    "MAX_ENTRY_TOKENS",
     "MAX_LINK_FRAME_BYTES",
+    "OPEN",
     "REJECT",
     "STEP",
     "SUBMIT",
+    "TOKENS",
+    "CancelFrame",
+    "ErrorFrame",
+    "FinishFrame",
     "FrameBuffer",
     "LinkAbort",
+    "LinkErrorFrame",
     "LinkStep",
     "LinkSubmit",
+    "OpenFrame",
+    "TokensFrame",
+    "decode_client_frame",
     "decode_request_frame",
+    "decode_router_frame",
     "decode_step",
+    "decode_tokens",
     "encode_abort",
+    "encode_cancel",
+    "encode_error",
+    "encode_finish",
+    "encode_link_error",
+    "encode_open",
     "encode_reject",
     "encode_step",
     "encode_submit",
+    "encode_tokens",
+    "pack_tokens",
     "read_link_frames",
 ]
 
@@ -54,6 +95,8 @@ LINK_PATH = "/link"
 MAX_LINK_FRAME_BYTES = 16 << 20  # one frame, either way
 MAX_ENTRY_TOKENS = 4096  # tokens of one request in one step frame
 SUBMIT, ABORT, STEP, REJECT = 1, 2, 3, 4
+CLIENT_LINK_PATH = "/client-link"
+OPEN, CANCEL, TOKENS, FINISH, ERROR, LINK_ERROR = 16, 17, 18, 19, 20, 21
 REASONS = ("stop", "length")
 _LENGTH = struct.Struct("<I")
 _KIND = struct.Struct("<IB")
@@ -135,7 +178,7 @@ def encode_step(
     return _frame(STEP, b"".join(parts))
 
 
-def _u32s(payload: memoryview, offset: int, count: int) -> list[int]:
+def _u32s(payload: memoryview | bytes, offset: int, count: int) -> list[int]:
     return list(struct.unpack_from(f"<{count}I", payload, offset))
 
 
@@ -252,3 +295,224 @@ async def read_link_frames(
             if frames.pending:
                 raise LinkProtocolError(f"the router's link ended inside a frame ({frames.pending} bytes)")
             return
+
+
+# The client link (``POST /client-link``): client <-> router.
+
+
+@attrs.frozen
+class OpenFrame:
+    """A decoded ``OPEN``: the client's request ``handle`` and its ``POST /generate`` body."""
+
+    handle: int
+    body: dict[str, Any]
+
+
+@attrs.frozen
+class CancelFrame:
+    """A decoded ``CANCEL``: the client no longer wants request ``handle``."""
+
+    handle: int
+
+
+@attrs.frozen
+class TokensFrame:
+    """A decoded ``TOKENS`` frame (parallel lists; ``token_ids``/``logprobs`` are all entries'
+    tokens in entry order): entry ``i`` is ``counts[i]`` tokens of ``handles[i]`` from completion
+    index ``firsts[i]``."""
+
+    handles: list[int]
+    firsts: list[int]
+    counts: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+@attrs.frozen
+class FinishFrame:
+    """A decoded ``FINISH``: request ``handle`` ended; ``payload`` holds the ``/generate`` finish
+    event's fields (request_id, finish_reason, num_prompt_tokens, num_generated_tokens, num_resumes)."""
+
+    handle: int
+    payload: dict[str, Any]
+
+
+@attrs.frozen
+class ErrorFrame:
+    """A decoded ``ERROR``: request ``handle`` failed with HTTP ``status`` (as ``/generate`` would)."""
+
+    handle: int
+    status: int
+    message: str
+
+
+@attrs.frozen
+class LinkErrorFrame:
+    """A decoded ``LINK_ERROR``: the router closed the link because of what the client sent."""
+
+    status: int
+    message: str
+
+
+_COUNT = struct.Struct("<I")
+_NATIVE_LE = sys.byteorder == "little" and array("I").itemsize == 4 and array("d").itemsize == 8
+
+
+def _pack_u32s(values: Sequence[int]) -> bytes:
+    if _NATIVE_LE:
+        return array("I", values).tobytes()
+    return struct.pack(f"<{len(values)}I", *values)
+
+
+def _pack_f64s(values: Sequence[float]) -> bytes:
+    if _NATIVE_LE:
+        return array("d", values).tobytes()
+    return struct.pack(f"<{len(values)}d", *values)
+
+
+def encode_open(handle: int, body: bytes) -> bytes:
+    """An ``OPEN`` frame; ``body`` is the JSON of a ``POST /generate`` body."""
+    return _frame(OPEN, _HANDLE.pack(handle) + body)
+
+
+def encode_cancel(handle: int) -> bytes:
+    """A ``CANCEL`` frame."""
+    return _frame(CANCEL, _HANDLE.pack(handle))
+
+
+def pack_tokens(
+    handles: Sequence[int],
+    firsts: Sequence[int],
+    counts: Sequence[int],
+    token_ids: Sequence[int],
+    logprobs: Sequence[float],
+) -> bytes:
+    """A ``TOKENS`` frame from parallel lists (the router's hot path: a few C calls per frame).
+
+    The caller keeps ``len(token_ids) == len(logprobs) == sum(counts)`` and every count in
+    1..`MAX_ENTRY_TOKENS`; `encode_tokens` checks it."""
+    body = 4 + 12 * len(handles) + 12 * len(token_ids)
+    return b"".join(
+        (
+            _KIND.pack(body + 1, TOKENS),
+            _COUNT.pack(len(handles)),
+            _pack_u32s(handles),
+            _pack_u32s(firsts),
+            _pack_u32s(counts),
+            _pack_u32s(token_ids),
+            _pack_f64s(logprobs),
+        )
+    )
+
+
+def encode_tokens(entries: Sequence[tuple[int, int, Sequence[int], Sequence[float]]]) -> bytes:
+    """A ``TOKENS`` frame: ``entries`` are ``(handle, first index, token ids, logprobs)``."""
+    counts = [len(entry[2]) for entry in entries]
+    if any(len(entry[3]) != count for entry, count in zip(entries, counts, strict=True)):
+        raise ValueError("every entry needs as many logprobs as token ids")
+    if any(not 1 <= count <= MAX_ENTRY_TOKENS for count in counts):
+        raise ValueError(f"every entry carries 1..{MAX_ENTRY_TOKENS} tokens, got {counts}"[:300])
+    return pack_tokens(
+        [entry[0] for entry in entries],
+        [entry[1] for entry in entries],
+        counts,
+        [t for entry in entries for t in entry[2]],
+        [v for entry in entries for v in entry[3]],
+    )
+
+
+def _json_object(data: memoryview | bytes, what: str) -> dict[str, Any]:
+    try:
+        value = orjson.loads(data)
+    except ValueError as error:
+        raise LinkProtocolError(f"{what} is not JSON: {error}") from error
+    if not isinstance(value, dict):
+        raise LinkProtocolError(f"{what} must be a JSON object")
+    return value
+
+
+def _status_message(data: memoryview | bytes, what: str) -> tuple[int, str]:
+    value = _json_object(data, what)
+    status, message = value.get("status"), value.get("message")
+    if isinstance(status, bool) or not isinstance(status, int) or not isinstance(message, str):
+        raise LinkProtocolError(f"{what} needs an integer 'status' and a string 'message'")
+    return status, message
+
+
+def encode_finish(handle: int, payload: dict[str, Any]) -> bytes:
+    """A ``FINISH`` frame; ``payload``: the ``/generate`` finish event's fields."""
+    return _frame(FINISH, _HANDLE.pack(handle) + orjson.dumps(payload))
+
+
+def encode_error(handle: int, status: int, message: str) -> bytes:
+    """An ``ERROR`` frame: request ``handle`` failed with HTTP ``status``."""
+    return _frame(ERROR, _HANDLE.pack(handle) + orjson.dumps({"status": status, "message": message}))
+
+
+def encode_link_error(status: int, message: str) -> bytes:
+    """A ``LINK_ERROR`` frame: the link is closed because of what the client sent."""
+    return _frame(LINK_ERROR, orjson.dumps({"status": status, "message": message}))
+
+
+def decode_tokens(payload: memoryview | bytes) -> TokensFrame:
+    """Decode a ``TOKENS`` payload (after the kind byte); `LinkProtocolError` if it is malformed."""
+    size = len(payload)
+    if size < 4:
+        raise LinkProtocolError(f"a TOKENS frame of {size} bytes is shorter than its header")
+    (n,) = _COUNT.unpack_from(payload)
+    if 4 + 12 * n > size:
+        raise LinkProtocolError(f"a TOKENS frame of {size} bytes cannot hold {n} entries")
+    handles = _u32s(payload, 4, n)
+    firsts = _u32s(payload, 4 + 4 * n, n)
+    counts = _u32s(payload, 4 + 8 * n, n)
+    if n and (min(counts) < 1 or max(counts) > MAX_ENTRY_TOKENS):
+        raise LinkProtocolError(f"a TOKENS entry must carry 1..{MAX_ENTRY_TOKENS} tokens, got {counts}"[:300])
+    total = sum(counts)
+    offset = 4 + 12 * n
+    if offset + 12 * total != size:
+        raise LinkProtocolError(
+            f"a TOKENS frame with {n} entries and {total} tokens must be {offset + 12 * total} bytes, "
+            f"got {size}"
+        )
+    token_ids = _u32s(payload, offset, total)
+    logprobs = list(struct.unpack_from(f"<{total}d", payload, offset + 4 * total))
+    return TokensFrame(handles, firsts, counts, token_ids, logprobs)
+
+
+def _handle_of(kind_name: str, payload: memoryview | bytes) -> int:
+    if len(payload) < _HANDLE.size:
+        raise LinkProtocolError(f"a {kind_name} frame of {len(payload)} bytes has no request handle")
+    handle: int = _HANDLE.unpack_from(payload)[0]
+    return handle
+
+
+def decode_client_frame(kind: int, payload: memoryview | bytes) -> OpenFrame | CancelFrame:
+    """Decode a client -> router frame (``OPEN``, ``CANCEL``); `LinkProtocolError` if it is
+    malformed or of another kind.  The OPEN body is only checked to be a JSON object here."""
+    if kind == OPEN:
+        handle = _handle_of("OPEN", payload)
+        return OpenFrame(handle, _json_object(payload[_HANDLE.size :], "an OPEN frame's body"))
+    if kind == CANCEL:
+        handle = _handle_of("CANCEL", payload)
+        if len(payload) != _HANDLE.size:
+            raise LinkProtocolError(f"a CANCEL frame must be 4 bytes (a handle), got {len(payload)}")
+        return CancelFrame(handle)
+    raise LinkProtocolError(f"unknown client link frame kind {kind} ({len(payload)} bytes)")
+
+
+def decode_router_frame(
+    kind: int, payload: memoryview | bytes
+) -> TokensFrame | FinishFrame | ErrorFrame | LinkErrorFrame:
+    """Decode a router -> client frame (``TOKENS``, ``FINISH``, ``ERROR``, ``LINK_ERROR``);
+    `LinkProtocolError` if it is malformed or of another kind."""
+    if kind == TOKENS:
+        return decode_tokens(payload)
+    if kind == FINISH:
+        handle = _handle_of("FINISH", payload)
+        return FinishFrame(handle, _json_object(payload[_HANDLE.size :], "a FINISH frame's payload"))
+    if kind == ERROR:
+        handle = _handle_of("ERROR", payload)
+        return ErrorFrame(handle, *_status_message(payload[_HANDLE.size :], "an ERROR frame's payload"))
+    if kind == LINK_ERROR:
+        return LinkErrorFrame(*_status_message(payload, "a LINK_ERROR frame's payload"))
+    raise LinkProtocolError(f"unknown router link frame kind {kind} ({len(payload)} bytes)")
