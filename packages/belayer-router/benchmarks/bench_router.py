@@ -3,6 +3,7 @@
     python benchmarks/bench_router.py [--streams 1 256] [--tokens 200] [--step-ms 30]
         [--frame-tokens 1] [--worker-events token tokens link] [--router-server uvicorn belayer]
         [--clients 2] [--workers 1] [--rounds 1] [--loop auto|asyncio|uvloop] [--no-floor]
+        [--client-link [--streams-per-link 0]]
 
 Processes: ``--workers`` paced workers (``--frame-tokens`` tokens per stream every ``--step-ms``,
 like a continuously batched engine; ``--step-ms 0``: unpaced), one router per
@@ -17,11 +18,16 @@ routers in an order rotated every round, ``--rounds`` times).  The "floor" pass 
 ``--no-floor``) streams the same router requests from `loadgen.serve_floor`: a bare process that
 writes each stream the router's event bytes, one write per stream per step, paced the same; its
 CPU per token is the least one write per token per client connection costs here, the floor under
-the router's.  Reported: throughput, inter-token latency, the router's and the floor's CPU time
-per token (user and system apart) and per second of the pass, the clients' and workers' CPU per
-second, the load average.  Then the time from a broken stream to the first resumed
-token on a ready replacement.  Prints markdown tables and saves JSON to
-``benchmarks/results/bench_router.json``.
+the router's.  With ``--client-link`` each router of this tree is also measured with link
+clients (``SERVER+link`` rows: ``POST /client-link``, each client process's streams on one link,
+or ``--streams-per-link`` each), against the floor's client link (``floor+link``, the floor
+column of those rows) and the workers' own links read straight by the clients (``direct+link``:
+the generator's ceiling on the link path), in the same interleaved rounds; the loss column of a
+``+link`` row is still against ``direct`` (a connection per stream to the workers).  Reported:
+throughput, inter-token latency, the router's and the floor's CPU time per token (user and system
+apart) and per second of the pass, the clients' and workers' CPU per second, the load average.
+Then the time from a broken stream to the first resumed token on a ready replacement.  Prints
+markdown tables and saves JSON to ``benchmarks/results/bench_router.json``.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ import anyio
 from loadgen import ClientPool, PacedWorker, cpu_split
 
 from belayer_router import RouterClient, RouterFleet, TokenEvent, owner_index, serving
+from belayer_router._wire import CLIENT_LINK_PATH  # the benchmark is the package's own
+from belayer_router.worker import LINK_PATH
 
 RESULTS = Path(__file__).parent / "results"
 LOADGEN = Path(__file__).parent / "loadgen.py"
@@ -132,10 +140,12 @@ def worker_argv(args: argparse.Namespace, events: str) -> list[str]:
 
 
 def requests(
-    urls: list[str], streams: int, tokens: int, via_router: bool, tag: str = ""
+    urls: list[str], streams: int, tokens: int, via_router: bool, tag: str = "", path: str = "/generate"
 ) -> list[tuple[str, dict[str, Any]]]:
     """The run's requests: direct ones round robin over the workers; routed ones to ``urls[0]``, or
-    (with ``tag``, several routers) each to the owner of its request id."""
+    (with ``tag``, several routers) each to the owner of its request id.  ``path``: ``/generate``
+    (a connection per request), ``/client-link`` (routed, on links) or ``/link`` (direct, on the
+    workers' links)."""
     out = []
     for i in range(streams):
         body: dict[str, Any] = {
@@ -154,17 +164,20 @@ def requests(
             url = urls[owner_index(urls, request_id)]
         else:
             url = urls[0]
-        out.append((f"{url}/generate", body))
+        out.append((f"{url}{path}", body))
     return out
 
 
 async def measure(
-    pool: ClientPool, work: list[tuple[str, dict[str, Any]]], groups: dict[str, list[int]]
+    pool: ClientPool,
+    work: list[tuple[str, dict[str, Any]]],
+    groups: dict[str, list[int]],
+    streams_per_link: int = 0,
 ) -> dict[str, Any]:
     """One pass: stream ``work`` with every client at once; CPU-seconds of each process group."""
     load = os.getloadavg()[0]
     before = {name: _split(pids) for name, pids in groups.items()}
-    result = await anyio.to_thread.run_sync(pool.run, work)
+    result = await anyio.to_thread.run_sync(pool.run, work, streams_per_link)
     after = {name: _split(pids) for name, pids in groups.items()}
     user = {name: after[name][0] - before[name][0] for name in groups}
     system = {name: after[name][1] - before[name][1] for name in groups}
@@ -295,22 +308,42 @@ async def throughput_rows(
     routers: list[tuple[Any, str]],
     floor: tuple[Any, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Per concurrency: direct, every router and the floor, interleaved ``--rounds`` times."""
+    """Per concurrency: direct, every router and the floor, interleaved ``--rounds`` times.
+
+    With ``--client-link`` also every router of this tree with link clients (``SERVER+link``), the
+    floor's client link (``floor+link``) and the workers' own links read by the clients
+    (``direct+link``: the generator's ceiling on the link path)."""
     rows = []
     worker_urls = [url for _, url in workers]
     base = {"workers": [p.pid for p, _ in workers], "clients": pool.pids()}
-    named = list(zip(args.router_names, routers, strict=True))
+    paired = zip(args.router_names, routers, strict=True)
+    named = [(name, process, url, "/generate") for name, (process, url) in paired]
+    if args.client_link:  # only this tree's routers: a --baseline-src router has no client link
+        own = zip(args.router_server, routers, strict=False)
+        named += [(f"{name}+link", process, url, CLIENT_LINK_PATH) for name, (process, url) in own]
     if floor is not None:
-        named.append(("floor", floor))
+        named.append(("floor", floor[0], floor[1], "/generate"))
+        if args.client_link:
+            named.append(("floor+link", floor[0], floor[1], CLIENT_LINK_PATH))
+    per_link = args.streams_per_link
     for streams in args.streams:
         passes: dict[str, list[dict[str, Any]]] = {"direct": []}
         for r in range(args.rounds):
             order = named[r % len(named) :] + named[: r % len(named)]
             work = requests(worker_urls, streams, args.tokens, via_router=False)
             passes["direct"].append(await measure(pool, work, {**base, "router": []}))
-            for name, (process, url) in order:
-                work = requests([url], streams, args.tokens, via_router=True)
-                result = await measure(pool, work, {**base, "router": [process.pid]})
+            if args.client_link:
+                work = requests(worker_urls, streams, args.tokens, via_router=False, path=LINK_PATH)
+                result = await measure(pool, work, {**base, "router": []}, per_link)
+                passes.setdefault("direct+link", []).append(result)
+                print(
+                    f"{events} direct+link {streams} streams round {r}: {result['tokens_per_s']:.0f} tok/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            for name, process, url, path in order:
+                work = requests([url], streams, args.tokens, via_router=True, path=path)
+                result = await measure(pool, work, {**base, "router": [process.pid]}, per_link)
                 passes.setdefault(name, []).append(result)
                 print(
                     f"{events} {name} {streams} streams round {r}: "
@@ -323,9 +356,15 @@ async def throughput_rows(
                     flush=True,
                 )
         direct = combine(passes["direct"])
-        floor_passes = combine(passes["floor"]) if floor is not None else None
-        for name in args.router_names:
-            rows.append(row(events, name, streams, direct, combine(passes[name]), floor_passes))
+        floors = {name: combine(passes[name]) for name in ("floor", "floor+link") if name in passes}
+        for name in args.row_names:
+            linked = name.endswith("+link")
+            routed = row(
+                events, name, streams, direct, combine(passes[name]), floors.get(f"floor{'+link' * linked}")
+            )
+            if linked:
+                routed["direct_link"] = combine(passes["direct+link"])
+            rows.append(routed)
     return rows
 
 
@@ -446,6 +485,28 @@ def _cpu_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _link_ceiling_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The link rows against the generator's ceilings: the workers' links read straight by the
+    clients (``direct+link``) and the floor's client link, with the clients' CPU."""
+    lines = [
+        "| events | server | streams | direct tok/s | direct+link tok/s | floor+link tok/s | router+link tok/s | loss vs direct+link | clients CPU-s per s (direct+link / router+link) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        if "direct_link" not in row:
+            continue
+        d, dl, r = row["direct"], row["direct_link"], row["router"]
+        floor = f"{row['floor']['tokens_per_s']:.0f}" if "floor" in row else "-"
+        clients = dl["cpu_s"]["clients"] / dl["wall_s"]
+        lines.append(
+            f"| {row['worker_events']} | {row['server']} | {row['streams']} | {d['tokens_per_s']:.0f} | "
+            f"{dl['tokens_per_s']:.0f} | {floor} | {r['tokens_per_s']:.0f} | "
+            f"{100 * (1 - r['tokens_per_s'] / dl['tokens_per_s']):.1f}% | "
+            f"{clients:.2f} / {row['clients_cpu_s_per_s']:.2f} |"
+        )
+    return lines if len(lines) > 2 else []
+
+
 def _ramp_table(rows: list[dict[str, Any]]) -> list[str]:
     """The start of a pass (every stream asks at once) and the mean gap: where throughput goes."""
     lines = [
@@ -476,7 +537,7 @@ def table(result: dict[str, Any]) -> str:
             "tokens": "one `tokens` frame per request per step",
             "link": "the link: one binary `STEP` frame per step for all requests",
         }[events]
-        for server in config["router_names"]:
+        for server in config.get("row_names", config["router_names"]):
             lines += [
                 f"Worker events: {kind}, {config['frame_tokens']} token(s) per stream per step; "
                 f"router server: {server}",
@@ -487,6 +548,9 @@ def table(result: dict[str, Any]) -> str:
             )
             lines.append("")
     lines += _cpu_table(result["throughput"])
+    ceiling = _link_ceiling_table(result["throughput"])
+    if ceiling:
+        lines += ["", *ceiling]
     split = _split_table(result["throughput"])
     if split:
         lines += ["", *split]
@@ -565,6 +629,18 @@ def main() -> None:
         help="also run each --router-server from this source folder (e.g. an older commit's src via "
         "git archive), as SERVER@baseline, interleaved with the rest",
     )
+    parser.add_argument(
+        "--client-link",
+        action="store_true",
+        help="also measure each router with link clients (POST /client-link: many streams per "
+        "connection) as SERVER+link, the floor's client link and the workers' own links (direct+link)",
+    )
+    parser.add_argument(
+        "--streams-per-link",
+        type=int,
+        default=0,
+        help="streams per client link (0: each client process's whole share on one link)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_router.json")
     args = parser.parse_args()
     if len(set(args.router_server)) != len(args.router_server):
@@ -578,6 +654,11 @@ def main() -> None:
     args.router_names = list(args.router_server)
     if args.baseline_src is not None:
         args.router_names += [f"{s}@baseline" for s in args.router_server]
+    if args.streams_per_link < 0:
+        parser.error("--streams-per-link must be 0 (one link per client process) or more")
+    args.row_names = list(args.router_names)
+    if args.client_link:
+        args.row_names += [f"{s}+link" for s in args.router_server]
     began = time.time()
     result = anyio.run(run, args)
     result["started_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(began))
