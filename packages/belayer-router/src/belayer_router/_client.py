@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 from types import TracebackType
 from typing import Any, Self
 
@@ -12,6 +13,7 @@ import attrs
 import httpx
 import orjson
 
+from belayer_router._client_mux import ClientMux
 from belayer_router._errors import RouterClientError
 from belayer_router._protocol import FinishEvent, TokenEvent
 
@@ -50,6 +52,12 @@ class RouterClient:
     stream ran before it.  ``timeout_s``: the HTTP timeout of one call.  ``reconnect_timeout``
     and ``timeout`` are the old spellings, still accepted (they win when given) until the next
     minor release.
+
+    ``multiplex=True``: `generate_stream` and `generate` travel over ONE client link
+    (``POST /client-link``, binary frames) shared by every concurrent call of this client, so the
+    router writes one frame per event-loop turn for all of them instead of one write per token
+    per stream.  Same events, errors and reconnect contract as the HTTP path; the client must be
+    entered (``async with``), where the link's reader task runs; ``base_url`` must be http://.
     """
 
     base_url: str
@@ -58,7 +66,9 @@ class RouterClient:
     timeout_s: float = 600.0
     reconnect_timeout: float | None = attrs.field(default=None, kw_only=True)
     timeout: float | None = attrs.field(default=None, kw_only=True)
+    multiplex: bool = attrs.field(default=False, kw_only=True)
     _http: httpx.AsyncClient = attrs.field(init=False, alias="_http")
+    _link: ClientMux | None = attrs.field(init=False, default=None, alias="_link")
 
     def __attrs_post_init__(self) -> None:
         if self.reconnect_timeout is not None:
@@ -67,20 +77,31 @@ class RouterClient:
             self.timeout_s = self.timeout
         headers = {} if self.admin_token is None else {"authorization": f"Bearer {self.admin_token}"}
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
+        if self.multiplex:  # before the HTTP client: a bad URL leaves nothing to close
+            self._link = ClientMux(self.base_url, connect_timeout_s=min(30.0, self.timeout_s))
         self._http = httpx.AsyncClient(
             base_url=self.base_url.rstrip("/"), headers=headers, timeout=self.timeout_s, limits=limits
         )
 
     async def __aenter__(self) -> Self:
+        if self._link is not None:
+            await self._link.__aenter__()
         return self
 
     async def __aexit__(
         self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
     ) -> None:
-        await self.aclose()
+        try:
+            await self.aclose()
+        finally:
+            if self._link is not None:
+                await self._link.__aexit__(kind, error, tb)
 
     async def aclose(self) -> None:
-        """Close the connections."""
+        """Close the connections (with ``multiplex=True``, open generations raise
+        `RouterClientError` with status 499)."""
+        if self._link is not None:
+            await self._link.aclose()
         await self._http.aclose()
 
     async def _call(self, method: str, path: str, body: Any = None) -> Any:
@@ -164,8 +185,13 @@ class RouterClient:
             "request_id": request_id or uuid.uuid4().hex,
             "trajectory_id": trajectory_id,
             "turn": turn,
-            "frames": True,  # several tokens per line when the worker sends frames
         }
+        if self._link is not None:
+            async with aclosing(self._link.stream(body, self.reconnect_timeout_s)) as events:
+                async for event in events:  # aclosing: leaving early CANCELs at once
+                    yield event
+            return
+        body["frames"] = True  # several tokens per line when the worker sends frames
         num_received = 0
         broken_since: float | None = None  # the reconnect window starts at a break, not at the start
         while True:

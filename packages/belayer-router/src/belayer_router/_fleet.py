@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import Any, Self
 
@@ -50,13 +51,16 @@ class RouterFleet:
     register with every router (`register`, `unregister`, `mark_unhealthy` and the weight-version
     calls are broadcast);
     trainers call `generate` / `generate_stream` / the context calls as on one `RouterClient`.
+    ``multiplex=True``: each router's client streams over one client link (see `RouterClient`).
     """
 
     router_urls: Sequence[str]
     admin_token: str | None = None
     reconnect_timeout_s: float = 30.0
     timeout_s: float = 600.0
+    multiplex: bool = attrs.field(default=False, kw_only=True)
     clients: list[RouterClient] = attrs.field(init=False)
+    _stack: AsyncExitStack | None = attrs.field(init=False, default=None, alias="_stack")
 
     def __attrs_post_init__(self) -> None:
         if not self.router_urls or len(set(self.router_urls)) != len(self.router_urls):
@@ -64,17 +68,27 @@ class RouterFleet:
                 f"a router fleet needs one or more distinct router URLs, got {list(self.router_urls)!r}"
             )
         self.clients = [
-            RouterClient(url, self.admin_token, self.reconnect_timeout_s, self.timeout_s)
+            RouterClient(
+                url, self.admin_token, self.reconnect_timeout_s, self.timeout_s, multiplex=self.multiplex
+            )
             for url in self.router_urls
         ]
 
     async def __aenter__(self) -> Self:
+        async with AsyncExitStack() as stack:
+            for client in self.clients:  # a multiplexing client runs its link reader in there
+                await stack.enter_async_context(client)
+            self._stack = stack.pop_all()
         return self
 
     async def __aexit__(
         self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
     ) -> None:
-        await self.aclose()
+        stack, self._stack = self._stack, None
+        if stack is None:
+            await self.aclose()
+        else:
+            await stack.__aexit__(kind, error, tb)
 
     async def aclose(self) -> None:
         """Close the connections to every router."""

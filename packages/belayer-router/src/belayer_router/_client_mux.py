@@ -1,0 +1,418 @@
+"""`RouterClient(multiplex=True)`: every generation stream of one client on ONE client link.
+
+The link is one long-lived ``POST /client-link`` (plain HTTP/1.1, chunked both ways, `_wire`
+frames inside): each generation is an ``OPEN`` on it, the router answers with ``TOKENS`` frames
+that carry the new tokens of every stream of the link at once, and one ``FINISH`` or ``ERROR``
+per stream.  The link is opened on first use (one connect at a time) and read by one task in the
+client's task group, which hands each entry to its call's queue; the call yields the same
+`TokenEvent` / `FinishEvent` sequence as a ``POST /generate`` stream.
+
+Reconnects follow the HTTP path's contract: when the link breaks (the router gone, EOF, a reset),
+every open call keeps its request id and the number of tokens it received, and re-``OPEN``s on a
+new link with ``num_received_tokens`` set, for up to ``reconnect_timeout_s`` from the break: no
+token lost or repeated.  A ``LINK_ERROR`` (the router says the client broke the link: a bug) fails
+every open call, with no reconnect.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncGenerator
+from types import TracebackType
+from typing import Any
+from urllib.parse import urlsplit
+
+import anyio
+import anyio.abc
+import attrs
+import httptools
+import orjson
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from belayer_router._errors import InvalidRequestError, LinkProtocolError, RouterClientError
+from belayer_router._link import _Response
+from belayer_router._protocol import FinishEvent, TokenEvent
+from belayer_router._wire import (
+    CLIENT_LINK_PATH,
+    ErrorFrame,
+    FinishFrame,
+    FrameBuffer,
+    LinkErrorFrame,
+    TokensFrame,
+    decode_router_frame,
+    encode_cancel,
+    encode_open,
+)
+
+__all__ = ["CLOSED_STATUS", "ClientMux"]
+
+CLOSED_STATUS = 499  # the status of the error open calls get when their RouterClient closes
+_READ_BYTES = 262144
+_RETRY_S = 0.05
+
+
+@attrs.frozen
+class _Broken:
+    """The link under a call broke (retryable: the call re-OPENs on a new link)."""
+
+    error: BaseException
+
+
+_Tokens = tuple[int, list[int], list[float]]  # first index, token ids, logprobs
+_Item = _Tokens | FinishEvent | RouterClientError | _Broken
+
+
+@attrs.define(eq=False)
+class _Call:
+    """One generation: its ``/generate`` body, the tokens it received, its queue of link items."""
+
+    body: dict[str, Any]
+    send: MemoryObjectSendStream[_Item]
+    receive: MemoryObjectReceiveStream[_Item]
+    num_received: int = 0
+    handle: int = -1
+    conn: _Conn | None = None  # the link the call is open on, None between links and once done
+
+
+class _Conn:
+    """One open client link: its socket, its open calls by handle, its outgoing frames."""
+
+    def __init__(self, stream: anyio.abc.SocketStream) -> None:
+        self.stream = stream
+        self.calls: dict[int, _Call] = {}
+        self.next_handle = 0
+        self.broken = False
+        self.scope = anyio.CancelScope()
+        self.done = anyio.Event()
+        self.outbox, self.outgoing = anyio.create_memory_object_stream[bytes](math.inf)
+
+    def open(self, call: _Call) -> None:
+        """Send ``call`` as an OPEN with its received count (the router resumes from there)."""
+        handle = self.next_handle
+        self.next_handle += 1
+        call.handle, call.conn = handle, self
+        self.calls[handle] = call
+        body = orjson.dumps({**call.body, "num_received_tokens": call.num_received})
+        self.outbox.send_nowait(encode_open(handle, body))
+
+    def cancel(self, call: _Call) -> None:
+        """The caller left ``call``: CANCEL it (unless it ended or the link broke meanwhile)."""
+        call.conn = None
+        if self.calls.pop(call.handle, None) is not None and not self.broken:
+            self.outbox.send_nowait(encode_cancel(call.handle))
+
+    def end(self, handle: int, item: _Item) -> None:
+        """Hand ``item`` (a finish or an error) to the call of ``handle``: its last item here."""
+        call = self.calls.pop(handle, None)
+        if call is not None:
+            call.conn = None
+            call.send.send_nowait(item)
+
+
+def _head(base_url: str) -> tuple[str, int, bytes]:
+    parts = urlsplit(base_url)
+    if parts.scheme != "http" or parts.hostname is None:
+        raise InvalidRequestError(
+            f"RouterClient(multiplex=True) needs a plain http:// router URL, got {base_url!r}; "
+            "use multiplex=False for other URLs"
+        )
+    path = (parts.path.rstrip("/") or "") + CLIENT_LINK_PATH
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/x-belayer-link\r\n"
+        "Accept: application/x-belayer-link\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    return parts.hostname, parts.port or 80, head.encode("ascii")
+
+
+def _status_error(url: str, status: int, body: bytes) -> RouterClientError:
+    if status == 404:
+        return RouterClientError(
+            404,
+            f"the router at {url} does not serve the client link (POST {CLIENT_LINK_PATH} answered "
+            "404): upgrade belayer-router there, or use RouterClient(multiplex=False)",
+        )
+    try:
+        message = str(orjson.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        message = body.decode(errors="replace")[:2000]
+    return RouterClientError(status, f"the router refused the client link: {message}")
+
+
+def _finish_event(payload: dict[str, Any]) -> FinishEvent:
+    try:
+        return FinishEvent(
+            str(payload["request_id"]),
+            str(payload["finish_reason"]),
+            int(payload["num_prompt_tokens"]),
+            int(payload["num_generated_tokens"]),
+            int(payload["num_resumes"]),
+        )
+    except (KeyError, TypeError, ValueError) as error:
+        raise LinkProtocolError(
+            f"a FINISH frame lacks the finish event's fields: {payload!r}"[:500]
+        ) from error
+
+
+class _Fatal(Exception):
+    """The link ended with an error every open call raises (no reconnect)."""
+
+    def __init__(self, error: RouterClientError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class ClientMux:
+    """The client link of one `RouterClient`: connected lazily, read by one task of its own group.
+
+    Enter it (``async with``) around its use: its reader task runs in the task group it holds.
+    """
+
+    def __init__(self, base_url: str, connect_timeout_s: float) -> None:
+        self.url = base_url.rstrip("/")
+        self.host, self.port, self.head = _head(self.url)
+        self.connect_timeout_s = connect_timeout_s
+        self.conn: _Conn | None = None
+        self.num_connects = 0  # links opened (tests and metrics read it)
+        self._group: anyio.abc.TaskGroup | None = None
+        self._lock = anyio.Lock()
+        self._attempts = 0
+        self._last_error: OSError | None = None
+        self._closed = False
+
+    async def __aenter__(self) -> ClientMux:
+        group = anyio.create_task_group()
+        await group.__aenter__()
+        self._group = group
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+        group, self._group = self._group, None
+        if group is not None:
+            await group.__aexit__(kind, error, tb)
+
+    def _closed_error(self) -> RouterClientError:
+        return RouterClientError(
+            CLOSED_STATUS, f"the RouterClient of {self.url} was closed while this generation was open"
+        )
+
+    async def aclose(self) -> None:
+        """Close the link; every open call raises `RouterClientError` (status `CLOSED_STATUS`)."""
+        self._closed = True
+        conn = self.conn
+        if conn is not None:
+            conn.scope.cancel()
+            with anyio.CancelScope(shield=True):
+                await conn.done.wait()
+
+    async def _connection(self) -> _Conn:
+        """The open link, connecting one if there is none (one connect at a time)."""
+        conn = self.conn
+        if conn is not None and not conn.broken:
+            return conn
+        if self._closed:
+            raise self._closed_error()
+        if self._group is None:
+            raise InvalidRequestError(
+                "RouterClient(multiplex=True) must be entered before use: "
+                "`async with RouterClient(url, multiplex=True) as client:` (its link reader runs there)",
+            )
+        attempts = self._attempts
+        async with self._lock:
+            conn = self.conn
+            if conn is not None and not conn.broken:
+                return conn
+            if self._closed:
+                raise self._closed_error()
+            if self._attempts != attempts and self._last_error is not None:
+                raise self._last_error  # a connect tried while this call waited failed: not again now
+            self._attempts += 1
+            try:
+                with anyio.fail_after(self.connect_timeout_s):
+                    stream = await anyio.connect_tcp(self.host, self.port)
+                try:
+                    await stream.send(self.head)
+                except BaseException:
+                    with anyio.CancelScope(shield=True):
+                        await stream.aclose()
+                    raise
+            except OSError as error:  # TimeoutError is one
+                self._last_error = error
+                raise
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError) as error:
+                self._last_error = ConnectionError(
+                    f"the router at {self.url} dropped the connection: {error!r}"
+                )
+                raise self._last_error from error
+            self._last_error = None
+            if self._closed:  # closed while connecting
+                with anyio.CancelScope(shield=True):
+                    await stream.aclose()
+                raise self._closed_error()
+            self.conn = conn = _Conn(stream)
+            self.num_connects += 1
+            self._group.start_soon(self._run, conn)
+            return conn
+
+    async def _run(self, conn: _Conn) -> None:
+        """Write and read ``conn`` until it ends; then hand every open call its way out."""
+        failure: _Item | None = None
+        try:
+            with conn.scope:
+                async with anyio.create_task_group() as group:
+                    group.start_soon(self._write, conn)
+                    try:
+                        await self._read(conn)
+                    finally:
+                        conn.broken = True  # no new call opens here from now on
+                    group.cancel_scope.cancel()  # the router ended the link: stop the writer too
+        except Exception as exc:
+            error: BaseException = exc
+            while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+                error = error.exceptions[0]
+            if isinstance(error, _Fatal):
+                failure = error.error
+            elif isinstance(error, LinkProtocolError):
+                failure = RouterClientError(
+                    502, f"the router at {self.url} sent a malformed client link: {error}"
+                )
+            else:  # the link broke: the calls reconnect
+                failure = _Broken(error)
+        finally:
+            conn.broken = True
+            conn.outbox.close()
+            if self._closed:
+                failure = self._closed_error()
+            elif failure is None:
+                failure = _Broken(ConnectionError(f"the router at {self.url} ended the client link"))
+            for handle in list(conn.calls):
+                conn.end(handle, failure)
+            with anyio.CancelScope(shield=True):
+                await conn.stream.aclose()
+            conn.done.set()
+
+    async def _write(self, conn: _Conn) -> None:
+        async with conn.outgoing:
+            async for first in conn.outgoing:
+                batch = [first]
+                while True:
+                    try:
+                        batch.append(conn.outgoing.receive_nowait())
+                    except anyio.WouldBlock:
+                        break
+                data = b"".join(batch)
+                await conn.stream.send(b"%x\r\n%b\r\n" % (len(data), data))
+
+    async def _read(self, conn: _Conn) -> None:
+        response = _Response()
+        parser = httptools.HttpResponseParser(response)
+        frames = FrameBuffer()
+        status: int | None = None
+        while True:
+            try:
+                data = await conn.stream.receive(_READ_BYTES)
+            except anyio.EndOfStream:
+                if status is not None and status != 200:
+                    raise _Fatal(_status_error(self.url, status, b"".join(response.body))) from None
+                raise ConnectionError(f"the router at {self.url} closed the client link") from None
+            try:
+                parser.feed_data(data)
+            except httptools.HttpParserError as error:
+                raise LinkProtocolError(f"a malformed HTTP answer: {error}") from error
+            if status is None and response.headers_done:
+                status = parser.get_status_code()
+            if status is not None and status != 200:
+                if response.done:
+                    raise _Fatal(_status_error(self.url, status, b"".join(response.body)))
+                continue
+            if response.body:
+                chunk = b"".join(response.body) if len(response.body) > 1 else response.body[0]
+                response.body.clear()
+                for kind, payload in frames.feed(chunk):
+                    self._frame(conn, kind, payload)
+            if response.done:
+                return  # the router ended the link: open calls reconnect
+
+    def _frame(self, conn: _Conn, kind: int, payload: memoryview) -> None:
+        frame = decode_router_frame(kind, payload)
+        if isinstance(frame, TokensFrame):
+            calls, token_ids, logprobs = conn.calls, frame.token_ids, frame.logprobs
+            offset = 0
+            for handle, first, count in zip(frame.handles, frame.firsts, frame.counts, strict=True):
+                end = offset + count
+                call = calls.get(handle)
+                if call is not None:  # else cancelled by its caller: late tokens, dropped
+                    call.send.send_nowait((first, token_ids[offset:end], logprobs[offset:end]))
+                offset = end
+        elif isinstance(frame, FinishFrame):
+            conn.end(frame.handle, _finish_event(frame.payload))
+        elif isinstance(frame, ErrorFrame):
+            conn.end(frame.handle, RouterClientError(frame.status, frame.message))
+        elif isinstance(frame, LinkErrorFrame):
+            raise _Fatal(
+                RouterClientError(
+                    frame.status, f"the router closed the client link (a client bug): {frame.message}"
+                )
+            )
+
+    async def stream(
+        self, body: dict[str, Any], reconnect_timeout_s: float
+    ) -> AsyncGenerator[TokenEvent | FinishEvent]:
+        """One generation over the link: its `TokenEvent`s, then its `FinishEvent`."""
+        send, receive = anyio.create_memory_object_stream[_Item](math.inf)
+        call = _Call(body, send, receive)
+        broken_since: float | None = None  # the reconnect window starts at a break
+        try:
+            while True:
+                item: _Item | None = None
+                try:
+                    (await self._connection()).open(call)
+                except OSError as exc:
+                    item = _Broken(exc)
+                while item is None:
+                    item = await receive.receive()
+                    if isinstance(item, tuple):
+                        first, token_ids, logprobs = item
+                        if first != call.num_received:
+                            raise RouterClientError(
+                                502,
+                                f"the router sent token index {first} of request {body['request_id']!r}; "
+                                f"the client expected {call.num_received}",
+                            )
+                        broken_since = None
+                        for offset, token_id in enumerate(token_ids):
+                            call.num_received += 1
+                            yield TokenEvent(first + offset, token_id, logprobs[offset])
+                        item = None
+                if isinstance(item, FinishEvent):
+                    yield item
+                    return
+                now = anyio.current_time()
+                if isinstance(item, RouterClientError):
+                    # A resumed call may find its old attempt still being released (409): retry.
+                    if (
+                        broken_since is None
+                        or item.status != 409
+                        or now - broken_since >= reconnect_timeout_s
+                    ):
+                        raise item
+                    cause: BaseException = item
+                else:
+                    cause = item.error if isinstance(item, _Broken) else ConnectionError("the link broke")
+                if broken_since is None:
+                    broken_since = now
+                if now - broken_since >= reconnect_timeout_s:
+                    raise RouterClientError(
+                        503,
+                        f"the client link to {self.url} broke and did not come back within "
+                        f"reconnect_timeout_s={reconnect_timeout_s:g} s: {cause!r}",
+                    ) from cause
+                await anyio.sleep(_RETRY_S)
+        finally:
+            conn = call.conn
+            if conn is not None:
+                conn.cancel(call)
+            send.close()
+            receive.close()
