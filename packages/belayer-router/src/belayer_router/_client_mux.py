@@ -17,6 +17,7 @@ every open call, with no reconnect.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import AsyncGenerator
 from types import TracebackType
 from typing import Any
@@ -27,7 +28,6 @@ import anyio.abc
 import attrs
 import httptools
 import orjson
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from belayer_router._errors import InvalidRequestError, LinkProtocolError, RouterClientError
 from belayer_router._link import _Response
@@ -67,11 +67,26 @@ class _Call:
     """One generation: its ``/generate`` body, the tokens it received, its queue of link items."""
 
     body: dict[str, Any]
-    send: MemoryObjectSendStream[_Item]
-    receive: MemoryObjectReceiveStream[_Item]
+    items: deque[_Item] = attrs.field(factory=deque)
+    wakeup: anyio.Event | None = None  # set when an item arrives for a caller waiting on an empty queue
     num_received: int = 0
     handle: int = -1
     conn: _Conn | None = None  # the link the call is open on, None between links and once done
+
+    def put(self, item: _Item) -> None:
+        """Queue ``item`` (the reader task's hand-off: no await, no checkpoint)."""
+        self.items.append(item)
+        wakeup = self.wakeup
+        if wakeup is not None:
+            self.wakeup = None
+            wakeup.set()
+
+    async def next(self) -> _Item:
+        """The next item, waiting only when none is queued."""
+        while not self.items:
+            self.wakeup = wakeup = anyio.Event()
+            await wakeup.wait()
+        return self.items.popleft()
 
 
 class _Conn:
@@ -106,7 +121,7 @@ class _Conn:
         call = self.calls.pop(handle, None)
         if call is not None:
             call.conn = None
-            call.send.send_nowait(item)
+            call.put(item)
 
 
 def _head(base_url: str) -> tuple[str, int, bytes]:
@@ -344,7 +359,7 @@ class ClientMux:
                 end = offset + count
                 call = calls.get(handle)
                 if call is not None:  # else cancelled by its caller: late tokens, dropped
-                    call.send.send_nowait((first, token_ids[offset:end], logprobs[offset:end]))
+                    call.put((first, token_ids[offset:end], logprobs[offset:end]))
                 offset = end
         elif isinstance(frame, FinishFrame):
             conn.end(frame.handle, _finish_event(frame.payload))
@@ -361,8 +376,7 @@ class ClientMux:
         self, body: dict[str, Any], reconnect_timeout_s: float
     ) -> AsyncGenerator[TokenEvent | FinishEvent]:
         """One generation over the link: its `TokenEvent`s, then its `FinishEvent`."""
-        send, receive = anyio.create_memory_object_stream[_Item](math.inf)
-        call = _Call(body, send, receive)
+        call = _Call(body)
         broken_since: float | None = None  # the reconnect window starts at a break
         try:
             while True:
@@ -372,7 +386,7 @@ class ClientMux:
                 except OSError as exc:
                     item = _Broken(exc)
                 while item is None:
-                    item = await receive.receive()
+                    item = await call.next()
                     if isinstance(item, tuple):
                         first, token_ids, logprobs = item
                         if first != call.num_received:
@@ -414,5 +428,3 @@ class ClientMux:
             conn = call.conn
             if conn is not None:
                 conn.cancel(call)
-            send.close()
-            receive.close()
