@@ -8,13 +8,24 @@ from __future__ import annotations
 
 import random
 import struct
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+from urllib.parse import urlsplit
 
+import anyio
+import anyio.abc
+import httptools
+import httpx
 import orjson
 import pytest
+from router_helpers import ADMIN_TOKEN
 
-from belayer_router import LinkProtocolError
+from belayer_router import LinkProtocolError, RouterClient, RouterConfig, running_router
 from belayer_router._wire import (
     CANCEL,
+    CLIENT_LINK_PATH,
     ERROR,
     FINISH,
     LINK_ERROR,
@@ -39,6 +50,7 @@ from belayer_router._wire import (
     encode_tokens,
     pack_tokens,
 )
+from belayer_router.testing import expected_tokens, logprob_of, running_worker, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -219,3 +231,365 @@ def test_a_frame_in_pieces_and_frames_in_one_piece_reassemble() -> None:
         got += [(kind, bytes(payload)) for kind, payload in buffer.feed(stream[index : index + 1])]
     assert got == [(frame[4], frame[5:]) for frame in frames]
     assert [kind for kind, _ in FrameBuffer().feed(stream)] == [OPEN, CANCEL, TOKENS]
+
+
+# The route, on real routers (both servers) with real fake workers, driven by a raw-socket client.
+
+
+class LinkTestClient:
+    """A raw-socket client of ``POST /client-link``: frames out in request body chunks, every
+    router frame read back and kept (per handle, and the TOKENS frames as they came)."""
+
+    def __init__(self, stream: anyio.abc.SocketStream) -> None:
+        self.stream = stream
+        self.status: int | None = None
+        self.tokens: dict[int, list[tuple[int, int, float]]] = defaultdict(list)  # (index, id, logprob)
+        self.finishes: dict[int, dict[str, Any]] = {}
+        self.errors: dict[int, ErrorFrame] = {}
+        self.link_errors: list[LinkErrorFrame] = []
+        self.token_frames: list[TokensFrame] = []
+        self.after_last: list[int] = []  # handles that got a frame after their last frame
+        self.ended = anyio.Event()  # the response ended (or the connection closed)
+        self.changed = anyio.Event()
+        self._body: list[bytes] = []
+        self._complete = False
+
+    @classmethod
+    @asynccontextmanager
+    async def connect(cls, url: str) -> AsyncIterator[LinkTestClient]:
+        parts = urlsplit(url)
+        assert parts.hostname is not None
+        assert parts.port is not None
+        async with await anyio.connect_tcp(parts.hostname, parts.port) as stream:
+            client = cls(stream)
+            head = (
+                f"POST {CLIENT_LINK_PATH} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+                "Content-Type: application/x-belayer-link\r\nTransfer-Encoding: chunked\r\n\r\n"
+            )
+            await stream.send(head.encode())
+            async with anyio.create_task_group() as group:
+                group.start_soon(client._read)
+                try:
+                    yield client
+                finally:
+                    group.cancel_scope.cancel()
+
+    async def send(self, *frames: bytes) -> None:
+        """The frames in one body chunk."""
+        data = b"".join(frames)
+        await self.stream.send(b"%x\r\n%b\r\n" % (len(data), data))
+
+    async def open(self, handle: int, body: dict[str, Any]) -> None:
+        await self.send(encode_open(handle, orjson.dumps(body)))
+
+    async def close_body(self) -> None:
+        await self.stream.send(b"0\r\n\r\n")
+
+    # httptools callbacks
+
+    def on_status(self, status: bytes) -> None:
+        del status
+
+    def on_body(self, data: bytes) -> None:
+        self._body.append(data)
+
+    def on_message_complete(self) -> None:
+        self._complete = True
+
+    async def _read(self) -> None:
+        parser = httptools.HttpResponseParser(self)
+        buffer = FrameBuffer()
+        try:
+            while not self._complete:
+                try:
+                    data = await self.stream.receive()
+                except (anyio.EndOfStream, anyio.BrokenResourceError):
+                    return
+                parser.feed_data(data)
+                if self.status is None:
+                    self.status = parser.get_status_code()
+                body, self._body = b"".join(self._body), []
+                for kind, payload in buffer.feed(body):
+                    self._frame(decode_router_frame(kind, payload))
+                self.changed.set()
+                self.changed = anyio.Event()
+        finally:
+            self.ended.set()
+            self.changed.set()
+
+    def _frame(self, frame: TokensFrame | FinishFrame | ErrorFrame | LinkErrorFrame) -> None:
+        if isinstance(frame, LinkErrorFrame):
+            self.link_errors.append(frame)
+            return
+        if isinstance(frame, TokensFrame):
+            self.token_frames.append(frame)
+            offset = 0
+            for handle, first, count in zip(frame.handles, frame.firsts, frame.counts, strict=True):
+                if handle in self.finishes or handle in self.errors:
+                    self.after_last.append(handle)
+                for i in range(count):
+                    self.tokens[handle].append(
+                        (first + i, frame.token_ids[offset + i], frame.logprobs[offset + i])
+                    )
+                offset += count
+            return
+        if frame.handle in self.finishes or frame.handle in self.errors:
+            self.after_last.append(frame.handle)
+        if isinstance(frame, FinishFrame):
+            self.finishes[frame.handle] = frame.payload
+        else:
+            self.errors[frame.handle] = frame
+
+    async def until(self, predicate: Callable[[], bool], limit_s: float = 90) -> None:
+        """Wait (at most ``limit_s``) until ``predicate()`` holds on what was received."""
+        with anyio.fail_after(limit_s):
+            while not predicate():
+                if self.ended.is_set():
+                    assert predicate(), "the router ended the link first"
+                await self.changed.wait()
+
+    def token_ids(self, handle: int) -> list[int]:
+        """The handle's token ids, after checking their indices are contiguous from the first."""
+        got = self.tokens[handle]
+        if got:
+            start = got[0][0]
+            assert [index for index, _, _ in got] == list(range(start, start + len(got))), handle
+        return [token for _, token, _ in got]
+
+
+def _body(seed: int, max_tokens: int, **fields: Any) -> dict[str, Any]:
+    return {"prompt_token_ids": [1, 2, seed % 50 + 3], "max_tokens": max_tokens, "seed": seed, **fields}
+
+
+async def _link_and_plain_workers(client: RouterClient, link_url: str, plain_url: str) -> None:
+    await client.register("linked", link_url, 1, link=True)
+    await client.register("plain", plain_url, 1)
+
+
+@pytest.mark.usefixtures("http_server")
+async def test_many_requests_on_one_link_get_exactly_what_generate_gives() -> None:
+    async with (
+        running_worker(1, link=True, token_delay_s=0.002) as (link_url, link_worker),
+        running_worker(1, token_delay_s=0.002, frame_tokens=3) as (plain_url, _plain),
+        running_router(RouterConfig(admin_token=ADMIN_TOKEN)) as (router_url, app),
+        RouterClient(router_url, admin_token=ADMIN_TOKEN) as client,
+        LinkTestClient.connect(router_url) as link,
+    ):
+        await _link_and_plain_workers(client, link_url, plain_url)
+        bodies = {handle: _body(handle, 20 + handle % 7, request_id=f"r{handle}") for handle in range(72)}
+        for handle in range(0, 72, 8):  # OPENs several to a chunk, and one frame split over two chunks
+            frames = b"".join(encode_open(h, orjson.dumps(bodies[h])) for h in range(handle, handle + 8))
+            await link.send(frames[:7])
+            await link.send(frames[7:])
+        await link.until(lambda: len(link.tokens) > 0)
+        async with httpx.AsyncClient(timeout=60) as http:
+            assert "belayer_router_client_links 1\n" in (await http.get(f"{router_url}/metrics")).text
+        await link.close_body()  # no more OPENs: the open requests finish, then the response ends
+        with anyio.fail_after(120):
+            await link.ended.wait()
+        assert link.status == 200
+        assert link.link_errors == []
+        assert link.errors == {}
+        assert link.after_last == []
+        for handle, body in bodies.items():
+            assert link.token_ids(handle) == expected_tokens(body["seed"], body["max_tokens"]), handle
+            assert [lp for _, _, lp in link.tokens[handle]] == [logprob_of(t) for t in link.token_ids(handle)]
+            assert link.tokens[handle][0][0] == 0
+            assert link.finishes[handle] == {
+                "request_id": f"r{handle}",
+                "finish_reason": "length",
+                "num_prompt_tokens": 3,
+                "num_generated_tokens": body["max_tokens"],
+                "num_resumes": 0,
+            }
+        # What /generate gives for the same bodies (new request ids): the same tokens.
+        for handle in (0, 13, 71):
+            body = bodies[handle]
+            completion = await client.generate(
+                body["prompt_token_ids"], body["max_tokens"], seed=body["seed"]
+            )
+            assert completion.token_ids == link.token_ids(handle)
+        assert link_worker.num_links == 1
+        assert any(len(frame.handles) > 1 for frame in link.token_frames)  # one frame for several streams
+        assert len(link.token_frames) < sum(len(link.tokens[h]) for h in bodies)
+        assert all(not app.journal.records[f"r{h}"].in_flight for h in bodies)
+        await wait_until(lambda: app.metrics.num_client_links == 0, 60)
+
+
+@pytest.mark.usefixtures("http_server")
+async def test_a_worker_killed_mid_stream_resumes_the_links_requests_exactly() -> None:
+    config = RouterConfig(admin_token=ADMIN_TOKEN, resume_wait_s=60.0)
+    async with (
+        running_worker(1, link=True, die_after_total=150, token_delay_s=0.005) as (url, worker),
+        running_worker(2, link=True) as (new_url, new_worker),
+        running_router(config) as (router_url, _app),
+        RouterClient(router_url, admin_token=ADMIN_TOKEN) as client,
+        LinkTestClient.connect(router_url) as link,
+    ):
+        await client.register("s", url, 1, link=True)
+        await link.send(*(encode_open(h, orjson.dumps(_body(h, 30))) for h in range(12)))
+        await link.close_body()
+        with anyio.fail_after(60):
+            await worker.died.wait()
+        await client.register("s", new_url, 2, link=True)  # the shadow's handover
+        with anyio.fail_after(120):
+            await link.ended.wait()
+        assert link.errors == {}
+        assert link.after_last == []
+        for handle in range(12):
+            assert link.token_ids(handle) == expected_tokens(handle, 30), handle
+            assert link.tokens[handle][0][0] == 0
+        assert sum(link.finishes[h]["num_resumes"] for h in range(12)) > 0
+        assert all(len(r["generated_token_ids"]) > 0 for r in new_worker.requests)  # continued, not redone
+
+
+@pytest.mark.usefixtures("http_server")
+async def test_cancel_stops_that_request_only() -> None:
+    async with (
+        running_worker(1, link=True, token_delay_s=0.01) as (url, worker),
+        running_router(RouterConfig(admin_token=ADMIN_TOKEN)) as (router_url, app),
+        RouterClient(router_url, admin_token=ADMIN_TOKEN) as client,
+        LinkTestClient.connect(router_url) as link,
+    ):
+        await client.register("s", url, 1, link=True)
+        await link.open(0, _body(0, 100_000, request_id="long"))
+        await link.open(1, _body(1, 30))
+        await link.until(lambda: len(link.tokens[0]) >= 3)
+        await link.send(encode_cancel(0))
+        await wait_until(lambda: worker.num_aborts == 1, 60)  # the worker stopped generating it
+        await wait_until(lambda: not app.journal.records["long"].in_flight, 60)  # released, resumable
+        await link.send(encode_cancel(0))  # a CANCEL of a handle no longer open: ignored
+        await link.close_body()
+        with anyio.fail_after(120):
+            await link.ended.wait()
+        assert link.link_errors == []
+        assert 0 not in link.finishes
+        assert 0 not in link.errors
+        assert link.token_ids(1) == expected_tokens(1, 30)
+        assert link.finishes[1]["finish_reason"] == "length"
+        received = len(link.tokens[0])
+        assert link.token_ids(0) == expected_tokens(0, received)
+        assert len(app.journal.records["long"].token_ids) >= received
+
+
+@pytest.mark.usefixtures("http_server")
+async def test_per_request_errors_are_error_frames_and_the_link_goes_on() -> None:
+    config = RouterConfig(admin_token=ADMIN_TOKEN, max_prompt_tokens=8, resume_wait_s=0.5)
+    async with running_router(config) as (router_url, app), LinkTestClient.connect(router_url) as link:
+        await link.open(0, {"max_tokens": 3})  # no prompt
+        await link.open(1, _body(1, 3, prompt_token_ids=list(range(9))))  # over max_prompt_tokens
+        await link.open(2, _body(2, 3, temperature="hot"))
+        await link.open(3, _body(3, 3, num_received_tokens=2))  # a resume without its request_id
+        await link.open(4, _body(4, 3, request_id="nobody"))  # no worker registered: 503
+        await link.until(lambda: len(link.errors) == 5)
+        assert {h: e.status for h, e in link.errors.items()} == {0: 400, 1: 400, 2: 400, 3: 400, 4: 503}
+        assert "prompt_token_ids" in link.errors[0].message
+        assert "max_prompt_tokens" in link.errors[1].message
+        assert "records" not in link.errors[4].message
+        async with (
+            running_worker(1, link=True) as (url, _worker),
+            RouterClient(router_url, admin_token=ADMIN_TOKEN) as client,
+        ):
+            await client.register("s", url, 1, link=True)
+            await link.open(5, _body(5, 10))  # the link goes on
+            await link.until(lambda: 5 in link.finishes)
+            assert link.token_ids(5) == expected_tokens(5, 10)
+        assert link.link_errors == []
+        assert link.after_last == []
+        assert not link.ended.is_set()
+        assert app.journal.records["nobody"].finish_reason is None
+
+
+_OVERSIZED = struct.pack("<IB", MAX_LINK_FRAME_BYTES + 1, OPEN)
+BAD_LINK_INPUT: list[tuple[str, bytes, str]] = [
+    (
+        "malformed",
+        encode_open(1, b'{"prompt_token_ids": [1], "max_tokens": 5, "request_id": "bad"'),
+        "not JSON",
+    ),
+    ("truncated", encode_open(1, orjson.dumps(_body(1, 5, request_id="bad")))[:-4], "ended inside a frame"),
+    ("oversized", _OVERSIZED, "link frame of"),
+    ("unknown kind", struct.pack("<IB", 5, TOKENS) + b"\x00" * 4, "unknown client link frame kind"),
+    ("same handle", encode_open(0, orjson.dumps(_body(1, 5, request_id="bad"))), "handles must increase"),
+    ("never opened", encode_cancel(7), "never opened"),
+]
+
+
+@pytest.mark.usefixtures("http_server")
+@pytest.mark.parametrize(("case", "bad", "message"), BAD_LINK_INPUT, ids=[c[0] for c in BAD_LINK_INPUT])
+async def test_a_bad_frame_is_a_link_error_that_closes_the_link(case: str, bad: bytes, message: str) -> None:
+    async with (
+        running_worker(1, link=True, token_delay_s=0.01) as (url, worker),
+        running_router(RouterConfig(admin_token=ADMIN_TOKEN)) as (router_url, app),
+        RouterClient(router_url, admin_token=ADMIN_TOKEN) as client,
+        LinkTestClient.connect(router_url) as link,
+    ):
+        await client.register("s", url, 1, link=True)
+        await link.open(0, _body(0, 100_000, request_id="open"))
+        await link.until(lambda: len(link.tokens[0]) >= 2)
+        records = set(app.journal.records)
+        await link.send(bad)
+        if case == "truncated":
+            await link.close_body()
+        with anyio.fail_after(90):
+            await link.ended.wait()  # the router ended its response
+        [error] = link.link_errors
+        assert error.status == 400
+        assert message in error.message
+        await wait_until(lambda: not app.journal.records["open"].in_flight, 60)  # cancelled, released
+        await wait_until(lambda: worker.num_aborts == 1, 60)
+        assert set(app.journal.records) == records  # nothing of the bad frame journaled
+        assert link.token_ids(0) == expected_tokens(0, len(link.tokens[0]))
+        await wait_until(lambda: app.metrics.num_client_links == 0, 60)
+
+
+@pytest.mark.usefixtures("http_server")
+async def test_a_disconnect_releases_the_requests_and_a_new_link_resumes_them_exactly() -> None:
+    async with (
+        running_worker(1, link=True, token_delay_s=0.01) as (url, worker),
+        running_worker(1, token_delay_s=0.01) as (plain_url, _plain),
+        running_router(RouterConfig(admin_token=ADMIN_TOKEN)) as (router_url, app),
+        RouterClient(router_url, admin_token=ADMIN_TOKEN) as client,
+    ):
+        await _link_and_plain_workers(client, url, plain_url)
+        bodies = {h: _body(h, 60, request_id=f"d{h}") for h in range(4)}
+        async with LinkTestClient.connect(router_url) as link:
+            for handle, body in bodies.items():
+                await link.open(handle, body)
+            await link.until(lambda: all(len(link.tokens[h]) >= 3 for h in bodies))
+            received = {h: link.token_ids(h) for h in bodies}  # then the client is gone
+        await wait_until(lambda: all(not app.journal.records[f"d{h}"].in_flight for h in bodies), 60)
+        await wait_until(lambda: app.metrics.num_client_links == 0, 60)
+        async with LinkTestClient.connect(router_url) as link:
+            for handle, body in bodies.items():
+                await link.open(handle, {**body, "num_received_tokens": len(received[handle])})
+            await link.close_body()
+            with anyio.fail_after(120):
+                await link.ended.wait()
+        for handle in bodies:
+            assert link.tokens[handle][0][0] == len(received[handle])
+            assert received[handle] + link.token_ids(handle) == expected_tokens(handle, 60), handle
+            assert link.finishes[handle]["num_generated_tokens"] == 60
+        assert worker.num_aborts >= 1
+
+
+def test_a_turn_over_the_frame_limit_goes_out_as_several_tokens_frames(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from belayer_router import _client_link
+
+    monkeypatch.setattr(_client_link, "_MAX_FRAME_TOKENS", 5)
+    entries = [(h, h * 10, [h] * (h % 4 + 1), [-float(h)] * (h % 4 + 1)) for h in range(9)]
+    frames = [
+        decode_router_frame(kind, payload)
+        for kind, payload in FrameBuffer().feed(_client_link._pack(entries))
+    ]
+    assert len(frames) > 1
+    assert all(isinstance(frame, TokensFrame) and sum(frame.counts) <= 5 for frame in frames)
+    got = [
+        (handle, first, count)
+        for frame in frames
+        if isinstance(frame, TokensFrame)
+        for handle, first, count in zip(frame.handles, frame.firsts, frame.counts, strict=True)
+    ]
+    assert got == [(h, h * 10, h % 4 + 1) for h in range(9)]

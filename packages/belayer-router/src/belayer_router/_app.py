@@ -23,6 +23,7 @@ from belayer_router._asgi import (
     send_text,
     stream_response,
 )
+from belayer_router._client_link import ClientLink
 from belayer_router._config import RouterConfig
 from belayer_router._dispatch import Dispatcher, Emit, new_seed
 from belayer_router._errors import (
@@ -198,13 +199,10 @@ class RouterApp(OpenAIRoutes):
         method, parts = scope["method"], [p for p in scope["path"].split("/") if p]
         match method, parts:
             case "POST", ["generate"]:
-                request = parse_generate_request(await self._body(receive))
-                if len(request.prompt_token_ids) > self.config.max_prompt_tokens:
-                    raise InvalidRequestError(
-                        f"prompt has {len(request.prompt_token_ids)} tokens, over the limit of "
-                        f"{self.config.max_prompt_tokens} (router option max_prompt_tokens); shorten it"
-                    )
+                request = self.parse_generate(await self._body(receive))
                 await self._generate(request, scope, receive, send)
+            case "POST", ["client-link"]:
+                await ClientLink(self, scope, receive, send).serve()
             case "POST", ["v1", "completions"]:
                 await self._completions(await self._body(receive), scope, receive, send)
             case "POST", ["v1", "chat", "completions"]:
@@ -292,6 +290,16 @@ class RouterApp(OpenAIRoutes):
     def _admin_change(self, op: dict[str, Any]) -> None:
         self._apply_admin(op)  # raises before anything is persisted if the change is refused
         self.journal.record_admin(op)
+
+    def parse_generate(self, body: Any) -> GenerateRequest:
+        """A ``POST /generate`` body (also a client link's ``OPEN``) validated, prompt length included."""
+        request = parse_generate_request(body)
+        if len(request.prompt_token_ids) > self.config.max_prompt_tokens:
+            raise InvalidRequestError(
+                f"prompt has {len(request.prompt_token_ids)} tokens, over the limit of "
+                f"{self.config.max_prompt_tokens} (router option max_prompt_tokens); shorten it"
+            )
+        return request
 
     def _begin(self, request: GenerateRequest) -> RequestRecord:
         request_id = request.request_id or uuid.uuid4().hex

@@ -22,6 +22,7 @@ class Metrics:
     num_version_resumes: int = 0
     num_in_flight: int = 0
     num_waiting: int = 0
+    num_client_links: int = 0  # open ``POST /client-link`` connections
 
     def render(self, registry: Registry) -> str:
         """The whole ``/metrics`` page."""
@@ -78,6 +79,9 @@ class Metrics:
             "gauge",
             "Requests waiting for a worker (queue).",
             [("", self.num_waiting)],
+        )
+        metric(
+            "client_links", "gauge", "Open client links (POST /client-link).", [("", self.num_client_links)]
         )
         slots = sorted(registry.slots.values(), key=lambda s: s.name)
         metric(
