@@ -78,7 +78,9 @@ class RouterClient:
         headers = {} if self.admin_token is None else {"authorization": f"Bearer {self.admin_token}"}
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
         if self.multiplex:  # before the HTTP client: a bad URL leaves nothing to close
-            self._link = ClientMux(self.base_url, connect_timeout_s=min(30.0, self.timeout_s))
+            self._link = ClientMux(
+                self.base_url, connect_timeout_s=min(30.0, self.timeout_s), read_timeout_s=self.timeout_s
+            )
         self._http = httpx.AsyncClient(
             base_url=self.base_url.rstrip("/"), headers=headers, timeout=self.timeout_s, limits=limits
         )

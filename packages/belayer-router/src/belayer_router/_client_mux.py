@@ -98,6 +98,7 @@ class _Conn:
         self.next_handle = 0
         self.broken = False
         self.scope = anyio.CancelScope()
+        self.opened_at = -math.inf  # when the last OPEN was sent (the read timeout counts from it)
         self.done = anyio.Event()
         self.outbox, self.outgoing = anyio.create_memory_object_stream[bytes](math.inf)
 
@@ -106,6 +107,7 @@ class _Conn:
         handle = self.next_handle
         self.next_handle += 1
         call.handle, call.conn = handle, self
+        self.opened_at = anyio.current_time()
         self.calls[handle] = call
         body = orjson.dumps({**call.body, "num_received_tokens": call.num_received})
         self.outbox.send_nowait(encode_open(handle, body))
@@ -182,10 +184,10 @@ class ClientMux:
     Enter it (``async with``) around its use: its reader task runs in the task group it holds.
     """
 
-    def __init__(self, base_url: str, connect_timeout_s: float) -> None:
+    def __init__(self, base_url: str, connect_timeout_s: float, read_timeout_s: float) -> None:
         self.url = base_url.rstrip("/")
         self.host, self.port, self.head = _head(self.url)
-        self.connect_timeout_s = connect_timeout_s
+        self.connect_timeout_s, self.read_timeout_s = connect_timeout_s, read_timeout_s
         self.conn: _Conn | None = None
         self.num_connects = 0  # links opened (tests and metrics read it)
         self._group: anyio.abc.TaskGroup | None = None
@@ -325,9 +327,22 @@ class ClientMux:
         parser = httptools.HttpResponseParser(response)
         frames = FrameBuffer()
         status: int | None = None
+        last_read = anyio.current_time()
         while True:
             try:
-                data = await conn.stream.receive(_READ_BYTES)
+                with anyio.move_on_after(self.read_timeout_s) as waited:
+                    data = await conn.stream.receive(_READ_BYTES)
+                if waited.cancelled_caught:  # silent for read_timeout_s: a hung router, if calls wait
+                    if (
+                        conn.calls
+                        and anyio.current_time() - max(last_read, conn.opened_at) >= self.read_timeout_s
+                    ):
+                        raise TimeoutError(
+                            f"the router at {self.url} sent nothing on the client link for "
+                            f"{self.read_timeout_s:g} s (timeout_s) while requests were open"
+                        )
+                    continue
+                last_read = anyio.current_time()
             except anyio.EndOfStream:
                 if status is not None and status != 200:
                     raise _Fatal(_status_error(self.url, status, b"".join(response.body))) from None
