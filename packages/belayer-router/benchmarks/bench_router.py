@@ -489,8 +489,8 @@ def _link_ceiling_table(rows: list[dict[str, Any]]) -> list[str]:
     """The link rows against the generator's ceilings: the workers' links read straight by the
     clients (``direct+link``) and the floor's client link, with the clients' CPU."""
     lines = [
-        "| events | server | streams | direct tok/s | direct+link tok/s | floor+link tok/s | router+link tok/s | loss vs direct+link | clients CPU-s per s (direct+link / router+link) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| events | server | streams | direct tok/s | direct+link tok/s | floor+link tok/s | router+link tok/s | loss vs direct+link | ITL p99 direct+link / router+link (ms) | clients CPU-s per s (direct+link / router+link) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         if "direct_link" not in row:
@@ -502,7 +502,7 @@ def _link_ceiling_table(rows: list[dict[str, Any]]) -> list[str]:
             f"| {row['worker_events']} | {row['server']} | {row['streams']} | {d['tokens_per_s']:.0f} | "
             f"{dl['tokens_per_s']:.0f} | {floor} | {r['tokens_per_s']:.0f} | "
             f"{100 * (1 - r['tokens_per_s'] / dl['tokens_per_s']):.1f}% | "
-            f"{clients:.2f} / {row['clients_cpu_s_per_s']:.2f} |"
+            f"{dl['itl_p99_ms']:.1f} / {r['itl_p99_ms']:.1f} | {clients:.2f} / {row['clients_cpu_s_per_s']:.2f} |"
         )
     return lines if len(lines) > 2 else []
 
