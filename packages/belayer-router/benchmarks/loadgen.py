@@ -545,12 +545,13 @@ class _LinkStreams(asyncio.Protocol):
         now, following, last, seeds, gaps = self.now, self.next, self.last, self.seeds, self.gaps
         offset = 0
         for handle, first, count in zip(handles, firsts, counts, strict=True):
-            if (
-                first != following[handle]
-                or token_ids[offset] != (seeds[handle] * 7919 + first * 104729) % 32000
-            ):
+            if first != following[handle]:
                 raise RuntimeError(
                     f"stream {handle}: tokens from index {first}, expected {following[handle]}"
+                )
+            if token_ids[offset] != (seeds[handle] * 7919 + first * 104729) % 32000:
+                raise RuntimeError(
+                    f"stream {handle}: token {token_ids[offset]} at index {first} is not the worker's"
                 )
             if first:
                 gaps.append(now - last[handle])
