@@ -1,0 +1,462 @@
+"""`RouterClient(multiplex=True)`: every generation of one client on ONE client link.
+
+Real routers (in-process, and `belayer-router serve` processes for the restart), real FakeWorkers,
+on both HTTP servers.  What a multiplexed call yields must equal what the HTTP path yields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import attrs
+import pytest
+from router_helpers import ADMIN_TOKEN, StartRouter
+
+from belayer_router import (
+    FinishEvent,
+    InvalidRequestError,
+    RouterClient,
+    RouterClientError,
+    RouterConfig,
+    RouterFleet,
+    TokenEvent,
+    running_router,
+    serving,
+)
+from belayer_router._wire import encode_cancel
+from belayer_router.testing import expected_tokens, logprob_of, running_worker, token_at, wait_until
+
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("http_server")]  # on both servers
+
+Events = list[TokenEvent | FinishEvent]
+
+
+@attrs.define
+class CountingProxy:
+    """A TCP proxy in front of the router that counts the client connections it carries."""
+
+    url: str = ""
+    num_connections: int = 0
+
+
+@asynccontextmanager
+async def counting_proxy(router_url: str) -> AsyncIterator[CountingProxy]:
+    host, port = router_url.removeprefix("http://").rsplit(":", 1)
+    proxy = CountingProxy()
+
+    async def pipe(source: anyio.abc.SocketStream, sink: anyio.abc.SocketStream) -> None:
+        with suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            async for data in source:
+                await sink.send(data)
+        with suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            await sink.send_eof()
+
+    async def carry(client: anyio.abc.SocketStream) -> None:
+        proxy.num_connections += 1
+        async with (
+            client,
+            await anyio.connect_tcp(host, int(port)) as upstream,
+            anyio.create_task_group() as group,
+        ):
+            group.start_soon(pipe, client, upstream)
+            group.start_soon(pipe, upstream, client)
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    async with listener, anyio.create_task_group() as group:
+        proxy.url = f"http://127.0.0.1:{listener.extra(anyio.abc.SocketAttribute.local_port)}"
+        group.start_soon(listener.serve, carry)
+        try:
+            yield proxy
+        finally:
+            group.cancel_scope.cancel()
+
+
+async def _events(client: RouterClient | RouterFleet, max_tokens: int, **options: Any) -> Events:
+    return [event async for event in client.generate_stream([1, 2], max_tokens, **options)]
+
+
+def _check_exact(events: Events, seed: int, max_tokens: int) -> None:
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    assert [e.token_id for e in tokens] == expected_tokens(seed, max_tokens)
+    assert [e.index for e in tokens] == list(range(max_tokens))
+    assert [e.logprob for e in tokens] == [logprob_of(e.token_id) for e in tokens]
+    assert isinstance(events[-1], FinishEvent)
+    assert events[-1].num_generated_tokens == max_tokens
+
+
+async def _drain(client: RouterClient, seed: int, request_id: str, on_token: Callable[[], None]) -> None:
+    """Stream a (practically) endless request, calling ``on_token`` per token."""
+    async for _ in client.generate_stream([1], 100_000, seed=seed, request_id=request_id):
+        on_token()
+
+
+def _num_connects(client: RouterClient) -> int:
+    """How many client links ``client`` opened."""
+    assert client._link is not None
+    return client._link.num_connects
+
+
+def _without_id(events: Events) -> Events:
+    return [attrs.evolve(e, request_id="") if isinstance(e, FinishEvent) else e for e in events]
+
+
+def test_a_multiplexed_client_needs_a_plain_http_url() -> None:
+    with pytest.raises(InvalidRequestError, match="plain http://"):
+        RouterClient("https://router.example:8000", multiplex=True)
+    RouterClient("https://router.example:8000")  # the HTTP path takes it
+
+
+async def test_many_streams_share_one_connection_and_equal_the_http_path() -> None:
+    async with (
+        running_worker(1, link=True, token_delay_s=0.002) as (link_url, _link_worker),
+        running_worker(1, token_delay_s=0.002, frame_tokens=3) as (plain_url, _plain_worker),
+        running_router(RouterConfig(admin_token=ADMIN_TOKEN)) as (router_url, _app),
+        counting_proxy(router_url) as proxy,
+        RouterClient(router_url, admin_token=ADMIN_TOKEN) as http,
+        RouterClient(proxy.url, multiplex=True) as mux,
+    ):
+        await http.register("a", link_url, 1, link=True)
+        await http.register("b", plain_url, 1)
+        results: dict[tuple[str, int], Events] = {}
+
+        async def one(client: RouterClient, name: str, seed: int) -> None:
+            results[name, seed] = await _events(client, 30, seed=seed, request_id=f"{name}-{seed}")
+
+        async with anyio.create_task_group() as group:
+            for seed in range(100):
+                group.start_soon(one, mux, "mux", seed)
+                group.start_soon(one, http, "http", seed)
+        for seed in range(100):
+            _check_exact(results["mux", seed], seed, 30)
+            assert _without_id(results["mux", seed]) == _without_id(results["http", seed])
+        assert proxy.num_connections == 1
+        assert _num_connects(mux) == 1
+
+
+async def test_generate_over_the_link_returns_the_http_paths_completion() -> None:
+    async with (
+        running_worker(1, link=True) as (url, _worker),
+        running_router(RouterConfig(admin_token=ADMIN_TOKEN)) as (router_url, _app),
+        RouterClient(router_url, admin_token=ADMIN_TOKEN) as http,
+        RouterClient(router_url, multiplex=True) as mux,
+    ):
+        await http.register("s", url, 1, link=True)
+        stop = token_at(5, 7)
+        over_link = await mux.generate([3, 4], 20, seed=5, stop_token_ids=[stop], request_id="m")
+        over_http = await http.generate([3, 4], 20, seed=5, stop_token_ids=[stop], request_id="h")
+        assert over_link.token_ids == expected_tokens(5, 20, (stop,))
+        assert over_link.finish_reason == "stop"
+        assert attrs.evolve(over_link, request_id="h") == over_http
+        length = await mux.generate([3, 4], 12, seed=9)
+        assert length.token_ids == expected_tokens(9, 12)
+        assert length.logprobs == [logprob_of(t) for t in length.token_ids]
+        assert length.finish_reason == "length"
+
+
+async def test_an_error_fails_only_its_own_call() -> None:
+    config = RouterConfig(admin_token=ADMIN_TOKEN, max_prompt_tokens=8)
+    async with (
+        running_worker(1, link=True, token_delay_s=0.005) as (url, _worker),
+        running_router(config) as (router_url, _app),
+        RouterClient(router_url, admin_token=ADMIN_TOKEN, multiplex=True) as client,
+    ):
+        await client.register("s", url, 1, link=True)
+        results: dict[int, Events] = {}
+        failures: list[RouterClientError] = []
+
+        async def one(seed: int) -> None:
+            results[seed] = await _events(client, 25, seed=seed)
+
+        async def too_long() -> None:
+            with pytest.raises(RouterClientError) as caught:
+                await client.generate(list(range(9)), 5, seed=1)
+            failures.append(caught.value)
+
+        async with anyio.create_task_group() as group:
+            for seed in range(4):
+                group.start_soon(one, seed)
+            group.start_soon(too_long)
+        assert [error.status for error in failures] == [400]
+        assert "max_prompt_tokens" in failures[0].message
+        for seed in range(4):
+            _check_exact(results[seed], seed, 25)
+        assert _num_connects(client) == 1  # the link went on
+
+
+async def test_leaving_a_stream_early_cancels_it_and_releases_its_record() -> None:
+    async with (
+        # Streams pause at index 50 until resumed: the left one is still running when it is cancelled.
+        running_worker(1, link=True, token_delay_s=0.005, pause_at=50) as (url, worker),
+        running_router(RouterConfig(admin_token=ADMIN_TOKEN)) as (router_url, app),
+        RouterClient(router_url, admin_token=ADMIN_TOKEN, multiplex=True) as client,
+    ):
+        await client.register("s", url, 1, link=True)
+        results: dict[int, Events] = {}
+        left: list[TokenEvent | FinishEvent] = []
+
+        async def one(seed: int) -> None:
+            results[seed] = await _events(client, 40, seed=seed)
+
+        async def leave() -> None:
+            async for event in client.generate_stream([1, 2], 300, seed=77, request_id="left"):
+                left.append(event)
+                if len(left) == 3:
+                    break
+
+        async with anyio.create_task_group() as group:
+            for seed in range(4):
+                group.start_soon(one, seed)
+            group.start_soon(leave)
+        for seed in range(4):
+            _check_exact(results[seed], seed, 40)
+        assert [e.token_id for e in left if isinstance(e, TokenEvent)] == expected_tokens(77, 3)
+        await wait_until(lambda: not app.journal.records["left"].in_flight, 60)
+        await wait_until(lambda: worker.num_aborts == 1, 60)
+        assert app.journal.records["left"].finish_reason is None
+        worker.resume()
+        # Released: the same request id resumes (from its journal) with the exact output.
+        _check_exact(await _events(client, 300, seed=77, request_id="left"), 77, 300)
+
+
+async def test_a_worker_killed_mid_stream_is_invisible_to_the_client() -> None:
+    config = RouterConfig(admin_token=ADMIN_TOKEN, resume_wait_s=60.0)
+    async with (
+        running_worker(1, link=True, die_after_total=150, token_delay_s=0.005) as (url, worker),
+        running_worker(2, link=True) as (new_url, new_worker),
+        running_router(config) as (router_url, _app),
+        RouterClient(router_url, admin_token=ADMIN_TOKEN, multiplex=True) as client,
+    ):
+        await client.register("s", url, 1, link=True)
+        results: dict[int, Events] = {}
+
+        async def one(seed: int) -> None:
+            results[seed] = await _events(client, 30, seed=seed)
+
+        async with anyio.create_task_group() as group:
+            for seed in range(12):
+                group.start_soon(one, seed)
+            with anyio.fail_after(60):
+                await worker.died.wait()
+            await client.register("s", new_url, 2, link=True)
+        for seed in range(12):
+            _check_exact(results[seed], seed, 30)
+        assert new_worker.requests  # the router resumed them there
+        assert _num_connects(client) == 1
+
+
+async def test_a_router_restart_mid_stream_finishes_every_open_call_exactly(
+    tmp_path: Path, router_process: StartRouter
+) -> None:
+    journal = tmp_path / "router.jsonl"
+    router, url = await router_process(journal)
+    async with (
+        # Every stream pauses at index 20 until resumed: all are open when the router dies.
+        running_worker(1, link=True, token_delay_s=0.005, pause_at=20) as (worker_url, worker),
+        RouterClient(url, admin_token=ADMIN_TOKEN, reconnect_timeout_s=60, multiplex=True) as client,
+    ):
+        await client.register("s", worker_url, 1, link=True)
+        counts = dict.fromkeys(range(8), 0)
+        results: dict[int, Events] = {}
+
+        async def one(seed: int) -> None:
+            events: Events = []
+            async for event in client.generate_stream([1, 2], 60, seed=seed, request_id=f"r{seed}"):
+                events.append(event)
+                counts[seed] += 1
+            results[seed] = events
+
+        async with anyio.create_task_group() as group:
+            for seed in counts:
+                group.start_soon(one, seed)
+            await wait_until(lambda: min(counts.values()) >= 20, 60)
+            router.kill()  # SIGKILL mid-stream: the link breaks, the calls reconnect
+            await router.wait()
+            await router_process(journal, int(url.rsplit(":", 1)[1]))
+            worker.resume()
+        for seed in counts:
+            _check_exact(results[seed], seed, 60)
+            finish = results[seed][-1]
+            assert isinstance(finish, FinishEvent)
+            assert finish.num_resumes >= 1
+        assert _num_connects(client) == 2
+
+
+async def test_a_link_error_fails_every_open_call_without_a_reconnect() -> None:
+    async with (
+        running_worker(1, link=True, token_delay_s=0.01) as (url, _worker),
+        running_router(RouterConfig(admin_token=ADMIN_TOKEN)) as (router_url, app),
+        RouterClient(router_url, admin_token=ADMIN_TOKEN, multiplex=True) as client,
+    ):
+        await client.register("s", url, 1, link=True)
+        failures: dict[int, RouterClientError] = {}
+        counts = dict.fromkeys(range(3), 0)
+
+        async def one(seed: int) -> None:
+            def count() -> None:
+                counts[seed] += 1
+
+            with pytest.raises(RouterClientError) as caught:
+                await _drain(client, seed, f"e{seed}", count)
+            failures[seed] = caught.value
+
+        async with anyio.create_task_group() as group:
+            for seed in counts:
+                group.start_soon(one, seed)
+            await wait_until(lambda: min(counts.values()) >= 2, 60)
+            assert client._link is not None
+            assert client._link.conn is not None
+            client._link.conn.outbox.send_nowait(encode_cancel(10_000))  # a client bug: never opened
+        assert {seed: error.status for seed, error in failures.items()} == dict.fromkeys(counts, 400)
+        assert all("never opened" in error.message for error in failures.values())
+        assert _num_connects(client) == 1  # no reconnect
+        for seed in counts:
+            await wait_until(lambda seed=seed: not app.journal.records[f"e{seed}"].in_flight, 60)
+        # The next call opens a new link.
+        _check_exact(await _events(client, 10, seed=4), 4, 10)
+        assert _num_connects(client) == 2
+
+
+async def test_a_router_that_stays_away_fails_the_open_calls_after_the_reconnect_window(
+    tmp_path: Path, router_process: StartRouter
+) -> None:
+    router, url = await router_process(tmp_path / "router.jsonl")
+    async with (
+        running_worker(1, link=True, token_delay_s=0.005, pause_at=5) as (worker_url, _worker),
+        RouterClient(url, admin_token=ADMIN_TOKEN, reconnect_timeout_s=1.0, multiplex=True) as client,
+    ):
+        await client.register("s", worker_url, 1, link=True)
+        counts = dict.fromkeys(range(3), 0)
+        failures: dict[int, RouterClientError] = {}
+
+        async def one(seed: int) -> None:
+            def count() -> None:
+                counts[seed] += 1
+
+            with pytest.raises(RouterClientError) as caught:
+                await _drain(client, seed, f"w{seed}", count)
+            failures[seed] = caught.value
+
+        async with anyio.create_task_group() as group:
+            for seed in counts:
+                group.start_soon(one, seed)
+            await wait_until(lambda: min(counts.values()) >= 5, 60)  # every stream paused, open
+            router.kill()
+            await router.wait()
+        assert {seed: error.status for seed, error in failures.items()} == dict.fromkeys(counts, 503)
+        assert all("reconnect_timeout_s=1" in error.message for error in failures.values())
+        assert counts == dict.fromkeys(counts, 5)
+        assert _num_connects(client) == 1
+
+
+@asynccontextmanager
+async def fake_hung_router() -> AsyncIterator[tuple[str, list[int]]]:
+    """Stands in for a hung router (no real one hangs on purpose): it accepts connections, reads
+    what comes and never answers.  Yields its URL and the list of connections it took."""
+    taken: list[int] = []
+
+    async def hang(client: anyio.abc.SocketStream) -> None:
+        taken.append(1)
+        async with client:
+            with suppress(anyio.BrokenResourceError, anyio.EndOfStream):
+                async for _ in client:
+                    pass
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    async with listener, anyio.create_task_group() as group:
+        group.start_soon(listener.serve, hang)
+        try:
+            yield f"http://127.0.0.1:{listener.extra(anyio.abc.SocketAttribute.local_port)}", taken
+        finally:
+            group.cancel_scope.cancel()
+
+
+async def test_a_silent_router_breaks_the_link_after_timeout_s_and_the_calls_reconnect() -> None:
+    async with (
+        fake_hung_router() as (url, taken),
+        RouterClient(url, timeout_s=0.3, reconnect_timeout_s=1.5, multiplex=True) as client,
+    ):
+        with pytest.raises(RouterClientError, match="sent nothing on the client link") as caught:
+            await client.generate([1], 5, seed=1)
+        assert caught.value.status == 503
+        assert len(taken) >= 2  # it reconnected before giving up
+        assert _num_connects(client) == len(taken)
+
+
+async def test_closing_the_client_fails_its_open_calls_clearly() -> None:
+    async with (
+        running_worker(1, link=True, token_delay_s=0.01) as (url, _worker),
+        running_router(RouterConfig(admin_token=ADMIN_TOKEN)) as (router_url, app),
+        RouterClient(router_url, admin_token=ADMIN_TOKEN, multiplex=True) as client,
+    ):
+        await client.register("s", url, 1, link=True)
+        failures: list[RouterClientError] = []
+        started = anyio.Event()
+
+        async def one() -> None:
+            with pytest.raises(RouterClientError) as caught:
+                await _drain(client, 3, "open", started.set)
+            failures.append(caught.value)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(one)
+            with anyio.fail_after(60):
+                await started.wait()
+            await client.aclose()
+        assert [error.status for error in failures] == [499]
+        assert "closed" in failures[0].message
+        await wait_until(lambda: not app.journal.records["open"].in_flight, 60)  # the router let go
+
+
+async def test_a_router_without_the_client_link_says_so() -> None:
+    async def older_router(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """Stands in for an older router version (outside this package's tree): no /client-link."""
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        body = b'{"error": {"message": "no route POST /client-link", "status": 404}}'
+        await send({"type": "http.response.start", "status": 404, "headers": []})
+        await send({"type": "http.response.body", "body": body})
+
+    async with (
+        serving(older_router, log_level="critical") as url,
+        RouterClient(url, multiplex=True) as client,
+    ):
+        with pytest.raises(RouterClientError, match="does not serve the client link") as caught:
+            await client.generate([1], 5, seed=1)
+        assert caught.value.status == 404
+        assert "multiplex=False" in caught.value.message
+
+
+async def test_a_fleet_of_multiplexed_clients() -> None:
+    async with (
+        running_worker(1, link=True) as (url, _worker),
+        running_router(RouterConfig(admin_token=ADMIN_TOKEN)) as (url0, _app0),
+        running_router(RouterConfig(admin_token=ADMIN_TOKEN)) as (url1, _app1),
+        RouterFleet([url0, url1], admin_token=ADMIN_TOKEN, multiplex=True) as fleet,
+    ):
+        await fleet.register("s", url, 1, link=True)
+        results: dict[int, Events] = {}
+
+        async def one(seed: int) -> None:
+            results[seed] = await _events(fleet, 10, seed=seed, request_id=f"f{seed}")
+
+        async with anyio.create_task_group() as group:
+            for seed in range(16):
+                group.start_soon(one, seed)
+        for seed in range(16):
+            _check_exact(results[seed], seed, 10)
+        assert [_num_connects(client) for client in fleet.clients] == [1, 1]
+
+
+async def test_a_multiplexed_client_must_be_entered() -> None:
+    client = RouterClient("http://127.0.0.1:9", multiplex=True)
+    with pytest.raises(InvalidRequestError, match="async with"):
+        await client.generate([1], 5)
+    await client.aclose()
