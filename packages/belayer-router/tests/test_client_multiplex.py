@@ -14,6 +14,7 @@ from typing import Any
 import anyio
 import anyio.abc
 import attrs
+import httptools
 import pytest
 from router_helpers import ADMIN_TOKEN, StartRouter
 
@@ -28,7 +29,14 @@ from belayer_router import (
     running_router,
     serving,
 )
-from belayer_router._wire import encode_cancel
+from belayer_router._wire import (
+    FrameBuffer,
+    OpenFrame,
+    decode_client_frame,
+    encode_cancel,
+    encode_finish,
+    encode_tokens,
+)
 from belayer_router.testing import expected_tokens, logprob_of, running_worker, token_at, wait_until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("http_server")]  # on both servers
@@ -314,8 +322,7 @@ async def test_a_link_error_fails_every_open_call_without_a_reconnect() -> None:
         assert {seed: error.status for seed, error in failures.items()} == dict.fromkeys(counts, 400)
         assert all("never opened" in error.message for error in failures.values())
         assert _num_connects(client) == 1  # no reconnect
-        for seed in counts:
-            await wait_until(lambda seed=seed: not app.journal.records[f"e{seed}"].in_flight, 60)
+        await wait_until(lambda: not any(app.journal.records[f"e{seed}"].in_flight for seed in counts), 60)
         # The next call opens a new link.
         _check_exact(await _events(client, 10, seed=4), 4, 10)
         assert _num_connects(client) == 2
@@ -385,6 +392,111 @@ async def test_a_silent_router_breaks_the_link_after_timeout_s_and_the_calls_rec
         assert caught.value.status == 503
         assert len(taken) >= 2  # it reconnected before giving up
         assert _num_connects(client) == len(taken)
+
+
+@asynccontextmanager
+async def fake_link_router(answer: Callable[[list[OpenFrame]], bytes]) -> AsyncIterator[str]:
+    """Stands in for a router whose frames the client must take apart (the real one's batching
+    is not deterministic): it reads two OPENs, then sends the response ``answer(opens)`` (chunked
+    as one body chunk) in 7-byte pieces, so HTTP chunks and frames arrive cut anywhere."""
+
+    async def serve(client: anyio.abc.SocketStream) -> None:
+        body = FrameBuffer()
+        opens: list[OpenFrame] = []
+
+        class Request:
+            def on_body(self, data: bytes) -> None:
+                for kind, payload in body.feed(data):
+                    frame = decode_client_frame(kind, payload)
+                    if isinstance(frame, OpenFrame):
+                        opens.append(frame)
+
+        parser = httptools.HttpRequestParser(Request())
+        async with client:
+            while len(opens) < 2:
+                parser.feed_data(await client.receive())
+            payload = answer(opens)
+            data = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+            data += b"%x\r\n%b\r\n" % (len(payload), payload)
+            for start in range(0, len(data), 7):
+                await client.send(data[start : start + 7])
+                await anyio.sleep(0.001)
+            with suppress(anyio.BrokenResourceError, anyio.EndOfStream):
+                async for _ in client:
+                    pass
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    async with listener, anyio.create_task_group() as group:
+        group.start_soon(listener.serve, serve)
+        try:
+            yield f"http://127.0.0.1:{listener.extra(anyio.abc.SocketAttribute.local_port)}"
+        finally:
+            group.cancel_scope.cancel()
+
+
+def _finish(frame: OpenFrame, num_tokens: int) -> bytes:
+    payload = {
+        "request_id": frame.body["request_id"],
+        "finish_reason": "length",
+        "num_prompt_tokens": 1,
+        "num_generated_tokens": num_tokens,
+        "num_resumes": 0,
+    }
+    return encode_finish(frame.handle, payload)
+
+
+def _interleaved(opens: list[OpenFrame]) -> bytes:
+    a, b = sorted(opens, key=lambda frame: frame.body["seed"])
+    return b"".join(
+        [
+            # One request in two entries of one frame, and a FINISH in the same chunk as tokens.
+            encode_tokens([(a.handle, 0, [10, 11], [-1.0, -1.5]), (b.handle, 0, [20], [-2.0])]),
+            encode_tokens([(a.handle, 2, [12], [-0.25]), (b.handle, 1, [21, 22], [-3.0, -3.5])]),
+            _finish(a, 3),
+            encode_tokens([(b.handle, 3, [23], [-4.0])]),
+            _finish(b, 4),
+        ]
+    )
+
+
+async def test_frames_cut_anywhere_and_a_request_in_several_entries_arrive_in_order() -> None:
+    async with fake_link_router(_interleaved) as url, RouterClient(url, multiplex=True) as client:
+        results: dict[int, Events] = {}
+
+        async def one(seed: int) -> None:
+            results[seed] = await _events(client, 4, seed=seed, request_id=f"q{seed}")
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(one, 1)
+            group.start_soon(one, 2)
+    assert results[1][:-1] == [TokenEvent(0, 10, -1.0), TokenEvent(1, 11, -1.5), TokenEvent(2, 12, -0.25)]
+    assert results[1][-1] == FinishEvent("q1", "length", 1, 3, 0)
+    assert [(e.index, e.token_id) for e in results[2] if isinstance(e, TokenEvent)] == [
+        (0, 20),
+        (1, 21),
+        (2, 22),
+        (3, 23),
+    ]
+
+
+async def test_a_malformed_router_frame_fails_every_open_call() -> None:
+    def bad(opens: list[OpenFrame]) -> bytes:
+        return encode_tokens([(opens[0].handle, 0, [1], [-1.0])]) + b"\x01\x00\x00\x00\x63"  # kind 99
+
+    async with fake_link_router(bad) as url, RouterClient(url, multiplex=True) as client:
+        failures: list[RouterClientError] = []
+
+        async def one(seed: int) -> None:
+            with pytest.raises(RouterClientError) as caught:
+                await client.generate([1], 4, seed=seed)
+            failures.append(caught.value)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(one, 1)
+            group.start_soon(one, 2)
+    assert [error.status for error in failures] == [502, 502]
+    assert all("malformed client link" in error.message for error in failures)
+    assert _num_connects(client) == 1  # no reconnect
 
 
 async def test_closing_the_client_fails_its_open_calls_clearly() -> None:
