@@ -251,6 +251,8 @@ class LinkTestClient:
         self.after_last: list[int] = []  # handles that got a frame after their last frame
         self.ended = anyio.Event()  # the response ended (or the connection closed)
         self.changed = anyio.Event()
+        self.reading = anyio.Event()  # cleared: the client stops reading (back-pressure on the router)
+        self.reading.set()
         self._body: list[bytes] = []
         self._complete = False
 
@@ -301,6 +303,7 @@ class LinkTestClient:
         buffer = FrameBuffer()
         try:
             while not self._complete:
+                await self.reading.wait()
                 try:
                     data = await self.stream.receive()
                 except (anyio.EndOfStream, anyio.BrokenResourceError):
@@ -544,7 +547,10 @@ async def test_a_bad_frame_is_a_link_error_that_closes_the_link(case: str, bad: 
 
 
 @pytest.mark.usefixtures("http_server")
-async def test_a_disconnect_releases_the_requests_and_a_new_link_resumes_them_exactly() -> None:
+@pytest.mark.parametrize("body_closed", [False, True], ids=["body open", "body closed"])
+async def test_a_disconnect_releases_the_requests_and_a_new_link_resumes_them_exactly(
+    body_closed: bool,
+) -> None:
     async with (
         running_worker(1, link=True, token_delay_s=0.01) as (url, worker),
         running_worker(1, token_delay_s=0.01) as (plain_url, _plain),
@@ -556,10 +562,13 @@ async def test_a_disconnect_releases_the_requests_and_a_new_link_resumes_them_ex
         async with LinkTestClient.connect(router_url) as link:
             for handle, body in bodies.items():
                 await link.open(handle, body)
+            if body_closed:  # no more OPENs, then gone before the requests finish
+                await link.close_body()
             await link.until(lambda: all(len(link.tokens[h]) >= 3 for h in bodies))
             received = {h: link.token_ids(h) for h in bodies}  # then the client is gone
         await wait_until(lambda: all(not app.journal.records[f"d{h}"].in_flight for h in bodies), 60)
         await wait_until(lambda: app.metrics.num_client_links == 0, 60)
+        assert all(app.journal.records[f"d{h}"].finish_reason is None for h in bodies)
         async with LinkTestClient.connect(router_url) as link:
             for handle, body in bodies.items():
                 await link.open(handle, {**body, "num_received_tokens": len(received[handle])})
@@ -571,6 +580,78 @@ async def test_a_disconnect_releases_the_requests_and_a_new_link_resumes_them_ex
             assert received[handle] + link.token_ids(handle) == expected_tokens(handle, 60), handle
             assert link.finishes[handle]["num_generated_tokens"] == 60
         assert worker.num_aborts >= 1
+
+
+@pytest.mark.usefixtures("http_server")
+async def test_a_client_that_stops_reading_gets_every_token_in_order_later() -> None:
+    async with (
+        running_worker(1, link=True, frame_tokens=8) as (url, worker),
+        running_router(RouterConfig(admin_token=ADMIN_TOKEN)) as (router_url, _app),
+        RouterClient(router_url, admin_token=ADMIN_TOKEN) as client,
+        LinkTestClient.connect(router_url) as link,
+    ):
+        await client.register("s", url, 1, link=True)
+        link.reading = anyio.Event()  # not reading
+        await link.send(*(encode_open(h, orjson.dumps(_body(h, 1000))) for h in range(64)))
+        await link.close_body()
+        await wait_until(lambda: worker.num_tokens_sent == 64 * 1000, 120)
+        link.reading.set()
+        with anyio.fail_after(120):
+            await link.ended.wait()
+        assert link.after_last == []
+        for handle in range(64):
+            assert link.token_ids(handle) == expected_tokens(handle, 1000), handle
+            assert link.finishes[handle]["num_generated_tokens"] == 1000
+
+
+async def test_writes_the_belayer_server_refuses_go_out_through_the_writer_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The belayer server refuses a direct write under back-pressure (`belayer.write` returns
+    False; forced here for every third write, and the server's ``send`` made to wait as a drain
+    does): what it refused is sent by the link's writer task, and nothing written directly
+    overtakes it."""
+    from belayer_router import _http
+
+    write = _http._Cycle.write
+    refused: list[int] = []
+    calls = 0
+
+    def refusing(self: _http._Cycle, body: bytes) -> bool:
+        nonlocal calls
+        if self.scope["path"] == CLIENT_LINK_PATH:
+            calls += 1
+            if calls % 3 == 0:
+                refused.append(len(body))
+                return False
+        return write(self, body)
+
+    send = _http._Cycle.send
+
+    async def slow_send(self: _http._Cycle, message: dict[str, Any]) -> None:
+        if self.scope["path"] == CLIENT_LINK_PATH and message.get("more_body") and message.get("body"):
+            await anyio.sleep(0.005)  # as a send waiting for the client to drain its buffer
+        await send(self, message)
+
+    monkeypatch.setattr(_http._Cycle, "write", refusing)
+    monkeypatch.setattr(_http._Cycle, "send", slow_send)
+    monkeypatch.setenv("BELAYER_ROUTER_SERVER", "belayer")
+    async with (
+        running_worker(1, link=True, token_delay_s=0.001) as (url, _worker),
+        running_router(RouterConfig(admin_token=ADMIN_TOKEN)) as (router_url, _app),
+        RouterClient(router_url, admin_token=ADMIN_TOKEN) as client,
+        LinkTestClient.connect(router_url) as link,
+    ):
+        await client.register("s", url, 1, link=True)
+        await link.send(*(encode_open(h, orjson.dumps(_body(h, 200))) for h in range(32)))
+        await link.close_body()
+        with anyio.fail_after(120):
+            await link.ended.wait()
+        assert refused  # the writer task sent what was refused
+        assert link.after_last == []
+        for handle in range(32):
+            assert link.token_ids(handle) == expected_tokens(handle, 200), handle
+            assert link.finishes[handle]["num_generated_tokens"] == 200
 
 
 def test_a_turn_over_the_frame_limit_goes_out_as_several_tokens_frames(
