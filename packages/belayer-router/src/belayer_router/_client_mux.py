@@ -192,8 +192,8 @@ class ClientMux:
         self.num_connects = 0  # links opened (tests and metrics read it)
         self._group: anyio.abc.TaskGroup | None = None
         self._lock = anyio.Lock()
-        self._attempts = 0
-        self._last_error: OSError | None = None
+        self._last_error: OSError | None = None  # of the last connect, if it failed
+        self._failed_at = -math.inf
         self._closed = False
 
     async def __aenter__(self) -> ClientMux:
@@ -236,16 +236,16 @@ class ClientMux:
                 "RouterClient(multiplex=True) must be entered before use: "
                 "`async with RouterClient(url, multiplex=True) as client:` (its link reader runs there)",
             )
-        attempts = self._attempts
         async with self._lock:
             conn = self.conn
             if conn is not None and not conn.broken:
                 return conn
             if self._closed:
                 raise self._closed_error()
-            if self._attempts != attempts and self._last_error is not None:
-                raise self._last_error  # a connect tried while this call waited failed: not again now
-            self._attempts += 1
+            error = self._last_error
+            if error is not None and anyio.current_time() - self._failed_at < _RETRY_S:
+                # Every open call retries: one connect per retry interval for all of them.
+                raise ConnectionError(f"connecting to the router at {self.url} failed: {error!r}")
             try:
                 with anyio.fail_after(self.connect_timeout_s):
                     stream = await anyio.connect_tcp(self.host, self.port)
@@ -255,14 +255,13 @@ class ClientMux:
                     with anyio.CancelScope(shield=True):
                         await stream.aclose()
                     raise
-            except OSError as error:  # TimeoutError is one
-                self._last_error = error
+            except OSError as exc:  # TimeoutError is one
+                self._last_error, self._failed_at = exc, anyio.current_time()
                 raise
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError) as error:
-                self._last_error = ConnectionError(
-                    f"the router at {self.url} dropped the connection: {error!r}"
-                )
-                raise self._last_error from error
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+                dropped = ConnectionError(f"the router at {self.url} dropped the connection: {exc!r}")
+                self._last_error, self._failed_at = dropped, anyio.current_time()
+                raise dropped from exc
             self._last_error = None
             if self._closed:  # closed while connecting
                 with anyio.CancelScope(shield=True):
