@@ -268,7 +268,7 @@ async def test_a_router_restart_mid_stream_finishes_every_open_call_exactly(
         RouterClient(url, admin_token=ADMIN_TOKEN, reconnect_timeout_s=60, multiplex=True) as client,
     ):
         await client.register("s", worker_url, 1, link=True)
-        counts = dict.fromkeys(range(8), 0)
+        counts = dict.fromkeys(range(32), 0)
         results: dict[int, Events] = {}
 
         async def one(seed: int) -> None:
