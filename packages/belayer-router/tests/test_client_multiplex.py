@@ -123,7 +123,7 @@ async def test_many_streams_share_one_connection_and_equal_the_http_path() -> No
     async with (
         running_worker(1, link=True, token_delay_s=0.002) as (link_url, _link_worker),
         running_worker(1, token_delay_s=0.002, frame_tokens=3) as (plain_url, _plain_worker),
-        running_router(RouterConfig(admin_token=ADMIN_TOKEN)) as (router_url, _app),
+        running_router(RouterConfig(admin_token=ADMIN_TOKEN)) as (router_url, app),
         counting_proxy(router_url) as proxy,
         RouterClient(router_url, admin_token=ADMIN_TOKEN) as http,
         RouterClient(proxy.url, multiplex=True) as mux,
@@ -143,6 +143,7 @@ async def test_many_streams_share_one_connection_and_equal_the_http_path() -> No
             _check_exact(results["mux", seed], seed, 30)
             assert _without_id(results["mux", seed]) == _without_id(results["http", seed])
         assert proxy.num_connections == 1
+        assert app.metrics.num_client_links == 1  # the router's view: one link, still open
         assert _num_connects(mux) == 1
 
 
