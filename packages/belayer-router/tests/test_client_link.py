@@ -7,10 +7,12 @@ with real `FakeWorker` workers, driven by `LinkTestClient`: a raw-socket client 
 from __future__ import annotations
 
 import random
+import signal
 import struct
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -20,9 +22,9 @@ import httptools
 import httpx
 import orjson
 import pytest
-from router_helpers import ADMIN_TOKEN
+from router_helpers import ADMIN_TOKEN, StartRouter
 
-from belayer_router import LinkProtocolError, RouterClient, RouterConfig, running_router
+from belayer_router import ExitCode, LinkProtocolError, RouterClient, RouterConfig, running_router
 from belayer_router._wire import (
     CANCEL,
     CLIENT_LINK_PATH,
@@ -674,3 +676,48 @@ def test_a_turn_over_the_frame_limit_goes_out_as_several_tokens_frames(
         for handle, first, count in zip(frame.handles, frame.firsts, frame.counts, strict=True)
     ]
     assert got == [(h, h * 10, h % 4 + 1) for h in range(9)]
+
+
+async def test_a_router_stopped_with_open_links_exits_cleanly_and_a_restart_resumes_them(
+    tmp_path: Path, router_process: StartRouter, http_server: str
+) -> None:
+    """SIGTERM with a client link open: exit code 130 (and on the belayer server no traceback:
+    uvicorn logs the cancellation of any stream still open after its 1 s graceful shutdown, a
+    ``/generate`` stream's too); the journal keeps the requests, and a router restarted on it
+    resumes them on a new link with exact tokens."""
+    journal = tmp_path / "router.jsonl"
+    process, url = await router_process(journal)
+    async with (
+        running_worker(1, link=True, token_delay_s=0.02) as (worker_url, _worker),
+        RouterClient(url, admin_token=ADMIN_TOKEN) as client,
+    ):
+        await client.register("s", worker_url, 1, link=True)
+        bodies = {h: _body(h, 80, request_id=f"t{h}") for h in range(4)}
+        async with LinkTestClient.connect(url) as link:
+            for handle, body in bodies.items():
+                await link.open(handle, body)
+            await link.until(lambda: all(len(link.tokens[h]) >= 2 for h in bodies))
+            received = {h: link.token_ids(h) for h in bodies}
+            process.send_signal(signal.SIGTERM)
+            with anyio.fail_after(60):
+                assert await process.wait() == ExitCode.INTERRUPTED
+        assert process.stderr is not None
+        stderr = b""
+        with anyio.fail_after(60):
+            while True:
+                try:
+                    stderr += await process.stderr.receive()
+                except (anyio.EndOfStream, anyio.ClosedResourceError):
+                    break
+        if http_server == "belayer":
+            assert b"Traceback" not in stderr, stderr.decode(errors="replace")
+        _process, url = await router_process(journal, port=int(url.rsplit(":", 1)[1]))
+        async with LinkTestClient.connect(url) as link:
+            for handle, body in bodies.items():
+                await link.open(handle, {**body, "num_received_tokens": len(received[handle])})
+            await link.close_body()
+            with anyio.fail_after(120):
+                await link.ended.wait()
+        for handle in bodies:
+            assert received[handle] + link.token_ids(handle) == expected_tokens(handle, 80), handle
+            assert link.finishes[handle]["num_resumes"] >= 1
