@@ -41,3 +41,20 @@ def test_debug_adds_the_traceback() -> None:
     assert result.returncode == ExitCode.USAGE
     assert "Traceback" in result.stderr
     assert "belayer-router: error:" in result.stderr
+
+
+def test_serve_tunes_the_garbage_collector_of_its_own_process_only() -> None:
+    # In a child process: `_tune_gc` freezes what start-up allocated and raises the youngest
+    # generation's threshold (a full collection paused every stream of a 1 024-stream router).
+    code = (
+        "import gc\n"
+        "from belayer_router import _cli\n"
+        "before = gc.get_threshold()\n"
+        "_cli._tune_gc()\n"
+        "print(before[0], gc.get_threshold()[0], gc.get_freeze_count() > 1000)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    default, tuned, frozen = result.stdout.split()
+    assert int(default) < int(tuned) == 50_000
+    assert frozen == "True"

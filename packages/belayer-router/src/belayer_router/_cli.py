@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import gc
 import json
 import os
 import sys
@@ -108,6 +109,23 @@ def _use_uvloop(choice: str) -> bool:
     return True
 
 
+def _tune_gc() -> None:
+    """Keep the cyclic garbage collector from pausing every stream of a busy router.
+
+    With 1 024 streams the router holds tens of thousands of live objects, and the containers
+    alive across an await at each young collection (a step's entries, pending writes) were
+    promoted to the oldest generation many times a second: full collections ran about once a
+    second, each pausing every stream for up to 100 ms (7 in a 7 s run; with this tuning one, of
+    36 ms: session 9, measured with ``gc.callbacks`` on a loaded machine).
+    So, for the ``serve`` process only: what start-up allocated (modules, the app) is frozen out
+    of the collections, and the youngest generation is collected after 50 000 net container
+    allocations instead of 700 (cycles are still collected, later; memory stays bounded).
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 10)
+
+
 def _serve(args: argparse.Namespace) -> ExitCode:
     try:
         config = RouterConfig(
@@ -135,6 +153,7 @@ def _serve(args: argparse.Namespace) -> ExitCode:
         print(json.dumps({"url": f"http://{host}:{port}"}), flush=True)
     else:
         print(f"belayer-router listening on http://{host}:{port}", file=sys.stderr, flush=True)
+    _tune_gc()
     anyio.run(serve_asgi, app, sock, args.log_level, args.server, backend_options={"use_uvloop": use_uvloop})
     return ExitCode.INTERRUPTED  # the server returns only after Ctrl-C / SIGTERM, shut down cleanly
 
