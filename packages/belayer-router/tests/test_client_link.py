@@ -490,7 +490,7 @@ async def test_per_request_errors_are_error_frames_and_the_link_goes_on() -> Non
         assert {h: e.status for h, e in link.errors.items()} == {0: 400, 1: 400, 2: 400, 3: 400, 4: 503}
         assert "prompt_token_ids" in link.errors[0].message
         assert "max_prompt_tokens" in link.errors[1].message
-        assert "records" not in link.errors[4].message
+        assert "no healthy worker" in link.errors[4].message
         async with (
             running_worker(1, link=True) as (url, _worker),
             RouterClient(router_url, admin_token=ADMIN_TOKEN) as client,
@@ -499,6 +499,13 @@ async def test_per_request_errors_are_error_frames_and_the_link_goes_on() -> Non
             await link.open(5, _body(5, 10))  # the link goes on
             await link.until(lambda: 5 in link.finishes)
             assert link.token_ids(5) == expected_tokens(5, 10)
+            await link.open(6, _body(6, 100_000, request_id="busy"))
+            await link.until(lambda: len(link.tokens[6]) > 0)
+            await link.open(7, _body(6, 100_000, request_id="busy"))  # still in flight: 409
+            await link.until(lambda: 7 in link.errors)
+            assert link.errors[7].status == 409
+            await link.send(encode_cancel(6))
+            await wait_until(lambda: not app.journal.records["busy"].in_flight, 60)
         assert link.link_errors == []
         assert link.after_last == []
         assert not link.ended.is_set()
