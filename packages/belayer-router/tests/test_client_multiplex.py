@@ -525,6 +525,22 @@ async def test_closing_the_client_fails_its_open_calls_clearly() -> None:
         await wait_until(lambda: not app.journal.records["open"].in_flight, 60)  # the router let go
 
 
+async def test_an_error_in_the_clients_block_comes_out_as_itself() -> None:
+    async with (
+        running_worker(1, link=True) as (url, _worker),
+        running_router(RouterConfig(admin_token=ADMIN_TOKEN)) as (router_url, _app),
+    ):
+
+        async def use_then_fail() -> None:
+            async with RouterClient(router_url, admin_token=ADMIN_TOKEN, multiplex=True) as client:
+                await client.register("s", url, 1, link=True)
+                _check_exact(await _events(client, 5, seed=1), 1, 5)
+                raise LookupError("the caller's own error")
+
+        with pytest.raises(LookupError, match="the caller's own error"):  # not in an ExceptionGroup
+            await use_then_fail()
+
+
 async def test_a_router_without_the_client_link_says_so() -> None:
     async def older_router(scope: dict[str, Any], receive: Any, send: Any) -> None:
         """Stands in for an older router version (outside this package's tree): no /client-link."""

@@ -205,10 +205,10 @@ class ClientMux:
     async def __aexit__(
         self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
     ) -> None:
-        await self.aclose()
+        await self.aclose()  # the link's tasks end here, so the group has nothing left to cancel
         group, self._group = self._group, None
-        if group is not None:
-            await group.__aexit__(kind, error, tb)
+        if group is not None:  # the block's own exception is not the group's: not wrapped in a group
+            await group.__aexit__(None, None, None)
 
     def _closed_error(self) -> RouterClientError:
         return RouterClientError(
