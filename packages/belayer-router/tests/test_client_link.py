@@ -24,7 +24,7 @@ import orjson
 import pytest
 from router_helpers import ADMIN_TOKEN, StartRouter
 
-from belayer_router import ExitCode, LinkProtocolError, RouterClient, RouterConfig, running_router
+from belayer_router import ExitCode, LinkProtocolError, RouterApp, RouterClient, RouterConfig, running_router
 from belayer_router._wire import (
     CANCEL,
     CLIENT_LINK_PATH,
@@ -728,3 +728,33 @@ async def test_a_router_stopped_with_open_links_exits_cleanly_and_a_restart_resu
         for handle in bodies:
             assert received[handle] + link.token_ids(handle) == expected_tokens(handle, 80), handle
             assert link.finishes[handle]["num_resumes"] >= 1
+
+
+@pytest.mark.usefixtures("http_server")
+async def test_an_unexpected_failure_of_one_request_is_its_error_500_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    run = RouterApp._run
+
+    async def failing_run(self: RouterApp, record: Any, emit: Any, num_received: int) -> None:
+        if record.request_id == "bug":
+            raise RuntimeError("a bug")
+        await run(self, record, emit, num_received)
+
+    monkeypatch.setattr(RouterApp, "_run", failing_run)
+    async with (
+        running_worker(1, link=True) as (url, _worker),
+        running_router(RouterConfig(admin_token=ADMIN_TOKEN)) as (router_url, _app),
+        RouterClient(router_url, admin_token=ADMIN_TOKEN) as client,
+        LinkTestClient.connect(router_url) as link,
+    ):
+        await client.register("s", url, 1, link=True)
+        await link.open(0, _body(0, 20, request_id="bug"))
+        await link.open(1, _body(1, 20))
+        await link.close_body()
+        with anyio.fail_after(120):
+            await link.ended.wait()
+        assert link.errors[0].status == 500
+        assert "a bug" in link.errors[0].message
+        assert link.token_ids(1) == expected_tokens(1, 20)
+        assert link.link_errors == []

@@ -17,6 +17,7 @@ task, in order.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 from itertools import chain
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = ["CONTENT_TYPE", "ClientLink"]
 
 CONTENT_TYPE = b"application/x-belayer-link"
+_log = logging.getLogger("belayer_router.client_link")
 _Entry = tuple[int, int, Sequence[int], Sequence[float]]  # handle, first index, token ids, logprobs
 # The tokens of one TOKENS frame at most (12 bytes a token, at most 12 more for its entry).
 _MAX_FRAME_TOKENS = (MAX_LINK_FRAME_BYTES - 4096) // 24
@@ -227,6 +229,9 @@ class ClientLink:
                 await self.app._run(record, emit, num_received)
         except BelayerRouterError as error:
             self._fail(emit, error)
+        except Exception as error:  # a bug: that request fails alone, not every stream of the link
+            _log.exception("request %r on a client link failed", record.request_id)
+            self._fail(emit, BelayerRouterError(f"internal error: {error!r}"))
         finally:
             self.requests.pop(emit.handle, None)
             if not self.requests:
