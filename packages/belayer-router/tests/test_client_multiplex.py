@@ -386,13 +386,15 @@ async def fake_hung_router() -> AsyncIterator[tuple[str, list[int]]]:
 async def test_a_silent_router_breaks_the_link_after_timeout_s_and_the_calls_reconnect() -> None:
     async with (
         fake_hung_router() as (url, taken),
-        RouterClient(url, timeout_s=0.3, reconnect_timeout_s=1.5, multiplex=True) as client,
+        RouterClient(url, timeout_s=0.5, reconnect_timeout_s=2.0, multiplex=True) as client,
     ):
-        with pytest.raises(RouterClientError, match="sent nothing on the client link") as caught:
+        with pytest.raises(RouterClientError, match="did not come back") as caught:
             await client.generate([1], 5, seed=1)
         assert caught.value.status == 503
-        assert len(taken) >= 2  # it reconnected before giving up
-        assert _num_connects(client) == len(taken)
+        # Connected, silent for timeout_s, broken, connected again: only a read timeout does that.
+        # (On a loaded machine a connect may time out too: the fake may count one more.)
+        assert _num_connects(client) >= 2
+        assert len(taken) >= _num_connects(client)
 
 
 @asynccontextmanager
