@@ -82,7 +82,8 @@ async def serve_asgi(
     a request head not complete within `HEAD_TIMEOUT_S` (30 s) with a 408.
     """
     if choose_server(server) == "uvicorn":
-        uvicorn_server = _uvicorn(app, log_level, keep_alive_s)
+        cutter = _Cutter(app)
+        uvicorn_server = _uvicorn(cutter, log_level, keep_alive_s)
         # Our own signal handling: uvicorn's re-raises a captured SIGTERM once it has shut down,
         # and the process would end by it instead of returning (exit code 130, the CLI contract).
         uvicorn_server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
@@ -91,6 +92,8 @@ async def serve_asgi(
             async def stop_on_signal() -> None:
                 await _until_signal()
                 uvicorn_server.should_exit = True
+                await anyio.sleep(CUT_AFTER_S)
+                cutter.cut()
 
             group.start_soon(stop_on_signal)
             await uvicorn_server.serve(sockets=[sock])
@@ -105,6 +108,55 @@ async def serve_asgi(
         finally:
             with anyio.CancelScope(shield=True):
                 await http_server.close(grace_s=1.0)
+
+
+CUT_AFTER_S = 0.7  # uvicorn cancels what still runs 1 s into its shutdown (timeout_graceful_shutdown)
+
+
+class _Cutter:
+    """uvicorn's side of a clean shutdown: the requests still running shortly before uvicorn's
+    grace period ends are cut here, each through its own cancel scope, and their responses ended
+    (a started stream gets its last, empty chunk: the client sees the stream end without a finish
+    event and resumes, as after any break; one not started gets a 503).  uvicorn itself would
+    cancel their tasks and log each one's CancelledError as an "Exception in ASGI application"
+    traceback.  The belayer server cuts its requests itself (`HttpServer.close`)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.running: set[anyio.CancelScope] = set()
+
+    def cut(self) -> None:
+        for scope in list(self.running):
+            scope.cancel()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = [False, False]  # response started, response complete
+
+        async def tracked(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                state[0] = True
+            elif not message.get("more_body", False):
+                state[1] = True
+            await send(message)
+
+        with anyio.CancelScope() as cancel:
+            self.running.add(cancel)
+            try:
+                await self.app(scope, receive, tracked)
+            finally:
+                self.running.discard(cancel)
+        if cancel.cancelled_caught and not state[1]:
+            with contextlib.suppress(Exception):  # the connection may be gone already
+                if state[0]:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                else:
+                    body = b'{"error": {"message": "the router is shutting down; retry", "status": 503}}'
+                    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+                    await send({"type": "http.response.start", "status": 503, "headers": headers})
+                    await send({"type": "http.response.body", "body": body})
 
 
 async def _until_signal() -> None:
