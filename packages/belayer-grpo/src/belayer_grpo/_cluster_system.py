@@ -236,9 +236,11 @@ class ClusterSystem:
             if own_shared:
                 shutil.rmtree(shared, ignore_errors=True)
 
-    def client(self, timeout_s: float = 600.0) -> RouterClient:
-        """A router client for rollouts (use as ``async with``)."""
-        return RouterClient(self.router_url, self.admin_token, timeout_s=timeout_s)
+    def client(self, timeout_s: float = 600.0, multiplex: bool = True) -> RouterClient:
+        """A router client for rollouts (use as ``async with``).  ``multiplex`` (default): every
+        concurrent generation travels on one client link (belayer-router's ``POST /client-link``),
+        so the router writes one frame per turn for all of them, not one write per token each."""
+        return RouterClient(self.router_url, self.admin_token, timeout_s=timeout_s, multiplex=multiplex)
 
     def events(self) -> list[dict[str, Any]]:
         """Every reachable slot's events (a lost slot's as last seen), tagged with the slot."""

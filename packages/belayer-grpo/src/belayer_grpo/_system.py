@@ -98,9 +98,11 @@ class RolloutSystem:
         """Every slot's weight server socket."""
         return [supervisor.weights_socket for supervisor in self.slots]
 
-    def client(self, timeout_s: float = 600.0) -> RouterClient:
-        """A router client for rollouts (use as ``async with``)."""
-        return RouterClient(self.router_url, self.admin_token, timeout_s=timeout_s)
+    def client(self, timeout_s: float = 600.0, multiplex: bool = True) -> RouterClient:
+        """A router client for rollouts (use as ``async with``).  ``multiplex`` (default): every
+        concurrent generation travels on one client link (belayer-router's ``POST /client-link``),
+        so the router writes one frame per turn for all of them, not one write per token each."""
+        return RouterClient(self.router_url, self.admin_token, timeout_s=timeout_s, multiplex=multiplex)
 
     def events(self) -> list[dict[str, Any]]:
         """Every slot's events, each tagged with its slot, in time order."""
