@@ -17,31 +17,34 @@ every open call, with no reconnect.
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import AsyncGenerator
 from types import TracebackType
 from typing import Any
-from urllib.parse import urlsplit
 
 import anyio
 import anyio.abc
-import attrs
 import httptools
-import orjson
 
+from belayer_router._client_calls import (
+    Broken,
+    Call,
+    Conn,
+    Fatal,
+    Item,
+    finish_event,
+    link_head,
+    status_error,
+)
 from belayer_router._errors import InvalidRequestError, LinkProtocolError, RouterClientError
 from belayer_router._link import _Response
 from belayer_router._protocol import FinishEvent, TokenEvent
 from belayer_router._wire import (
-    CLIENT_LINK_PATH,
     ErrorFrame,
     FinishFrame,
     FrameBuffer,
     LinkErrorFrame,
     TokensFrame,
     decode_router_frame,
-    encode_cancel,
-    encode_open,
 )
 
 __all__ = ["CLOSED_STATUS", "ClientMux"]
@@ -49,133 +52,6 @@ __all__ = ["CLOSED_STATUS", "ClientMux"]
 CLOSED_STATUS = 499  # the status of the error open calls get when their RouterClient closes
 _READ_BYTES = 262144
 _RETRY_S = 0.05
-
-
-@attrs.frozen
-class _Broken:
-    """The link under a call broke (retryable: the call re-OPENs on a new link)."""
-
-    error: BaseException
-
-
-_Tokens = tuple[int, list[int], list[float]]  # first index, token ids, logprobs
-_Item = _Tokens | FinishEvent | RouterClientError | _Broken
-
-
-@attrs.define(eq=False)
-class _Call:
-    """One generation: its ``/generate`` body, the tokens it received, its queue of link items."""
-
-    body: dict[str, Any]
-    items: deque[_Item] = attrs.field(factory=deque)
-    wakeup: anyio.Event | None = None  # set when an item arrives for a caller waiting on an empty queue
-    num_received: int = 0
-    handle: int = -1
-    conn: _Conn | None = None  # the link the call is open on, None between links and once done
-
-    def put(self, item: _Item) -> None:
-        """Queue ``item`` (the reader task's hand-off: no await, no checkpoint)."""
-        self.items.append(item)
-        wakeup = self.wakeup
-        if wakeup is not None:
-            self.wakeup = None
-            wakeup.set()
-
-    async def next(self) -> _Item:
-        """The next item, waiting only when none is queued."""
-        while not self.items:
-            self.wakeup = wakeup = anyio.Event()
-            await wakeup.wait()
-        return self.items.popleft()
-
-
-class _Conn:
-    """One open client link: its socket, its open calls by handle, its outgoing frames."""
-
-    def __init__(self, stream: anyio.abc.SocketStream) -> None:
-        self.stream = stream
-        self.calls: dict[int, _Call] = {}
-        self.next_handle = 0
-        self.broken = False
-        self.scope = anyio.CancelScope()
-        self.opened_at = -math.inf  # when the last OPEN was sent (the read timeout counts from it)
-        self.done = anyio.Event()
-        self.outbox, self.outgoing = anyio.create_memory_object_stream[bytes](math.inf)
-
-    def open(self, call: _Call) -> None:
-        """Send ``call`` as an OPEN with its received count (the router resumes from there)."""
-        handle = self.next_handle
-        self.next_handle += 1
-        call.handle, call.conn = handle, self
-        self.opened_at = anyio.current_time()
-        self.calls[handle] = call
-        body = orjson.dumps({**call.body, "num_received_tokens": call.num_received})
-        self.outbox.send_nowait(encode_open(handle, body))
-
-    def cancel(self, call: _Call) -> None:
-        """The caller left ``call``: CANCEL it (unless it ended or the link broke meanwhile)."""
-        call.conn = None
-        if self.calls.pop(call.handle, None) is not None and not self.broken:
-            self.outbox.send_nowait(encode_cancel(call.handle))
-
-    def end(self, handle: int, item: _Item) -> None:
-        """Hand ``item`` (a finish or an error) to the call of ``handle``: its last item here."""
-        call = self.calls.pop(handle, None)
-        if call is not None:
-            call.conn = None
-            call.put(item)
-
-
-def _head(base_url: str) -> tuple[str, int, bytes]:
-    parts = urlsplit(base_url)
-    if parts.scheme != "http" or parts.hostname is None:
-        raise InvalidRequestError(
-            f"RouterClient(multiplex=True) needs a plain http:// router URL, got {base_url!r}; "
-            "use multiplex=False for other URLs"
-        )
-    path = (parts.path.rstrip("/") or "") + CLIENT_LINK_PATH
-    head = (
-        f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/x-belayer-link\r\n"
-        "Accept: application/x-belayer-link\r\nTransfer-Encoding: chunked\r\n\r\n"
-    )
-    return parts.hostname, parts.port or 80, head.encode("ascii")
-
-
-def _status_error(url: str, status: int, body: bytes) -> RouterClientError:
-    if status == 404:
-        return RouterClientError(
-            404,
-            f"the router at {url} does not serve the client link (POST {CLIENT_LINK_PATH} answered "
-            "404): upgrade belayer-router there, or use RouterClient(multiplex=False)",
-        )
-    try:
-        message = str(orjson.loads(body)["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        message = body.decode(errors="replace")[:2000]
-    return RouterClientError(status, f"the router refused the client link: {message}")
-
-
-def _finish_event(payload: dict[str, Any]) -> FinishEvent:
-    try:
-        return FinishEvent(
-            str(payload["request_id"]),
-            str(payload["finish_reason"]),
-            int(payload["num_prompt_tokens"]),
-            int(payload["num_generated_tokens"]),
-            int(payload["num_resumes"]),
-        )
-    except (KeyError, TypeError, ValueError) as error:
-        raise LinkProtocolError(
-            f"a FINISH frame lacks the finish event's fields: {payload!r}"[:500]
-        ) from error
-
-
-class _Fatal(Exception):
-    """The link ended with an error every open call raises (no reconnect)."""
-
-    def __init__(self, error: RouterClientError) -> None:
-        super().__init__(str(error))
-        self.error = error
 
 
 class ClientMux:
@@ -186,9 +62,9 @@ class ClientMux:
 
     def __init__(self, base_url: str, connect_timeout_s: float, read_timeout_s: float) -> None:
         self.url = base_url.rstrip("/")
-        self.host, self.port, self.head = _head(self.url)
+        self.host, self.port, self.head = link_head(self.url)
         self.connect_timeout_s, self.read_timeout_s = connect_timeout_s, read_timeout_s
-        self.conn: _Conn | None = None
+        self.conn: Conn | None = None
         self.num_connects = 0  # links opened (tests and metrics read it)
         self._group: anyio.abc.TaskGroup | None = None
         self._lock = anyio.Lock()
@@ -224,7 +100,7 @@ class ClientMux:
             with anyio.CancelScope(shield=True):
                 await conn.done.wait()
 
-    async def _connection(self) -> _Conn:
+    async def _connection(self) -> Conn:
         """The open link, connecting one if there is none (one connect at a time)."""
         conn = self.conn
         if conn is not None and not conn.broken:
@@ -267,14 +143,14 @@ class ClientMux:
                 with anyio.CancelScope(shield=True):
                     await stream.aclose()
                 raise self._closed_error()
-            self.conn = conn = _Conn(stream)
+            self.conn = conn = Conn(stream)
             self.num_connects += 1
             self._group.start_soon(self._run, conn)
             return conn
 
-    async def _run(self, conn: _Conn) -> None:
+    async def _run(self, conn: Conn) -> None:
         """Write and read ``conn`` until it ends; then hand every open call its way out."""
-        failure: _Item | None = None
+        failure: Item | None = None
         try:
             with conn.scope:
                 async with anyio.create_task_group() as group:
@@ -288,28 +164,28 @@ class ClientMux:
             error: BaseException = exc
             while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
                 error = error.exceptions[0]
-            if isinstance(error, _Fatal):
+            if isinstance(error, Fatal):
                 failure = error.error
             elif isinstance(error, LinkProtocolError):
                 failure = RouterClientError(
                     502, f"the router at {self.url} sent a malformed client link: {error}"
                 )
             else:  # the link broke: the calls reconnect
-                failure = _Broken(error)
+                failure = Broken(error)
         finally:
             conn.broken = True
             conn.outbox.close()
             if self._closed:
                 failure = self._closed_error()
             elif failure is None:
-                failure = _Broken(ConnectionError(f"the router at {self.url} ended the client link"))
+                failure = Broken(ConnectionError(f"the router at {self.url} ended the client link"))
             for handle in list(conn.calls):
                 conn.end(handle, failure)
             with anyio.CancelScope(shield=True):
                 await conn.stream.aclose()
             conn.done.set()
 
-    async def _write(self, conn: _Conn) -> None:
+    async def _write(self, conn: Conn) -> None:
         async with conn.outgoing:
             async for first in conn.outgoing:
                 batch = [first]
@@ -321,7 +197,7 @@ class ClientMux:
                 data = b"".join(batch)
                 await conn.stream.send(b"%x\r\n%b\r\n" % (len(data), data))
 
-    async def _read(self, conn: _Conn) -> None:
+    async def _read(self, conn: Conn) -> None:
         response = _Response()
         parser = httptools.HttpResponseParser(response)
         frames = FrameBuffer()
@@ -344,7 +220,7 @@ class ClientMux:
                 last_read = anyio.current_time()
             except anyio.EndOfStream:
                 if status is not None and status != 200:
-                    raise _Fatal(_status_error(self.url, status, b"".join(response.body))) from None
+                    raise Fatal(status_error(self.url, status, b"".join(response.body))) from None
                 raise ConnectionError(f"the router at {self.url} closed the client link") from None
             try:
                 parser.feed_data(data)
@@ -354,7 +230,7 @@ class ClientMux:
                 status = parser.get_status_code()
             if status is not None and status != 200:
                 if response.done:
-                    raise _Fatal(_status_error(self.url, status, b"".join(response.body)))
+                    raise Fatal(status_error(self.url, status, b"".join(response.body)))
                 continue
             if response.body:
                 chunk = b"".join(response.body) if len(response.body) > 1 else response.body[0]
@@ -364,7 +240,7 @@ class ClientMux:
             if response.done:
                 return  # the router ended the link: open calls reconnect
 
-    def _frame(self, conn: _Conn, kind: int, payload: memoryview) -> None:
+    def _frame(self, conn: Conn, kind: int, payload: memoryview) -> None:
         frame = decode_router_frame(kind, payload)
         if isinstance(frame, TokensFrame):
             calls, token_ids, logprobs = conn.calls, frame.token_ids, frame.logprobs
@@ -376,11 +252,11 @@ class ClientMux:
                     call.put((first, token_ids[offset:end], logprobs[offset:end]))
                 offset = end
         elif isinstance(frame, FinishFrame):
-            conn.end(frame.handle, _finish_event(frame.payload))
+            conn.end(frame.handle, finish_event(frame.payload))
         elif isinstance(frame, ErrorFrame):
             conn.end(frame.handle, RouterClientError(frame.status, frame.message))
         elif isinstance(frame, LinkErrorFrame):
-            raise _Fatal(
+            raise Fatal(
                 RouterClientError(
                     frame.status, f"the router closed the client link (a client bug): {frame.message}"
                 )
@@ -390,15 +266,15 @@ class ClientMux:
         self, body: dict[str, Any], reconnect_timeout_s: float
     ) -> AsyncGenerator[TokenEvent | FinishEvent]:
         """One generation over the link: its `TokenEvent`s, then its `FinishEvent`."""
-        call = _Call(body)
+        call = Call(body)
         broken_since: float | None = None  # the reconnect window starts at a break
         try:
             while True:
-                item: _Item | None = None
+                item: Item | None = None
                 try:
                     (await self._connection()).open(call)
                 except OSError as exc:
-                    item = _Broken(exc)
+                    item = Broken(exc)
                 while item is None:
                     item = await call.next()
                     if isinstance(item, tuple):
@@ -428,7 +304,7 @@ class ClientMux:
                         raise item
                     cause: BaseException = item
                 else:
-                    cause = item.error if isinstance(item, _Broken) else ConnectionError("the link broke")
+                    cause = item.error if isinstance(item, Broken) else ConnectionError("the link broke")
                 if broken_since is None:
                     broken_since = now
                 if now - broken_since >= reconnect_timeout_s:

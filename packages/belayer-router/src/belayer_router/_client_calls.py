@@ -1,0 +1,147 @@
+"""The client link's pieces under `ClientMux`: one call's queue (`Call`), one open link's calls and
+outgoing frames (`Conn`), the link's request head and the errors a link's answer turns into."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any
+from urllib.parse import urlsplit
+
+import anyio
+import anyio.abc
+import attrs
+import orjson
+
+from belayer_router._errors import InvalidRequestError, LinkProtocolError, RouterClientError
+from belayer_router._protocol import FinishEvent
+from belayer_router._wire import CLIENT_LINK_PATH, encode_cancel, encode_open
+
+__all__ = ["Broken", "Call", "Conn", "Fatal", "Item", "Tokens", "finish_event", "link_head", "status_error"]
+
+
+@attrs.frozen
+class Broken:
+    """The link under a call broke (retryable: the call re-OPENs on a new link)."""
+
+    error: BaseException
+
+
+Tokens = tuple[int, list[int], list[float]]  # first index, token ids, logprobs
+Item = Tokens | FinishEvent | RouterClientError | Broken
+
+
+@attrs.define(eq=False)
+class Call:
+    """One generation: its ``/generate`` body, the tokens it received, its queue of link items."""
+
+    body: dict[str, Any]
+    items: deque[Item] = attrs.field(factory=deque)
+    wakeup: anyio.Event | None = None  # set when an item arrives for a caller waiting on an empty queue
+    num_received: int = 0
+    handle: int = -1
+    conn: Conn | None = None  # the link the call is open on, None between links and once done
+
+    def put(self, item: Item) -> None:
+        """Queue ``item`` (the reader task's hand-off: no await, no checkpoint)."""
+        self.items.append(item)
+        wakeup = self.wakeup
+        if wakeup is not None:
+            self.wakeup = None
+            wakeup.set()
+
+    async def next(self) -> Item:
+        """The next item, waiting only when none is queued."""
+        while not self.items:
+            self.wakeup = wakeup = anyio.Event()
+            await wakeup.wait()
+        return self.items.popleft()
+
+
+class Conn:
+    """One open client link: its socket, its open calls by handle, its outgoing frames."""
+
+    def __init__(self, stream: anyio.abc.SocketStream) -> None:
+        self.stream = stream
+        self.calls: dict[int, Call] = {}
+        self.next_handle = 0
+        self.broken = False
+        self.scope = anyio.CancelScope()
+        self.opened_at = -math.inf  # when the last OPEN was sent (the read timeout counts from it)
+        self.done = anyio.Event()
+        self.outbox, self.outgoing = anyio.create_memory_object_stream[bytes](math.inf)
+
+    def open(self, call: Call) -> None:
+        """Send ``call`` as an OPEN with its received count (the router resumes from there)."""
+        handle = self.next_handle
+        self.next_handle += 1
+        call.handle, call.conn = handle, self
+        self.opened_at = anyio.current_time()
+        self.calls[handle] = call
+        body = orjson.dumps({**call.body, "num_received_tokens": call.num_received})
+        self.outbox.send_nowait(encode_open(handle, body))
+
+    def cancel(self, call: Call) -> None:
+        """The caller left ``call``: CANCEL it (unless it ended or the link broke meanwhile)."""
+        call.conn = None
+        if self.calls.pop(call.handle, None) is not None and not self.broken:
+            self.outbox.send_nowait(encode_cancel(call.handle))
+
+    def end(self, handle: int, item: Item) -> None:
+        """Hand ``item`` (a finish or an error) to the call of ``handle``: its last item here."""
+        call = self.calls.pop(handle, None)
+        if call is not None:
+            call.conn = None
+            call.put(item)
+
+
+def link_head(base_url: str) -> tuple[str, int, bytes]:
+    parts = urlsplit(base_url)
+    if parts.scheme != "http" or parts.hostname is None:
+        raise InvalidRequestError(
+            f"RouterClient(multiplex=True) needs a plain http:// router URL, got {base_url!r}; "
+            "use multiplex=False for other URLs"
+        )
+    path = (parts.path.rstrip("/") or "") + CLIENT_LINK_PATH
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/x-belayer-link\r\n"
+        "Accept: application/x-belayer-link\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    return parts.hostname, parts.port or 80, head.encode("ascii")
+
+
+def status_error(url: str, status: int, body: bytes) -> RouterClientError:
+    if status == 404:
+        return RouterClientError(
+            404,
+            f"the router at {url} does not serve the client link (POST {CLIENT_LINK_PATH} answered "
+            "404): upgrade belayer-router there, or use RouterClient(multiplex=False)",
+        )
+    try:
+        message = str(orjson.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        message = body.decode(errors="replace")[:2000]
+    return RouterClientError(status, f"the router refused the client link: {message}")
+
+
+def finish_event(payload: dict[str, Any]) -> FinishEvent:
+    try:
+        return FinishEvent(
+            str(payload["request_id"]),
+            str(payload["finish_reason"]),
+            int(payload["num_prompt_tokens"]),
+            int(payload["num_generated_tokens"]),
+            int(payload["num_resumes"]),
+        )
+    except (KeyError, TypeError, ValueError) as error:
+        raise LinkProtocolError(
+            f"a FINISH frame lacks the finish event's fields: {payload!r}"[:500]
+        ) from error
+
+
+class Fatal(Exception):
+    """The link ended with an error every open call raises (no reconnect)."""
+
+    def __init__(self, error: RouterClientError) -> None:
+        super().__init__(str(error))
+        self.error = error
