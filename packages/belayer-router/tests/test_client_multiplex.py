@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.abc
@@ -29,6 +29,7 @@ from belayer_router import (
     running_router,
     serving,
 )
+from belayer_router._client_calls import Call, Conn
 from belayer_router._wire import (
     FrameBuffer,
     OpenFrame,
@@ -591,3 +592,22 @@ async def test_a_multiplexed_client_must_be_entered() -> None:
     with pytest.raises(InvalidRequestError, match="async with"):
         await client.generate([1], 5)
     await client.aclose()
+
+
+async def test_a_call_opening_as_the_links_writer_fails_reconnects_instead_of_raising() -> None:
+    """The writer closes the link's outgoing queue when its send fails (a reset) a loop turn
+    before the reader marks the link broken: a call opening in that turn got an untyped
+    `BrokenResourceError` and no reconnect; a call leaving then raised it from its CANCEL."""
+    conn = Conn(cast(Any, None))
+    await conn.outgoing.aclose()  # what the failed writer's `async with` leaves
+    call = Call({"prompt_token_ids": [1], "max_tokens": 4})
+    with pytest.raises(ConnectionError):  # an OSError: `ClientMux.stream` reconnects on it
+        conn.open(call)
+    assert conn.broken
+    assert not conn.calls
+    assert call.conn is None
+    leaving = Call({"prompt_token_ids": [2], "max_tokens": 4}, handle=7, conn=conn)
+    conn.calls[7], conn.broken = leaving, False
+    conn.cancel(leaving)  # nothing raised: the broken link cancels it anyway
+    assert not conn.calls
+    assert leaving.conn is None

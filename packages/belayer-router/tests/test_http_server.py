@@ -22,7 +22,7 @@ from router_helpers import ADMIN_TOKEN, StartRouter, exchange
 
 from belayer_router import ExitCode, RouterClient, RouterConfig, running_router, serving
 from belayer_router.asgi import Receive, Send
-from belayer_router.testing import expected_tokens, running_worker
+from belayer_router.testing import expected_tokens, running_worker, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -268,6 +268,33 @@ async def test_sigterm_stops_a_router_process_with_an_open_stream_cleanly(
     await _assert_no_traceback(process)
     ops = [json.loads(line) for line in journal.read_text().splitlines()]
     assert any(op.get("request_id") == "open" for op in ops)  # journaled, file closed whole
+
+
+@pytest.mark.parametrize("server", ["uvicorn", "belayer"])
+async def test_sigterm_with_a_client_that_stopped_reading_logs_no_traceback(
+    tmp_path: Path, router_process: StartRouter, monkeypatch: pytest.MonkeyPatch, server: str
+) -> None:
+    """A cut stream's last chunk waited for room on a connection whose client no longer reads,
+    until uvicorn cancelled it and logged a traceback; the cut now gives up on it after a moment."""
+    monkeypatch.setenv("BELAYER_ROUTER_SERVER", server)
+    process, url = await router_process(tmp_path / "router.jsonl")
+    host, port = url.removeprefix("http://").split(":")
+    async with (
+        running_worker(1) as (worker_url, worker),
+        RouterClient(url, admin_token=ADMIN_TOKEN) as client,
+    ):
+        await client.register("s", worker_url, 1)
+        body = json.dumps({"prompt_token_ids": [1], "max_tokens": 10_000_000, "seed": 1}).encode()
+        head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+        with anyio.fail_after(120):
+            async with await anyio.connect_tcp(host, int(port)) as stream:
+                await stream.send(head + body)
+                await stream.receive()  # the head and a first chunk; then this client stops reading
+                # Enough tokens for the socket buffers to be full: the router's writes wait.
+                await wait_until(lambda: worker.num_tokens_sent > 200_000, limit_s=120)
+                process.send_signal(signal.SIGTERM)
+                assert await process.wait() == ExitCode.INTERRUPTED
+    await _assert_no_traceback(process)
 
 
 @pytest.mark.parametrize("server", ["uvicorn", "belayer"])

@@ -3,6 +3,7 @@ outgoing frames (`Conn`), the link's request head and the errors a link's answer
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
 from typing import Any
@@ -79,13 +80,21 @@ class Conn:
         self.opened_at = anyio.current_time()
         self.calls[handle] = call
         body = orjson.dumps({**call.body, "num_received_tokens": call.num_received})
-        self.outbox.send_nowait(encode_open(handle, body))
+        try:
+            self.outbox.send_nowait(encode_open(handle, body))
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError) as error:
+            # The writer failed (a reset) a moment before the link was seen broken: reconnect.
+            self.calls.pop(handle, None)
+            call.conn = None
+            self.broken = True
+            raise ConnectionError("the client link broke while a request was being opened") from error
 
     def cancel(self, call: Call) -> None:
         """The caller left ``call``: CANCEL it (unless it ended or the link broke meanwhile)."""
         call.conn = None
         if self.calls.pop(call.handle, None) is not None and not self.broken:
-            self.outbox.send_nowait(encode_cancel(call.handle))
+            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                self.outbox.send_nowait(encode_cancel(call.handle))  # a broken link cancels it anyway
 
     def end(self, handle: int, item: Item) -> None:
         """Hand ``item`` (a finish or an error) to the call of ``handle``: its last item here."""

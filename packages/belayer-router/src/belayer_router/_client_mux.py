@@ -186,16 +186,19 @@ class ClientMux:
             conn.done.set()
 
     async def _write(self, conn: Conn) -> None:
-        async with conn.outgoing:
-            async for first in conn.outgoing:
-                batch = [first]
-                while True:
-                    try:
-                        batch.append(conn.outgoing.receive_nowait())
-                    except anyio.WouldBlock:
-                        break
-                data = b"".join(batch)
-                await conn.stream.send(b"%x\r\n%b\r\n" % (len(data), data))
+        try:
+            async with conn.outgoing:
+                async for first in conn.outgoing:
+                    batch = [first]
+                    while True:
+                        try:
+                            batch.append(conn.outgoing.receive_nowait())
+                        except anyio.WouldBlock:
+                            break
+                    data = b"".join(batch)
+                    await conn.stream.send(b"%x\r\n%b\r\n" % (len(data), data))
+        finally:
+            conn.broken = True  # at once: a call opening in this same turn takes a new link
 
     async def _read(self, conn: Conn) -> None:
         response = _Response()

@@ -111,6 +111,7 @@ async def serve_asgi(
 
 
 CUT_AFTER_S = 0.7  # uvicorn cancels what still runs 1 s into its shutdown (timeout_graceful_shutdown)
+CUT_SEND_S = 0.1  # how long a cut response's last chunk may wait for a client that does not read
 
 
 class _Cutter:
@@ -149,7 +150,9 @@ class _Cutter:
             finally:
                 self.running.discard(cancel)
         if cancel.cancelled_caught and not state[1]:
-            with contextlib.suppress(Exception):  # the connection may be gone already
+            # The connection may be gone already, or its client may not read (the last chunk would
+            # wait for room until uvicorn cancels it): give up after a moment, uvicorn closes it.
+            with contextlib.suppress(Exception), anyio.move_on_after(CUT_SEND_S):
                 if state[0]:
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                 else:
