@@ -22,3 +22,15 @@ async def exchange(address: tuple[str, int], data: bytes, limit_s: float = 60) -
                     received += await stream.receive()
                 except (anyio.EndOfStream, anyio.BrokenResourceError):
                     return received
+
+
+async def read_stderr(process: anyio.abc.Process, limit_s: float = 60) -> bytes:
+    """Everything ``process`` wrote to its stderr pipe (read until it closes)."""
+    assert process.stderr is not None
+    stderr = b""
+    with anyio.fail_after(limit_s):
+        while True:
+            try:
+                stderr += await process.stderr.receive()
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                return stderr

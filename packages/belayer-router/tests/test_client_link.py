@@ -22,7 +22,7 @@ import httptools
 import httpx
 import orjson
 import pytest
-from router_helpers import ADMIN_TOKEN, StartRouter
+from router_helpers import ADMIN_TOKEN, StartRouter, read_stderr
 
 from belayer_router import ExitCode, LinkProtocolError, RouterApp, RouterClient, RouterConfig, running_router
 from belayer_router._wire import (
@@ -707,14 +707,7 @@ async def test_a_router_stopped_with_open_links_exits_cleanly_and_a_restart_resu
             process.send_signal(signal.SIGTERM)
             with anyio.fail_after(60):
                 assert await process.wait() == ExitCode.INTERRUPTED
-        assert process.stderr is not None
-        stderr = b""
-        with anyio.fail_after(60):
-            while True:
-                try:
-                    stderr += await process.stderr.receive()
-                except (anyio.EndOfStream, anyio.ClosedResourceError):
-                    break
+        stderr = await read_stderr(process)
         assert b"Traceback" not in stderr, stderr.decode(errors="replace")
         _process, url = await router_process(journal, port=int(url.rsplit(":", 1)[1]))
         async with LinkTestClient.connect(url) as link:

@@ -18,7 +18,7 @@ import anyio.abc
 import anyio.lowlevel
 import httpx
 import pytest
-from router_helpers import ADMIN_TOKEN, StartRouter, exchange
+from router_helpers import ADMIN_TOKEN, StartRouter, exchange, read_stderr
 
 from belayer_router import ExitCode, RouterClient, RouterConfig, running_router, serving
 from belayer_router.asgi import Receive, Send
@@ -227,14 +227,7 @@ async def test_direct_writes_fall_back_to_send_under_back_pressure_in_order() ->
 
 
 async def _assert_no_traceback(process: anyio.abc.Process) -> None:
-    assert process.stderr is not None
-    stderr = b""
-    with anyio.fail_after(60):
-        while True:
-            try:
-                stderr += await process.stderr.receive()
-            except (anyio.EndOfStream, anyio.ClosedResourceError):
-                break
+    stderr = await read_stderr(process)
     assert b"Traceback" not in stderr, stderr.decode(errors="replace")
     assert b"CancelledError" not in stderr, stderr.decode(errors="replace")
 

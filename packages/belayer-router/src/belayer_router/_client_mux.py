@@ -45,6 +45,7 @@ from belayer_router._wire import (
     LinkErrorFrame,
     TokensFrame,
     decode_router_frame,
+    send_chunked_frames,
 )
 
 __all__ = ["CLOSED_STATUS", "ClientMux"]
@@ -187,16 +188,7 @@ class ClientMux:
 
     async def _write(self, conn: Conn) -> None:
         try:
-            async with conn.outgoing:
-                async for first in conn.outgoing:
-                    batch = [first]
-                    while True:
-                        try:
-                            batch.append(conn.outgoing.receive_nowait())
-                        except anyio.WouldBlock:
-                            break
-                    data = b"".join(batch)
-                    await conn.stream.send(b"%x\r\n%b\r\n" % (len(data), data))
+            await send_chunked_frames(conn.outgoing, conn.stream)
         finally:
             conn.broken = True  # at once: a call opening in this same turn takes a new link
 

@@ -38,6 +38,7 @@ from belayer_router._wire import (
     decode_step,
     encode_abort,
     encode_submit,
+    send_chunked_frames,
 )
 
 if TYPE_CHECKING:
@@ -168,16 +169,7 @@ class Link:
                 await self.stream.aclose()
 
     async def _write(self) -> None:
-        async with self.outgoing:
-            async for first in self.outgoing:
-                batch = [first]
-                while True:
-                    try:
-                        batch.append(self.outgoing.receive_nowait())
-                    except anyio.WouldBlock:
-                        break
-                data = b"".join(batch)
-                await self.stream.send(b"%x\r\n%b\r\n" % (len(data), data))
+        await send_chunked_frames(self.outgoing, self.stream)
 
     async def _read(self) -> None:
         response = _Response()

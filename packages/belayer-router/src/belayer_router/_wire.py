@@ -42,8 +42,11 @@ from array import array
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import anyio
+import anyio.abc
 import attrs
 import orjson
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from belayer_router._errors import LinkProtocolError
 
@@ -89,6 +92,7 @@ __all__ = [
     "encode_tokens",
     "pack_tokens",
     "read_link_frames",
+    "send_chunked_frames",
 ]
 
 LINK_PATH = "/link"
@@ -516,3 +520,20 @@ def decode_router_frame(
     if kind == LINK_ERROR:
         return LinkErrorFrame(*_status_message(payload, "a LINK_ERROR frame's payload"))
     raise LinkProtocolError(f"unknown router link frame kind {kind} ({len(payload)} bytes)")
+
+
+async def send_chunked_frames(
+    outgoing: MemoryObjectReceiveStream[bytes], stream: anyio.abc.ByteSendStream
+) -> None:
+    """Send the frames queued on ``outgoing`` as chunks of a chunked request body, everything
+    queued at a wake-up in one chunk, until ``outgoing`` is closed (both links' writer task)."""
+    async with outgoing:
+        async for first in outgoing:
+            batch = [first]
+            while True:
+                try:
+                    batch.append(outgoing.receive_nowait())
+                except anyio.WouldBlock:
+                    break
+            data = b"".join(batch)
+            await stream.send(b"%x\r\n%b\r\n" % (len(data), data))
