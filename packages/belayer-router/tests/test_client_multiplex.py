@@ -611,3 +611,138 @@ async def test_a_call_opening_as_the_links_writer_fails_reconnects_instead_of_ra
     conn.cancel(leaving)  # nothing raised: the broken link cancels it anyway
     assert not conn.calls
     assert leaving.conn is None
+
+
+@attrs.define
+class ScriptedLinkRouter:
+    """What `scripted_link_router` received: every OPEN and the handles of every CANCEL."""
+
+    url: str = ""
+    opens: list[OpenFrame] = attrs.field(factory=list)
+    cancels: list[int] = attrs.field(factory=list)
+
+
+@asynccontextmanager
+async def scripted_link_router(
+    script: Callable[[OpenFrame, int], list[tuple[float, bytes]]],
+) -> AsyncIterator[ScriptedLinkRouter]:
+    """Stands in for a router that serves one stream and keeps another stuck (no real router
+    starves one request of a live link on purpose).  For each OPEN it sends ``script(open, n)``
+    (``n``: how many OPENs of that request came before), each frame after its delay, as one
+    chunk; it records every OPEN and CANCEL."""
+    router = ScriptedLinkRouter()
+
+    async def serve(client: anyio.abc.SocketStream) -> None:
+        body = FrameBuffer()
+        lock = anyio.Lock()
+        seen: dict[str, int] = {}
+
+        async def play(frames: list[tuple[float, bytes]]) -> None:
+            for delay, frame in frames:
+                await anyio.sleep(delay)
+                async with lock:
+                    await client.send(b"%x\r\n%b\r\n" % (len(frame), frame))
+
+        async with client, anyio.create_task_group() as group:
+
+            class Request:
+                def on_body(self, data: bytes) -> None:
+                    for kind, payload in body.feed(data):
+                        frame = decode_client_frame(kind, payload)
+                        if isinstance(frame, OpenFrame):
+                            router.opens.append(frame)
+                            request_id = frame.body["request_id"]
+                            group.start_soon(play, script(frame, seen.get(request_id, 0)))
+                            seen[request_id] = seen.get(request_id, 0) + 1
+                        else:
+                            router.cancels.append(frame.handle)
+
+            parser = httptools.HttpRequestParser(Request())
+            await client.send(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            with suppress(anyio.BrokenResourceError, anyio.EndOfStream):
+                async for data in client:
+                    parser.feed_data(data)
+            group.cancel_scope.cancel()
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    async with listener, anyio.create_task_group() as group:
+        router.url = f"http://127.0.0.1:{listener.extra(anyio.abc.SocketAttribute.local_port)}"
+        group.start_soon(listener.serve, serve)
+        try:
+            yield router
+        finally:
+            group.cancel_scope.cancel()
+
+
+def _stuck_and_streaming(resume_the_stuck_one: bool) -> Callable[[OpenFrame, int], list[tuple[float, bytes]]]:
+    """Request "live" gets 30 tokens 0.05 s apart; request "stuck" gets 2 tokens, then nothing
+    (or, re-OPENed, ``resume_the_stuck_one``: its remaining 3 tokens and its FINISH)."""
+
+    def script(frame: OpenFrame, num_before: int) -> list[tuple[float, bytes]]:
+        handle, body = frame.handle, frame.body
+        received = body["num_received_tokens"]
+        if body["request_id"] == "live":
+            tokens = [(0.05, encode_tokens([(handle, i, [100 + i], [-1.0])])) for i in range(30)]
+            return [*tokens, (0.0, _finish(frame, 30))]
+        if num_before == 0:
+            return [(0.0, encode_tokens([(handle, 0, [7, 8], [-0.5, -0.5])]))]
+        if not resume_the_stuck_one:
+            return []
+        rest = encode_tokens([(handle, received, [9, 10, 11][received - 2 :], [-0.5] * (5 - received))])
+        return [(0.0, rest), (0.0, _finish(frame, 5))]
+
+    return script
+
+
+async def _live_and_stuck(client: RouterClient) -> tuple[Events, Events | RouterClientError]:
+    results: dict[str, Any] = {}
+
+    async def stuck() -> None:
+        try:
+            results["stuck"] = await _events(client, 5, request_id="stuck")
+        except RouterClientError as error:
+            results["stuck"] = error
+
+    async def live() -> None:
+        results["live"] = await _events(client, 30, request_id="live")
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(stuck)
+        group.start_soon(live)
+    return results["live"], results["stuck"]
+
+
+async def test_a_call_stuck_on_a_live_link_times_out_alone_and_resumes_on_a_new_open() -> None:
+    async with (
+        scripted_link_router(_stuck_and_streaming(resume_the_stuck_one=True)) as router,
+        RouterClient(router.url, timeout_s=0.4, reconnect_timeout_s=5.0, multiplex=True) as client,
+    ):
+        live, stuck = await _live_and_stuck(client)
+    assert [e.token_id for e in live if isinstance(e, TokenEvent)] == [100 + i for i in range(30)]
+    assert not isinstance(stuck, RouterClientError)
+    assert [(e.index, e.token_id) for e in stuck if isinstance(e, TokenEvent)] == list(
+        enumerate([7, 8, 9, 10, 11])
+    )
+    assert isinstance(stuck[-1], FinishEvent)
+    first, again = [frame for frame in router.opens if frame.body["request_id"] == "stuck"]
+    assert router.cancels == [first.handle]  # the stuck attempt was cancelled before the new OPEN
+    assert again.body["num_received_tokens"] == 2  # and resumed from what the client had
+    assert _num_connects(client) == 1  # on the same link: the live stream never noticed
+
+
+async def test_a_call_that_stays_stuck_raises_504_after_the_reconnect_window() -> None:
+    async with (
+        scripted_link_router(_stuck_and_streaming(resume_the_stuck_one=False)) as router,
+        RouterClient(router.url, timeout_s=0.3, reconnect_timeout_s=0.5, multiplex=True) as client,
+    ):
+        live, stuck = await _live_and_stuck(client)
+    assert isinstance(stuck, RouterClientError)
+    assert stuck.status == 504
+    assert "'stuck' got nothing" in stuck.message
+    assert "timeout_s" in stuck.message
+    assert [e.token_id for e in live if isinstance(e, TokenEvent)] == [100 + i for i in range(30)]
+    stuck_opens = [frame for frame in router.opens if frame.body["request_id"] == "stuck"]
+    assert len(stuck_opens) >= 2
+    assert all(frame.body["num_received_tokens"] == 2 for frame in stuck_opens[1:])
+    assert router.cancels == [frame.handle for frame in stuck_opens]  # each attempt cancelled
+    assert _num_connects(client) == 1

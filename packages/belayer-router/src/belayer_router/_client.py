@@ -49,7 +49,8 @@ class RouterClient:
     ``reconnect_timeout_s``: how long a streaming generation keeps reconnecting (with the same
     request id and the number of tokens already received) when the router itself goes away, e.g.
     while it restarts from its persisted journal; counted from the break, however long the
-    stream ran before it.  ``timeout_s``: the HTTP timeout of one call.  ``reconnect_timeout``
+    stream ran before it.  ``timeout_s``: the HTTP timeout of one call (with ``multiplex=True``,
+    also the longest a link, or one call on a live link, may go without a token).  ``reconnect_timeout``
     and ``timeout`` are the old spellings, still accepted (they win when given) until the next
     minor release.
 

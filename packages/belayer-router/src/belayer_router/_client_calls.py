@@ -18,7 +18,18 @@ from belayer_router._errors import InvalidRequestError, LinkProtocolError, Route
 from belayer_router._protocol import FinishEvent
 from belayer_router._wire import CLIENT_LINK_PATH, encode_cancel, encode_open
 
-__all__ = ["Broken", "Call", "Conn", "Fatal", "Item", "Tokens", "finish_event", "link_head", "status_error"]
+__all__ = [
+    "Broken",
+    "Call",
+    "CallTimeout",
+    "Conn",
+    "Fatal",
+    "Item",
+    "Tokens",
+    "finish_event",
+    "link_head",
+    "status_error",
+]
 
 
 @attrs.frozen
@@ -26,6 +37,10 @@ class Broken:
     """The link under a call broke (retryable: the call re-OPENs on a new link)."""
 
     error: BaseException
+
+
+class CallTimeout(TimeoutError):
+    """One call got nothing for ``timeout_s`` on a link that carried other calls (re-OPENed)."""
 
 
 Tokens = tuple[int, list[int], list[float]]  # first index, token ids, logprobs
@@ -40,12 +55,14 @@ class Call:
     items: deque[Item] = attrs.field(factory=deque)
     wakeup: anyio.Event | None = None  # set when an item arrives for a caller waiting on an empty queue
     num_received: int = 0
+    num_items: int = 0  # items queued so far (the link's watchdog reads it: a stuck call's stays put)
     handle: int = -1
     conn: Conn | None = None  # the link the call is open on, None between links and once done
 
     def put(self, item: Item) -> None:
         """Queue ``item`` (the reader task's hand-off: no await, no checkpoint)."""
         self.items.append(item)
+        self.num_items += 1
         wakeup = self.wakeup
         if wakeup is not None:
             self.wakeup = None
@@ -69,6 +86,7 @@ class Conn:
         self.broken = False
         self.scope = anyio.CancelScope()
         self.opened_at = -math.inf  # when the last OPEN was sent (the read timeout counts from it)
+        self.last_read = -math.inf  # when the router last sent anything on the link
         self.done = anyio.Event()
         self.outbox, self.outgoing = anyio.create_memory_object_stream[bytes](math.inf)
 

@@ -12,6 +12,12 @@ every open call keeps its request id and the number of tokens it received, and r
 new link with ``num_received_tokens`` set, for up to ``reconnect_timeout_s`` from the break: no
 token lost or repeated.  A ``LINK_ERROR`` (the router says the client broke the link: a bug) fails
 every open call, with no reconnect.
+
+``timeout_s`` holds per link and per call, as the HTTP path's read timeout does per stream: a link
+the router keeps silent for ``timeout_s`` while calls are open breaks (and they reconnect); a call
+that gets nothing for about ``timeout_s`` while the link carries other calls' tokens is CANCELled
+and re-OPENed on the same link, and raises `RouterClientError` 504 once that has gone on for
+``reconnect_timeout_s``.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import httptools
 from belayer_router._client_calls import (
     Broken,
     Call,
+    CallTimeout,
     Conn,
     Fatal,
     Item,
@@ -156,6 +163,7 @@ class ClientMux:
             with conn.scope:
                 async with anyio.create_task_group() as group:
                     group.start_soon(self._write, conn)
+                    group.start_soon(self._watch, conn)
                     try:
                         await self._read(conn)
                     finally:
@@ -192,12 +200,47 @@ class ClientMux:
         finally:
             conn.broken = True  # at once: a call opening in this same turn takes a new link
 
+    async def _watch(self, conn: Conn) -> None:
+        """Time out each call that gets nothing for ``read_timeout_s`` while the link is alive.
+
+        A scan every quarter of the timeout (at most every second) compares each open call's item
+        count with the last scan's: nothing per token, and a stuck call is found between
+        ``read_timeout_s`` and a quarter more.  The call is CANCELled here and told to re-OPEN.
+        """
+        timeout_s = self.read_timeout_s
+        period = min(max(timeout_s / 4, 0.005), 1.0)
+        seen: dict[int, tuple[int, float]] = {}  # handle -> (item count, when it was first seen)
+        while True:
+            await anyio.sleep(period)
+            now = anyio.current_time()
+            if now - conn.last_read >= timeout_s:
+                seen.clear()  # the whole link is silent: `_read`'s timeout breaks it
+                continue
+            for handle in [handle for handle in seen if handle not in conn.calls]:
+                del seen[handle]
+            for handle, call in list(conn.calls.items()):
+                count, since = seen.get(handle, (-1, now))
+                if count != call.num_items:
+                    seen[handle] = (call.num_items, now)
+                elif now - since >= timeout_s:
+                    del seen[handle]
+                    conn.cancel(call)
+                    call.put(
+                        Broken(
+                            CallTimeout(
+                                f"request {call.body['request_id']!r} got nothing from the router "
+                                f"at {self.url} for {timeout_s:g} s (timeout_s) while its client "
+                                "link carried other requests"
+                            )
+                        )
+                    )
+
     async def _read(self, conn: Conn) -> None:
         response = _Response()
         parser = httptools.HttpResponseParser(response)
         frames = FrameBuffer()
         status: int | None = None
-        last_read = anyio.current_time()
+        conn.last_read = anyio.current_time()
         while True:
             try:
                 with anyio.move_on_after(self.read_timeout_s) as waited:
@@ -205,14 +248,14 @@ class ClientMux:
                 if waited.cancelled_caught:  # silent for read_timeout_s: a hung router, if calls wait
                     if (
                         conn.calls
-                        and anyio.current_time() - max(last_read, conn.opened_at) >= self.read_timeout_s
+                        and anyio.current_time() - max(conn.last_read, conn.opened_at) >= self.read_timeout_s
                     ):
                         raise TimeoutError(
                             f"the router at {self.url} sent nothing on the client link for "
                             f"{self.read_timeout_s:g} s (timeout_s) while requests were open"
                         )
                     continue
-                last_read = anyio.current_time()
+                conn.last_read = anyio.current_time()
             except anyio.EndOfStream:
                 if status is not None and status != 200:
                     raise Fatal(status_error(self.url, status, b"".join(response.body))) from None
@@ -303,6 +346,12 @@ class ClientMux:
                 if broken_since is None:
                     broken_since = now
                 if now - broken_since >= reconnect_timeout_s:
+                    if isinstance(cause, CallTimeout):
+                        raise RouterClientError(
+                            504,
+                            f"{cause}; re-OPENing it did not help within reconnect_timeout_s="
+                            f"{reconnect_timeout_s:g} s",
+                        ) from cause
                     raise RouterClientError(
                         503,
                         f"the client link to {self.url} broke and did not come back within "
