@@ -29,6 +29,7 @@ MALFORMED: list[Any] = [
     {**GOOD, "token_ids": [5, -6]},
     {**GOOD, "token_ids": [5, True]},
     {**GOOD, "token_ids": [5, 6.5]},
+    {**GOOD, "token_ids": [5, 2**32]},  # beyond u32: the client link could not carry it
     {**GOOD, "token_ids": "56"},
     {**GOOD, "logprobs": [-0.1, "x"]},
     {**GOOD, "logprobs": [-0.1, None]},

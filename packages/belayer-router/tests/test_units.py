@@ -147,6 +147,7 @@ def test_worker_events_parse_and_reject_garbage() -> None:
         b'{"type":"error","epoch":1,"message":"oom"}',
         b'{"type":"token","epoch":1,"index":0,"token_id":"7","logprob":-1}',
         b'{"type":"token","epoch":1,"index":0,"token_id":7.5,"logprob":-1}',
+        b'{"type":"token","epoch":1,"index":0,"token_id":4294967296,"logprob":-1}',
         b'{"type":"token","epoch":1,"index":true,"token_id":7,"logprob":-1}',
         b'{"type":"token","epoch":"1","index":0,"token_id":7,"logprob":-1}',
         b'["token"]',

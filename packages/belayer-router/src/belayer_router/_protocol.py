@@ -37,6 +37,7 @@ __all__ = [
 
 FINISH_REASONS = ("stop", "length")
 MAX_FRAME_TOKENS = 4096  # tokens in one ``tokens`` frame
+MAX_TOKEN_ID = 2**32 - 1  # token ids travel as u32 on the links (no vocabulary comes near it)
 MAX_FRAME_BYTES = 1 << 20  # one NDJSON line from a worker
 _MAX_SEED = 2**63 - 1
 
@@ -238,8 +239,8 @@ def _frame(event: Mapping[str, Any], epoch: int) -> WorkerTokens:
             f"a tokens frame needs 1..{MAX_FRAME_TOKENS} token ids and as many logprobs, "
             f"got {len(token_ids)} and {len(logprobs)}"
         )
-    if not all(type(t) is int for t in token_ids) or min(token_ids) < 0:
-        raise ValueError("'token_ids' must be non-negative integers")
+    if not all(type(t) is int for t in token_ids) or min(token_ids) < 0 or max(token_ids) > MAX_TOKEN_ID:
+        raise ValueError(f"'token_ids' must be integers in [0, {MAX_TOKEN_ID}]")
     if not all(type(v) is float for v in logprobs):  # orjson: a JSON number with . or e is a float
         if not all(type(v) in (float, int) for v in logprobs):
             raise ValueError("'logprobs' must be numbers")
@@ -260,9 +261,10 @@ def parse_worker_event(line: bytes) -> WorkerToken | WorkerTokens | WorkerFinish
             raise WorkerStreamError(f"worker reported an error: {event.get('message')!r}")
         epoch = _event_int(event, "epoch")
         if kind == "token":
-            return WorkerToken(
-                epoch, _event_int(event, "index"), _event_int(event, "token_id"), float(event["logprob"])
-            )
+            token_id = _event_int(event, "token_id")
+            if token_id > MAX_TOKEN_ID:
+                raise ValueError(f"field 'token_id' must be at most {MAX_TOKEN_ID}, got {token_id}")
+            return WorkerToken(epoch, _event_int(event, "index"), token_id, float(event["logprob"]))
         if kind == "tokens":
             return _frame(event, epoch)
         if kind == "finish":
