@@ -6,7 +6,7 @@ on both HTTP servers.  What a multiplexed call yields must equal what the HTTP p
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any, cast
@@ -45,6 +45,18 @@ pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("http_server")]  # on b
 Events = list[TokenEvent | FinishEvent]
 
 
+@asynccontextmanager
+async def tcp_server(handler: Callable[[anyio.abc.SocketStream], Awaitable[None]]) -> AsyncIterator[str]:
+    """Serve ``handler`` per connection on a loopback port; yields the server's http:// URL."""
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    async with listener, anyio.create_task_group() as group:
+        group.start_soon(listener.serve, handler)
+        try:
+            yield f"http://127.0.0.1:{listener.extra(anyio.abc.SocketAttribute.local_port)}"
+        finally:
+            group.cancel_scope.cancel()
+
+
 @attrs.define
 class CountingProxy:
     """A TCP proxy in front of the router that counts the client connections it carries."""
@@ -75,14 +87,8 @@ async def counting_proxy(router_url: str) -> AsyncIterator[CountingProxy]:
             group.start_soon(pipe, client, upstream)
             group.start_soon(pipe, upstream, client)
 
-    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
-    async with listener, anyio.create_task_group() as group:
-        proxy.url = f"http://127.0.0.1:{listener.extra(anyio.abc.SocketAttribute.local_port)}"
-        group.start_soon(listener.serve, carry)
-        try:
-            yield proxy
-        finally:
-            group.cancel_scope.cancel()
+    async with tcp_server(carry) as proxy.url:
+        yield proxy
 
 
 async def _events(client: RouterClient | RouterFleet, max_tokens: int, **options: Any) -> Events:
@@ -375,13 +381,8 @@ async def fake_hung_router() -> AsyncIterator[tuple[str, list[int]]]:
                 async for _ in client:
                     pass
 
-    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
-    async with listener, anyio.create_task_group() as group:
-        group.start_soon(listener.serve, hang)
-        try:
-            yield f"http://127.0.0.1:{listener.extra(anyio.abc.SocketAttribute.local_port)}", taken
-        finally:
-            group.cancel_scope.cancel()
+    async with tcp_server(hang) as url:
+        yield url, taken
 
 
 async def test_a_silent_router_breaks_the_link_after_timeout_s_and_the_calls_reconnect() -> None:
@@ -429,13 +430,8 @@ async def fake_link_router(answer: Callable[[list[OpenFrame]], bytes]) -> AsyncI
                 async for _ in client:
                     pass
 
-    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
-    async with listener, anyio.create_task_group() as group:
-        group.start_soon(listener.serve, serve)
-        try:
-            yield f"http://127.0.0.1:{listener.extra(anyio.abc.SocketAttribute.local_port)}"
-        finally:
-            group.cancel_scope.cancel()
+    async with tcp_server(serve) as url:
+        yield url
 
 
 def _finish(frame: OpenFrame, num_tokens: int) -> bytes:
@@ -664,14 +660,8 @@ async def scripted_link_router(
                     parser.feed_data(data)
             group.cancel_scope.cancel()
 
-    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
-    async with listener, anyio.create_task_group() as group:
-        router.url = f"http://127.0.0.1:{listener.extra(anyio.abc.SocketAttribute.local_port)}"
-        group.start_soon(listener.serve, serve)
-        try:
-            yield router
-        finally:
-            group.cancel_scope.cancel()
+    async with tcp_server(serve) as router.url:
+        yield router
 
 
 def _stuck_and_streaming(resume_the_stuck_one: bool) -> Callable[[OpenFrame, int], list[tuple[float, bytes]]]:
