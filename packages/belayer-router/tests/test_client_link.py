@@ -88,6 +88,18 @@ def test_router_frames_round_trip() -> None:
     assert decode_router_frame(*_one(encode_link_error(400, "no"))) == LinkErrorFrame(400, "no")
 
 
+def test_error_messages_are_cut_far_below_the_frame_limit() -> None:
+    huge = repr("\x7f" * 4_000_000)  # 16 MB: whole, it would make a frame the client must refuse
+    for frame in (encode_error(3, 400, huge), encode_link_error(400, huge)):
+        kind, payload = _one(frame)
+        decoded = decode_router_frame(kind, payload)
+        assert isinstance(decoded, ErrorFrame | LinkErrorFrame)
+        assert decoded.status == 400
+        assert decoded.message.startswith(huge[:100])
+        assert len(decoded.message) < 4200
+        assert len(frame) < 6 * 4200  # at most 6 bytes a character in JSON
+
+
 def test_encode_tokens_refuses_inconsistent_entries() -> None:
     with pytest.raises(ValueError, match="logprobs"):
         encode_tokens([(0, 0, [1, 2], [0.0])])
@@ -479,32 +491,49 @@ async def test_cancel_stops_that_request_only() -> None:
 
 @pytest.mark.usefixtures("http_server")
 async def test_per_request_errors_are_error_frames_and_the_link_goes_on() -> None:
-    config = RouterConfig(admin_token=ADMIN_TOKEN, max_prompt_tokens=8, resume_wait_s=0.5)
+    config = RouterConfig(
+        admin_token=ADMIN_TOKEN, max_prompt_tokens=8, resume_wait_s=0.5, max_body_bytes=64 * 1024
+    )
     async with running_router(config) as (router_url, app), LinkTestClient.connect(router_url) as link:
         await link.open(0, {"max_tokens": 3})  # no prompt
         await link.open(1, _body(1, 3, prompt_token_ids=list(range(9))))  # over max_prompt_tokens
         await link.open(2, _body(2, 3, temperature="hot"))
         await link.open(3, _body(3, 3, num_received_tokens=2))  # a resume without its request_id
         await link.open(4, _body(4, 3, request_id="nobody"))  # no worker registered: 503
-        await link.until(lambda: len(link.errors) == 5)
-        assert {h: e.status for h, e in link.errors.items()} == {0: 400, 1: 400, 2: 400, 3: 400, 4: 503}
+        await link.open(8, _body(8, 3, prompt_token_ids=[1234567] * 10_000))  # over max_body_bytes: 413
+        await link.open(
+            9, {**_body(9, 3), "seed": "\x7f" * 30_000}
+        )  # its repr is 4x longer: a capped message
+        await link.until(lambda: len(link.errors) == 7)
+        assert {h: e.status for h, e in link.errors.items()} == {
+            0: 400,
+            1: 400,
+            2: 400,
+            3: 400,
+            4: 503,
+            8: 413,
+            9: 400,
+        }
         assert "prompt_token_ids" in link.errors[0].message
         assert "max_prompt_tokens" in link.errors[1].message
         assert "no healthy worker" in link.errors[4].message
+        assert "max_body_bytes" in link.errors[8].message
+        assert "'seed'" in link.errors[9].message
+        assert len(link.errors[9].message) < 2100
         async with (
             running_worker(1, link=True) as (url, _worker),
             RouterClient(router_url, admin_token=ADMIN_TOKEN) as client,
         ):
             await client.register("s", url, 1, link=True)
-            await link.open(5, _body(5, 10))  # the link goes on
-            await link.until(lambda: 5 in link.finishes)
-            assert link.token_ids(5) == expected_tokens(5, 10)
-            await link.open(6, _body(6, 100_000, request_id="busy"))
-            await link.until(lambda: len(link.tokens[6]) > 0)
-            await link.open(7, _body(6, 100_000, request_id="busy"))  # still in flight: 409
-            await link.until(lambda: 7 in link.errors)
-            assert link.errors[7].status == 409
-            await link.send(encode_cancel(6))
+            await link.open(10, _body(5, 10))  # the link goes on
+            await link.until(lambda: 10 in link.finishes)
+            assert link.token_ids(10) == expected_tokens(5, 10)
+            await link.open(11, _body(6, 100_000, request_id="busy"))
+            await link.until(lambda: len(link.tokens[11]) > 0)
+            await link.open(12, _body(6, 100_000, request_id="busy"))  # still in flight: 409
+            await link.until(lambda: 12 in link.errors)
+            assert link.errors[12].status == 409
+            await link.send(encode_cancel(11))
             await wait_until(lambda: not app.journal.records["busy"].in_flight, 60)
         assert link.link_errors == []
         assert link.after_last == []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, cast
 
@@ -19,6 +20,7 @@ import pytest
 from router_helpers import ADMIN_TOKEN, StartRouter
 
 from belayer_router import (
+    BelayerRouterError,
     FinishEvent,
     InvalidRequestError,
     RouterClient,
@@ -29,7 +31,7 @@ from belayer_router import (
     running_router,
     serving,
 )
-from belayer_router._client_calls import Call, Conn
+from belayer_router._client_calls import MAX_HANDLE, Call, Conn
 from belayer_router._wire import (
     FrameBuffer,
     OpenFrame,
@@ -736,3 +738,88 @@ async def test_a_call_that_stays_stuck_raises_504_after_the_reconnect_window() -
     assert all(frame.body["num_received_tokens"] == 2 for frame in stuck_opens[1:])
     assert router.cancels == [frame.handle for frame in stuck_opens]  # each attempt cancelled
     assert _num_connects(client) == 1
+
+
+async def test_a_call_the_client_cannot_send_fails_alone() -> None:
+    async with (
+        running_worker(1, link=True, token_delay_s=0.005) as (url, _worker),
+        running_router(RouterConfig(admin_token=ADMIN_TOKEN)) as (router_url, _app),
+        RouterClient(router_url, admin_token=ADMIN_TOKEN, multiplex=True) as client,
+    ):
+        await client.register("s", url, 1, link=True)
+        results: dict[int, Events] = {}
+        failures: dict[str, BelayerRouterError] = {}
+
+        async def one(seed: int) -> None:
+            results[seed] = await _events(client, 25, seed=seed)
+
+        async def bad(name: str, prompt: list[Any]) -> None:
+            with pytest.raises(BelayerRouterError) as caught:
+                await client.generate(prompt, 5, seed=1, request_id=name)
+            failures[name] = caught.value
+
+        async with anyio.create_task_group() as group:
+            for seed in range(3):
+                group.start_soon(one, seed)
+            await wait_until(lambda: len(results) > 0 or _num_connects(client) == 1)
+            group.start_soon(bad, "numpy-like", [1, Decimal(2)])  # not JSON: as numpy integers are not
+            group.start_soon(bad, "huge", [1234567] * 2_500_000)  # 20 MB: over a link frame's 16 MiB
+        assert isinstance(failures["numpy-like"], InvalidRequestError)
+        assert "tolist" in str(failures["numpy-like"])
+        assert isinstance(failures["huge"], RouterClientError)
+        assert failures["huge"].status == 413
+        for seed in range(3):
+            _check_exact(results[seed], seed, 25)
+        assert _num_connects(client) == 1  # no LINK_ERROR, no reconnect
+
+
+async def test_new_calls_do_not_keep_a_hung_routers_link_alive() -> None:
+    async with (
+        fake_hung_router() as (url, _taken),
+        RouterClient(url, timeout_s=0.5, reconnect_timeout_s=1.0, multiplex=True) as client,
+    ):
+
+        async def impatient_callers() -> None:  # a new call every 0.2 s, each given up after 0.2 s
+            while True:
+                with anyio.move_on_after(0.2):
+                    await client.generate([1], 5, seed=2)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(impatient_callers)
+            with anyio.fail_after(20), pytest.raises(RouterClientError, match="did not come back") as caught:
+                await client.generate([1], 5, seed=1)
+            group.cancel_scope.cancel()
+        assert caught.value.status == 503
+        assert _num_connects(client) >= 2  # the silent link was broken and reconnected
+
+
+async def test_a_link_that_used_up_its_handles_is_retired_after_its_last_call() -> None:
+    async with (
+        running_worker(1, link=True, token_delay_s=0.005) as (url, _worker),
+        running_router(RouterConfig(admin_token=ADMIN_TOKEN)) as (router_url, app),
+        RouterClient(router_url, admin_token=ADMIN_TOKEN, multiplex=True) as client,
+    ):
+        await client.register("s", url, 1, link=True)
+        _check_exact(await _events(client, 5, seed=0), 0, 5)
+        assert client._link is not None
+        first = client._link.conn
+        assert first is not None
+        first.next_handle = MAX_HANDLE  # the last handle this link may use
+        results: dict[int, Events] = {}
+
+        async def one(seed: int, max_tokens: int) -> None:
+            results[seed] = await _events(client, max_tokens, seed=seed)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(one, 1, 60)  # takes handle 2^32 - 1 on the first link
+            await wait_until(lambda: first.next_handle > MAX_HANDLE)
+            group.start_soon(one, 2, 10)  # no handle left: a new link
+            await wait_until(lambda: 2 in results, 60)
+            assert not first.done.is_set()  # the first link still carries its call
+        _check_exact(results[1], 1, 60)
+        _check_exact(results[2], 2, 10)
+        assert _num_connects(client) == 2
+        await wait_until(first.done.is_set)  # closed once its last call ended
+        await wait_until(lambda: app.metrics.num_client_links == 1)
+        _check_exact(await _events(client, 5, seed=3), 3, 5)  # on the second link
+        assert _num_connects(client) == 2

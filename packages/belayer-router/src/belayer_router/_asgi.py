@@ -22,6 +22,7 @@ __all__ = [
     "Receive",
     "Send",
     "Write",
+    "body_too_large",
     "direct_writer",
     "read_json",
     "send_json",
@@ -34,6 +35,14 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 Write = Callable[[bytes], bool]
 _E = TypeVar("_E")
 MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+def body_too_large(max_bytes: int) -> PayloadTooLargeError:
+    """The 413 of a request body over the router's ``max_body_bytes``."""
+    return PayloadTooLargeError(
+        f"request body exceeds the limit of {max_bytes} bytes (router option max_body_bytes); "
+        "send a smaller request"
+    )
 
 
 async def read_json(receive: Receive, max_bytes: int = MAX_BODY_BYTES) -> Any:
@@ -50,10 +59,7 @@ async def read_json(receive: Receive, max_bytes: int = MAX_BODY_BYTES) -> Any:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > max_bytes:
-            raise PayloadTooLargeError(
-                f"request body exceeds the limit of {max_bytes} bytes (router option max_body_bytes); "
-                "send a smaller request"
-            )
+            raise body_too_large(max_bytes)
         chunks.append(chunk)
         if not message.get("more_body", False):
             break

@@ -43,6 +43,8 @@ class CallTimeout(TimeoutError):
     """One call got nothing for ``timeout_s`` on a link that carried other calls (re-OPENed)."""
 
 
+MAX_HANDLE = 2**32 - 1  # handles are u32 and must increase on a link
+
 Tokens = tuple[int, list[int], list[float]]  # first index, token ids, logprobs
 Item = Tokens | FinishEvent | RouterClientError | Broken
 
@@ -83,7 +85,8 @@ class Conn:
         self.stream = stream
         self.calls: dict[int, Call] = {}
         self.next_handle = 0
-        self.broken = False
+        self.broken = False  # no new call opens here (the link failed, or is retired)
+        self.retired = False  # handles used up: closed once its last call ends
         self.scope = anyio.CancelScope()
         self.opened_at = -math.inf  # when the last OPEN was sent (the read timeout counts from it)
         self.last_read = -math.inf  # when the router last sent anything on the link
@@ -91,21 +94,29 @@ class Conn:
         self.outbox, self.outgoing = anyio.create_memory_object_stream[bytes](math.inf)
 
     def open(self, call: Call) -> None:
-        """Send ``call`` as an OPEN with its received count (the router resumes from there)."""
+        """Send ``call`` as an OPEN with its received count (the router resumes from there).
+
+        `ConnectionError` (the call reconnects) when the link broke or has used up its handles;
+        the call is registered only once its OPEN is queued, so only sent OPENs are CANCELled."""
         handle = self.next_handle
+        if handle > MAX_HANDLE:  # handles must increase: retire this link, the call takes a new one
+            self.broken = self.retired = True
+            self._close_if_retired()
+            raise ConnectionError("the client link used up its request handles; a new link opens")
+        frame = encode_open(handle, orjson.dumps({**call.body, "num_received_tokens": call.num_received}))
         self.next_handle += 1
-        call.handle, call.conn = handle, self
-        self.opened_at = anyio.current_time()
-        self.calls[handle] = call
-        body = orjson.dumps({**call.body, "num_received_tokens": call.num_received})
         try:
-            self.outbox.send_nowait(encode_open(handle, body))
+            self.outbox.send_nowait(frame)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError) as error:
             # The writer failed (a reset) a moment before the link was seen broken: reconnect.
-            self.calls.pop(handle, None)
-            call.conn = None
             self.broken = True
             raise ConnectionError("the client link broke while a request was being opened") from error
+        # The link's silence counts from its oldest OPEN not followed by any answer: a stream of
+        # new OPENs to a hung router must not keep postponing it.
+        if not self.calls or self.opened_at <= self.last_read:
+            self.opened_at = anyio.current_time()
+        call.handle, call.conn = handle, self
+        self.calls[handle] = call
 
     def cancel(self, call: Call) -> None:
         """The caller left ``call``: CANCEL it (unless it ended or the link broke meanwhile)."""
@@ -113,6 +124,7 @@ class Conn:
         if self.calls.pop(call.handle, None) is not None and not self.broken:
             with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                 self.outbox.send_nowait(encode_cancel(call.handle))  # a broken link cancels it anyway
+        self._close_if_retired()
 
     def end(self, handle: int, item: Item) -> None:
         """Hand ``item`` (a finish or an error) to the call of ``handle``: its last item here."""
@@ -120,6 +132,11 @@ class Conn:
         if call is not None:
             call.conn = None
             call.put(item)
+        self._close_if_retired()
+
+    def _close_if_retired(self) -> None:
+        if self.retired and not self.calls:
+            self.scope.cancel()  # `ClientMux._run` closes the socket
 
 
 def link_head(base_url: str) -> tuple[str, int, bytes]:

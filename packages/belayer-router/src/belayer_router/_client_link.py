@@ -26,7 +26,7 @@ import anyio
 import anyio.abc
 import attrs
 
-from belayer_router._asgi import Receive, Send, Write, direct_writer
+from belayer_router._asgi import Receive, Send, Write, body_too_large, direct_writer
 from belayer_router._errors import BelayerRouterError, LinkProtocolError
 from belayer_router._protocol import FinishEvent, TokenEvent, TokensEvent
 from belayer_router._wire import (
@@ -204,7 +204,7 @@ class ClientLink:
 
     # Requests.
 
-    def _open(self, group: anyio.abc.TaskGroup, handle: int, body: dict[str, Any]) -> None:
+    def _open(self, group: anyio.abc.TaskGroup, handle: int, body: dict[str, Any], size: int) -> None:
         if handle <= self.last_handle:
             raise LinkProtocolError(
                 f"OPEN of handle {handle} after handle {self.last_handle}: handles must increase on a link"
@@ -212,6 +212,8 @@ class ClientLink:
         self.last_handle = handle
         emit = _LinkEmit(self, handle)
         try:
+            if size > self.app.config.max_body_bytes:  # as `/generate` answers such a body
+                raise body_too_large(self.app.config.max_body_bytes)
             request = self.app.parse_generate(body)
             record = self.app._begin(request)
         except BelayerRouterError as error:
@@ -309,7 +311,7 @@ class ClientLink:
                     if isinstance(frame, CancelFrame):
                         self._cancel(frame.handle)
                     else:
-                        self._open(group, frame.handle, frame.body)
+                        self._open(group, frame.handle, frame.body, frame.size)
             if not message.get("more_body", False):
                 if buffer.pending:
                     raise LinkProtocolError(

@@ -30,6 +30,7 @@ from typing import Any
 import anyio
 import anyio.abc
 import httptools
+import orjson
 
 from belayer_router._client_calls import (
     Broken,
@@ -46,6 +47,7 @@ from belayer_router._errors import InvalidRequestError, LinkProtocolError, Route
 from belayer_router._link import _Response
 from belayer_router._protocol import FinishEvent, TokenEvent
 from belayer_router._wire import (
+    MAX_LINK_FRAME_BYTES,
     ErrorFrame,
     FinishFrame,
     FrameBuffer,
@@ -60,6 +62,7 @@ __all__ = ["CLOSED_STATUS", "ClientMux"]
 CLOSED_STATUS = 499  # the status of the error open calls get when their RouterClient closes
 _READ_BYTES = 262144
 _RETRY_S = 0.05
+_OPEN_SLACK = 64  # an OPEN frame's bytes beyond its body's JSON: header, handle, num_received_tokens
 
 
 class ClientMux:
@@ -304,6 +307,19 @@ class ClientMux:
         self, body: dict[str, Any], reconnect_timeout_s: float
     ) -> AsyncGenerator[TokenEvent | FinishEvent]:
         """One generation over the link: its `TokenEvent`s, then its `FinishEvent`."""
+        try:
+            size = len(orjson.dumps(body))
+        except TypeError as error:  # e.g. numpy integers among the token ids
+            raise InvalidRequestError(
+                f"request {body['request_id']!r} cannot be sent as JSON ({error}); pass token ids as "
+                "Python ints (for example array.tolist())"
+            ) from error
+        if size + _OPEN_SLACK > MAX_LINK_FRAME_BYTES:
+            raise RouterClientError(
+                413,
+                f"request {body['request_id']!r} is {size} bytes as JSON: over the client link's frame "
+                f"limit of {MAX_LINK_FRAME_BYTES} bytes; send a shorter prompt",
+            )
         call = Call(body)
         broken_since: float | None = None  # the reconnect window starts at a break
         try:

@@ -41,9 +41,19 @@ class ServerStartupError(BelayerRouterError):
 
 
 class InvalidRequestError(BelayerRouterError):
-    """A request body or parameter is malformed; the message names the field and what to send."""
+    """A request body or parameter is malformed; the message names the field and what to send.
+
+    The message is cut at `MAX_MESSAGE_CHARS`: it may quote the client's own value, and a
+    megabytes-long field must not come back as an even longer error.
+    """
 
     status = 400
+    MAX_MESSAGE_CHARS = 2000
+
+    def __init__(self, message: str) -> None:
+        if len(message) > self.MAX_MESSAGE_CHARS:
+            message = f"{message[: self.MAX_MESSAGE_CHARS]}... (cut; {len(message)} characters in all)"
+        super().__init__(message)
 
 
 class PayloadTooLargeError(InvalidRequestError):

@@ -306,10 +306,12 @@ async def read_link_frames(
 
 @attrs.frozen
 class OpenFrame:
-    """A decoded ``OPEN``: the client's request ``handle`` and its ``POST /generate`` body."""
+    """A decoded ``OPEN``: the client's request ``handle`` and its ``POST /generate`` body
+    (``size``: the body's length in bytes, for the router's ``max_body_bytes``)."""
 
     handle: int
     body: dict[str, Any]
+    size: int = attrs.field(default=0, eq=False)
 
 
 @attrs.frozen
@@ -448,14 +450,25 @@ def encode_finish(handle: int, payload: dict[str, Any]) -> bytes:
     return _frame(FINISH, _HANDLE.pack(handle) + orjson.dumps(payload))
 
 
+MAX_ERROR_MESSAGE_CHARS = 4096  # of an ERROR / LINK_ERROR frame's message: far below a frame's limit
+
+
+def _status_payload(status: int, message: str) -> bytes:
+    if len(message) > MAX_ERROR_MESSAGE_CHARS:
+        message = f"{message[:MAX_ERROR_MESSAGE_CHARS]}... (cut)"
+    return orjson.dumps({"status": status, "message": message})
+
+
 def encode_error(handle: int, status: int, message: str) -> bytes:
-    """An ``ERROR`` frame: request ``handle`` failed with HTTP ``status``."""
-    return _frame(ERROR, _HANDLE.pack(handle) + orjson.dumps({"status": status, "message": message}))
+    """An ``ERROR`` frame: request ``handle`` failed with HTTP ``status`` (``message`` cut at
+    `MAX_ERROR_MESSAGE_CHARS`)."""
+    return _frame(ERROR, _HANDLE.pack(handle) + _status_payload(status, message))
 
 
 def encode_link_error(status: int, message: str) -> bytes:
-    """A ``LINK_ERROR`` frame: the link is closed because of what the client sent."""
-    return _frame(LINK_ERROR, orjson.dumps({"status": status, "message": message}))
+    """A ``LINK_ERROR`` frame: the link is closed because of what the client sent (``message``
+    cut at `MAX_ERROR_MESSAGE_CHARS`)."""
+    return _frame(LINK_ERROR, _status_payload(status, message))
 
 
 def decode_tokens(payload: memoryview | bytes) -> TokensFrame:
@@ -495,7 +508,8 @@ def decode_client_frame(kind: int, payload: memoryview | bytes) -> OpenFrame | C
     malformed or of another kind.  The OPEN body is only checked to be a JSON object here."""
     if kind == OPEN:
         handle = _handle_of("OPEN", payload)
-        return OpenFrame(handle, _json_object(payload[_HANDLE.size :], "an OPEN frame's body"))
+        body = payload[_HANDLE.size :]
+        return OpenFrame(handle, _json_object(body, "an OPEN frame's body"), len(body))
     if kind == CANCEL:
         handle = _handle_of("CANCEL", payload)
         if len(payload) != _HANDLE.size:
