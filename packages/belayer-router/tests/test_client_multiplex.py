@@ -6,6 +6,7 @@ on both HTTP servers.  What a multiplexed call yields must equal what the HTTP p
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
 from decimal import Decimal
@@ -371,14 +372,17 @@ async def test_a_router_that_stays_away_fails_the_open_calls_after_the_reconnect
 
 
 @asynccontextmanager
-async def fake_hung_router() -> AsyncIterator[tuple[str, list[int]]]:
-    """Stands in for a hung router (no real one hangs on purpose): it accepts connections, reads
-    what comes and never answers.  Yields its URL and the list of connections it took."""
+async def fake_hung_router(head: bytes = b"") -> AsyncIterator[tuple[str, list[int]]]:
+    """Stands in for a hung router (no real one hangs on purpose): it accepts connections, sends
+    ``head`` (a response head, or nothing), reads what comes and sends nothing more.  Yields its
+    URL and the list of connections it took."""
     taken: list[int] = []
 
     async def hang(client: anyio.abc.SocketStream) -> None:
         taken.append(1)
         async with client:
+            if head:
+                await client.send(head)
             with suppress(anyio.BrokenResourceError, anyio.EndOfStream):
                 async for _ in client:
                     pass
@@ -811,15 +815,85 @@ async def test_a_link_that_used_up_its_handles_is_retired_after_its_last_call() 
             results[seed] = await _events(client, max_tokens, seed=seed)
 
         async with anyio.create_task_group() as group:
-            group.start_soon(one, 1, 60)  # takes handle 2^32 - 1 on the first link
+            group.start_soon(one, 1, 400)  # takes handle 2^32 - 1 on the first link
             await wait_until(lambda: first.next_handle > MAX_HANDLE)
             group.start_soon(one, 2, 10)  # no handle left: a new link
             await wait_until(lambda: 2 in results, 60)
             assert not first.done.is_set()  # the first link still carries its call
-        _check_exact(results[1], 1, 60)
+        _check_exact(results[1], 1, 400)
         _check_exact(results[2], 2, 10)
         assert _num_connects(client) == 2
         await wait_until(first.done.is_set)  # closed once its last call ended
         await wait_until(lambda: app.metrics.num_client_links == 1)
         _check_exact(await _events(client, 5, seed=3), 3, 5)  # on the second link
         assert _num_connects(client) == 2
+
+
+async def test_a_retired_link_cancels_a_call_left_early_and_closes_with_the_client() -> None:
+    async with (
+        running_worker(1, link=True, token_delay_s=0.005) as (url, _worker),
+        running_router(RouterConfig(admin_token=ADMIN_TOKEN)) as (router_url, app),
+        RouterClient(router_url, admin_token=ADMIN_TOKEN, multiplex=True) as client,
+    ):
+        await client.register("s", url, 1, link=True)
+        _check_exact(await _events(client, 5, seed=0), 0, 5)
+        assert client._link is not None
+        first = client._link.conn
+        assert first is not None
+        first.next_handle = MAX_HANDLE - 1  # two handles left
+        counts = {"a": 0, "c": 0, "b": 0}
+        failures: dict[str, int] = {}
+        left = anyio.CancelScope()
+
+        async def one(name: str, seed: int) -> None:
+            def count() -> None:
+                counts[name] += 1
+
+            try:
+                await _drain(client, seed, name, count)
+            except RouterClientError as error:
+                failures[name] = error.status
+
+        async def leaves_early() -> None:
+            with left:
+                await one("a", 1)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(leaves_early)  # handle 2^32 - 2 on the first link
+            await wait_until(lambda: counts["a"] > 0, 60)
+            group.start_soon(one, "c", 2)  # handle 2^32 - 1, the last
+            await wait_until(lambda: counts["c"] > 0, 60)
+            group.start_soon(one, "b", 3)  # a new link
+            await wait_until(lambda: counts["b"] > 0, 60)
+            assert _num_connects(client) == 2
+            left.cancel()  # the caller of "a" leaves: its CANCEL goes out on the retired link
+            await wait_until(lambda: not app.journal.records["a"].in_flight, 60)
+            assert app.journal.records["c"].in_flight  # the retired link goes on for "c"
+            assert not first.done.is_set()
+            await client.aclose()  # ends the calls of both links
+        assert failures == {"c": 499, "b": 499}
+        assert first.done.is_set()
+        await wait_until(lambda: app.metrics.num_client_links == 0, 60)
+
+
+async def test_the_response_head_and_new_calls_do_not_postpone_a_silent_links_timeout() -> None:
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"  # and then never a frame
+    async with (
+        fake_hung_router(head) as (url, _taken),
+        RouterClient(url, timeout_s=30, multiplex=True) as client,
+    ):
+        assert client._link is not None
+        link = client._link
+        began = anyio.current_time()
+        async with anyio.create_task_group() as group:
+            group.start_soon(_events, client, 5)
+            await wait_until(lambda: link.conn is not None and len(link.conn.calls) == 1)
+            conn = link.conn
+            assert conn is not None
+            await anyio.sleep(0.2)  # the head has arrived by now
+            second = anyio.current_time()
+            group.start_soon(_events, client, 5)
+            await wait_until(lambda: len(conn.calls) == 2)
+            assert began <= conn.opened_at < second  # still the first OPEN's time
+            assert conn.last_read == -math.inf  # a head is not an answer
+            group.cancel_scope.cancel()

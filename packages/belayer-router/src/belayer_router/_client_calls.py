@@ -88,8 +88,10 @@ class Conn:
         self.broken = False  # no new call opens here (the link failed, or is retired)
         self.retired = False  # handles used up: closed once its last call ends
         self.scope = anyio.CancelScope()
-        self.opened_at = -math.inf  # when the last OPEN was sent (the read timeout counts from it)
-        self.last_read = -math.inf  # when the router last sent anything on the link
+        self.opened_at = (
+            -math.inf
+        )  # the oldest OPEN since the last frames (the link's timeout counts from it)
+        self.last_read = -math.inf  # when the router last sent frames on the link
         self.done = anyio.Event()
         self.outbox, self.outgoing = anyio.create_memory_object_stream[bytes](math.inf)
 
@@ -121,7 +123,8 @@ class Conn:
     def cancel(self, call: Call) -> None:
         """The caller left ``call``: CANCEL it (unless it ended or the link broke meanwhile)."""
         call.conn = None
-        if self.calls.pop(call.handle, None) is not None and not self.broken:
+        # A retired link's writer still runs: its CANCELs go out (a broken one cancels them anyway).
+        if self.calls.pop(call.handle, None) is not None and (self.retired or not self.broken):
             with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                 self.outbox.send_nowait(encode_cancel(call.handle))  # a broken link cancels it anyway
         self._close_if_retired()

@@ -75,7 +75,8 @@ class ClientMux:
         self.url = base_url.rstrip("/")
         self.host, self.port, self.head = link_head(self.url)
         self.connect_timeout_s, self.read_timeout_s = connect_timeout_s, read_timeout_s
-        self.conn: Conn | None = None
+        self.conn: Conn | None = None  # the link new calls open on
+        self._conns: set[Conn] = set()  # every link still running (a retired one finishes its calls)
         self.num_connects = 0  # links opened (tests and metrics read it)
         self._group: anyio.abc.TaskGroup | None = None
         self._lock = anyio.Lock()
@@ -105,8 +106,7 @@ class ClientMux:
     async def aclose(self) -> None:
         """Close the link; every open call raises `RouterClientError` (status `CLOSED_STATUS`)."""
         self._closed = True
-        conn = self.conn
-        if conn is not None:
+        for conn in list(self._conns):  # the current link and any retired one still carrying calls
             conn.scope.cancel()
             with anyio.CancelScope(shield=True):
                 await conn.done.wait()
@@ -155,6 +155,7 @@ class ClientMux:
                     await stream.aclose()
                 raise self._closed_error()
             self.conn = conn = Conn(stream)
+            self._conns.add(conn)
             self.num_connects += 1
             self._group.start_soon(self._run, conn)
             return conn
@@ -195,6 +196,7 @@ class ClientMux:
                 conn.end(handle, failure)
             with anyio.CancelScope(shield=True):
                 await conn.stream.aclose()
+            self._conns.discard(conn)
             conn.done.set()
 
     async def _write(self, conn: Conn) -> None:
@@ -204,11 +206,14 @@ class ClientMux:
             conn.broken = True  # at once: a call opening in this same turn takes a new link
 
     async def _watch(self, conn: Conn) -> None:
-        """Time out each call that gets nothing for ``read_timeout_s`` while the link is alive.
+        """The link's timeouts, both checked by one scan every quarter of ``read_timeout_s`` (and
+        at least once a second), so nothing is done per token; each fires between
+        ``read_timeout_s`` and a quarter more after its start.
 
-        A scan every quarter of the timeout (at most every second) compares each open call's item
-        count with the last scan's: nothing per token, and a stuck call is found between
-        ``read_timeout_s`` and a quarter more.  The call is CANCELled here and told to re-OPEN.
+        - The link: calls open and no frame since the later of the last frame and the oldest
+          unanswered OPEN: a hung router; `TimeoutError` breaks the link and the calls reconnect.
+        - One call: its item count unchanged while the link carries other calls' frames: it is
+          CANCELled here and told to re-OPEN.
         """
         timeout_s = self.read_timeout_s
         period = min(max(timeout_s / 4, 0.005), 1.0)
@@ -217,7 +222,12 @@ class ClientMux:
             await anyio.sleep(period)
             now = anyio.current_time()
             if now - conn.last_read >= timeout_s:
-                seen.clear()  # the whole link is silent: `_read`'s timeout breaks it
+                seen.clear()
+                if conn.calls and now - max(conn.last_read, conn.opened_at) >= timeout_s:
+                    raise TimeoutError(
+                        f"the router at {self.url} sent nothing on the client link for "
+                        f"{timeout_s:g} s (timeout_s) while requests were open"
+                    )
                 continue
             for handle in [handle for handle in seen if handle not in conn.calls]:
                 del seen[handle]
@@ -243,22 +253,9 @@ class ClientMux:
         parser = httptools.HttpResponseParser(response)
         frames = FrameBuffer()
         status: int | None = None
-        conn.last_read = anyio.current_time()
         while True:
             try:
-                with anyio.move_on_after(self.read_timeout_s) as waited:
-                    data = await conn.stream.receive(_READ_BYTES)
-                if waited.cancelled_caught:  # silent for read_timeout_s: a hung router, if calls wait
-                    if (
-                        conn.calls
-                        and anyio.current_time() - max(conn.last_read, conn.opened_at) >= self.read_timeout_s
-                    ):
-                        raise TimeoutError(
-                            f"the router at {self.url} sent nothing on the client link for "
-                            f"{self.read_timeout_s:g} s (timeout_s) while requests were open"
-                        )
-                    continue
-                conn.last_read = anyio.current_time()
+                data = await conn.stream.receive(_READ_BYTES)  # `_watch` times a silent link out
             except anyio.EndOfStream:
                 if status is not None and status != 200:
                     raise Fatal(status_error(self.url, status, b"".join(response.body))) from None
@@ -273,7 +270,8 @@ class ClientMux:
                 if response.done:
                     raise Fatal(status_error(self.url, status, b"".join(response.body)))
                 continue
-            if response.body:
+            if response.body:  # frames: an answer (the response head alone is not one)
+                conn.last_read = anyio.current_time()
                 chunk = b"".join(response.body) if len(response.body) > 1 else response.body[0]
                 response.body.clear()
                 for kind, payload in frames.feed(chunk):
