@@ -18,13 +18,16 @@ TOKEN = "s3cret"
     ("body", "message"),
     [
         ({"max_tokens": 4}, "'prompt_token_ids' is required"),
-        ({"prompt_token_ids": [1], "max_tokens": 0}, "'max_tokens' must be >= 1"),
+        ({"prompt_token_ids": [1], "max_tokens": 0}, "'max_tokens' must be in [1, "),
         ({"prompt_token_ids": "hi", "max_tokens": 4}, "'prompt_token_ids' must be a list"),
         ({"prompt_token_ids": [1, -2], "max_tokens": 4}, "non-negative token ids"),
         ({"prompt_token_ids": [1], "max_tokens": 4, "top_p": 0}, "'top_p' must be in (0.0, 1.0]"),
         ({"prompt_token_ids": [1], "max_tokens": 4, "temperature": "hot"}, "'temperature' must be a finite"),
         ({"prompt_token_ids": [1], "max_tokens": 4, "turn": 1}, "'trajectory_id' and 'turn'"),
         ([1, 2], "must be a JSON object"),
+        ({"prompt_token_ids": [1, 2**64], "max_tokens": 4}, "token ids of at most 4294967295"),
+        ({"prompt_token_ids": [1], "max_tokens": 2**64}, "'max_tokens' must be in [1, 2147483647]"),
+        ({"prompt_token_ids": [1], "max_tokens": 4, "stop_token_ids": [2**32]}, "'stop_token_ids' must"),
     ],
 )
 async def test_malformed_generate_requests_get_400_with_a_clear_message(body: object, message: str) -> None:
@@ -32,6 +35,17 @@ async def test_malformed_generate_requests_get_400_with_a_clear_message(body: ob
         response = await http.post("/generate", json=body)
     assert response.status_code == 400
     assert message in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "path", ["/generate", "/v1/completions", "/v1/chat/completions", "/workers/register"]
+)
+async def test_deeply_nested_json_is_a_400_not_a_recursion_error(path: str) -> None:
+    body = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    async with running_router() as (url, _), httpx.AsyncClient(base_url=url) as http:
+        response = await http.post(path, content=body)
+    assert response.status_code == 400, response.text
+    assert "nested too deeply" in response.json()["error"]["message"]
 
 
 async def test_invalid_json_unknown_route_and_no_worker() -> None:

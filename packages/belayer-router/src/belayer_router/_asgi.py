@@ -67,6 +67,10 @@ async def read_json(receive: Receive, max_bytes: int = MAX_BODY_BYTES) -> Any:
         return json.loads(b"".join(chunks))
     except ValueError as error:
         raise InvalidRequestError(f"request body is not valid JSON: {error}") from error
+    except RecursionError:  # the decoder recurses per level: '[[[[...' is not a 500
+        raise InvalidRequestError(
+            "request body is not valid JSON for this router: nested too deeply; flatten it"
+        ) from None
 
 
 async def send_text(send: Send, status: int, text: str | bytes, content_type: str) -> None:

@@ -107,7 +107,8 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     for k, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if (
-            tool.get("type", "function") != "function"
+            not isinstance(tool, dict)
+            or tool.get("type", "function") != "function"
             or not isinstance(function, dict)
             or not isinstance(function.get("name"), str)
         ):

@@ -18,7 +18,7 @@ import attrs
 from belayer_router._choices import ChoiceText
 from belayer_router._errors import BelayerRouterError, InvalidRequestError
 from belayer_router._params import OpenAIParams, parse_openai_params
-from belayer_router._protocol import FinishEvent, GenerateRequest, TokenEvent, TokensEvent
+from belayer_router._protocol import MAX_TOKEN_ID, FinishEvent, GenerateRequest, TokenEvent, TokensEvent
 from belayer_router._tokenizer import Tokenizer
 
 __all__ = ["ChoiceEvent", "CompletionRenderer", "parse_completion_request", "sse", "usage_of"]
@@ -47,6 +47,8 @@ def _prompts(prompt: Any, tokenizer: Tokenizer | None) -> list[list[int]]:
                 )
             prompts.append(tokenizer.encode(item))
         elif _is_ids(item):
+            if any(t > MAX_TOKEN_ID for t in item):
+                raise InvalidRequestError(f"field 'prompt' holds a token id over {MAX_TOKEN_ID}")
             prompts.append(list(item))
         else:
             raise InvalidRequestError(

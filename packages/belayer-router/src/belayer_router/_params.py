@@ -16,7 +16,7 @@ import attrs
 
 from belayer_router._dispatch import new_seed
 from belayer_router._errors import InvalidRequestError
-from belayer_router._protocol import GenerateRequest, parse_generate_request
+from belayer_router._protocol import MAX_TOKENS, GenerateRequest, parse_generate_request
 
 __all__ = ["OpenAIParams", "derive_seed", "parse_openai_params", "split_choices"]
 
@@ -77,6 +77,8 @@ def _positive(body: dict[str, Any], name: str, default: int) -> int:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidRequestError(f"field {name!r} must be a positive integer, got {value!r}")
+    if value > MAX_TOKENS:  # past any context; unbounded, it would not fit the workers' wire format
+        raise InvalidRequestError(f"field {name!r} must be at most {MAX_TOKENS}, got {value}")
     return value
 
 

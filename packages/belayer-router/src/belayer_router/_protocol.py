@@ -18,6 +18,8 @@ from belayer_router._errors import InvalidRequestError, WorkerStreamError
 
 __all__ = [
     "FINISH_REASONS",
+    "MAX_TOKENS",
+    "MAX_TOKEN_ID",
     "FinishEvent",
     "GenerateRequest",
     "TokenEvent",
@@ -38,6 +40,7 @@ __all__ = [
 FINISH_REASONS = ("stop", "length")
 MAX_FRAME_TOKENS = 4096  # tokens in one ``tokens`` frame
 MAX_TOKEN_ID = 2**32 - 1  # token ids travel as u32 on the links (no vocabulary comes near it)
+MAX_TOKENS = 2**31 - 1  # max_tokens and token counts: far past any context, well inside orjson's i64
 MAX_FRAME_BYTES = 1 << 20  # one NDJSON line from a worker
 _MAX_SEED = 2**63 - 1
 
@@ -147,6 +150,8 @@ def _token_ids(name: str, value: Any, *, allow_empty: bool) -> tuple[int, ...]:
         raise InvalidRequestError(f"field {name!r} must be a list of integer token ids")
     if any(t < 0 for t in value):
         raise InvalidRequestError(f"field {name!r} must hold non-negative token ids")
+    if any(t > MAX_TOKEN_ID for t in value):
+        raise InvalidRequestError(f"field {name!r} must hold token ids of at most {MAX_TOKEN_ID}")
     if not value and not allow_empty:
         raise InvalidRequestError(f"field {name!r} must not be empty")
     return tuple(value)
@@ -178,15 +183,17 @@ def parse_generate_request(body: Any) -> GenerateRequest:
         raise InvalidRequestError(f"field 'frames' must be true or false, got {frames!r}")
     request = GenerateRequest(
         prompt_token_ids=_token_ids("prompt_token_ids", body["prompt_token_ids"], allow_empty=False),
-        max_tokens=_int("max_tokens", body["max_tokens"], minimum=1),
+        max_tokens=_int("max_tokens", body["max_tokens"], minimum=1, maximum=MAX_TOKENS),
         temperature=_float("temperature", _field(body, "temperature", 1.0), low=0.0, high=100.0),
         top_p=_float("top_p", _field(body, "top_p", 1.0), low=0.0, high=1.0, low_open=True),
         seed=None if seed is None else _int("seed", seed, minimum=0, maximum=_MAX_SEED),
         stop_token_ids=_token_ids("stop_token_ids", _field(body, "stop_token_ids", []), allow_empty=True),
         request_id=_optional_str("request_id", _field(body, "request_id", None)),
         trajectory_id=_optional_str("trajectory_id", _field(body, "trajectory_id", None)),
-        turn=None if turn is None else _int("turn", turn, minimum=0),
-        num_received_tokens=_int("num_received_tokens", _field(body, "num_received_tokens", 0), minimum=0),
+        turn=None if turn is None else _int("turn", turn, minimum=0, maximum=_MAX_SEED),
+        num_received_tokens=_int(
+            "num_received_tokens", _field(body, "num_received_tokens", 0), minimum=0, maximum=MAX_TOKENS
+        ),
         stream=stream,
         frames=frames,
     )
