@@ -16,6 +16,7 @@ from ._engine import ContainerInfo, Engine
 from ._errors import (
     BelayerEnvckptError,
     CheckpointCorruptError,
+    CheckpointDurabilityError,
     CheckpointFailedError,
     CheckpointNotFoundError,
     CheckpointTooLargeError,
@@ -32,6 +33,8 @@ from ._errors import (
     OutsideGuaranteeError,
     RestoreFailedError,
     SandboxLimitError,
+    SandboxStillPausedError,
+    UnknownManifestFormatError,
     UnrestorableConnectionError,
     UnsafeArchiveError,
 )
@@ -47,6 +50,7 @@ __all__ = [
     "BelayerEnvckptError",
     "Checkpoint",
     "CheckpointCorruptError",
+    "CheckpointDurabilityError",
     "CheckpointFailedError",
     "CheckpointFault",
     "CheckpointNotFoundError",
@@ -76,6 +80,8 @@ __all__ = [
     "SandboxConfig",
     "SandboxLimitError",
     "SandboxLimits",
+    "SandboxStillPausedError",
+    "UnknownManifestFormatError",
     "UnrestorableConnectionError",
     "UnsafeArchiveError",
     "__version__",

@@ -176,6 +176,7 @@ def _ls(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     store = CheckpointStore(args.store)
     ready = [_summary(c) for c in store.list(args.trajectory)]
     leftovers = [str(p) for p in store.leftovers()]
+    unreadable = {str(p): str(why) for p, why in store.unreadable(args.trajectory)}
     if not args.json:
         for c in ready:
             print(
@@ -183,7 +184,9 @@ def _ls(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
             )
         for p in leftovers:
             print(f"leftover (not ready): {p}")
-    return {"checkpoints": ready, "leftovers": leftovers}, 0
+        for p, why in unreadable.items():
+            print(f"unreadable (skipped, gc keeps it): {p}: {why}")
+    return {"checkpoints": ready, "leftovers": leftovers, "unreadable": unreadable}, 0
 
 
 def _verify(args: argparse.Namespace) -> tuple[dict[str, Any], int]:

@@ -80,6 +80,31 @@ class CheckpointCorruptError(BelayerEnvckptError):
     """A checkpoint is partial or damaged: missing manifest or file, wrong size or checksum."""
 
 
+class UnknownManifestFormatError(CheckpointCorruptError):
+    """A checkpoint's manifest has a format (or keys) this version cannot read, most likely written by a
+    newer belayer-envckpt; `CheckpointStore.gc` never removes such a checkpoint."""
+
+
+class CheckpointDurabilityError(BelayerEnvckptError):
+    """A checkpoint was published (renamed into place, readers see it) but making that durable failed.
+
+    ``checkpoint`` is the published `Checkpoint`: it is the latest ready one now, but may not survive
+    a host crash or power loss.
+    """
+
+    def __init__(self, message: str, checkpoint: object) -> None:
+        self.checkpoint = checkpoint
+        super().__init__(message)
+
+
+class SandboxStillPausedError(BelayerEnvckptError):
+    """`full_checkpoint` published its checkpoint (``checkpoint``) but could not thaw the sandbox."""
+
+    def __init__(self, message: str, checkpoint: object) -> None:
+        self.checkpoint = checkpoint
+        super().__init__(message)
+
+
 class UnsafeArchiveError(CheckpointCorruptError):
     """A layer archive holds a member that would escape the container's root."""
 

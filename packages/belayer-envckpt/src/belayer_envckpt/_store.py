@@ -8,82 +8,44 @@ directory without the ``.partial-`` prefix is always complete: that rename is th
 from __future__ import annotations
 
 import builtins
+import contextlib
 import fcntl
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
 import attrs
 
-from ._errors import CheckpointCorruptError, CheckpointNotFoundError
+from ._errors import (
+    CheckpointCorruptError,
+    CheckpointDurabilityError,
+    CheckpointNotFoundError,
+    InvalidConfigError,
+)
 from ._fsync import fsync_path, fsync_tree, sha256_file
 from ._ids import validate_id
+from ._manifest import CRIU_DIR, FORMAT, LAYER, MANIFEST, Checkpoint, FileRecord
 
-MANIFEST = "manifest.json"
-LAYER = "layer.tar"
-CRIU_DIR = "criu"
+__all__ = [
+    "CRIU_DIR",
+    "FORMAT",
+    "LAYER",
+    "MANIFEST",
+    "PARTIAL",
+    "Checkpoint",
+    "CheckpointStore",
+    "FileRecord",
+    "record_files",
+    "verify_checkpoint",
+]
+
 PARTIAL = ".partial-"
-FORMAT = 1
+LOCK_SUFFIX = ".lock"
 # CRIU's logs of failed checkpoints: ROOT/.failed/<trajectory>/<checkpoint_id>.log.  The dot keeps
 # the area apart from trajectories (an id cannot start with one); only the newest are kept.
 FAILED = ".failed"
 MAX_FAILED_LOGS = 16
-
-
-@attrs.frozen
-class FileRecord:
-    """Size and checksum of one file of a checkpoint."""
-
-    size: int
-    sha256: str
-
-
-@attrs.frozen
-class Checkpoint:
-    """A ready checkpoint: the manifest plus where it lies."""
-
-    checkpoint_id: str
-    trajectory: str
-    prefix: int
-    context_ref: str
-    image: str
-    config: dict[str, Any]
-    container_id: str
-    created_ns: int
-    timings_ms: dict[str, float]
-    files: dict[str, FileRecord]
-    path: Path = attrs.field(eq=False)
-
-    @property
-    def total_bytes(self) -> int:
-        """Bytes of the layer archive and CRIU images together."""
-        return sum(f.size for f in self.files.values())
-
-    def to_manifest(self) -> dict[str, Any]:
-        """The JSON form written to manifest.json."""
-        data = attrs.asdict(self, filter=lambda a, _v: a.name != "path")
-        data["format"] = FORMAT
-        return data
-
-    @classmethod
-    def load(cls, path: Path) -> Checkpoint:
-        """Read ``path/manifest.json``; a missing or malformed one raises `CheckpointCorruptError`."""
-        try:
-            data = json.loads((path / MANIFEST).read_text())
-            if data.pop("format", None) != FORMAT:
-                raise ValueError(f"unknown manifest format (expected {FORMAT})")
-            data["files"] = {k: FileRecord(**v) for k, v in data["files"].items()}
-            return cls(path=path, **data)
-        except FileNotFoundError as exc:
-            raise CheckpointCorruptError(
-                f"checkpoint {path} has no manifest: it is partial; remove it with `belayer-envckpt gc`"
-            ) from exc
-        except (ValueError, TypeError, KeyError) as exc:
-            raise CheckpointCorruptError(
-                f"checkpoint {path} has a malformed manifest ({exc}); remove it with `belayer-envckpt gc`"
-            ) from exc
 
 
 def record_files(directory: Path) -> dict[str, FileRecord]:
@@ -119,7 +81,31 @@ def verify_checkpoint(path: Path) -> Checkpoint:
 
 
 def _lock_path(partial: Path) -> Path:
-    return partial.with_name(partial.name + ".lock")
+    return partial.with_name(partial.name + LOCK_SUFFIX)
+
+
+def _take_lock(lock: Path, *, wait: bool) -> int | None:
+    """Create (if needed) and flock ``lock``; None when another holds it and ``wait`` is False.
+
+    A lock file unlinked or replaced between the open and the flock is not the one others see:
+    open it again.  FileNotFoundError means its directory is gone.
+    """
+    while True:
+        fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            current = os.stat(lock).st_ino == os.fstat(fd).st_ino
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except FileNotFoundError:
+            current = False
+        except BaseException:
+            os.close(fd)
+            raise
+        if current:
+            return fd
+        os.close(fd)
 
 
 def _in_progress(partial: Path) -> bool:
@@ -137,6 +123,22 @@ def _in_progress(partial: Path) -> bool:
     return False
 
 
+def _remove_partial(partial: Path) -> bool:
+    """Remove a partial checkpoint and its lock under that lock; False if its writer holds it."""
+    try:
+        fd = _take_lock(_lock_path(partial), wait=False)
+    except FileNotFoundError:
+        return False  # its trajectory directory went meanwhile: nothing left to remove
+    if fd is None:
+        return False
+    try:
+        shutil.rmtree(partial, ignore_errors=True)
+        _lock_path(partial).unlink(missing_ok=True)
+    finally:
+        os.close(fd)
+    return True
+
+
 @attrs.define
 class CheckpointStore:
     """A directory of checkpoints, grouped by trajectory."""
@@ -151,17 +153,35 @@ class CheckpointStore:
     def begin(self, trajectory: str, checkpoint_id: str) -> Path:
         """Create the private working directory of a checkpoint in progress.
 
-        The directory is paired with a lock file held (flock) until `publish`, `abort` or
-        `abandon`: `gc` never takes a checkpoint that some process is still writing for a leftover,
-        and a process that dies releases its lock with its file descriptors.
+        The lock file is created and locked (flock) before the directory exists and held until
+        `publish`, `abort` or `abandon`: `gc` takes that lock itself before it removes anything,
+        so it never takes a checkpoint that some process is still writing for a leftover, and a
+        process that dies releases its lock with its file descriptors.
         """
         validate_id(checkpoint_id, "checkpoint")
-        tmp = self.trajectory_dir(trajectory) / f"{PARTIAL}{checkpoint_id}"
-        tmp.mkdir(parents=True)
-        fd = os.open(_lock_path(tmp), os.O_CREAT | os.O_RDWR, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        tdir = self.trajectory_dir(trajectory)
+        tmp = tdir / f"{PARTIAL}{checkpoint_id}"
+        fd = None
+        while fd is None:
+            self._make_trajectory_dir(tdir)
+            with contextlib.suppress(FileNotFoundError):  # a gc removed it as empty just now
+                fd = _take_lock(_lock_path(tmp), wait=True)
+        try:
+            tmp.mkdir()
+        except BaseException:
+            os.close(fd)
+            raise
         self._held[tmp] = fd
         return tmp
+
+    def _make_trajectory_dir(self, tdir: Path) -> None:
+        if tdir.is_dir():
+            return
+        new_root = not self.root.is_dir()
+        tdir.mkdir(parents=True, exist_ok=True)
+        fsync_path(self.root)  # the new trajectory's entry, so a published checkpoint's path survives
+        if new_root:
+            fsync_path(self.root.parent)
 
     def abort(self, tmp: Path) -> None:
         """Remove a checkpoint in progress (after a failure) and its lock."""
@@ -180,56 +200,97 @@ class CheckpointStore:
             os.close(fd)
 
     def publish(self, tmp: Path, checkpoint: Checkpoint) -> Checkpoint:
-        """Write the manifest, make everything durable, then rename into place (the ready point)."""
-        final = tmp.parent / checkpoint.checkpoint_id
+        """Write the manifest, make everything durable, then rename into place (the ready point).
+
+        Refuses (`CheckpointCorruptError`) a checkpoint without its layer archive or CRIU images.
+        A failure to fsync the trajectory directory after the rename raises
+        `CheckpointDurabilityError`: the checkpoint is published then, only not known durable.
+        """
+        final = tmp.parent / validate_id(checkpoint.checkpoint_id, "checkpoint")
         if final.exists():
             raise CheckpointCorruptError(f"checkpoint {final} already exists; refusing to overwrite it")
+        if tmp.name != PARTIAL + checkpoint.checkpoint_id or tmp.parent.name != checkpoint.trajectory:
+            raise InvalidConfigError(
+                f"checkpoint {checkpoint.trajectory}/{checkpoint.checkpoint_id} does not belong in {tmp}; "
+                "publish the directory `begin` returned for that trajectory and id"
+            )
+        criu = tmp / CRIU_DIR
+        if not (tmp / LAYER).is_file() or not criu.is_dir() or not any(criu.iterdir()):
+            raise CheckpointCorruptError(
+                f"checkpoint in progress {tmp} lacks its layer archive or CRIU images (was it removed "
+                "while being written?); nothing was published and the previous ready checkpoint is still "
+                "in effect: take the checkpoint again"
+            )
         manifest = tmp / MANIFEST
         with manifest.open("w") as handle:
             json.dump(checkpoint.to_manifest(), handle, indent=1, sort_keys=True)
         fsync_tree(tmp)
         os.rename(tmp, final)
-        fsync_path(final.parent)
-        self._release(tmp, unlink=True)
-        return attrs.evolve(checkpoint, path=final)
+        published = attrs.evolve(checkpoint, path=final)
+        try:
+            fsync_path(final.parent)
+        except OSError as exc:
+            raise CheckpointDurabilityError(
+                f"checkpoint {final} IS published (it is the latest ready one now) but fsync of "
+                f"{final.parent} failed ({exc}): a host crash or power loss may still lose it. Check the "
+                "store's disk; take another checkpoint to have one known durable",
+                published,
+            ) from exc
+        finally:
+            self._release(tmp, unlink=True)
+        return published
 
     def list(self, trajectory: str | None = None) -> builtins.list[Checkpoint]:
-        """Ready checkpoints (published, manifest readable), oldest first."""
-        dirs = [self.trajectory_dir(trajectory)] if trajectory is not None else self._trajectory_dirs()
-        found: builtins.list[Checkpoint] = []
-        for tdir in dirs:
-            if not tdir.is_dir():
-                continue
-            for entry in tdir.iterdir():
-                if entry.is_dir() and not entry.name.startswith(PARTIAL):
-                    try:
-                        found.append(Checkpoint.load(entry))
-                    except CheckpointCorruptError:
-                        continue
-        return sorted(found, key=lambda c: (c.created_ns, c.checkpoint_id))
+        """Ready checkpoints (published, manifest valid) by trajectory, each oldest first: by prefix,
+        then creation time.
 
-    def leftovers(self, trajectory: str | None = None) -> builtins.list[Path]:
-        """Partial checkpoints no process is writing, and published directories without a manifest."""
-        dirs = [self.trajectory_dir(trajectory)] if trajectory is not None else self._trajectory_dirs()
-        bad: builtins.list[Path] = []
-        for tdir in dirs:
-            if not tdir.is_dir():
-                continue
-            for entry in tdir.iterdir():
-                if not entry.is_dir():
-                    continue
-                if entry.name.startswith(PARTIAL):
-                    if not _in_progress(entry):
-                        bad.append(entry)
+        A checkpoint whose manifest cannot be read is skipped; `unreadable` reports it.
+        """
+        return self._scan(trajectory)[0]
+
+    def unreadable(self, trajectory: str | None = None) -> builtins.list[tuple[Path, CheckpointCorruptError]]:
+        """Published checkpoints with a manifest that `list` skips, each with the reason."""
+        return self._scan(trajectory)[1]
+
+    def _scan(
+        self, trajectory: str | None
+    ) -> tuple[builtins.list[Checkpoint], builtins.list[tuple[Path, CheckpointCorruptError]]]:
+        found: builtins.list[Checkpoint] = []
+        bad: builtins.list[tuple[Path, CheckpointCorruptError]] = []
+        for tdir in self._dirs(trajectory):
+            for entry in sorted(tdir.iterdir()):
+                if not entry.is_dir() or entry.name.startswith(PARTIAL):
                     continue
                 try:
-                    Checkpoint.load(entry)
-                except CheckpointCorruptError:
+                    found.append(Checkpoint.load(entry))
+                except CheckpointCorruptError as exc:
+                    if os.path.lexists(entry / MANIFEST):
+                        bad.append((entry, exc))
+        # Wall clocks of different hosts disagree: the prefix orders a trajectory's checkpoints.
+        found.sort(key=lambda c: (c.trajectory, c.prefix, c.created_ns, c.checkpoint_id))
+        return found, bad
+
+    def leftovers(self, trajectory: str | None = None) -> builtins.list[Path]:
+        """Partial checkpoints no process is writing, published directories without a manifest,
+        and lock files no process holds whose partial directory is gone."""
+        bad: builtins.list[Path] = []
+        for tdir in self._dirs(trajectory):
+            for entry in tdir.iterdir():
+                if entry.name.startswith(PARTIAL) and entry.name.endswith(LOCK_SUFFIX):
+                    partial = entry.with_name(entry.name.removesuffix(LOCK_SUFFIX))
+                    if not partial.is_dir() and not _in_progress(partial):
+                        bad.append(entry)
+                elif not entry.is_dir():
+                    continue
+                elif entry.name.startswith(PARTIAL):
+                    if not _in_progress(entry):
+                        bad.append(entry)
+                elif not os.path.lexists(entry / MANIFEST):
                     bad.append(entry)
         return sorted(bad)
 
     def latest_ready(self, trajectory: str) -> Checkpoint | None:
-        """The most recently published checkpoint of ``trajectory``, or None."""
+        """The ready checkpoint of ``trajectory`` with the highest prefix (the newest among equals), or None."""
         ready = self.list(trajectory)
         return ready[-1] if ready else None
 
@@ -245,28 +306,33 @@ class CheckpointStore:
         return ready[-1]
 
     def verify(self, checkpoint: Checkpoint | Path) -> Checkpoint:
-        """Check a checkpoint's manifest and every file's size and sha256."""
+        """Check a checkpoint's manifest (with its self-checksum) and every file's size and sha256."""
         return verify_checkpoint(checkpoint.path if isinstance(checkpoint, Checkpoint) else Path(checkpoint))
 
     def gc(self, trajectory: str | None = None, *, keep: int | None = None) -> builtins.list[Path]:
         """Remove leftovers and kept CRIU logs of failed checkpoints; with ``trajectory``, only that
         trajectory's, and also its checkpoints (all, or all but the newest ``keep``).  Checkpoints
-        in progress are never touched.
+        in progress are never touched, nor checkpoints whose manifest this version cannot read
+        (`unreadable` lists them).
         """
-        removed = list(self.leftovers(trajectory))
-        if trajectory is not None:
-            ready = self.list(trajectory)
-            doomed = ready if not keep else ready[:-keep]
-            removed += [c.path for c in doomed]
-        elif keep:
-            for tdir in self._trajectory_dirs():
-                removed += [c.path for c in self.list(tdir.name)[:-keep]]
-        for path in removed:
-            shutil.rmtree(path, ignore_errors=True)
-            _lock_path(path).unlink(missing_ok=True)
-        for tdir in self._trajectory_dirs():
-            if not any(tdir.iterdir()):
-                tdir.rmdir()
+        removed: builtins.list[Path] = []
+        for path in self.leftovers(trajectory):
+            if path.name.startswith(PARTIAL):
+                partial = path.with_name(path.name.removesuffix(LOCK_SUFFIX))
+                if _remove_partial(partial):
+                    removed.append(path)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+        ready = self.list(trajectory) if trajectory is not None or keep else []
+        for tdir in self._dirs(trajectory):
+            mine = [c for c in ready if c.path.parent == tdir]
+            for checkpoint in mine[:-keep] if keep else mine:
+                shutil.rmtree(checkpoint.path, ignore_errors=True)
+                removed.append(checkpoint.path)
+            with contextlib.suppress(OSError):  # not empty, or a `begin` is filling it right now
+                if not any(tdir.iterdir()):
+                    tdir.rmdir()
         return removed + self._gc_failed_logs(trajectory)
 
     def keep_failed_log(self, trajectory: str, checkpoint_id: str, log: Path) -> Path:
@@ -292,12 +358,17 @@ class CheckpointStore:
             log.unlink(missing_ok=True)
         area = self.root / FAILED
         if area.is_dir():
-            for folder in [*area.iterdir(), area]:
-                if folder.is_dir() and not any(folder.iterdir()):
-                    folder.rmdir()
+            folders = [area / trajectory] if trajectory is not None else list(area.iterdir())
+            for folder in [*folders, area]:
+                with contextlib.suppress(OSError):
+                    if folder.is_dir() and not any(folder.iterdir()):
+                        folder.rmdir()
         return logs
 
-    def _trajectory_dirs(self) -> builtins.list[Path]:
+    def _dirs(self, trajectory: str | None) -> builtins.list[Path]:
+        if trajectory is not None:
+            tdir = self.trajectory_dir(trajectory)
+            return [tdir] if tdir.is_dir() else []
         if not self.root.is_dir():
             return []
         return sorted(p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
