@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 import uuid
 from pathlib import Path
@@ -12,11 +11,13 @@ from ._engine import Engine
 from ._errors import (
     BelayerEnvckptError,
     CheckpointFailedError,
+    CheckpointNotFoundError,
     CommandError,
     ContainerEngineError,
     InjectedCrash,
     InvalidConfigError,
     RestoreFailedError,
+    SandboxStillPausedError,
     UnrestorableConnectionError,
 )
 from ._faults import CheckpointFault, CrashPoint, apply_fault
@@ -49,13 +50,15 @@ def full_checkpoint(
 
     Waits for the current action to end.  Only the freeze window (pause -> thaw) is on the
     sandbox's critical path; hashing and publication run after the thaw.  On any failure the
-    partial checkpoint is removed and the previous ready checkpoint stays in effect.
+    partial checkpoint is removed and the previous ready checkpoint stays in effect.  A sandbox
+    that cannot be thawed (two tries) raises `SandboxStillPausedError` after the publication.
     """
     validate_id(trajectory, "trajectory")
     sandbox.engine.require_checkpoint_support()
     timings: dict[str, float] = {}
     started = time.perf_counter()
     tmp: Path | None = None
+    thaw_error: ContainerEngineError | None = None
     try:
         with sandbox.action_boundary():
             k = sandbox.prefix if prefix is None else prefix
@@ -88,7 +91,7 @@ def full_checkpoint(
                 timings["dump_ms"] = _ms(step)
                 _maybe_fault(sandbox, fault, CrashPoint.AFTER_DUMP)
             finally:
-                _thaw(sandbox)
+                thaw_error = _thaw(sandbox)
                 timings["freeze_ms"] = _ms(freeze)
         check_checkpoint_size(sandbox.config.limits, layer_size_bytes(tmp), sandbox.id)
         step = time.perf_counter()
@@ -110,7 +113,6 @@ def full_checkpoint(
         timings["total_ms"] = _ms(started)
         published = store.publish(tmp, checkpoint)
         tmp = None
-        return published
     except InjectedCrash:
         if tmp is not None:
             store.abandon(tmp)  # a dead process cleans nothing up: the partial directory stays for gc
@@ -122,6 +124,15 @@ def full_checkpoint(
         if isinstance(exc, BelayerEnvckptError) and not isinstance(exc, ContainerEngineError | CommandError):
             raise  # refused before anything was captured: the error already says what to do
         raise _failure(sandbox, exc, kept) from exc
+    if thaw_error is not None:
+        raise SandboxStillPausedError(
+            f"checkpoint {published.checkpoint_id} was published and is ready, but sandbox {sandbox.id[:12]} "
+            f"is still paused: unpausing it failed twice ({thaw_error}). Unpause it (`docker unpause "
+            f"{sandbox.id[:12]}`, or Sandbox.unpause()) before its next action, or remove it and "
+            "`full_restore` this checkpoint",
+            published,
+        ) from thaw_error
+    return published
 
 
 def _keep_criu_log(store: CheckpointStore, trajectory: str, exc: Exception, tmp: Path | None) -> Path | None:
@@ -175,14 +186,22 @@ def _maybe_fault(sandbox: Sandbox, fault: CheckpointFault | None, point: CrashPo
         apply_fault(sandbox, fault.action)
 
 
-def _thaw(sandbox: Sandbox) -> None:
-    with contextlib.suppress(ContainerEngineError):
-        if sandbox.status() == "paused":
+def _thaw(sandbox: Sandbox) -> ContainerEngineError | None:
+    """Unpause the sandbox, trying twice; the last error when it may still be paused, else None."""
+    error: ContainerEngineError | None = None
+    for _attempt in range(2):
+        try:
+            if sandbox.status() != "paused":
+                return None
             sandbox.unpause()
+            return None
+        except ContainerEngineError as exc:
+            error = exc
+    return error
 
 
 def full_restore(
-    checkpoint: Checkpoint,
+    checkpoint: Checkpoint | None,
     *,
     engine: Engine | None = None,
     remove_failed: bool = True,
@@ -193,6 +212,11 @@ def full_restore(
     been checked.  The failed instance is never reused: a new container is created from the
     original image and configuration, the layer is installed, and it starts from the CRIU images.
     """
+    if checkpoint is None:  # `full_restore(store.latest_ready(t))` for a trajectory never checkpointed
+        raise CheckpointNotFoundError(
+            "full_restore got no checkpoint (None): the trajectory has no ready checkpoint. Restart it "
+            "from its base image (Sandbox.create), or list what the store holds with `belayer-envckpt ls`"
+        )
     timings: dict[str, float] = {}
     started = time.perf_counter()
     checkpoint = verify_checkpoint(checkpoint.path)
