@@ -94,3 +94,27 @@ def test_template_vars_and_serialize_are_json_ready(make_sandbox, tmp_path):
         assert info["belayer_envckpt"]["num_actions"] == 0
     finally:
         env.cleanup()
+
+
+def test_a_restored_sandbox_that_dies_before_a_new_checkpoint_is_removed(make_sandbox, tmp_path):
+    env = SandboxEnvironment(
+        make_sandbox(trajectory="twice"),
+        CheckpointStore(tmp_path),
+        "twice",
+        decide=lambda step: step.step_index == 1,  # one checkpoint, after the first action only
+    )
+    restored = []
+    try:
+        env.execute({"command": "echo one > /work/f"})
+        env.sandbox.kill()
+        env.execute({"command": "echo two >> /work/f"})  # restored from the checkpoint
+        restored.append(env.sandbox)
+        env.sandbox.kill()  # dies too, before any new checkpoint
+        output = env.execute({"command": "cat /work/f"})
+        assert output["output"] == "one\ntwo\n"
+        assert env.state.num_restores == 2
+        assert restored[0].status() == "removed"  # not left behind, dead, for the engine to keep
+    finally:
+        env.cleanup()
+        for sandbox in restored:
+            sandbox.remove()

@@ -195,10 +195,14 @@ class SandboxEnvironment:
         """Bring a fresh sandbox to the agent's context: the latest checkpoint, then the replay."""
         started = time.monotonic()
         engine = self.engine or self.sandbox.engine
+        old = self.sandbox
         if self._checkpoint is not None:
-            self.sandbox = full_restore(self._checkpoint, engine=engine)
+            # The dead sandbox is the current one, which after an earlier restore is not the
+            # checkpoint's container_id: remove it ourselves, or a restored sandbox that died leaks.
+            with contextlib.suppress(BelayerEnvckptError):  # already gone with the failure
+                old.remove()
+            self.sandbox = full_restore(self._checkpoint, engine=engine, remove_failed=False)
         else:  # nothing checkpointed yet: a fresh sandbox replays every action so far
-            old = self.sandbox
             self.sandbox = Sandbox.create(engine, old.config, trajectory=self.trajectory)
             with contextlib.suppress(BelayerEnvckptError):  # already gone with the failure
                 old.remove()
