@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import openai
 import pytest
 
 from belayer_router import ByteTokenizer, RouterClient, RouterClientError, RouterConfig, running_router
-from belayer_router.testing import expected_tokens, running_worker
+from belayer_router.testing import expected_tokens, running_worker, wait_until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("http_server")]  # on both servers
 
@@ -155,6 +157,37 @@ async def test_non_streaming_generate_and_request_id_reuse() -> None:
     assert first["finish_reason"] == "length"
     assert len(first["logprobs"]) == 5
     assert conflict.status_code == 409
+
+
+async def test_a_client_that_leaves_a_non_streamed_request_cancels_it_and_can_retry_it() -> None:
+    """A harness timing out on a whole (non-streamed) answer: the router stops the request at the
+    disconnect (it kept generating, and a retry with the same request id got 409 until it ended);
+    the retry resumes it exactly."""
+    async with (
+        running_router(RouterConfig(tokenizer=ByteTokenizer())) as (url, app),
+        running_worker(1, token_delay_s=0.01) as (wurl, _),
+    ):
+        async with RouterClient(url) as client:
+            await client.register("s0", wurl, 1)
+        impatient = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=0.3)
+        request: dict[str, Any] = {"model": "m", "prompt": [1], "max_tokens": 300, "seed": 5}
+        with pytest.raises(openai.APITimeoutError):
+            await impatient.completions.create(**request, extra_body={"request_id": "job-7"})
+        await impatient.close()
+        await wait_until(lambda: app.metrics.num_in_flight == 0, 1.5)  # not ~3 s later
+        oai = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        retry = await oai.completions.create(**request, extra_body={"request_id": "job-7"})
+        await oai.close()
+        body = {"prompt_token_ids": [1], "max_tokens": 300, "seed": 6, "stream": False, "request_id": "g"}
+        async with httpx.AsyncClient(base_url=url, timeout=0.3) as http:
+            with pytest.raises(httpx.TimeoutException):
+                await http.post("/generate", json=body)
+        await wait_until(lambda: app.metrics.num_in_flight == 0, 1.5)
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            again = (await http.post("/generate", json=body)).json()
+    assert retry.choices[0].token_ids == expected_tokens(5, 300)  # type: ignore[attr-defined]
+    assert retry.choices[0].num_resumes == 1  # type: ignore[attr-defined]
+    assert (again["token_ids"], again["num_resumes"]) == (expected_tokens(6, 300), 1)
 
 
 async def test_openai_client_completions_with_token_ids_and_text() -> None:

@@ -19,6 +19,7 @@ from belayer_router._asgi import (
     Send,
     direct_writer,
     read_json,
+    run_unless_disconnected,
     send_json,
     send_text,
     stream_response,
@@ -322,18 +323,15 @@ class RouterApp(OpenAIRoutes):
         finally:
             self.metrics.num_in_flight -= 1
 
-    async def _collect(self, record: RequestRecord, num_received: int) -> list[Event]:
-        events: list[Event] = []
-        await self._run(record, events.append, num_received)
-        return events
-
     async def _generate(
         self, request: GenerateRequest, scope: dict[str, Any], receive: Receive, send: Send
     ) -> None:
         record = self._begin(request)
         skip = request.num_received_tokens
         if not request.stream:
-            events = await self._collect(record, skip)
+            events: list[Event] = []
+            if not await run_unless_disconnected(receive, lambda: self._run(record, events.append, skip)):
+                return
             token_ids: list[int] = []
             logprobs: list[float] = []
             for event in events:

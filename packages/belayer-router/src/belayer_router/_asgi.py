@@ -25,6 +25,7 @@ __all__ = [
     "body_too_large",
     "direct_writer",
     "read_json",
+    "run_unless_disconnected",
     "send_json",
     "send_text",
     "stream_response",
@@ -90,6 +91,20 @@ async def _watch_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
     scope.cancel()
+
+
+async def run_unless_disconnected(receive: Receive, work: Callable[[], Awaitable[None]]) -> bool:
+    """Run ``work``, cancelled if the client disconnects first; True if it ran to its end.
+
+    For a response sent whole: without it, a request whose client has gone (a harness's timeout)
+    kept generating, and its request id stayed in flight (a retry with it got 409).
+    """
+    async with anyio.create_task_group() as group:
+        group.start_soon(_watch_disconnect, receive, group.cancel_scope)
+        await work()
+        group.cancel_scope.cancel()
+        return True
+    return False  # cancelled by the watcher (the task group swallowed its own cancellation)
 
 
 def _no_render(events: list[Any]) -> bytes:

@@ -7,7 +7,14 @@ from typing import Any
 
 import anyio
 
-from belayer_router._asgi import Receive, Send, direct_writer, send_json, stream_response
+from belayer_router._asgi import (
+    Receive,
+    Send,
+    direct_writer,
+    run_unless_disconnected,
+    send_json,
+    stream_response,
+)
 from belayer_router._chat import ChatRenderer, parse_chat_request
 from belayer_router._config import RouterConfig
 from belayer_router._dispatch import Emit
@@ -86,8 +93,8 @@ class OpenAIRoutes:
 
         if not stream:
             events: list[ChoiceEvent] = []
-            await produce(events.append)
-            await send_json(send, 200, renderer.whole(events))
+            if await run_unless_disconnected(receive, lambda: produce(events.append)):
+                await send_json(send, 200, renderer.whole(events))
             return
         await stream_response(
             receive,
