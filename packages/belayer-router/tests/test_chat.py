@@ -153,6 +153,47 @@ async def test_tool_calls_are_parsed_and_tool_results_rendered_back(router: str)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 
+async def test_tool_call_arguments_sent_back_as_json_text_render_as_an_object(tmp_path: Path) -> None:
+    """Templates that apply ``tojson`` to the arguments (Llama 3's, many others) got the
+    client's JSON text and encoded it a second time: the model saw a quoted string."""
+    folder = write_chat_tokenizer(tmp_path)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    string_case = (
+        "{% if fn.arguments is string %}{{ fn.arguments }}{% else %}{{ fn.arguments | tojson }}{% endif %}"
+    )
+    assert string_case in config["chat_template"]
+    config["chat_template"] = config["chat_template"].replace(string_case, "{{ fn.arguments | tojson }}")
+    config_path.write_text(json.dumps(config))
+    tokenizer = load_tokenizer(folder)
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    messages: list[Any] = [
+        *user("weather?"),
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    async with running_router(RouterConfig(tokenizer=tokenizer)) as (url, _), running_worker(1) as (wurl, _):
+        async with RouterClient(url) as admin:
+            await admin.register("s0", wurl, 1)
+        client = oai(url)
+        reply = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS, max_tokens=2)
+        bad = {**call, "function": {"name": "get_weather", "arguments": "{city: Paris"}}
+        with pytest.raises(
+            openai.BadRequestError, match=r"messages\[2\]\.tool_calls\[0\]\.function\.arguments"
+        ):
+            await client.chat.completions.create(
+                model="m", messages=[*messages[:2], {**messages[2], "tool_calls": [bad]}], max_tokens=2
+            )
+        await client.close()
+    prompt = tokenizer.decode(reply.choices[0].prompt_token_ids)  # type: ignore[attr-defined]
+    assert '"arguments": {"city": "Paris"}}' in prompt
+    assert '\\"city' not in prompt
+
+
 async def test_n_choices_are_resumable_requests_with_derived_seeds(tokenizer: ChatTemplateTokenizer) -> None:
     def script(prompt: list[int], seed: int) -> list[int]:
         return [*tokenizer.encode(f"sample {seed % 100_000}"), end_id(tokenizer)]

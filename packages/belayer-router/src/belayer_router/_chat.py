@@ -65,7 +65,16 @@ def _tool_calls(message: dict[str, Any], index: int) -> list[dict[str, Any]] | N
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise InvalidRequestError(f"messages[{index}].tool_calls[{k}] needs function.name (a string)")
         arguments = function.get("arguments", "{}")
-        if not isinstance(arguments, str | dict):
+        if isinstance(arguments, str):
+            # OpenAI clients send the arguments back as JSON text; templates expect the object
+            # (many apply ``tojson``, which would encode the text a second time), as vLLM does.
+            try:
+                arguments = json.loads(arguments)
+            except (ValueError, RecursionError):
+                raise InvalidRequestError(
+                    f"messages[{index}].tool_calls[{k}].function.arguments is not valid JSON text"
+                ) from None
+        elif not isinstance(arguments, dict):
             raise InvalidRequestError(
                 f"messages[{index}].tool_calls[{k}].function.arguments must be JSON text"
             )
