@@ -9,17 +9,26 @@ the prompt holds one, the seed when asked for a sample.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import httpx
 import litellm
 import openai
 import pytest
 
-from belayer_router import ChatTemplateTokenizer, RouterClient, RouterConfig, load_tokenizer, running_router
+from belayer_router import (
+    ChatTemplateTokenizer,
+    ChatTokenizer,
+    RouterClient,
+    RouterConfig,
+    load_tokenizer,
+    running_router,
+)
 from belayer_router.testing import running_worker, text_script, write_chat_tokenizer
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("http_server")]  # on both servers
@@ -192,6 +201,57 @@ async def test_tool_call_arguments_sent_back_as_json_text_render_as_an_object(tm
     prompt = tokenizer.decode(reply.choices[0].prompt_token_ids)  # type: ignore[attr-defined]
     assert '"arguments": {"city": "Paris"}}' in prompt
     assert '\\"city' not in prompt
+
+
+class GatedTokenizer:
+    """The chat tokenizer, except that encoding a large text waits (at most 20 s) for the test to
+    open the gate: the test can only open it if the router's event loop is still serving."""
+
+    def __init__(self, inner: ChatTemplateTokenizer) -> None:
+        self.inner, self.entered, self.gate = inner, threading.Event(), threading.Event()
+        self.end_token_ids = inner.end_token_ids
+        self.decode, self.decode_reply = inner.decode, inner.decode_reply
+        self.gate_opened_in_time: list[bool] = []
+
+    def encode(self, text: str) -> list[int]:
+        if len(text) > 100_000:
+            self.entered.set()
+            self.gate_opened_in_time.append(self.gate.wait(20))
+        return self.inner.encode(text)
+
+    def render_chat(self, messages: Any, tools: Any) -> list[int]:
+        return self.encode(
+            self.inner.inner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        )
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+async def test_a_huge_prompt_is_tokenized_off_the_event_loop(
+    tokenizer: ChatTemplateTokenizer, endpoint: str
+) -> None:
+    gated = GatedTokenizer(tokenizer)
+    assert isinstance(gated, ChatTokenizer)
+    text = "word " * 50_000
+    config = RouterConfig(tokenizer=gated, max_prompt_tokens=1000)
+    async with running_router(config) as (url, _), httpx.AsyncClient(base_url=url, timeout=60) as http:
+        responses: list[httpx.Response] = []
+
+        async def post() -> None:
+            if endpoint == "chat":
+                body: dict[str, Any] = {"messages": [{"role": "user", "content": text}]}
+                responses.append(await http.post("/v1/chat/completions", json=body))
+            else:
+                responses.append(await http.post("/v1/completions", json={"prompt": text}))
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(post)
+            await anyio.to_thread.run_sync(gated.entered.wait, 30)
+            health = await http.get("/health")  # answered while the prompt is being encoded
+            gated.gate.set()
+    assert health.status_code == 200
+    assert gated.gate_opened_in_time == [True]  # a blocked loop could not have opened it
+    assert responses[0].status_code == 400
+    assert "max_prompt_tokens" in responses[0].json()["error"]["message"]
 
 
 async def test_n_choices_are_resumable_requests_with_derived_seeds(tokenizer: ChatTemplateTokenizer) -> None:

@@ -22,7 +22,7 @@ from belayer_router._choices import ChoiceText
 from belayer_router._errors import InvalidRequestError
 from belayer_router._openai import ChoiceEvent, sse, usage_of
 from belayer_router._openai import CompletionRenderer as _Completion
-from belayer_router._params import OpenAIParams, parse_openai_params
+from belayer_router._params import OpenAIParams, off_the_loop, parse_openai_params
 from belayer_router._protocol import GenerateRequest
 from belayer_router._tokenizer import ChatTokenizer, Tokenizer
 
@@ -132,7 +132,7 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     return None if choice == "none" else tools
 
 
-def parse_chat_request(
+async def parse_chat_request(
     body: Any, tokenizer: Tokenizer | None, *, default_model: str, default_max_tokens: int
 ) -> tuple[OpenAIParams, list[int], list[dict[str, Any]] | None, bool]:
     """Validate a chat body: parameters, the rendered prompt, the tools, and ``logprobs``."""
@@ -159,7 +159,12 @@ def parse_chat_request(
         default_max_tokens=default_max_tokens,
         default_stop_token_ids=tokenizer.end_token_ids,
     )
-    prompt = tokenizer.render_chat(messages, tools)
+    num_chars = sum(len(m["content"] or "") for m in messages)
+    try:
+        num_chars += len(json.dumps([tools, [m.get("tool_calls") for m in messages]]))
+    except RecursionError:
+        raise InvalidRequestError("field 'tools' or a message's 'tool_calls' is nested too deeply") from None
+    prompt = await off_the_loop(num_chars, lambda: tokenizer.render_chat(messages, tools))
     return params, prompt, tools, bool(logprobs)
 
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
 
 from belayer_router._choices import ChoiceText
 from belayer_router._errors import BelayerRouterError, InvalidRequestError
-from belayer_router._params import OpenAIParams, parse_openai_params
+from belayer_router._params import OpenAIParams, off_the_loop, parse_openai_params
 from belayer_router._protocol import MAX_TOKEN_ID, FinishEvent, GenerateRequest, TokenEvent, TokensEvent
 from belayer_router._tokenizer import Tokenizer
 
@@ -30,22 +30,27 @@ def _is_ids(value: Any) -> bool:
     return isinstance(value, list) and all(type(t) is int and t >= 0 for t in value)
 
 
-def _prompts(prompt: Any, tokenizer: Tokenizer | None) -> list[list[int]]:
+async def _prompts(prompt: Any, tokenizer: Tokenizer | None) -> list[list[int]]:
     if isinstance(prompt, str) or _is_ids(prompt):
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
         raise InvalidRequestError(
             "field 'prompt' must be text, a list of token ids, or a non-empty list of either"
         )
+    texts = [item for item in prompt if isinstance(item, str)]
+    encoded: Iterator[list[int]] = iter(())
+    if texts:
+        if tokenizer is None:
+            raise InvalidRequestError(
+                "'prompt' is text but the router has no tokenizer; send token ids or start the "
+                "router with --tokenizer"
+            )
+        encode = tokenizer.encode
+        encoded = iter(await off_the_loop(sum(map(len, texts)), lambda: [encode(t) for t in texts]))
     prompts: list[list[int]] = []
     for item in prompt:
         if isinstance(item, str):
-            if tokenizer is None:
-                raise InvalidRequestError(
-                    "'prompt' is text but the router has no tokenizer; send token ids or start the "
-                    "router with --tokenizer"
-                )
-            prompts.append(tokenizer.encode(item))
+            prompts.append(next(encoded))
         elif _is_ids(item):
             if any(t > MAX_TOKEN_ID for t in item):
                 raise InvalidRequestError(f"field 'prompt' holds a token id over {MAX_TOKEN_ID}")
@@ -58,7 +63,7 @@ def _prompts(prompt: Any, tokenizer: Tokenizer | None) -> list[list[int]]:
     return prompts
 
 
-def parse_completion_request(
+async def parse_completion_request(
     body: Any, tokenizer: Tokenizer | None, *, default_model: str
 ) -> tuple[OpenAIParams, list[list[int]], int | None]:
     """Validate an OpenAI completions body: its parameters, prompts and ``logprobs``."""
@@ -76,7 +81,7 @@ def parse_completion_request(
         raise InvalidRequestError(
             "stop strings need a router started with --tokenizer; or use 'stop_token_ids'"
         )
-    return params, _prompts(body["prompt"], tokenizer), logprobs
+    return params, await _prompts(body["prompt"], tokenizer), logprobs
 
 
 def usage_of(requests: Sequence[GenerateRequest], finishes: Sequence[FinishEvent], n: int) -> dict[str, int]:

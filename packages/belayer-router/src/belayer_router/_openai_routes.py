@@ -42,7 +42,7 @@ class OpenAIRoutes:
 
     async def _completions(self, body: Any, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         tokenizer = self.config.tokenizer
-        params, prompts, logprobs = parse_completion_request(
+        params, prompts, logprobs = await parse_completion_request(
             body, tokenizer, default_model=self.config.model_name
         )
         requests = self._choices(params, prompts)
@@ -51,7 +51,7 @@ class OpenAIRoutes:
 
     async def _chat_completions(self, body: Any, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         tokenizer = self.config.tokenizer
-        params, prompt, tools, logprobs = parse_chat_request(
+        params, prompt, tools, logprobs = await parse_chat_request(
             body,
             tokenizer,
             default_model=self.config.model_name,

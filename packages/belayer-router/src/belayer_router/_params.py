@@ -9,16 +9,23 @@ a resumed choice continues exactly.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
+import anyio.to_thread
 import attrs
 
 from belayer_router._dispatch import new_seed
 from belayer_router._errors import InvalidRequestError
 from belayer_router._protocol import MAX_TOKENS, GenerateRequest, parse_generate_request
 
-__all__ = ["OpenAIParams", "derive_seed", "parse_openai_params", "split_choices"]
+__all__ = ["OpenAIParams", "derive_seed", "off_the_loop", "parse_openai_params", "split_choices"]
+
+_T = TypeVar("_T")
+# Text above this many characters is templated / tokenized in a worker thread: a few MB of prompt
+# took seconds of CPU that froze every other request (and /health); small prompts stay inline,
+# where a thread hop would cost more than the work.
+OFF_LOOP_CHARS = 64 * 1024
 
 _MAX_SEED = 2**63 - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -51,6 +58,14 @@ class OpenAIParams:
     include_usage: bool
     request_id: str
     explicit_request_id: bool
+
+
+async def off_the_loop(num_chars: int, work: Callable[[], _T]) -> _T:
+    """``work()`` (a template render, an encode) for a text of ``num_chars`` characters: inline
+    when small, in a worker thread (the event loop goes on serving) when over `OFF_LOOP_CHARS`."""
+    if num_chars <= OFF_LOOP_CHARS:
+        return work()
+    return await anyio.to_thread.run_sync(work)
 
 
 def derive_seed(seed: int, choice: int) -> int:
