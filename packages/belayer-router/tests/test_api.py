@@ -227,6 +227,16 @@ async def test_openai_client_completions_with_token_ids_and_text() -> None:
     assert chunks[-1].usage.prompt_tokens == 2
 
 
+async def test_openai_client_retrieves_the_served_model() -> None:
+    async with running_router(RouterConfig(model_name="Qwen/Qwen3-8B")) as (url, _):
+        oai = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        model = await oai.models.retrieve("Qwen/Qwen3-8B")
+        with pytest.raises(openai.NotFoundError, match="--model-name"):
+            await oai.models.retrieve("gpt-4")
+        await oai.close()
+    assert (model.id, model.object, model.owned_by) == ("Qwen/Qwen3-8B", "model", "belayer")
+
+
 async def test_openai_text_prompt_without_tokenizer_is_refused() -> None:
     async with running_router() as (url, _), httpx.AsyncClient(base_url=url) as http:
         response = await http.post("/v1/completions", json={"model": "m", "prompt": "hello"})

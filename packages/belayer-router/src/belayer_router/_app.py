@@ -209,8 +209,15 @@ class RouterApp(OpenAIRoutes):
             case "POST", ["v1", "chat", "completions"]:
                 await self._chat_completions(await self._body(receive), scope, receive, send)
             case "GET", ["v1", "models"]:
-                model = {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "belayer"}
-                await send_json(send, 200, {"object": "list", "data": [model]})
+                await send_json(send, 200, {"object": "list", "data": [self._model()]})
+            case "GET", ["v1", "models", *name] if name:  # a model id may hold '/' (org/model)
+                model_id = "/".join(name)
+                if model_id != self.config.model_name:
+                    raise NotFoundError(
+                        f"no model {model_id!r}; this router serves {self.config.model_name!r} "
+                        "(router option --model-name)"
+                    )
+                await send_json(send, 200, self._model())
             case "GET", ["health"]:
                 healthy = [s for s in self.registry.slots.values() if s.healthy and s.worker is not None]
                 await send_json(send, 200, {"status": "ok", "num_active_workers": len(healthy)})
@@ -228,6 +235,9 @@ class RouterApp(OpenAIRoutes):
                 await self._contexts(method, parts, receive, send)
             case _:
                 raise NotFoundError(f"no route {method} {scope['path']}; see the belayer-router README")
+
+    def _model(self) -> dict[str, Any]:
+        return {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "belayer"}
 
     async def _admin(self, method: str, parts: list[str], receive: Receive, send: Send) -> None:
         match method, parts:
