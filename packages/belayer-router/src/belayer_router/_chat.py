@@ -194,7 +194,9 @@ def parse_tool_calls(text: str, call_id: str) -> tuple[str | None, list[dict[str
         )
     if not calls:
         return text, []
-    content = text[: text.index(TOOL_OPEN)].strip()
+    # Trailing whitespace only (the line break before the block): a stream cannot take back
+    # leading whitespace it has already sent, and streamed and whole content must be equal.
+    content = text[: text.index(TOOL_OPEN)].rstrip()
     return content or None, calls
 
 
@@ -294,11 +296,13 @@ class ChatRenderer:
             delta["role"] = "assistant"
         calls: list[dict[str, Any]] = []
         if choice.finish is None:
-            delta["content"] = choice.take(choice.streamable(TOOL_OPEN if self.tools else None))
+            if self.tools:  # held: trailing whitespace is cut from the content before a tool call
+                delta["content"] = choice.take(choice.streamable(TOOL_OPEN).rstrip())
+            else:
+                delta["content"] = choice.take(choice.streamable())
         else:
-            _, calls = self._reply(index)
-            text = choice.text()
-            delta["content"] = choice.take(text[: text.index(TOOL_OPEN)] if calls else text)
+            content, calls = self._reply(index)
+            delta["content"] = choice.take((content or "") if calls else choice.text())
             if calls:
                 delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
         return {
