@@ -28,7 +28,15 @@ def cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
 
 @attrs.define
 class ChoiceText:
-    """Tokens, logprobs and text of one choice as its events arrive."""
+    """Tokens, logprobs and text of one choice as its events arrive.
+
+    While streaming, the text is decoded incrementally (as vLLM's detokenizer does): the text of
+    the tokens before ``_read`` is settled, and each event decodes only the tokens from
+    ``_prefix`` on (the last settled step's tokens give the decoder its context), so a stream
+    costs time linear in its length, not quadratic.  Stop strings and the marker are searched only
+    in the new text (plus the longest one's length - 1 before it).  `text` (whole answers, the
+    tool-call parse) decodes everything once.
+    """
 
     tokenizer: Tokenizer | None
     stop: tuple[str, ...]
@@ -38,6 +46,13 @@ class ChoiceText:
     logprobs: list[float] = attrs.field(factory=list)
     finish: FinishEvent | None = None
     num_sent: int = 0  # characters of text already streamed
+    _settled: str = ""  # the text of token_ids[:_read]
+    _prefix: int = 0  # where the decode window starts (a settled step's first token)
+    _read: int = 0  # tokens whose text is settled
+    _before: str | None = None  # the text of token_ids[_prefix:_read] (cached)
+    _searched: int = 0  # characters searched for stop strings / the marker
+    _cut: int = -1  # where the first stop string starts (-1: none yet)
+    _marker_at: int = -1  # where the marker first starts (-1: none yet)
 
     def __attrs_post_init__(self) -> None:
         if self.decode is None and self.tokenizer is not None:
@@ -60,13 +75,46 @@ class ChoiceText:
             return ""
         return cut_at_stop(self.decode(self.token_ids), self.stop)[0]
 
+    def _decoded(self, decode: Callable[[list[int]], str]) -> str:
+        """The text of every token so far, decoding only the window from ``_prefix`` on."""
+        ids = self.token_ids
+        if self._read == len(ids):
+            return self._settled
+        window = decode(ids[self._prefix :])
+        if self._before is None:
+            self._before = decode(ids[self._prefix : self._read]) if self._read > self._prefix else ""
+        before = self._before
+        if len(window) > len(before) and not window.endswith(_INCOMPLETE):
+            self._settled += window[len(before) :]
+            self._prefix, self._read, self._before = self._read, len(ids), None
+            return self._settled
+        return self._settled + window[len(before) :]  # not settled: a later token may change it
+
+    def _search(self, text: str, marker: str | None) -> None:
+        """Find the first stop string (and ``marker``) in what is new since the last search."""
+        needles = [*self.stop, *([marker] if marker else [])]
+        if not needles or self._cut >= 0:
+            return
+        start = max(0, self._searched - max(map(len, needles)) + 1)
+        found = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+        if found:
+            self._cut = min(found)
+        if marker and self._marker_at < 0:
+            self._marker_at = text.find(marker, start)
+        self._searched = len(text.rstrip(_INCOMPLETE))  # an incomplete character may still change
+
     def streamable(self, marker: str | None = None) -> str:
-        """The prefix of `text` that no later token can change, and before ``marker`` if given."""
+        """The prefix of `text` that no later token can change, and before ``marker`` if given
+        (one choice is always asked with the same ``marker``)."""
         if self.decode is None:
             return ""
-        text, stopped = cut_at_stop(self.decode(self.token_ids), self.stop)
-        if marker is not None and marker in text:
-            return text[: text.index(marker)]
+        text = self._decoded(self.decode)
+        self._search(text, marker)
+        stopped = self._cut >= 0
+        if stopped:
+            text = text[: self._cut]
+        if marker is not None and 0 <= self._marker_at <= len(text) - len(marker):
+            return text[: self._marker_at]
         if self.finish is not None or stopped:
             return text
         text = text.rstrip(_INCOMPLETE)
