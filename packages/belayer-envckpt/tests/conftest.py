@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tarfile
 import time
 import uuid
@@ -98,3 +99,17 @@ def read_from_layer(layer: Path, member: str) -> bytes:
         extracted = tar.extractfile(f"./{member}")
         assert extracted is not None
         return extracted.read()
+
+
+def fail_fsync_of(monkeypatch: pytest.MonkeyPatch, directory: Path) -> None:
+    """Make ``os.fsync`` of ``directory`` fail with EIO (a failing disk stands in: no real disk
+    fails on demand); every other fsync stays real.  ``monkeypatch.undo()`` ends it."""
+    real_fsync = os.fsync
+    target = str(directory)
+
+    def fake_failing_fsync(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}") == target:
+            raise OSError(5, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fake_failing_fsync)

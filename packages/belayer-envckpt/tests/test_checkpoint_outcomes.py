@@ -4,10 +4,9 @@ CRIU; fakes only for the Docker SDK's unpause and the operating system's fsync).
 
 from __future__ import annotations
 
-import os
-
 import docker
 import pytest
+from conftest import fail_fsync_of
 
 from belayer_envckpt import (
     CheckpointDurabilityError,
@@ -67,15 +66,7 @@ def test_a_failed_fsync_after_the_rename_is_not_reported_as_nothing_published(
     store = CheckpointStore(tmp_path)
     sandbox = make_sandbox(trajectory="durable")
     first = full_checkpoint(sandbox, "durable", store=store)
-    real_fsync = os.fsync
-    trajectory_dir = str(tmp_path / "durable")
-
-    def fake_failing_fsync(fd: int) -> None:
-        if os.readlink(f"/proc/self/fd/{fd}") == trajectory_dir:
-            raise OSError(5, "Input/output error")
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", fake_failing_fsync)
+    fail_fsync_of(monkeypatch, tmp_path / "durable")
     with pytest.raises(CheckpointDurabilityError, match="IS published") as caught:
         full_checkpoint(sandbox, "durable", store=store)
     monkeypatch.undo()

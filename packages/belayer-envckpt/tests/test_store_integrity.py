@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import fail_fsync_of
 
 from belayer_envckpt import (
     Checkpoint,
@@ -283,18 +284,10 @@ def test_latest_and_gc_keep_order_by_prefix_not_by_wall_clock(tmp_path):
 def test_a_failed_directory_fsync_after_the_rename_says_the_checkpoint_is_published(tmp_path, monkeypatch):
     store = CheckpointStore(tmp_path)
     publish(store, "traj-7", "k00001-aaaa", 1)
-    real_fsync = os.fsync
-    trajectory_dir = str(tmp_path / "traj-7")
-
-    def fake_failing_fsync(fd: int) -> None:
-        if os.readlink(f"/proc/self/fd/{fd}") == trajectory_dir:
-            raise OSError(5, "Input/output error")
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", fake_failing_fsync)
+    fail_fsync_of(monkeypatch, tmp_path / "traj-7")
     with pytest.raises(CheckpointDurabilityError, match="IS published") as caught:
         publish(store, "traj-7", "k00002-bbbb", 2)
-    monkeypatch.setattr(os, "fsync", real_fsync)
+    monkeypatch.undo()
     assert caught.value.checkpoint == store.latest_ready("traj-7")
     assert store.latest_ready("traj-7").prefix == 2
     assert not list(tmp_path.rglob("*.lock"))
