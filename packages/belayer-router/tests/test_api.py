@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -94,6 +95,26 @@ async def test_registration_without_a_slot_name_is_refused(path: str) -> None:
         assert response.status_code == 400
         assert "'slot'" in response.json()["error"]["message"]
         assert app.registry.slots == {}
+
+
+async def test_admin_numbers_and_context_token_ids_out_of_range_are_400s_and_not_journaled() -> None:
+    async with running_router() as (url, app), httpx.AsyncClient(base_url=url) as http:
+        calls = [
+            ("/workers/register", {"slot": "s0", "url": "http://127.0.0.1:1", "epoch": 2**64}, "'epoch'"),
+            ("/workers/unregister", {"slot": "s0", "epoch": 2**63}, "'epoch'"),
+            ("/slots/s0/weights", {"version": 2**64}, "'version'"),
+            ("/weights/required", {"version": -1}, "'version'"),
+            ("/contexts/t/0", {"token_ids": [1, 2**32]}, "'token_ids'"),
+        ]
+        for path, body, field in calls:
+            response = await http.post(path, content=json.dumps(body))
+            assert response.status_code == 400, path
+            assert field in response.json()["error"]["message"]
+        assert app.registry.slots == {}
+        assert (await http.get("/contexts/t")).status_code == 404
+        # The largest values are taken: an epoch of 2^63 - 1 registers.
+        ok = {"slot": "s0", "url": "http://127.0.0.1:1", "epoch": 2**63 - 1}
+        assert (await http.post("/workers/register", json=ok)).status_code == 200
 
 
 async def test_epoch_fencing_on_registration() -> None:

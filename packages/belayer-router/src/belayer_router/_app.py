@@ -38,6 +38,7 @@ from belayer_router._journal import Journal, RequestRecord
 from belayer_router._metrics import Metrics
 from belayer_router._openai_routes import OpenAIRoutes
 from belayer_router._protocol import (
+    MAX_TOKEN_ID,
     FinishEvent,
     GenerateRequest,
     TokenEvent,
@@ -53,10 +54,15 @@ __all__ = ["RouterApp", "RouterConfig"]
 Event = TokenEvent | TokensEvent | FinishEvent
 
 
+_MAX_ADMIN_INT = 2**63 - 1  # epochs travel as u64 on worker links; the journal writes them as JSON
+
+
 def _int_field(body: dict[str, Any], name: str) -> int:
     value = body.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidRequestError(f"field {name!r} must be a non-negative integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_ADMIN_INT:
+        raise InvalidRequestError(
+            f"field {name!r} must be an integer in [0, {_MAX_ADMIN_INT}], got {value!r}"
+        )
     return value
 
 
@@ -281,8 +287,12 @@ class RouterApp(OpenAIRoutes):
             case "PUT" | "POST", ["contexts", trajectory, turn]:
                 body = _object(await self._body(receive))
                 token_ids = body.get("token_ids")
-                if not isinstance(token_ids, list) or not all(type(t) is int and t >= 0 for t in token_ids):
-                    raise InvalidRequestError("field 'token_ids' must be a list of non-negative token ids")
+                if not isinstance(token_ids, list) or not all(
+                    type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in token_ids
+                ):
+                    raise InvalidRequestError(
+                        f"field 'token_ids' must be a list of token ids in [0, {MAX_TOKEN_ID}]"
+                    )
                 self.journal.put_context(trajectory, _parse_turn(turn), token_ids)
                 await send_json(send, 200, {"trajectory_id": trajectory, "turn": _parse_turn(turn)})
             case "GET", ["contexts", trajectory, *rest] if len(rest) <= 1:
