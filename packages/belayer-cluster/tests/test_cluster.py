@@ -3,8 +3,8 @@
 The session's Ray cluster (at least 3 live nodes of 1 CPU, conftest.py), the module's
 driver-owned router, two slots and a sandbox host per node; the tests run in file order: the
 node-loss test removes a node, the tests after it run on what is left. Ray declares a removed
-node dead only `RAY_HEALTH_CHECK_FAILURES` s after it went, so the router's broken streams name it
-first, deterministically.
+node dead only `RAY_HEALTH_CHECK_FAILURES` s after it went, so the router's broken streams mostly
+name it first (Ray 2.60 sometimes names it within seconds: both are accepted).
 """
 
 from __future__ import annotations
@@ -295,11 +295,13 @@ def test_a_node_removed_mid_rollout_resumes_on_another_node_exactly(
     assert after["b"][1] is not None
     assert after["b"][1] >= removed_at
     assert after["a"] == failures["a"]
-    # Named by the router's broken streams (b's host did not answer the ping), after the removal
-    # and before Ray's node table said anything (its health checks give up only after ~40 s).
-    assert loss.detected_by == "router broken streams"
-    assert set(loss.detections) == {"router broken streams"}
-    assert removed_at <= loss.detections["router broken streams"] <= loss.detected_at
+    # Named by the first detector. Mostly the router's broken streams (b's host did not answer the
+    # ping), before Ray's health checks give up (~40 s here); but Ray 2.60 sometimes marks the
+    # node dead within seconds of the removal (about 1 run in 3 on this machine, 2026-12-02), and
+    # then the watcher does not ping a node Ray already named. Either way the loss is handled once.
+    assert loss.detected_by in ("router broken streams", "ray")
+    assert set(loss.detections) == {loss.detected_by}
+    assert removed_at <= loss.detections[loss.detected_by] <= loss.detected_at
     assert loss.slots_left == ("a",) == slots.healthy_slots  # no spare: continues on what is left
     admin = {"Authorization": f"Bearer {TOKEN}"}
     workers = httpx.get(f"{router.url}/workers", headers=admin, timeout=30).json()["slots"]
@@ -368,5 +370,8 @@ def test_status_reports_the_lost_node_and_exits_unhealthy(
         lambda: "ray" in slots.detections.of(lost), 60, "the watcher to see Ray's word"
     )
     seen = slots.detections.of(lost)
-    assert seen["ray"] > seen["router broken streams"]
-    assert [loss.detected_by for loss in slots.losses] == ["router broken streams"]
+    (loss,) = slots.losses
+    if loss.detected_by == "router broken streams":  # else Ray named it first (see the node-loss test)
+        assert seen["ray"] > seen["router broken streams"]
+    else:
+        assert set(seen) == {"ray"}
