@@ -4,7 +4,8 @@ Every folder ``packages/belayer-*/`` is a package; each gets its own ``tests`` s
 then mypy strict over its sources, in one venv) and ``lint`` session, and each session installs only
 that package, the siblings it declares and its ``test`` extra, so an undeclared sibling import fails
 there.  ``typecheck`` runs mypy alone (not a default session: ``tests`` already runs it).
-``layers`` checks the import contract of docs/architecture.md with import-linter.
+``layers`` checks the import contract of docs/architecture.md with import-linter; ``cli_contract``
+runs every package's command against the root README's CLI contract (tests/test_cli_contract.py).
 
     nox -s "tests(package='belayer-envckpt')"
     nox -t envckpt          # the tests and lint sessions of one package
@@ -100,6 +101,21 @@ def lint(session: nox.Session, package: str) -> None:
     path = str(PACKAGES_DIR / package)
     session.run("ruff", "check", path)
     session.run("ruff", "format", "--check", path)
+
+
+@nox.session(tags=["cli_contract"])
+def cli_contract(session: nox.Session) -> None:
+    """The root README's CLI contract on every package's command (tests/test_cli_contract.py):
+    every package installed in one venv, as a user installs them."""
+    try:
+        session.install(
+            "-c", str(CONSTRAINTS), *[f"{PACKAGES_DIR / p}[test]" for p in PACKAGES], "pytest-timeout"
+        )
+        session.install("--no-deps", "--force-reinstall", *[str(PACKAGES_DIR / p) for p in PACKAGES])
+        session.chdir(ROOT)
+        session.run("python", "-m", "pytest", "-ra", "--timeout=900", "tests", *session.posargs)
+    finally:
+        _prune(session)
 
 
 @nox.session(default=False, tags=["typecheck"])

@@ -17,6 +17,7 @@ import pytest
 from conftest import KV_LAYOUT, start_worker, wait_line
 
 from belayer_gpumem import (
+    ExitCode,
     KVClient,
     ServerConfig,
     ServerGoneError,
@@ -41,7 +42,7 @@ def test_ready_file_pid_file_private_socket_and_clean_sigterm(run_dir: Path, tmp
     assert stat.S_IMODE(config.socket.stat().st_mode) == 0o600
     assert ping(config.socket)["pid"] == server.pid
     assert any("memfd:" in link for link in _fd_links(server.pid))
-    assert server.stop() == 0
+    assert server.stop() == ExitCode.INTERRUPTED  # stopped cleanly by SIGTERM (root README)
     assert not config.socket.exists()
     assert not ready.exists()
     assert not pid.exists()
@@ -197,7 +198,7 @@ def test_sigterm_with_attached_clients_still_exits_cleanly(kv_server: ServerProc
     kv = KVClient.attach(kv_server.config.socket)
     kv.arena.fill_(1.0)
     kv_server.popen.send_signal(signal.SIGTERM)
-    assert kv_server.popen.wait(timeout=30) == 0
+    assert kv_server.popen.wait(timeout=30) == ExitCode.INTERRUPTED
     assert float(kv.arena[0, 0, 0].double().sum()) > 0  # our own mapping outlives the server
     with pytest.raises(ServerGoneError):
         kv.flush()

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 from typing import Any
 
 from belayer_cluster._connect import check_address
@@ -41,7 +42,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Belayer's rollout slots on Ray.")
-    parser.add_argument("--debug", action="store_true", help="tracebacks for errors")
+    parser.add_argument("--debug", action="store_true", help="tracebacks for errors (also BELAYER_DEBUG=1)")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     status = commands.add_parser("status", help="the nodes of a Ray cluster (exit 3 if one is dead)")
     status.add_argument("--address", required=True, help="the Ray GCS address, HOST:PORT")
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.INTERRUPTED
     except BelayerClusterError as exc:
         if debug:
-            raise
+            traceback.print_exc()
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return ExitCode.USAGE if isinstance(exc, ClusterConfigError) else ExitCode.FAILED
     dead = [n for n in nodes if not n["alive"]]

@@ -97,7 +97,7 @@ def _run(args: argparse.Namespace) -> ExitCode:
         from belayer_gpumem._server import run_server
 
         run_server(_config(args))
-        return ExitCode.OK
+        return ExitCode.INTERRUPTED  # it serves until SIGTERM / SIGINT, then shuts down cleanly
     from belayer_gpumem._connection import Connection
 
     conn = Connection.connect(args.socket, timeout_s=10.0)
@@ -120,7 +120,7 @@ def _exit_code(exc: BelayerGpumemError, command: str) -> ExitCode:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns an `ExitCode` (argparse's own usage errors exit with USAGE too)."""
     args = _parser().parse_args(argv)
-    debug = args.debug or os.environ.get("BELAYER_DEBUG", "") not in ("", "0")
+    debug = args.debug or os.environ.get("BELAYER_DEBUG") == "1"
     try:
         return _run(args)
     except BelayerGpumemError as exc:

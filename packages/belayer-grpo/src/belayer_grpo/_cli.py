@@ -139,7 +139,7 @@ class _QuietLifespanCancel(logging.Filter):
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``belayer-grpo`` command; returns an `ExitCode`."""
     args = _parser().parse_args(argv)
-    debug = bool(args.debug or os.environ.get("BELAYER_DEBUG", "") not in ("", "0"))
+    debug = bool(args.debug or os.environ.get("BELAYER_DEBUG") == "1")
     logging.getLogger("uvicorn.error").addFilter(_QuietLifespanCancel())
     if args.command == "bench":
         return _bench(args, sys.argv[1:] if argv is None else argv, debug)

@@ -143,7 +143,7 @@ def _sigterm_interrupts() -> Iterator[None]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``belayer-policy`` command; returns an :class:`ExitCode`."""
     args = _parser().parse_args(argv)
-    debug = args.debug or os.environ.get("BELAYER_DEBUG", "") not in ("", "0")
+    debug = args.debug or os.environ.get("BELAYER_DEBUG") == "1"
     try:
         with _sigterm_interrupts():
             output = _simulate(args)

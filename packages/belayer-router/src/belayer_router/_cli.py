@@ -165,7 +165,7 @@ class _UsageError(Exception):
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``belayer-router`` command; returns an `ExitCode`."""
     args = _parser().parse_args(argv)
-    debug = args.debug or os.environ.get("BELAYER_DEBUG", "") not in ("", "0")
+    debug = args.debug or os.environ.get("BELAYER_DEBUG") == "1"
     try:
         return int(_serve(args))
     except (_UsageError, BelayerRouterError) as error:

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_shadow(shadow)
     except (BelayerShadowError, BelayerGpumemError, ValueError, OSError) as exc:
         if args.debug:
-            raise
+            traceback.print_exc()
         print(f"belayer-shadow: error: {exc}", file=sys.stderr)
         # A worker that started and then failed (registration, supervision, handover) ran; the
         # rest is bad input found before anything was started: a config, a model, a socket path.
