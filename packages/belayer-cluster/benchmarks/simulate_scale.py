@@ -2,13 +2,15 @@
 
 Two scenarios, each strategy on the same failure traces: the agentic job (the default inputs, with
 sandbox losses) and a job without sandboxes (`sandbox_losses_per_node_day = 0`). Inputs are the
-defaults with Belayer's measured recovery times read from this checkout's committed results files.
+defaults, Belayer's measured recovery times among them (the package's committed
+`measured_inputs.json`: `benchmarks/update_measured_inputs.py` regenerates it from the siblings'
+results files first when one of them was re-run).
 
     python benchmarks/simulate_scale.py [--days 30] [--reps 20] [--seed 0] [--out benchmarks/results]
 
 (run from packages/belayer-cluster; needs matplotlib: `pip install -e '.[bench]'`). Writes
 `simulate_scale.json`, `simulate_scale.md` and `simulate_scale.png` under `--out`. A simulation:
-nothing here is measured on this machine except the recovery times it reads.
+nothing here is measured on this machine.
 """
 
 from __future__ import annotations
@@ -23,10 +25,9 @@ from belayer_cluster.simulate import (
     INPUT_SOURCES,
     SimInputs,
     Strategy,
-    find_repo_root,
     inputs_table,
+    load_measured_inputs,
     markdown_table,
-    measured_inputs,
     simulate_scale,
 )
 
@@ -73,15 +74,11 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
-    root = find_repo_root(Path.cwd())
-    if root is None:
-        print("run from a Belayer checkout (packages/belayer-cluster)", file=sys.stderr)
-        return 2
-    measured = measured_inputs(root)
+    measured = load_measured_inputs()
     sources = {name: info.source for name, info in INPUT_SOURCES.items()} | {
         n: s for n, (_, s) in measured.items()
     }
-    agentic = SimInputs().replace(**{name: value for name, (value, _) in measured.items()})
+    agentic = SimInputs()  # its measured defaults are the committed measured_inputs.json
     plain = agentic.replace(sandbox_losses_per_node_day=0.0)
     started = time.monotonic()
     scenarios = {

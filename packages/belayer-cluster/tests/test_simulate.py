@@ -6,11 +6,13 @@ Pure computation (no Ray is started): the whole module runs in seconds.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import itertools
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -18,6 +20,7 @@ from belayer_cluster import BelayerClusterError, ClusterConfigError
 from belayer_cluster._cli import main
 from belayer_cluster.simulate import (
     INPUT_SOURCES,
+    MEASURED_INPUTS,
     Failure,
     FailureKind,
     ScaleResult,
@@ -25,8 +28,8 @@ from belayer_cluster.simulate import (
     Strategy,
     checkpoint_every_steps,
     draw_failures,
+    load_measured_inputs,
     markdown_table,
-    measured_inputs,
     run_job,
     simulate_scale,
 )
@@ -204,7 +207,7 @@ def test_bad_scales_and_traces_raise_typed_errors() -> None:
         simulate_scale(SMALL, gpus=[64], repetitions=0)
 
 
-def _write_results(root: Path) -> None:
+def _write_results(root: Path, node_loss: object = None) -> None:
     shadow = root / "packages/belayer-shadow/benchmarks/results"
     shadow.mkdir(parents=True)
     (shadow / "bench_handover_vllm.json").write_text(
@@ -220,37 +223,92 @@ def _write_results(root: Path) -> None:
     (envckpt / "bench_checkpoint.json").write_text(
         json.dumps([{"restore_total_ms": 900}, {"restore_total_ms": 4000}])
     )
+    cluster = root / "packages/belayer-cluster/benchmarks/results"
+    cluster.mkdir(parents=True)
+    node_loss = {"summary": {"node_loss_recovery_s": 4.5}} if node_loss is None else node_loss
+    (cluster / "bench_node_loss.json").write_text(json.dumps(node_loss))
 
 
-def test_measured_inputs_are_read_from_the_committed_results_files(tmp_path: Path) -> None:
+def _update_script() -> ModuleType:
+    """benchmarks/update_measured_inputs.py, the only code that reads the siblings' results files."""
+    path = Path(__file__).parents[1] / "benchmarks" / "update_measured_inputs.py"
+    spec = importlib.util.spec_from_file_location("update_measured_inputs", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_update_script_reads_the_siblings_results_files(tmp_path: Path) -> None:
+    script = _update_script()
     _write_results(tmp_path)
-    found = measured_inputs(tmp_path)
-    assert {name: value for name, (value, _) in found.items()} == {
+    assert script.read_results(tmp_path) == {
         "detection_s": 20.0,
         "worker_restart_s": 50.0,
         "shadow_handover_s": 0.7,
         "sandbox_restore_s": 4.0,
         "sandbox_restart_s": 4.0,
+        "node_loss_resume_s": 4.5,
     }
-    assert "bench_handover_vllm.json" in found["shadow_handover_s"][1]
+    out = tmp_path / "inputs.json"
+    assert script.main(["--repo", str(tmp_path), "--out", str(out)]) == 0
+    loaded = load_measured_inputs(out)
+    assert loaded["shadow_handover_s"][0] == 0.7
+    assert "bench_handover_vllm.json" in loaded["shadow_handover_s"][1]
+    assert script.main(["--repo", str(tmp_path), "--out", str(out), "--check"]) == 0
     (tmp_path / "packages/belayer-envckpt/benchmarks/results/bench_checkpoint.json").write_text("[{}]")
     with pytest.raises(ClusterConfigError, match="restore_total_ms"):
-        measured_inputs(tmp_path)
+        script.read_results(tmp_path)
 
 
-def test_the_node_loss_benchmark_is_read_when_it_has_the_key(tmp_path: Path) -> None:
-    results = tmp_path / "packages/belayer-cluster/benchmarks/results"
-    results.mkdir(parents=True)
-    (results / "bench_node_loss.json").write_text(json.dumps({"summary": {"node_loss_recovery_s": 4.5}}))
-    assert measured_inputs(tmp_path)["node_loss_resume_s"][0] == 4.5
-    (results / "bench_node_loss.json").write_text(json.dumps({"another": "shape"}))
-    assert "node_loss_resume_s" not in measured_inputs(tmp_path)
+def test_the_update_script_refuses_a_node_loss_file_without_its_key(tmp_path: Path) -> None:
+    _write_results(tmp_path, node_loss={"another": "shape"})
+    with pytest.raises(ClusterConfigError, match="node_loss_recovery_s"):
+        _update_script().read_results(tmp_path)
+
+
+def test_the_committed_measured_inputs_are_the_siblings_committed_results() -> None:
+    # The committed file is what the update script writes from this checkout's results files: a
+    # sibling that re-ran its benchmark without regenerating it fails here, naming the command.
+    script = _update_script()
+    if not (script.REPO / script.SHADOW_VLLM).is_file():
+        pytest.skip("not a Belayer checkout (an installed package): no sibling results to compare")
+    assert MEASURED_INPUTS.read_text() == script.document(script.read_results(script.REPO)), (
+        "measured_inputs.json is stale: run python packages/belayer-cluster/benchmarks/update_measured_inputs.py"
+    )
+
+
+def test_the_defaults_are_the_committed_measured_inputs() -> None:
+    measured = load_measured_inputs()
+    assert {name: getattr(SimInputs(), name) for name in measured} == {n: v for n, (v, _) in measured.items()}
+    assert set(measured) < set(INPUT_SOURCES)
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("not json", "cannot read"),
+        ("[]", "expected"),
+        ('{"inputs": {"detection_s": {"value": 1, "source": "x"}}}', "missing"),
+        ("BAD_VALUE", "inputs.detection_s"),
+    ],
+)
+def test_a_bad_measured_inputs_file_is_a_typed_error(tmp_path: Path, text: str, says: str) -> None:
+    if text == "BAD_VALUE":
+        document = json.loads(MEASURED_INPUTS.read_text())
+        document["inputs"]["detection_s"]["value"] = "fast"
+        text = json.dumps(document)
+    path = tmp_path / "inputs.json"
+    path.write_text(text)
+    with pytest.raises(ClusterConfigError, match=says):
+        load_measured_inputs(path)
 
 
 def test_cli_json_is_one_document_with_sourced_inputs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _write_results(tmp_path)
+    _write_results(tmp_path)  # a checkout's results files around the command: not read any more
     monkeypatch.chdir(tmp_path)
     argv = ["simulate", "--gpus", "1024", "2048", "--days", "2", "--reps", "2", "--seed", "7", "--json"]
     assert main([*argv, "--rollout-s", "200"]) == 0
@@ -260,18 +318,41 @@ def test_cli_json_is_one_document_with_sourced_inputs(
     assert set(document["inputs"]) == set(INPUT_SOURCES)
     assert document["inputs"]["rollout_s"] == {**document["inputs"]["rollout_s"], "value": 200.0}
     assert document["inputs"]["rollout_s"]["source"] == "command-line flag"
-    assert document["inputs"]["shadow_handover_s"]["value"] == 0.7  # read from the checkout
-    assert "bench_handover_vllm.json" in document["inputs"]["shadow_handover_s"]["source"]
+    committed = load_measured_inputs()["shadow_handover_s"]
+    assert document["inputs"]["shadow_handover_s"]["value"] == committed[0]
+    assert document["inputs"]["shadow_handover_s"]["source"] == committed[1]
     assert {(r["gpus"], r["strategy"]) for r in document["results"]} == {
         (g, s.value) for g in (1024, 2048) for s in Strategy
     }
     assert all(len(r["ratios"]) == 2 and 0 < r["ratio_mean"] <= 1 for r in document["results"])
 
 
+def test_cli_inputs_file_gives_the_measured_inputs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _write_results(tmp_path)
+    inputs = tmp_path / "inputs.json"
+    assert _update_script().main(["--repo", str(tmp_path), "--out", str(inputs)]) == 0
+    capsys.readouterr()
+    argv = ["simulate", "--gpus", "1024", "--days", "1", "--reps", "1", "--json", "--inputs", str(inputs)]
+    assert main(argv) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["inputs"]["shadow_handover_s"]["value"] == 0.7
+    assert document["inputs"]["node_loss_resume_s"]["value"] == 4.5
+    assert document["inputs"]["node_loss_resume_s"]["source"].startswith(str(inputs))
+
+
+def test_cli_repo_is_gone_with_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--days", "1", "--reps", "1", "--repo", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("belayer-cluster: error: --repo is gone")
+    assert "update_measured_inputs.py" in err
+
+
 def test_cli_usage_errors_are_one_line_and_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.chdir(tmp_path)  # no checkout here: the built-in copies of the measured inputs
+    monkeypatch.chdir(tmp_path)
     assert main(["simulate", "--gpus", "1001", "--days", "1", "--reps", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("belayer-cluster: error: gpus must be a multiple")

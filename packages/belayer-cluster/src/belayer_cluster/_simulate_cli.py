@@ -16,7 +16,7 @@ import attrs
 
 from belayer_cluster._errors import ClusterConfigError
 from belayer_cluster._simulate import Strategy
-from belayer_cluster._simulate_inputs import INPUT_SOURCES, SimInputs, find_repo_root, measured_inputs
+from belayer_cluster._simulate_inputs import INPUT_SOURCES, MEASURED_INPUTS, SimInputs, load_measured_inputs
 from belayer_cluster._simulate_scale import DEFAULT_GPUS, inputs_table, markdown_table, simulate_scale
 
 __all__ = ["add_simulate_parser", "resolve_inputs", "run_simulate"]
@@ -41,8 +41,12 @@ def add_simulate_parser(commands: Any) -> None:
         help="only these strategies (repeatable)",
     )
     simulate.add_argument(
-        "--repo", type=Path, help="Belayer checkout whose committed results to read (default: cwd's)"
+        "--inputs",
+        type=Path,
+        help=f"a measured-inputs file (default: the committed {MEASURED_INPUTS.name}; "
+        "benchmarks/update_measured_inputs.py writes one)",
     )
+    simulate.add_argument("--repo", type=Path, help=argparse.SUPPRESS)  # removed: a clear error says so
     simulate.add_argument("--json", action="store_true", help="print one JSON document")
     defaults = SimInputs()
     for field in attrs.fields(SimInputs):
@@ -56,29 +60,14 @@ def add_simulate_parser(commands: Any) -> None:
         )
 
 
-def resolve_inputs(overrides: dict[str, float], repo: Path | None) -> tuple[SimInputs, dict[str, str]]:
-    """Built-in defaults < the checkout's committed measurements < flags; returns inputs and sources."""
+def resolve_inputs(overrides: dict[str, float], inputs: Path | None) -> tuple[SimInputs, dict[str, str]]:
+    """Defaults < the measured-inputs file (`inputs`, else the committed one) < flags; returns the
+    inputs and each one's source."""
     sources = {name: info.source for name, info in INPUT_SOURCES.items()}
-    root = repo if repo is not None else find_repo_root(Path.cwd())
-    if repo is not None and find_repo_root(repo) is None:
-        raise ClusterConfigError(
-            f"--repo {repo} is not a Belayer checkout (no packages/belayer-shadow/benchmarks)"
-        )
     values: dict[str, Any] = {}
-    if root is not None:
-        for name, (value, source) in measured_inputs(root).items():
-            values[name] = value
-            sources[name] = source
-    else:
-        for name in (
-            "detection_s",
-            "worker_restart_s",
-            "node_loss_resume_s",
-            "shadow_handover_s",
-            "sandbox_restore_s",
-            "sandbox_restart_s",
-        ):
-            sources[name] = f"built-in copy of {INPUT_SOURCES[name].source}"
+    for name, (value, source) in load_measured_inputs(inputs).items():
+        values[name] = value
+        sources[name] = source if inputs is None else f"{inputs}: {source}"
     for name, value in overrides.items():
         values[name] = value
         sources[name] = "command-line flag"
@@ -90,7 +79,13 @@ def run_simulate(args: argparse.Namespace) -> int:
     overrides = {
         f.name: getattr(args, f.name) for f in attrs.fields(SimInputs) if getattr(args, f.name) is not None
     }
-    inputs, sources = resolve_inputs(overrides, args.repo)
+    if args.repo is not None:
+        raise ClusterConfigError(
+            "--repo is gone: the simulation no longer reads a checkout's results files; it uses its "
+            f"committed {MEASURED_INPUTS.name} (regenerate it with "
+            "packages/belayer-cluster/benchmarks/update_measured_inputs.py) or --inputs FILE"
+        )
+    inputs, sources = resolve_inputs(overrides, args.inputs)
     strategies = [Strategy(s) for s in args.strategy] if args.strategy else list(Strategy)
     results = simulate_scale(
         inputs, gpus=args.gpus, days=args.days, repetitions=args.reps, seed=args.seed, strategies=strategies

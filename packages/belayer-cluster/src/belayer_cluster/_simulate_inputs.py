@@ -1,8 +1,9 @@
 """The scale simulation's inputs: every number named, with its unit and where it comes from.
 
 Published failure rates come from the Llama 3 paper; recovery times come from Belayer's committed
-benchmark results (`measured_inputs` reads them from a checkout); the rest are labelled
-assumptions. Every input is overridable (`SimInputs` field, `belayer-cluster simulate --<name>`).
+benchmark results, through the simulation's own committed file `measured_inputs.json` (written by
+`benchmarks/update_measured_inputs.py` from the siblings' results files; nothing here reads another
+package's files); the rest are labelled assumptions. Every input is overridable (`SimInputs` field, `belayer-cluster simulate --<name>`).
 Only the standard library and attrs: `belayer-cluster simulate` must not pay for importing ray.
 """
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ import attrs
 
 from belayer_cluster._errors import ClusterConfigError
 
-__all__ = ["INPUT_SOURCES", "InputSource", "SimInputs", "find_repo_root", "measured_inputs"]
+__all__ = ["INPUT_SOURCES", "MEASURED_INPUTS", "InputSource", "SimInputs", "load_measured_inputs"]
 
 # Llama 3 paper (Llama Team, AI @ Meta, "The Llama 3 Herd of Models", arXiv 2407.21783), section
 # 3.3.4 and Table 5: 419 unexpected interruptions in a 54-day snapshot of Llama 3 405B pre-training
@@ -138,9 +138,52 @@ def _whole(instance: object, attribute: attrs.Attribute[Any], value: int) -> Non
         raise ClusterConfigError(f"{attribute.name} must be a whole number >= 1 (got {value!r})")
 
 
+# The measured recovery times, committed beside this module; `benchmarks/update_measured_inputs.py`
+# regenerates it from the siblings' committed results files.
+MEASURED_INPUTS = Path(__file__).with_name("measured_inputs.json")
+MEASURED = ("detection_s", "worker_restart_s", "shadow_handover_s", "node_loss_resume_s", "sandbox_restore_s",
+            "sandbox_restart_s")  # fmt: skip
+
+
+def load_measured_inputs(path: Path | None = None) -> dict[str, tuple[float, str]]:
+    """The measured inputs of a measured-inputs file (default: the committed `MEASURED_INPUTS`).
+
+    Returns {input name: (value, source)}. The file is a JSON object whose `inputs` maps each input
+    of `MEASURED` to {"value": seconds, "source": where it was measured}; anything else is a
+    `ClusterConfigError` naming the file and what to fix.
+    """
+    path = MEASURED_INPUTS if path is None else path
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ClusterConfigError(f"cannot read the measured-inputs file {path}: {exc}") from exc
+    inputs = document.get("inputs") if isinstance(document, dict) else None
+    if not isinstance(inputs, dict):
+        raise ClusterConfigError(f'{path}: expected {{"inputs": {{name: {{"value", "source"}}}}}}')
+    missing = sorted(set(MEASURED) - set(inputs))
+    unknown = sorted(set(inputs) - set(MEASURED))
+    if missing or unknown:
+        raise ClusterConfigError(
+            f"{path}: the measured inputs are {list(MEASURED)} (missing {missing}, unknown {unknown})"
+        )
+    found: dict[str, tuple[float, str]] = {}
+    for name in MEASURED:
+        entry = inputs[name]
+        value = entry.get("value") if isinstance(entry, dict) else None
+        source = entry.get("source") if isinstance(entry, dict) else None
+        if isinstance(value, bool) or not isinstance(value, int | float) or not isinstance(source, str):
+            raise ClusterConfigError(f'{path}: inputs.{name} must be {{"value": number, "source": text}}')
+        found[name] = (float(value), source)
+    return found
+
+
+_COMMITTED = {name: value for name, (value, _) in load_measured_inputs().items()}
+
+
 @attrs.frozen(kw_only=True)
 class SimInputs:
-    """Every input of the scale simulation; `INPUT_SOURCES[name]` says where each default comes from."""
+    """Every input of the scale simulation; `INPUT_SOURCES[name]` says where each default comes from
+    (the measured ones: the committed `measured_inputs.json`)."""
 
     gpus_per_node: int = attrs.field(default=8, validator=_whole)
     failures_per_gpu_day: float = attrs.field(
@@ -157,12 +200,12 @@ class SimInputs:
     checkpoint_write_s: float = attrs.field(default=300.0, validator=_non_negative)
     checkpoint_restart_s: float = attrs.field(default=600.0, validator=_non_negative)
     checkpoint_interval_s: float = attrs.field(default=0.0, validator=_non_negative)
-    detection_s: float = attrs.field(default=29.741925954818726, validator=_non_negative)
-    worker_restart_s: float = attrs.field(default=79.3382933139801, validator=_non_negative)
-    shadow_handover_s: float = attrs.field(default=0.636053204536438, validator=_non_negative)
-    node_loss_resume_s: float = attrs.field(default=3.3494436740875244, validator=_non_negative)
-    sandbox_restore_s: float = attrs.field(default=5.355012, validator=_non_negative)
-    sandbox_restart_s: float = attrs.field(default=5.355012, validator=_non_negative)
+    detection_s: float = attrs.field(default=_COMMITTED["detection_s"], validator=_non_negative)
+    worker_restart_s: float = attrs.field(default=_COMMITTED["worker_restart_s"], validator=_non_negative)
+    shadow_handover_s: float = attrs.field(default=_COMMITTED["shadow_handover_s"], validator=_non_negative)
+    node_loss_resume_s: float = attrs.field(default=_COMMITTED["node_loss_resume_s"], validator=_non_negative)
+    sandbox_restore_s: float = attrs.field(default=_COMMITTED["sandbox_restore_s"], validator=_non_negative)
+    sandbox_restart_s: float = attrs.field(default=_COMMITTED["sandbox_restart_s"], validator=_non_negative)
 
     @property
     def step_s(self) -> float:
@@ -175,67 +218,3 @@ class SimInputs:
         if unknown:
             raise ClusterConfigError(f"unknown simulation input(s) {unknown}; known: {sorted(INPUT_SOURCES)}")
         return attrs.evolve(self, **changes)
-
-
-def find_repo_root(start: Path) -> Path | None:
-    """The Belayer checkout holding `start` (the folder with packages/belayer-shadow), or None."""
-    for folder in (start, *start.parents):
-        if (folder / "packages" / "belayer-shadow" / "benchmarks").is_dir():
-            return folder
-    return None
-
-
-def _load(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ClusterConfigError(f"cannot read the committed results file {path}: {exc}") from exc
-
-
-def measured_inputs(repo_root: Path) -> dict[str, tuple[float, str]]:
-    """Belayer's measured recovery times, read from the committed results files of a checkout.
-
-    Returns {input name: (value, "file: key")}; a file that is not there is left out (the built-in
-    default, a copy of the committed value, stays), a shadow or envckpt file that is there but
-    unreadable raises `ClusterConfigError`.
-    """
-    found: dict[str, tuple[float, str]] = {}
-    shadow = repo_root / _SHADOW_VLLM
-    if shadow.is_file():
-        data = _load(shadow)
-        try:
-            found["detection_s"] = (
-                float(data["conventional"]["detection_s"]),
-                INPUT_SOURCES["detection_s"].source,
-            )
-            found["worker_restart_s"] = (
-                float(data["conventional"]["all_resumed_s"]),
-                INPUT_SOURCES["worker_restart_s"].source,
-            )
-            found["shadow_handover_s"] = (
-                float(statistics.median(float(t["all_resumed_s"]) for t in data["shadow"])),
-                INPUT_SOURCES["shadow_handover_s"].source,
-            )
-        except (KeyError, TypeError, ValueError, statistics.StatisticsError) as exc:
-            raise ClusterConfigError(f"{shadow} lacks a key the simulation reads ({exc!r})") from exc
-    envckpt = repo_root / _ENVCKPT
-    if envckpt.is_file():
-        rows = _load(envckpt)
-        try:
-            restore_s = max(float(row["restore_total_ms"]) for row in rows) / 1000.0
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ClusterConfigError(f"{envckpt} lacks restore_total_ms ({exc!r})") from exc
-        found["sandbox_restore_s"] = (restore_s, INPUT_SOURCES["sandbox_restore_s"].source)
-        found["sandbox_restart_s"] = (restore_s, INPUT_SOURCES["sandbox_restart_s"].source)
-    node_loss = repo_root / _NODE_LOSS
-    if node_loss.is_file():
-        # The node-loss benchmark belongs to the cluster engineer: a shape without the key keeps the
-        # named default (its source says so) rather than breaking the simulation.
-        data = _load(node_loss)
-        summary = data.get("summary", {}) if isinstance(data, dict) else {}
-        if isinstance(summary, dict) and isinstance(summary.get("node_loss_recovery_s"), int | float):
-            found["node_loss_resume_s"] = (
-                float(summary["node_loss_recovery_s"]),
-                INPUT_SOURCES["node_loss_resume_s"].source,
-            )
-    return found

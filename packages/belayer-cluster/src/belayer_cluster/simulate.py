@@ -20,10 +20,10 @@ from belayer_cluster._simulate import (
 )
 from belayer_cluster._simulate_inputs import (
     INPUT_SOURCES,
+    MEASURED_INPUTS,
     InputSource,
     SimInputs,
-    find_repo_root,
-    measured_inputs,
+    load_measured_inputs,
 )
 from belayer_cluster._simulate_scale import (
     DEFAULT_GPUS,
@@ -36,6 +36,7 @@ from belayer_cluster._simulate_scale import (
 __all__ = [
     "DEFAULT_GPUS",
     "INPUT_SOURCES",
+    "MEASURED_INPUTS",
     "Failure",
     "FailureKind",
     "InputSource",
@@ -45,10 +46,9 @@ __all__ = [
     "Strategy",
     "checkpoint_every_steps",
     "draw_failures",
-    "find_repo_root",
     "inputs_table",
+    "load_measured_inputs",
     "markdown_table",
-    "measured_inputs",
     "run_job",
     "simulate_scale",
 ]
