@@ -12,9 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from belayer_gpumem import KVLayout, LayoutError, ProtocolError, WeightLayout
+from belayer_gpumem._double_buffer import DoubleBufferConflictError, WeightDoubleBuffer
 from belayer_gpumem._layout import DTYPE_SIZES, REGION_ALIGNMENT, TENSOR_ALIGNMENT
 from belayer_gpumem._protocol import decode_body, encode_frame, validate_request
-from belayer_gpumem._slots import SlotConflictError, WeightSlots
 
 entries = st.lists(
     st.tuples(
@@ -107,22 +107,22 @@ def test_frames_round_trip_and_reject_non_objects() -> None:
 
 
 def test_slots_writer_never_gets_a_pinned_slot() -> None:
-    slots = WeightSlots()
-    assert slots.pin(1) == (0, 0)
-    slot = slots.begin(2)
+    buffer = WeightDoubleBuffer()
+    assert buffer.pin(1) == (0, 0)
+    slot = buffer.begin(2)
     assert slot == 1
-    with pytest.raises(SlotConflictError, match="already updating"):
-        slots.begin(3)
-    assert slots.pin(3) == (0, 0)  # new readers keep getting the live slot during an update
-    assert slots.commit(2) == 1
-    assert slots.active_slot == 1
-    with pytest.raises(SlotConflictError, match="must call refresh"):
-        slots.begin(2)  # readers 1 and 3 still pin slot 0
-    slots.pin(1)
-    slots.disconnect(3)
-    assert slots.begin(2) == 0
-    slots.disconnect(2)  # a dead writer's update is dropped, never published
-    assert (slots.version, slots.active_slot, slots.writer) == (1, 1, None)
+    with pytest.raises(DoubleBufferConflictError, match="already updating"):
+        buffer.begin(3)
+    assert buffer.pin(3) == (0, 0)  # new readers keep getting the live slot during an update
+    assert buffer.commit(2) == 1
+    assert buffer.active_slot == 1
+    with pytest.raises(DoubleBufferConflictError, match="must call refresh"):
+        buffer.begin(2)  # readers 1 and 3 still pin slot 0
+    buffer.pin(1)
+    buffer.disconnect(3)
+    assert buffer.begin(2) == 0
+    buffer.disconnect(2)  # a dead writer's update is dropped, never published
+    assert (buffer.version, buffer.active_slot, buffer.writer) == (1, 1, None)
 
 
 @given(
@@ -131,25 +131,25 @@ def test_slots_writer_never_gets_a_pinned_slot() -> None:
     )
 )
 def test_slots_invariants_hold_under_any_sequence(ops: list[tuple[str, int]]) -> None:
-    slots = WeightSlots()
+    buffer = WeightDoubleBuffer()
     last_version = 0
     for op, conn in ops:
         try:
             if op == "pin":
-                slots.pin(conn)
+                buffer.pin(conn)
             elif op == "unpin":
-                slots.unpin(conn)
+                buffer.unpin(conn)
             elif op == "begin":
-                slots.begin(conn)
+                buffer.begin(conn)
             elif op == "commit":
-                slots.commit(conn)
+                buffer.commit(conn)
             elif op == "abort":
-                slots.abort(conn)
+                buffer.abort(conn)
             else:
-                slots.disconnect(conn)
-        except SlotConflictError:
+                buffer.disconnect(conn)
+        except DoubleBufferConflictError:
             pass
-        if slots.writer is not None:
-            assert slots.readers_of(slots.inactive_slot) == 0
-        assert slots.version >= last_version
-        last_version = slots.version
+        if buffer.writer is not None:
+            assert buffer.readers_of(buffer.inactive_slot) == 0
+        assert buffer.version >= last_version
+        last_version = buffer.version

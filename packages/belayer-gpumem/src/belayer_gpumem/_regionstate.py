@@ -11,10 +11,10 @@ import attrs
 
 from belayer_gpumem._backends import ServerRegion, create_region
 from belayer_gpumem._config import ServerConfig
+from belayer_gpumem._double_buffer import DoubleBufferConflictError, WeightDoubleBuffer
 from belayer_gpumem._errors import BelayerGpumemError, LayoutError, RemoteError, UpdateBusyError
 from belayer_gpumem._layout import KVLayout, WeightLayout
 from belayer_gpumem._safetensors_io import read_safetensors
-from belayer_gpumem._slots import SlotConflictError, WeightSlots
 
 __all__ = ["RegionState"]
 
@@ -52,7 +52,7 @@ class RegionState:
     region: ServerRegion
     weights: WeightLayout | None = None
     kv: KVLayout | None = None
-    slots: WeightSlots = attrs.field(factory=WeightSlots)
+    buffer: WeightDoubleBuffer = attrs.field(factory=WeightDoubleBuffer)
     generation: int = 0
     started_at: float = attrs.field(factory=time.monotonic)
     _changed: anyio.Event = attrs.field(factory=anyio.Event)
@@ -62,7 +62,9 @@ class RegionState:
         """Allocate the region (and load the weights, if a file was given). Blocking."""
         if config.kind == "weights":
             layout, region, version = _load_weights(config)
-            return cls(config=config, region=region, weights=layout, slots=WeightSlots(version=version))
+            return cls(
+                config=config, region=region, weights=layout, buffer=WeightDoubleBuffer(version=version)
+            )
         assert config.kv_layout is not None
         region = create_region(config.backend, config.kv_layout.region_bytes, device=config.device)
         return cls(config=config, region=region, kv=config.kv_layout)
@@ -73,7 +75,7 @@ class RegionState:
 
     def disconnect(self, conn: int) -> None:
         """A connection went away: drop its pin and abort its update."""
-        self.slots.disconnect(conn)
+        self.buffer.disconnect(conn)
         self._notify()
 
     def _notify(self) -> None:
@@ -91,7 +93,7 @@ class RegionState:
         handler = getattr(self, f"_op_{op}")
         try:
             reply: Reply = await handler(conn, request)
-        except SlotConflictError as exc:
+        except DoubleBufferConflictError as exc:
             raise RemoteError("conflict", str(exc)) from exc
         return {"ok": True, **reply}
 
@@ -107,7 +109,7 @@ class RegionState:
             "pid": os.getpid(),
         }
         if self.weights is not None:
-            reply |= {"version": self.slots.version, "active_slot": self.slots.active_slot}
+            reply |= {"version": self.buffer.version, "active_slot": self.buffer.active_slot}
             reply["layout"] = self.weights.to_json()
         if self.kv is not None:
             reply |= {"generation": self.generation, "layout": self.kv.to_json()}
@@ -142,43 +144,43 @@ class RegionState:
     async def _op_acquire(self, conn: int, request: dict[str, Any]) -> Reply:
         self._need("weights", "acquire")
         assert self.weights is not None
-        slot, version = self.slots.pin(conn)
+        slot, version = self.buffer.pin(conn)
         self._notify()
         return {"slot": slot, "version": version, "slot_offset": slot * self.weights.slot_bytes}
 
     async def _op_release(self, conn: int, request: dict[str, Any]) -> Reply:
         self._need("weights", "release")
-        self.slots.unpin(conn)
+        self.buffer.unpin(conn)
         self._notify()
         return {}
 
     async def _op_update_begin(self, conn: int, request: dict[str, Any]) -> Reply:
         self._need("weights", "update_begin")
         assert self.weights is not None
-        if self.slots.writer == conn:
+        if self.buffer.writer == conn:
             raise RemoteError("conflict", "this connection already has an open update; commit or abort it")
         wait_s = min(max(float(request.get("timeout_s", _DEFAULT_UPDATE_WAIT_S)), 0.0), _MAX_UPDATE_WAIT_S)
         with anyio.move_on_after(wait_s):
-            while not self.slots.can_begin():
+            while not self.buffer.can_begin():
                 await self._changed.wait()
         try:
-            slot = self.slots.begin(conn)
-        except SlotConflictError as exc:
+            slot = self.buffer.begin(conn)
+        except DoubleBufferConflictError as exc:
             raise UpdateBusyError("busy", f"{exc} (waited {wait_s:g} s)") from exc
         slot_bytes = self.weights.slot_bytes
         if request.get("copy_current", False):
-            src = self.slots.active_slot * slot_bytes
+            src = self.buffer.active_slot * slot_bytes
             await anyio.to_thread.run_sync(self.region.copy, src, slot * slot_bytes, slot_bytes)
-        return {"slot": slot, "slot_offset": slot * slot_bytes, "next_version": self.slots.version + 1}
+        return {"slot": slot, "slot_offset": slot * slot_bytes, "next_version": self.buffer.version + 1}
 
     async def _op_update_commit(self, conn: int, request: dict[str, Any]) -> Reply:
         self._need("weights", "update_commit")
-        version = self.slots.commit(conn)
+        version = self.buffer.commit(conn)
         self._notify()
-        return {"version": version, "active_slot": self.slots.active_slot}
+        return {"version": version, "active_slot": self.buffer.active_slot}
 
     async def _op_update_abort(self, conn: int, request: dict[str, Any]) -> Reply:
         self._need("weights", "update_abort")
-        self.slots.abort(conn)
+        self.buffer.abort(conn)
         self._notify()
-        return {"version": self.slots.version}
+        return {"version": self.buffer.version}

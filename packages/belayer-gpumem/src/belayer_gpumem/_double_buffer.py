@@ -1,4 +1,7 @@
-"""Bookkeeping of the weight double buffer: which slot is live, who reads which, who writes.
+"""Bookkeeping of the weight double buffer: which half is live, who reads which, who writes.
+
+The two halves are called *slots* on the wire (`active_slot`, `slot_bytes`, `update_begin`'s
+`slot`): not to be confused with the engine slots of belayer-shadow and belayer-router.
 
 Readers *pin* the slot of the version they use; a writer gets the other slot only once no reader
 pins it, fills it, and *commit* flips the live slot and bumps the version. So no reader ever sees a
@@ -11,15 +14,15 @@ import attrs
 
 from belayer_gpumem._errors import BelayerGpumemError
 
-__all__ = ["SlotConflictError", "WeightSlots"]
+__all__ = ["DoubleBufferConflictError", "WeightDoubleBuffer"]
 
 
-class SlotConflictError(BelayerGpumemError):
+class DoubleBufferConflictError(BelayerGpumemError):
     """A slot operation is not allowed in the current state (no update open, another writer, ...)."""
 
 
 @attrs.define
-class WeightSlots:
+class WeightDoubleBuffer:
     """The state machine behind `acquire`, `release` and `update_begin/commit/abort`.
 
     Connection ids are opaque ints chosen by the server; `disconnect` undoes everything a
@@ -56,12 +59,12 @@ class WeightSlots:
     def begin(self, conn: int) -> int:
         """Make `conn` the writer of the inactive slot; returns that slot."""
         if self.writer is not None:
-            raise SlotConflictError(
+            raise DoubleBufferConflictError(
                 f"another client (connection {self.writer}) is already updating the weights"
             )
         waiting = self.readers_of(self.inactive_slot)
         if waiting:
-            raise SlotConflictError(
+            raise DoubleBufferConflictError(
                 f"{waiting} reader(s) still use version {self.version - 1}; they must call refresh() first"
             )
         self.writer = conn
@@ -88,4 +91,6 @@ class WeightSlots:
 
     def _check_writer(self, conn: int) -> None:
         if self.writer != conn:
-            raise SlotConflictError("this connection has no open weight update; call update_begin first")
+            raise DoubleBufferConflictError(
+                "this connection has no open weight update; call update_begin first"
+            )
