@@ -145,6 +145,51 @@ def test_an_agentic_run_on_two_nodes_restores_the_lost_nodes_sandboxes_elsewhere
         engine.close()
 
 
+@pytest.mark.docker
+@pytest.mark.timeout(900)  # a hang fails here; without the fix the step waited 300 s and then some
+def test_the_default_workload_loses_its_node_within_the_step_even_when_no_checkpoint_comes(
+    tmp_path: Path,
+) -> None:
+    """Issue 33: the default tooluse workload (adaptive checkpoints, which it often does not take)
+    with `chaos.kill_node_at_step`: the node goes within the step, whether or not a sandbox on it
+    ever had a ready checkpoint, and the run completes (it waited for that checkpoint before)."""
+    run_dir = tmp_path / "run"
+    config = load_config(
+        None,
+        [
+            f"system.run_dir={str(run_dir)!r}",  # the default workload and checkpoint policy
+            "cluster.nodes=2",
+            "system.num_slots=2",
+            "algorithm.steps=2",
+            "chaos.kill_node_at_step=1",
+            "chaos.kill_worker_at_steps=[]",
+            "chaos.sandbox_kill_p=0",
+            "model.warmup_steps=5",
+            "data.held_out=2",
+            "system.checkpoint_every=0",
+            "logging.progress=false",
+        ],
+    )
+    assert config.rollout.env_checkpoint_policy == "adaptive"
+    out = io.StringIO()
+    summary = anyio.run(lambda: run_training(config, stream=out))
+    log = out.getvalue()
+    assert summary["status"] == "completed", log
+    (loss,) = summary["node_losses"]
+    assert (loss["step"], loss["slots"], loss["slots_left"]) == (1, ["slot1"], ["slot0"])
+    assert loss["tokens_lost"] == 0
+    assert loss["sandboxes_restored"] == len(loss["sandboxes"])
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # Handled before step 1's push (its metrics already count one slot), not after the run's end.
+    assert [m["healthy_slots"] for m in metrics] == [1, 1]
+    assert [len(m["weights_nodes"]) for m in metrics] == [1, 1]
+    lines = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 * 16
+    for line in lines:
+        for recovery in line["recoveries"]:
+            assert recovery["prefix_consistent"], recovery
+
+
 def test_a_lost_node_is_replaced_and_its_replacement_serves_the_current_weights(tmp_path: Path) -> None:
     config = load_config(
         None,

@@ -344,15 +344,37 @@ class ClusterSystem:
     def _rollouts(self) -> list[RolloutCluster]:
         return [self.rollout, *self.replacements]
 
-    def before_rollout(self, step: int) -> None:
-        """Arm `chaos.kill_node_at_step`: the node goes once the step's rollout is under way."""
+    def before_rollout(self, step: int, num_trajectories: int = 0) -> None:
+        """Arm `chaos.kill_node_at_step`: the node goes once the step's rollout is under way.
+
+        ``num_trajectories`` is the step's count (an agentic step reports each one's end through
+        `trajectory_finished`); `after_rollout` must follow, whatever the rollout's outcome.
+        """
         if step != self.kill_node_at_step or self._killer is not None:
             return
         if self.local is None:
             raise SystemStartError("chaos.kill_node_at_step needs cluster.nodes (a local cluster)")
-        self._killer = threading.Thread(target=self._kill_node, args=(step,), daemon=True)
+        victim_slot = self.slots[-1].config.slot
+        victim = self.rollout.infos[victim_slot].node_id
+        # With sandboxes, the node goes once a sandbox on it has a ready checkpoint (`_checkpointed`),
+        # or once that can no longer be waited for (`_NodeLossHold.checkpoint_or_late`).
+        self._hold = hold = _NodeLossHold(
+            victim, num_trajectories, wants_checkpoint=self.sandboxes is not None
+        )
+        self._killer = threading.Thread(target=self._kill_node, args=(step, victim_slot, hold), daemon=True)
         self.weight_sockets.pending = self._killer
         self._killer.start()
+
+    def trajectory_finished(self) -> None:
+        """One trajectory of the step's rollout finished (its sandbox is no longer in use)."""
+        if self._hold is not None:
+            self._hold.trajectory_finished()
+
+    def after_rollout(self, step: int) -> None:
+        """The step's rollout is over: a node loss armed for it waits for nothing more of it (a
+        checkpoint that never came, tokens that never streamed) and goes now, before the push."""
+        if self._hold is not None and step == self.kill_node_at_step:
+            self._hold.rollout_over()
 
     def node_losses(self) -> list[dict[str, Any]]:
         """What each lost node cost: requests resumed elsewhere, sandboxes restored, tokens lost, time."""
@@ -380,24 +402,19 @@ class ClusterSystem:
     def _outstanding(self, slot: str) -> int:
         return _outstanding_of(self.router_url, self.admin_token, slot)
 
-    def _kill_node(self, step: int) -> None:
-        victim_slot = self.slots[-1].config.slot
-        victim = self.rollout.infos[victim_slot].node_id
-        # With sandboxes, the node goes once a sandbox on it has a ready checkpoint (`_checkpointed`).
-        hold = self._hold = _NodeLossHold(victim) if self.sandboxes is not None else None
+    def _kill_node(self, step: int, victim_slot: str, hold: _NodeLossHold) -> None:
+        """Remove the victim's node once the step's rollout is under way. Every wait here ends at
+        the rollout's end at the latest (`after_rollout`): never on an event that may not come."""
         try:
             start = _metrics(self.router_url).get("tokens_total", 0.0)
-            deadline = time.monotonic() + 600
             while _metrics(self.router_url).get("tokens_total", 0.0) < start + KILL_AFTER_TOKENS:
-                if time.monotonic() > deadline:
-                    return
-                time.sleep(0.02)
-            if hold is not None:
-                hold.claimed.wait(KILL_WAIT_CHECKPOINT_S)
-            self._remove_node(step, victim_slot, victim)
+                if hold.over.wait(0.02):
+                    break
+            if hold.wants_checkpoint:
+                hold.checkpoint_or_late.wait(KILL_WAIT_CHECKPOINT_S)
+            self._remove_node(step, victim_slot, hold.node_id)
         finally:
-            if hold is not None:
-                hold.released.set()
+            hold.released.set()
 
     def _remove_node(self, step: int, victim_slot: str, victim: str) -> None:
         assert self.local is not None
@@ -436,12 +453,24 @@ class ClusterSystem:
 
 @attrs.define
 class _NodeLossHold:
-    """The first trajectory to checkpoint a sandbox on the victim node claims this and waits
-    for `released` (set once the node's loss is handled, or given up)."""
+    """When `chaos.kill_node_at_step` removes its node, and the trajectory held meanwhile.
+
+    With sandboxes the node waits for a ready checkpoint of a sandbox on it: the first trajectory
+    to take one claims the hold and waits for `released` (set once the node's loss is handled, or
+    given up). The adaptive policy may take no checkpoint at all (the default tooluse workload
+    often takes none), so `checkpoint_or_late` is also set once half the step's trajectories have
+    finished (the node then goes mid-rollout with the sandboxes it has, restored from their
+    latest ready checkpoint or from the image) and, at the latest, when the rollout is over.
+    """
 
     node_id: str
+    num_trajectories: int  # of the step; 0: not counted (only the rollout's end is late)
+    wants_checkpoint: bool
     claimed: threading.Event = attrs.field(factory=threading.Event)
+    checkpoint_or_late: threading.Event = attrs.field(factory=threading.Event)
+    over: threading.Event = attrs.field(factory=threading.Event)  # the step's rollout is over
     released: threading.Event = attrs.field(factory=threading.Event)
+    num_finished: int = 0
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
 
     def claim(self, node_id: str) -> bool:
@@ -449,7 +478,19 @@ class _NodeLossHold:
             if node_id != self.node_id or self.claimed.is_set() or self.released.is_set():
                 return False
             self.claimed.set()
+            self.checkpoint_or_late.set()
             return True
+
+    def trajectory_finished(self) -> None:
+        with self._lock:
+            self.num_finished += 1
+            if self.num_trajectories and 2 * self.num_finished >= self.num_trajectories:
+                self.checkpoint_or_late.set()
+
+    def rollout_over(self) -> None:
+        with self._lock:
+            self.over.set()
+            self.checkpoint_or_late.set()
 
 
 @attrs.define

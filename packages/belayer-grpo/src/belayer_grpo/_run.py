@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -211,10 +211,20 @@ async def _math_rollout(
 
 
 async def _swe_rollout(
-    run: RunState, step: int, router: RouterClient, chaos: WorkerChaos
+    run: RunState,
+    step: int,
+    router: RouterClient,
+    chaos: WorkerChaos,
+    finished: Callable[[], None] | None = None,
 ) -> tuple[list[Sample], dict[str, Any]]:
     config = run.config
     settings = agentic_config(config, run.run_dir, run.tokenizer, step)
+
+    def on_trajectory(_trajectory: object) -> None:
+        run.reporter.advance()
+        if finished is not None:
+            finished()
+
     if run.estimators is None:
         run.estimators = default_estimators(settings)
     samples, metrics, trajectories = await run_swe_rollout(
@@ -227,7 +237,7 @@ async def _swe_rollout(
         chaos=chaos if chaos.wants_kill_at_step(step) else None,
         trajectories_file=run.run_dir / "trajectories.jsonl",
         step=step,
-        on_trajectory=lambda _t: run.reporter.advance(),
+        on_trajectory=on_trajectory,
         estimators=run.estimators,
         pool=await run.sandbox_pool(),
     )
@@ -250,13 +260,21 @@ async def _step(
     sync: WeightSync | ClusterWeights,
 ) -> dict[str, Any]:
     config = run.config
-    run.reporter.begin_step(step, config.rollout.batch_size * config.rollout.samples_per_prompt)
+    total = config.rollout.batch_size * config.rollout.samples_per_prompt
+    run.reporter.begin_step(step, total)
     chaos.current_step = step
     if isinstance(system, ClusterSystem):  # chaos.kill_node_at_step
-        system.before_rollout(step)
+        system.before_rollout(step, num_trajectories=total)
     started = time.monotonic()
-    rollout = _math_rollout if config.data.workload == "math" else _swe_rollout
-    samples, extra = await rollout(run, step, router, chaos)
+    try:
+        if config.data.workload == "math":
+            samples, extra = await _math_rollout(run, step, router, chaos)
+        else:
+            finished = system.trajectory_finished if isinstance(system, ClusterSystem) else None
+            samples, extra = await _swe_rollout(run, step, router, chaos, finished)
+    finally:
+        if isinstance(system, ClusterSystem):  # a node loss armed for the step waits no longer
+            system.after_rollout(step)
     rollout_s = time.monotonic() - started
     run.reporter.advance("reward")
     rewards = [s.reward for s in samples]
