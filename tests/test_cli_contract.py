@@ -86,10 +86,10 @@ def _shadow_bad_model(tmp: Path) -> list[str]:
 ERRORS = [
     Case(
         "policy",
-        lambda _: ["simulate", "--policy", "adaptive", "--policy", "adaptive"],
+        lambda _: ["compare", "--policy", "adaptive", "--policy", "adaptive"],
         USAGE,
         "names a policy twice",
-        lambda _: ["--debug", "simulate", "--policy", "adaptive", "--policy", "adaptive"],
+        lambda _: ["--debug", "compare", "--policy", "adaptive", "--policy", "adaptive"],
     ),
     Case(
         "envckpt",
@@ -185,10 +185,10 @@ def test_a_usage_error_of_argparse_exits_usage(package: str, tmp_path: Path) -> 
 
 
 JSON_COMMANDS: dict[str, Callable[[Path], list[str]]] = {
-    "policy": lambda _: ["simulate", "--runs", "1", "--trajectories", "2", "--steps", "3", "--json"],
+    "policy": lambda _: ["compare", "--runs", "1", "--trajectories", "2", "--steps", "3", "--json"],
     "envckpt": lambda t: ["ls", "--store", str(t / "store"), "--json"],
     "shadow": lambda t: ["reap", "--run-dir", str(t / "run"), "--json"],
-    "cluster": lambda _: ["simulate", "--gpus", "1024", "--days", "1", "--reps", "1", "--json"],
+    "cluster": lambda _: ["scale", "--gpus", "1024", "--days", "1", "--reps", "1", "--json"],
     "grpo": lambda _: ["config", "--json"],
 }
 

@@ -1,6 +1,6 @@
 """Regenerate the scale simulation's measured inputs from the siblings' committed results files.
 
-The simulation (`belayer-cluster simulate`, `benchmarks/simulate_scale.py`) reads its measured
+The simulation (`belayer-cluster scale`, `benchmarks/simulate_scale.py`) reads its measured
 recovery times only from its own committed file, `src/belayer_cluster/measured_inputs.json`; this
 script is the one place that knows where its siblings keep theirs. Run it from the repository root
 or from packages/belayer-cluster after a sibling re-runs one of those benchmarks:

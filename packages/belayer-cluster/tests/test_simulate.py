@@ -310,7 +310,7 @@ def test_cli_json_is_one_document_with_sourced_inputs(
 ) -> None:
     _write_results(tmp_path)  # a checkout's results files around the command: not read any more
     monkeypatch.chdir(tmp_path)
-    argv = ["simulate", "--gpus", "1024", "2048", "--days", "2", "--reps", "2", "--seed", "7", "--json"]
+    argv = ["scale", "--gpus", "1024", "2048", "--days", "2", "--reps", "2", "--seed", "7", "--json"]
     assert main([*argv, "--rollout-s", "200"]) == 0
     document = json.loads(capsys.readouterr().out)
     assert document["seed"] == 7
@@ -334,7 +334,7 @@ def test_cli_inputs_file_gives_the_measured_inputs(
     inputs = tmp_path / "inputs.json"
     assert _update_script().main(["--repo", str(tmp_path), "--out", str(inputs)]) == 0
     capsys.readouterr()
-    argv = ["simulate", "--gpus", "1024", "--days", "1", "--reps", "1", "--json", "--inputs", str(inputs)]
+    argv = ["scale", "--gpus", "1024", "--days", "1", "--reps", "1", "--json", "--inputs", str(inputs)]
     assert main(argv) == 0
     document = json.loads(capsys.readouterr().out)
     assert document["inputs"]["shadow_handover_s"]["value"] == 0.7
@@ -343,7 +343,7 @@ def test_cli_inputs_file_gives_the_measured_inputs(
 
 
 def test_cli_repo_is_gone_with_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["simulate", "--days", "1", "--reps", "1", "--repo", str(tmp_path)]) == 2
+    assert main(["scale", "--days", "1", "--reps", "1", "--repo", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("belayer-cluster: error: --repo is gone")
     assert "update_measured_inputs.py" in err
@@ -353,11 +353,11 @@ def test_cli_usage_errors_are_one_line_and_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    assert main(["simulate", "--gpus", "1001", "--days", "1", "--reps", "1"]) == 2
+    assert main(["scale", "--gpus", "1001", "--days", "1", "--reps", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("belayer-cluster: error: gpus must be a multiple")
     assert err.count("\n") == 1
-    assert main(["simulate", "--checkpoint-write-s", "-5"]) == 2
+    assert main(["scale", "--checkpoint-write-s", "-5"]) == 2
     assert "checkpoint_write_s" in capsys.readouterr().err
 
 
@@ -388,7 +388,7 @@ def test_the_simulate_command_starts_without_importing_ray(tmp_path: Path) -> No
         "import json, sys\n"
         "from importlib.metadata import entry_points\n"
         "(entry,) = entry_points(group='console_scripts', name='belayer-cluster')\n"
-        "code = entry.load()(['simulate', '--gpus', '1024', '--days', '1', '--reps', '1', '--json'])\n"
+        "code = entry.load()(['scale', '--gpus', '1024', '--days', '1', '--reps', '1', '--json'])\n"
         "print(json.dumps({'code': code, 'ray': 'ray' in sys.modules, 'torch': 'torch' in sys.modules}),"
         " file=sys.stderr)\n"
     )
@@ -399,3 +399,16 @@ def test_the_simulate_command_starts_without_importing_ray(tmp_path: Path) -> No
     report = json.loads(done.stderr.strip().splitlines()[-1])
     assert report == {"code": 0, "ray": False, "torch": False}
     assert json.loads(done.stdout)["results"]  # it did run the simulation
+
+
+def test_the_former_command_name_still_works_and_says_it_is_deprecated(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--gpus", "1024", "--days", "1", "--reps", "1", "--json"]
+    assert main(["simulate", *argv]) == 0
+    old = capsys.readouterr()
+    assert "`belayer-cluster simulate` is deprecated; use `belayer-cluster scale`" in old.err
+    assert main(["--debug", "scale", *argv]) == 0
+    new = capsys.readouterr()
+    assert json.loads(old.out) == json.loads(new.out)
+    assert "deprecated" not in new.err

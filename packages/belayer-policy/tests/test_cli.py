@@ -1,4 +1,4 @@
-"""``belayer-policy simulate``: in-process and as the installed console script."""
+"""``belayer-policy compare``: in-process and as the installed console script."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ REQUIRED_KEYS = {
 
 
 def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> list[dict[str, object]]:
-    assert main(["simulate", *argv, "--json"]) == 0
+    assert main(["compare", *argv, "--json"]) == 0
     result: list[dict[str, object]] = json.loads(capsys.readouterr().out)
     return result
 
@@ -45,7 +45,7 @@ def test_json_has_one_object_per_policy(capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_default_compares_the_four_policies_as_a_table(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["simulate", "--trajectories", "2", "--steps", "3", "--runs", "2"]) == 0
+    assert main(["compare", "--trajectories", "2", "--steps", "3", "--runs", "2"]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].startswith("| policy |")
     assert [line.split("|")[1].strip() for line in table[2:]] == [
@@ -82,7 +82,7 @@ def test_trace_drives_the_batch(tmp_path: Path, capsys: pytest.CaptureFixture[st
 def test_bad_arguments_exit_2_with_a_message(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["simulate", *argv]) == 2
+    assert main(["compare", *argv]) == 2
     assert message in capsys.readouterr().err
 
 
@@ -90,7 +90,7 @@ def test_console_script_runs_as_a_process() -> None:
     script = shutil.which("belayer-policy", path=str(Path(sys.executable).parent))
     assert script is not None, "the package's console script is not installed next to this Python"
     done = subprocess.run(
-        [script, "simulate", "--trajectories", "2", "--steps", "3", "--runs", "1", "--json"],
+        [script, "compare", "--trajectories", "2", "--steps", "3", "--runs", "1", "--json"],
         capture_output=True,
         text=True,
         check=True,
@@ -107,7 +107,7 @@ def test_console_script_runs_as_a_process() -> None:
 
 def test_python_m_runs_the_command_and_errors_are_one_line() -> None:
     ok = subprocess.run(
-        [sys.executable, "-m", "belayer_policy", "simulate", "--trajectories", "1", "--steps", "2", "--json"],
+        [sys.executable, "-m", "belayer_policy", "compare", "--trajectories", "1", "--steps", "2", "--json"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -115,7 +115,7 @@ def test_python_m_runs_the_command_and_errors_are_one_line() -> None:
     assert ok.returncode == ExitCode.OK, ok.stderr
     assert len(json.loads(ok.stdout)) == 5
     bad = subprocess.run(
-        [sys.executable, "-m", "belayer_policy", "simulate", "--fail-prob", "2"],
+        [sys.executable, "-m", "belayer_policy", "compare", "--fail-prob", "2"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -126,7 +126,7 @@ def test_python_m_runs_the_command_and_errors_are_one_line() -> None:
 
 
 def test_debug_prints_the_traceback(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--debug", "simulate", "--fail-prob", "2"]) == ExitCode.USAGE
+    assert main(["--debug", "compare", "--fail-prob", "2"]) == ExitCode.USAGE
     err = capsys.readouterr().err
     assert "Traceback" in err
     assert err.rstrip().splitlines()[-1].startswith("belayer-policy: error: fail_prob")
@@ -160,3 +160,16 @@ def test_known_probability_and_carried_estimators(capsys: pytest.CaptureFixture[
     (known,) = _json(capsys, *argv, "--known-fail-prob", "--carry-estimators")
     assert learned["failure_free_s_mean"] == known["failure_free_s_mean"]
     assert known["checkpoints_mean"] >= learned["checkpoints_mean"]
+
+
+def test_the_former_command_name_still_works_and_says_it_is_deprecated(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--trajectories", "2", "--steps", "3", "--runs", "1", "--json"]
+    assert main(["simulate", *argv]) == ExitCode.OK
+    old = capsys.readouterr()
+    assert "`belayer-policy simulate` is deprecated; use `belayer-policy compare`" in old.err
+    assert main(["compare", *argv]) == ExitCode.OK
+    new = capsys.readouterr()
+    assert json.loads(old.out) == json.loads(new.out)
+    assert "deprecated" not in new.err

@@ -6,7 +6,7 @@ the actor's node) and reports a lost node's slots to the driver's router, which 
 requests token-exact on the other slots. Only this package imports ray.
 
 The names that need ray (or torch) are imported on first use (PEP 562), so that the errors, the
-config, `connect` and `belayer-cluster simulate` start without importing ray.
+config, `connect` and `belayer-cluster scale` start without importing ray.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""`belayer-cluster status`: the nodes of a Ray cluster, alive or lost; `simulate`: the scale simulation.
+"""`belayer-cluster status`: the nodes of a Ray cluster, alive or lost; `scale`: the scale simulation.
+
+`belayer-cluster simulate`, the former name of `scale`, still works and says it is deprecated.
 
 The CLI contract of the root README: one error line `belayer-cluster: error: ...` on stderr (a
 traceback only with `--debug` or `BELAYER_DEBUG=1`), named exit codes (`ExitCode`), `--json`
@@ -14,6 +16,7 @@ import logging
 import os
 import sys
 import traceback
+from collections.abc import Sequence
 from typing import Any
 
 from belayer_cluster._connect import check_address
@@ -75,12 +78,28 @@ def status(address: str, connect_timeout_s: float = 10.0) -> list[dict[str, Any]
         ray.shutdown()
 
 
+def _renamed_command(argv: Sequence[str], old: str, new: str, prog: str) -> list[str]:
+    """`argv` with the deprecated command name `old` replaced by `new` (and a warning on stderr)."""
+    args = list(argv)
+    for index, arg in enumerate(args):
+        if not arg.startswith("-"):  # the command: global options come before it and take no value
+            if arg == old:
+                print(
+                    f"{prog}: warning: `{prog} {old}` is deprecated; use `{prog} {new}` (same flags)",
+                    file=sys.stderr,
+                )
+                args[index] = new
+            break
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `belayer-cluster`; returns the exit code."""
     debug = os.environ.get("BELAYER_DEBUG") == "1" or "--debug" in (sys.argv[1:] if argv is None else argv)
     try:
+        argv = _renamed_command(sys.argv[1:] if argv is None else argv, "simulate", "scale", PROG)
         args = _parser().parse_args(argv)
-        if args.command == "simulate":
+        if args.command == "scale":
             return run_simulate(args)
         nodes = status(args.address, args.connect_timeout_s)
     except KeyboardInterrupt:

@@ -16,7 +16,7 @@ depends on the recovery strategy:
   `its nominal end + recovery`. A failure after the worker's nominal end, or on a rollout node
   outside the rollout phase, only makes the worker late for the next rollout phase.
 
-Standard library only (no ray, no numpy): `belayer-cluster simulate` starts fast.
+Standard library only (no ray, no numpy): `belayer-cluster scale` starts fast.
 """
 
 from __future__ import annotations

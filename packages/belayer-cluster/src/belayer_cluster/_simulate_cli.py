@@ -1,4 +1,4 @@
-"""`belayer-cluster simulate`: the scale simulation from the command line.
+"""`belayer-cluster scale`: the scale simulation from the command line.
 
 Every simulation input is a flag (`--rollout-s 600`); Belayer's measured recovery times are read
 from the committed results files when the command runs inside a Belayer checkout (or `--repo`),
@@ -23,10 +23,11 @@ __all__ = ["add_simulate_parser", "resolve_inputs", "run_simulate"]
 
 
 def add_simulate_parser(commands: Any) -> None:
-    """Add the `simulate` subcommand (and a flag per simulation input) to the CLI's subparsers."""
+    """Add the `scale` subcommand (and a flag per simulation input) to the CLI's subparsers."""
     simulate = commands.add_parser(
-        "simulate",
-        help="effective training time ratio of an RL job at 1,024-16,384 GPUs, per recovery strategy",
+        "scale",
+        help="effective training time ratio of an RL job at 1,024-16,384 GPUs, per recovery strategy "
+        "(formerly `simulate`)",
     )
     simulate.add_argument(
         "--gpus", type=int, nargs="+", default=list(DEFAULT_GPUS), help="GPU counts to simulate"
@@ -75,7 +76,7 @@ def resolve_inputs(overrides: dict[str, float], inputs: Path | None) -> tuple[Si
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    """Run the simulation the parsed `simulate` arguments ask for, print it; returns exit code 0."""
+    """Run the simulation the parsed `scale` arguments ask for, print it; returns exit code 0."""
     overrides = {
         f.name: getattr(args, f.name) for f in attrs.fields(SimInputs) if getattr(args, f.name) is not None
     }

@@ -3,8 +3,8 @@
 Published failure rates come from the Llama 3 paper; recovery times come from Belayer's committed
 benchmark results, through the simulation's own committed file `measured_inputs.json` (written by
 `benchmarks/update_measured_inputs.py` from the siblings' results files; nothing here reads another
-package's files); the rest are labelled assumptions. Every input is overridable (`SimInputs` field, `belayer-cluster simulate --<name>`).
-Only the standard library and attrs: `belayer-cluster simulate` must not pay for importing ray.
+package's files); the rest are labelled assumptions. Every input is overridable (`SimInputs` field, `belayer-cluster scale --<name>`).
+Only the standard library and attrs: `belayer-cluster scale` must not pay for importing ray.
 """
 
 from __future__ import annotations

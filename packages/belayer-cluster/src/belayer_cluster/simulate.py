@@ -4,7 +4,7 @@ A discrete-event simulation of a synchronous RL (GRPO) job on 1,024-16,384 GPUs 
 from published rates (Llama 3 paper), comparing the effective training time ratio of three recovery
 strategies: restart the job from its last checkpoint, restart the failed role, and Belayer. Every
 input is named and sourced (`INPUT_SOURCES`). Its modules import only the standard library and
-attrs; `belayer-cluster simulate` is the command line.
+attrs; `belayer-cluster scale` is the command line.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""``belayer-policy simulate``: compare checkpoint policies on simulated rollout batches.
+"""``belayer-policy compare``: compare checkpoint policies on simulated rollout batches.
+
+``belayer-policy simulate``, its former name, still works and says it is deprecated.
 
 The CLI keeps the contract of the root README: one ``belayer-policy: error: ...`` line on stderr
 for the package's own errors (a traceback only with ``--debug`` or ``BELAYER_DEBUG=1``), the named
@@ -50,8 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     sim = commands.add_parser(
-        "simulate",
-        help="compare policies on simulated rollout batches",
+        "compare",
+        help="compare policies on simulated rollout batches (formerly `simulate`)",
         description="Simulate rollout batches under each policy and print a comparison table.",
     )
     sim.add_argument(
@@ -140,8 +142,24 @@ def _sigterm_interrupts() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _renamed_command(argv: Sequence[str], old: str, new: str, prog: str) -> list[str]:
+    """`argv` with the deprecated command name `old` replaced by `new` (and a warning on stderr)."""
+    args = list(argv)
+    for index, arg in enumerate(args):
+        if not arg.startswith("-"):  # the command: global options come before it and take no value
+            if arg == old:
+                print(
+                    f"{prog}: warning: `{prog} {old}` is deprecated; use `{prog} {new}` (same flags)",
+                    file=sys.stderr,
+                )
+                args[index] = new
+            break
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``belayer-policy`` command; returns an :class:`ExitCode`."""
+    argv = _renamed_command(sys.argv[1:] if argv is None else argv, "simulate", "compare", "belayer-policy")
     args = _parser().parse_args(argv)
     debug = args.debug or os.environ.get("BELAYER_DEBUG") == "1"
     try:
