@@ -2,9 +2,9 @@
 
 The engine is a Qwen3-architecture decoder whose parameters are views of belayer-gpumem's weight
 server and whose paged KV cache lives in its KV server, so a shadow worker can take over the same
-memory within a second when the main worker dies. Two halves, two private folders: `_engine/`
-(the engine) and `_workers/` (main worker, shadow, handover, slot supervisor); this module is the
-public API of both.
+memory within a second when the main worker dies. Three private folders: `_engine/`
+(the engine), `_workers/` (main worker, shadow, handover, slot supervisor) and `_serve/` (a whole
+rollout service on one machine: the router and N slots); this module is the public API of all.
 """
 
 from __future__ import annotations
@@ -33,9 +33,13 @@ if TYPE_CHECKING:
         ModelConfigError,
         RequestError,
         SupervisorError,
+        UnsupportedModelError,
         WeightsError,
         WorkerError,
     )
+    from belayer_shadow._serve._config import ServeConfig
+    from belayer_shadow._serve._model_folder import ModelFolder
+    from belayer_shadow._serve._service import RolloutService
     from belayer_shadow._workers._events import EventLog, read_events
     from belayer_shadow._workers._heartbeat import HandoverFlag, Heartbeat
     from belayer_shadow._workers._processes import reap_stale_processes
@@ -59,6 +63,7 @@ _EXPORTS = {
     "RequestError": "belayer_shadow._errors",
     "SamplingParams": "belayer_shadow._engine._sequence",
     "StepOutput": "belayer_shadow._engine._sequence",
+    "UnsupportedModelError": "belayer_shadow._errors",
     "WeightsError": "belayer_shadow._errors",
     "allocate_kv_arena": "belayer_shadow._engine._llm_engine",
     "fill_weight_server": "belayer_shadow._engine._loader",
@@ -86,6 +91,10 @@ _EXPORTS = {
     "reap_stale_processes": "belayer_shadow._workers._processes",
     "run_shadow": "belayer_shadow._workers._shadow",
     "run_worker": "belayer_shadow._workers._worker",
+    # One machine's rollout service (`_serve/`): `belayer-shadow serve`.
+    "ModelFolder": "belayer_shadow._serve._model_folder",
+    "RolloutService": "belayer_shadow._serve._service",
+    "ServeConfig": "belayer_shadow._serve._config",
 }
 
 __all__ = [
@@ -101,13 +110,17 @@ __all__ = [
     "LLMEngineError",
     "ModelConfig",
     "ModelConfigError",
+    "ModelFolder",
     "RequestError",
+    "RolloutService",
     "SamplingParams",
+    "ServeConfig",
     "ShadowConfig",
     "SlotConfig",
     "SlotSupervisor",
     "StepOutput",
     "SupervisorError",
+    "UnsupportedModelError",
     "WeightsError",
     "WorkerConfig",
     "WorkerError",

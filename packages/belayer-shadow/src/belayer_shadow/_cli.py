@@ -1,4 +1,5 @@
-"""`belayer-shadow worker | shadow | slot | reap`: the workers, the slot supervisor, the reaper.
+"""`belayer-shadow serve | worker | shadow | slot | reap`: a whole rollout service on one machine,
+the workers, the slot supervisor, the reaper.
 
 The CLI contract of the root README: one error line `belayer-shadow: error: ...` on stderr (a
 traceback only with `--debug` or `BELAYER_DEBUG=1`), named exit codes (`ExitCode`), `--json` on
@@ -104,10 +105,109 @@ def _parser() -> argparse.ArgumentParser:
     slot.add_argument("--health-interval-s", type=float, default=10.0, help="conventional: probe interval")
     slot.add_argument("--health-misses", type=int, default=3, help="conventional: misses before a restart")
     slot.add_argument("--json", action="store_true", help="report the serving slot as one JSON document")
+    _serve_parser(commands)
     reap = commands.add_parser("reap", help="kill what an earlier killed slot left in a run folder")
     reap.add_argument("--run-dir", type=Path, required=True, help="the slot's run folder (processes.json)")
     reap.add_argument("--json", action="store_true", help="report as one JSON document")
     return parser
+
+
+def _serve_parser(commands: Any) -> None:
+    serve = commands.add_parser(
+        "serve",
+        help="serve a model folder on this machine: the router and N slots, until Ctrl-C / SIGTERM",
+    )
+    serve.add_argument("model_dir", type=Path, help="a local Hugging Face model folder (Qwen3)")
+    serve.add_argument("--slots", type=int, default=1, help="engine slots (each: main worker + shadow)")
+    serve.add_argument(
+        "--engine",
+        choices=("belayer", "builtin", "vllm"),
+        default="belayer",
+        help="belayer (= builtin): the built-in engine; vllm: needs belayer-shadow[vllm]",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="the router's address (0.0.0.0: all)")
+    serve.add_argument("--port", type=int, default=8000, help="the router's port (0 picks a free one)")
+    serve.add_argument("--served-model-name", help="the model name of /v1/models (default: MODEL_DIR)")
+    serve.add_argument("--max-model-len", type=int, help="longest prompt (default: the model's)")
+    serve.add_argument("--run-dir", type=Path, help="sockets, logs and events (default: a temporary one)")
+    serve.add_argument("--recovery", choices=("shadow", "conventional", "restart"), default="shadow")
+    serve.add_argument("--backend", choices=("host", "cuda"), default="host", help="cuda: slot i on GPU i")
+    serve.add_argument("--num-kv-blocks", type=int, default=512, help="KV blocks per slot")
+    serve.add_argument("--block-size", type=int, default=16)
+    serve.add_argument("--max-num-seqs", type=int, default=64, help="running requests per slot")
+    serve.add_argument("--resume-wait-s", type=float, default=30.0, help="how long a cut request waits")
+    serve.add_argument(
+        "--hang-threshold-s", type=float, default=3.0, help="heartbeat age that counts as a hang"
+    )
+    serve.add_argument("--router-server", choices=("uvicorn", "belayer"), help="the router's HTTP server")
+    serve.add_argument("--json", action="store_true", help="print one JSON line when ready")
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    import anyio
+
+    from belayer_shadow._serve._config import ServeConfig
+
+    config = ServeConfig(
+        model_dir=args.model_dir,
+        num_slots=args.slots,
+        engine="belayer" if args.engine == "builtin" else args.engine,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        max_model_len=args.max_model_len,
+        run_dir=args.run_dir,
+        recovery=args.recovery,
+        backend=args.backend,
+        num_kv_blocks=args.num_kv_blocks,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        resume_wait_s=args.resume_wait_s,
+        hang_threshold_s=args.hang_threshold_s,
+        router_server=args.router_server,
+    )
+    return anyio.run(_serve, args, config)
+
+
+async def _serve(args: argparse.Namespace, config: object) -> int:
+    import anyio
+
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        try:
+            await _serve_until_signal(args, config, signals)
+        except BaseExceptionGroup as group:  # one failure inside the task group: raise it as such
+            errors = group.exceptions
+            while len(errors) == 1 and isinstance(errors[0], BaseExceptionGroup):
+                errors = errors[0].exceptions
+            if len(errors) == 1:
+                raise errors[0] from None
+            raise
+    return ExitCode.INTERRUPTED
+
+
+async def _serve_until_signal(args: argparse.Namespace, config: Any, signals: Any) -> None:
+    import anyio
+
+    from belayer_shadow._serve._service import RolloutService
+
+    async def stop_on_signal(scope: anyio.CancelScope) -> None:
+        async for _ in signals:
+            scope.cancel()
+            return
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(stop_on_signal, group.cancel_scope)
+        # Cancelled at a signal (also while starting); the service stops every slot shielded.
+        async with RolloutService.start(config) as service:
+            document = {
+                "url": service.url,
+                "openai_base_url": service.openai_base_url,
+                "model": config.model_name,
+                "slots": [s.config.slot for s in service.slots],
+                "run_dir": str(service.run_dir),
+            }
+            _report(args, document, f"belayer-shadow serving {config.model_name} at {service.url}")
+            await anyio.sleep_forever()
 
 
 def _report(args: argparse.Namespace, document: dict[str, Any], line: str) -> None:
@@ -192,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "slot":
             return _run_slot(args)
+        if args.command == "serve":
+            return _run_serve(args)
         if args.command == "reap":
             return _run_reap(args)
         from belayer_shadow._workers._shadow import ShadowConfig, run_shadow

@@ -10,6 +10,7 @@ __all__ = [
     "ModelConfigError",
     "RequestError",
     "SupervisorError",
+    "UnsupportedModelError",
     "WeightsError",
     "WorkerError",
 ]
@@ -21,6 +22,10 @@ class BelayerShadowError(Exception):
 
 class ModelConfigError(BelayerShadowError, ValueError):
     """A model configuration is invalid or cannot be read."""
+
+
+class UnsupportedModelError(ModelConfigError):
+    """A model folder holds an architecture belayer-shadow cannot serve (the message names those it can)."""
 
 
 class WeightsError(BelayerShadowError, ValueError):

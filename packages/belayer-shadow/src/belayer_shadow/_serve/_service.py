@@ -1,0 +1,169 @@
+"""`RolloutService`: the router (in this process) and N slots behind it, from one model folder.
+
+    async with RolloutService.start(ServeConfig(model_dir, num_slots=2)) as service:
+        service.url  # OpenAI routes under service.url + "/v1"
+
+Start order: check the folder (nothing starts for a bad one), the guardian, the router, then every
+slot at once (memory servers filled from the folder's safetensors, main worker, shadow standing
+by). Stop order is the reverse and runs shielded from cancellation, so Ctrl-C still stops every
+slot. A SIGKILL of the process leaves nothing either: each slot's guardian and the service's own
+(`_guardian.py`) reap the children and remove a temporary run folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import tempfile
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+
+import anyio
+import attrs
+
+from belayer_gpumem import BelayerGpumemError
+from belayer_router import RouterApp, RouterConfig, running_router
+from belayer_shadow._engine._loader import load_tokenizer
+from belayer_shadow._errors import BelayerShadowError, ModelConfigError, SupervisorError, WeightsError
+from belayer_shadow._serve._config import ServeConfig
+from belayer_shadow._serve._guardian import ServeGuardian
+from belayer_shadow._serve._model_folder import ModelFolder
+from belayer_shadow._workers._slot import SlotSupervisor
+from belayer_shadow._workers._slot_config import SlotConfig
+
+__all__ = ["RolloutService"]
+
+_WILDCARD_HOSTS = {"", "0.0.0.0", "::"}
+
+
+@attrs.define(eq=False)
+class RolloutService:
+    """A running service: its base URL, its router app and its slot supervisors."""
+
+    config: ServeConfig
+    model: ModelFolder
+    url: str
+    run_dir: Path
+    app: RouterApp
+    slots: list[SlotSupervisor] = attrs.field(factory=list)
+
+    @property
+    def openai_base_url(self) -> str:
+        """The base URL an OpenAI client takes (`.../v1`)."""
+        return self.url + "/v1"
+
+    @classmethod
+    @asynccontextmanager
+    async def start(cls, config: ServeConfig) -> AsyncIterator[RolloutService]:
+        """Start everything; yield once every slot serves (and its shadow stands by); stop at exit."""
+        model = ModelFolder.inspect(config.model_dir)
+        max_model_len = _max_model_len(config, model)
+        tokenizer = load_tokenizer(model.path) if model.has_tokenizer else None
+        admin_token = secrets.token_hex(16)
+        router_config = RouterConfig(
+            admin_token=admin_token,
+            tokenizer=tokenizer,
+            model_name=config.model_name,
+            max_prompt_tokens=max_model_len,
+            resume_wait_s=config.resume_wait_s,
+        )
+        temporary = config.run_dir is None
+        run_dir = Path(tempfile.mkdtemp(prefix="belayer-serve-")) if temporary else config.run_dir
+        assert run_dir is not None
+        run_dir.mkdir(parents=True, exist_ok=True)
+        guardian = ServeGuardian.start(run_dir, remove=temporary)
+        try:
+            async with AsyncExitStack() as stack:
+                url, app = await stack.enter_async_context(
+                    running_router(router_config, config.host, config.port, server=config.router_server)
+                )
+                service = cls(config=config, model=model, url=url, run_dir=run_dir, app=app)
+                service.slots = [
+                    SlotSupervisor(
+                        _slot_config(config, index, _reachable(url, config.host), admin_token, run_dir)
+                    )
+                    for index in range(config.num_slots)
+                ]
+                stack.push_async_callback(service._stop_slots)
+                try:
+                    async with anyio.create_task_group() as group:
+                        for supervisor in service.slots:
+                            group.start_soon(_start_slot, supervisor, config.start_timeout_s)
+                except* (BelayerShadowError, BelayerGpumemError, OSError, TimeoutError) as errors:
+                    first = errors.exceptions[0]
+                    if isinstance(first, ModelConfigError | WeightsError):
+                        raise first from None  # bad input (weights that do not fit): keep its type
+                    raise SupervisorError(
+                        f"a slot did not start: {first}; see the logs under {run_dir / 'slots'}"
+                    ) from first
+                yield service
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(guardian.close)
+
+    async def _stop_slots(self) -> None:
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as group:
+                for supervisor in self.slots:
+                    group.start_soon(anyio.to_thread.run_sync, supervisor.stop)
+
+
+def _max_model_len(config: ServeConfig, model: ModelFolder) -> int:
+    """`--max-model-len`, checked; without it the model's length capped to one slot's KV pool."""
+    limit = model.config.max_position_embeddings
+    capacity = config.num_kv_blocks * config.block_size
+    if config.max_model_len is None:
+        return min(limit, capacity)
+    length = config.max_model_len
+    if length > limit:
+        raise ModelConfigError(
+            f"--max-model-len {length} is longer than the model's max_position_embeddings ({limit})"
+        )
+    if length > capacity:
+        raise ModelConfigError(
+            f"one slot's KV pool holds {capacity} positions ({config.num_kv_blocks} blocks of "
+            f"{config.block_size}), fewer than --max-model-len {length}: raise --num-kv-blocks to at "
+            f"least {-(-length // config.block_size)} or lower --max-model-len"
+        )
+    return length
+
+
+def _reachable(url: str, host: str) -> str:
+    """The router's URL as the slots on this machine reach it (not a wildcard address)."""
+    if host not in _WILDCARD_HOSTS:
+        return url
+    port = url.rsplit(":", 1)[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def _slot_config(
+    config: ServeConfig, index: int, router_url: str, admin_token: str, run_dir: Path
+) -> SlotConfig:
+    return SlotConfig(
+        slot=f"slot{index}",
+        router_url=router_url,
+        run_dir=run_dir / "slots" / f"slot{index}",
+        admin_token=admin_token,
+        model=config.model_dir,
+        weights=config.model_dir,
+        recovery=config.recovery,
+        backend=config.backend,
+        device=index if config.backend == "cuda" else 0,
+        engine=config.engine,
+        num_kv_blocks=config.num_kv_blocks,
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        start_timeout_s=config.start_timeout_s,
+        stale_s=config.hang_threshold_s,
+    )
+
+
+async def _start_slot(supervisor: SlotSupervisor, timeout_s: float) -> None:
+    try:
+        await anyio.to_thread.run_sync(supervisor.start)
+        await anyio.to_thread.run_sync(supervisor.wait_protected, timeout_s)
+    except BaseException:
+        with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+            await anyio.to_thread.run_sync(supervisor.stop)
+        raise
