@@ -47,7 +47,7 @@ import anyio
 from loadgen import ClientPool, PacedWorker, cpu_split
 
 from belayer_router import RouterClient, RouterFleet, TokenEvent, owner_index, serving
-from belayer_router._wire import CLIENT_LINK_PATH  # the benchmark is the package's own
+from belayer_router._wire._frames import CLIENT_LINK_PATH  # the benchmark is the package's own
 from belayer_router.worker import LINK_PATH
 
 RESULTS = Path(__file__).parent / "results"

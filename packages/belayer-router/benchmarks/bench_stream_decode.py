@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from belayer_router import ChatTemplateTokenizer, TokenEvent, load_tokenizer
-from belayer_router._choices import ChoiceText, cut_at_stop
+from belayer_router._openai._choices import ChoiceText, cut_at_stop
 from belayer_router.testing import write_chat_tokenizer
 
 RESULTS = Path(__file__).parent / "results"

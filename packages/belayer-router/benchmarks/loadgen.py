@@ -52,7 +52,7 @@ import httptools
 import orjson
 
 from belayer_router import bind_socket, serve_asgi
-from belayer_router._wire import (  # the client link's codec (the benchmark is the package's own)
+from belayer_router._wire._frames import (  # the client link's codec (the benchmark is the package's own)
     CLIENT_LINK_PATH,
     FINISH,
     OPEN,

@@ -21,7 +21,7 @@ from belayer_router import (
     TokensEvent,
     load_tokenizer,
 )
-from belayer_router._choices import ChoiceText
+from belayer_router._openai._choices import ChoiceText
 from belayer_router.testing import write_chat_tokenizer
 
 WORDS = [

@@ -25,7 +25,7 @@ import pytest
 from router_helpers import ADMIN_TOKEN, StartRouter, read_stderr
 
 from belayer_router import ExitCode, LinkProtocolError, RouterApp, RouterClient, RouterConfig, running_router
-from belayer_router._wire import (
+from belayer_router._wire._frames import (
     CANCEL,
     CLIENT_LINK_PATH,
     ERROR,
@@ -649,7 +649,7 @@ async def test_writes_the_belayer_server_refuses_go_out_through_the_writer_in_or
     False; forced here for every third write, and the server's ``send`` made to wait as a drain
     does): what it refused is sent by the link's writer task, and nothing written directly
     overtakes it."""
-    from belayer_router import _http
+    from belayer_router._server import _http
 
     write = _http._Cycle.write
     refused: list[int] = []
@@ -695,7 +695,7 @@ async def test_writes_the_belayer_server_refuses_go_out_through_the_writer_in_or
 def test_a_turn_over_the_frame_limit_goes_out_as_several_tokens_frames(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from belayer_router import _client_link
+    from belayer_router._server import _client_link
 
     monkeypatch.setattr(_client_link, "_MAX_FRAME_TOKENS", 5)
     entries = [(h, h * 10, [h] * (h % 4 + 1), [-float(h)] * (h % 4 + 1)) for h in range(9)]

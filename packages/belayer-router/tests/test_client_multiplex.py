@@ -32,8 +32,8 @@ from belayer_router import (
     running_router,
     serving,
 )
-from belayer_router._client_calls import MAX_HANDLE, Call, Conn
-from belayer_router._wire import (
+from belayer_router._client._calls import MAX_HANDLE, Call, Conn
+from belayer_router._wire._frames import (
     FrameBuffer,
     OpenFrame,
     decode_client_frame,

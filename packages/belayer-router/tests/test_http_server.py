@@ -161,7 +161,7 @@ async def test_an_app_error_is_a_500_and_an_unfinished_response_closes_the_conne
 async def test_direct_writes_fall_back_to_send_under_back_pressure_in_order() -> None:
     """Every event rendered exactly once, in order, by a stateful renderer (like the OpenAI ones:
     a line carries how many events it has rendered so far), direct writes and refused ones mixed."""
-    from belayer_router._asgi import direct_writer, stream_response
+    from belayer_router._server._asgi import direct_writer, stream_response
 
     num_events, size = 5000, 4000
     counts = {"direct": 0, "refused": 0}

@@ -85,7 +85,7 @@ async def test_streamed_completions_over_http10_are_rendered_once(router: str) -
 
 
 async def test_a_refused_direct_write_is_not_rendered_again_on_http10_and_head() -> None:
-    from belayer_router._asgi import direct_writer, stream_response
+    from belayer_router._server._asgi import direct_writer, stream_response
 
     num_events = 200
     rendered: dict[str, list[int]] = {}
@@ -155,7 +155,7 @@ async def test_an_idle_keep_alive_connection_is_closed_a_busy_one_is_not() -> No
 
 
 async def test_a_request_head_not_complete_in_time_gets_a_408() -> None:
-    from belayer_router._http import HttpServer
+    from belayer_router._server._http import HttpServer
 
     server = HttpServer(_hello, keep_alive_s=60, head_timeout_s=0.5)
     with bind_socket("127.0.0.1", 0) as sock:
@@ -196,7 +196,7 @@ async def test_an_apps_own_chunked_header_gets_chunk_framing_and_no_late_100_con
 
 
 async def test_configuration_and_lifespan_errors_are_typed() -> None:
-    from belayer_router._server import choose_server
+    from belayer_router._server._serve import choose_server
 
     with pytest.raises(ServerConfigError) as unknown:
         choose_server("nginx")

@@ -27,9 +27,9 @@ from belayer_router import (
     running_router,
     serving,
 )
-from belayer_router._links import LinkPool
-from belayer_router._registry import Worker
-from belayer_router._wire import STEP, FrameBuffer
+from belayer_router._core._registry import Worker
+from belayer_router._wire._frames import STEP, FrameBuffer
+from belayer_router._worker._link import LinkPool
 from belayer_router.testing import POISON, expected_tokens, logprob_of, running_worker, token_at, wait_until
 from belayer_router.worker import (
     LinkAbort,
@@ -450,7 +450,7 @@ async def test_a_stopped_request_stays_stopped_when_a_later_entry_of_its_frame_f
     """A stop string ends its request at once: an entry after it in the same STEP frame that fails
     (a journal error, say) breaks the link for the others, not for the one already stopped."""
     from belayer_router import WorkerStreamError
-    from belayer_router._links import Entry, LinkAttempt, Stop
+    from belayer_router._worker._link import Entry, LinkAttempt, Stop
 
     seen: list[int] = []
 

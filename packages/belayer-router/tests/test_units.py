@@ -247,8 +247,8 @@ def test_a_streams_frame_renders_the_bytes_of_its_events(
     frames: bool, token_ids: list[int], logprobs: list[float]
 ) -> None:
     """The direct frame rendering (no event objects) writes exactly what the events would."""
-    from belayer_router._app import _render, _StreamEmit
-    from belayer_router._protocol import TokenEvent, TokensEvent
+    from belayer_router._server._app import _render, _StreamEmit
+    from belayer_router._wire._protocol import TokenEvent, TokensEvent
 
     written: list[bytes] = []
     emit = _StreamEmit(lambda event: None, written.append, frames)
@@ -262,7 +262,7 @@ def test_a_streams_frame_renders_the_bytes_of_its_events(
 
 def test_an_empty_pre_rendered_body_is_neither_written_nor_queued() -> None:
     """Nothing to send must not start the response (a later error could then not be a 503)."""
-    from belayer_router._asgi import _Queue
+    from belayer_router._server._asgi import _Queue
 
     queue: _Queue[object] = _Queue()
     written: list[bytes] = []

@@ -13,10 +13,20 @@ from __future__ import annotations
 
 from importlib.metadata import version as _version
 
-from belayer_router._app import RouterApp, RouterConfig
-from belayer_router._asgi import read_json
 from belayer_router._cli import ExitCode
-from belayer_router._client import Completion, RouterClient
+from belayer_router._client._client import Completion, RouterClient
+from belayer_router._client._fleet import RouterFleet, owner_index
+from belayer_router._core._journal import Journal, RequestRecord
+from belayer_router._core._registry import Registry, Slot, Worker
+from belayer_router._core._store import JournalStore
+from belayer_router._core._tokenizer import (
+    ByteTokenizer,
+    ChatTemplateTokenizer,
+    ChatTokenizer,
+    HuggingFaceTokenizer,
+    Tokenizer,
+    load_tokenizer,
+)
 from belayer_router._errors import (
     BelayerRouterError,
     InvalidRequestError,
@@ -35,9 +45,10 @@ from belayer_router._errors import (
     WeightVersionError,
     WorkerStreamError,
 )
-from belayer_router._fleet import RouterFleet, owner_index
-from belayer_router._journal import Journal, RequestRecord
-from belayer_router._protocol import (
+from belayer_router._server._app import RouterApp, RouterConfig
+from belayer_router._server._asgi import read_json
+from belayer_router._server._serve import bind_socket, running_router, serve_asgi, serving
+from belayer_router._wire._protocol import (
     FinishEvent,
     GenerateRequest,
     TokenEvent,
@@ -47,17 +58,6 @@ from belayer_router._protocol import (
     parse_generate_request,
     parse_worker_event,
     worker_request_body,
-)
-from belayer_router._registry import Registry, Slot, Worker
-from belayer_router._server import bind_socket, running_router, serve_asgi, serving
-from belayer_router._store import JournalStore
-from belayer_router._tokenizer import (
-    ByteTokenizer,
-    ChatTemplateTokenizer,
-    ChatTokenizer,
-    HuggingFaceTokenizer,
-    Tokenizer,
-    load_tokenizer,
 )
 
 __version__ = _version("belayer-router")

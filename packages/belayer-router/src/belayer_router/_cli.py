@@ -18,10 +18,10 @@ from pathlib import Path
 
 import anyio
 
-from belayer_router._app import RouterApp, RouterConfig
+from belayer_router._core._tokenizer import load_tokenizer
 from belayer_router._errors import BelayerRouterError
-from belayer_router._server import SERVERS, bind_socket, serve_asgi
-from belayer_router._tokenizer import load_tokenizer
+from belayer_router._server._app import RouterApp, RouterConfig
+from belayer_router._server._serve import SERVERS, bind_socket, serve_asgi
 
 __all__ = ["ExitCode", "main"]
 

@@ -8,8 +8,8 @@ one-shot responses the router itself uses.
 
 from __future__ import annotations
 
-from belayer_router._asgi import MAX_BODY_BYTES, Receive, Send, read_json, send_json, send_text
-from belayer_router._server import bind_socket, serve_asgi, serving
+from belayer_router._server._asgi import MAX_BODY_BYTES, Receive, Send, read_json, send_json, send_text
+from belayer_router._server._serve import bind_socket, serve_asgi, serving
 
 __all__ = [
     "MAX_BODY_BYTES",

@@ -7,8 +7,8 @@ a Qwen3-style chat template for ``/v1/chat/completions``.
 
 from __future__ import annotations
 
-from belayer_router._chat_folder import CHAT_TEMPLATE, write_chat_tokenizer
-from belayer_router._fake_worker import (
+from belayer_router._testing._chat_folder import CHAT_TEMPLATE, write_chat_tokenizer
+from belayer_router._testing._fake_worker import (
     POISON,
     FakeWorker,
     Script,

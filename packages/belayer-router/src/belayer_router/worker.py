@@ -14,9 +14,22 @@ it registers (``RouterClient.register(..., link=True)``).
 
 from __future__ import annotations
 
-from belayer_router._asgi import read_json
 from belayer_router._errors import LinkProtocolError
-from belayer_router._protocol import (
+from belayer_router._server._asgi import read_json
+from belayer_router._wire._frames import (
+    LINK_PATH,
+    MAX_LINK_FRAME_BYTES,
+    LinkAbort,
+    LinkStep,
+    LinkSubmit,
+    decode_step,
+    encode_abort,
+    encode_reject,
+    encode_step,
+    encode_submit,
+    read_link_frames,
+)
+from belayer_router._wire._protocol import (
     FINISH_REASONS,
     MAX_FRAME_BYTES,
     MAX_FRAME_TOKENS,
@@ -29,19 +42,6 @@ from belayer_router._protocol import (
     encode_worker_tokens,
     parse_worker_event,
     worker_request_body,
-)
-from belayer_router._wire import (
-    LINK_PATH,
-    MAX_LINK_FRAME_BYTES,
-    LinkAbort,
-    LinkStep,
-    LinkSubmit,
-    decode_step,
-    encode_abort,
-    encode_reject,
-    encode_step,
-    encode_submit,
-    read_link_frames,
 )
 
 __all__ = [

@@ -13,9 +13,9 @@ import attrs
 import httpx
 import orjson
 
-from belayer_router._client_mux import ClientMux
+from belayer_router._client._mux import ClientMux
 from belayer_router._errors import RouterClientError
-from belayer_router._protocol import FinishEvent, TokenEvent
+from belayer_router._wire._protocol import FinishEvent, TokenEvent
 
 __all__ = ["Completion", "RouterClient"]
 

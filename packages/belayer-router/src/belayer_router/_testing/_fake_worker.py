@@ -21,11 +21,11 @@ from typing import Any
 import anyio
 import attrs
 
-from belayer_router._asgi import Receive, Send
-from belayer_router._protocol import encode_worker_finish, encode_worker_token, encode_worker_tokens
-from belayer_router._server import serving
-from belayer_router._tokenizer import Tokenizer
-from belayer_router._wire import LINK_PATH, LinkAbort, encode_reject, encode_step, read_link_frames
+from belayer_router._core._tokenizer import Tokenizer
+from belayer_router._server._asgi import Receive, Send
+from belayer_router._server._serve import serving
+from belayer_router._wire._frames import LINK_PATH, LinkAbort, encode_reject, encode_step, read_link_frames
+from belayer_router._wire._protocol import encode_worker_finish, encode_worker_token, encode_worker_tokens
 
 __all__ = [
     "POISON",

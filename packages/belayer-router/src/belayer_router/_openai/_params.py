@@ -15,9 +15,9 @@ from typing import Any, TypeVar
 import anyio.to_thread
 import attrs
 
-from belayer_router._dispatch import new_seed
+from belayer_router._core._dispatch import new_seed
 from belayer_router._errors import InvalidRequestError
-from belayer_router._protocol import MAX_TOKENS, GenerateRequest, parse_generate_request
+from belayer_router._wire._protocol import MAX_TOKENS, GenerateRequest, parse_generate_request
 
 __all__ = ["OpenAIParams", "derive_seed", "off_the_loop", "parse_openai_params", "split_choices"]
 

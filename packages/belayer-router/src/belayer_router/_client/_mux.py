@@ -1,6 +1,6 @@
 """`RouterClient(multiplex=True)`: every generation stream of one client on ONE client link.
 
-The link is one long-lived ``POST /client-link`` (plain HTTP/1.1, chunked both ways, `_wire`
+The link is one long-lived ``POST /client-link`` (plain HTTP/1.1, chunked both ways, `_wire._frames`
 frames inside): each generation is an ``OPEN`` on it, the router answers with ``TOKENS`` frames
 that carry the new tokens of every stream of the link at once, and one ``FINISH`` or ``ERROR``
 per stream.  The link is opened on first use (one connect at a time) and read by one task in the
@@ -32,7 +32,7 @@ import anyio.abc
 import httptools
 import orjson
 
-from belayer_router._client_calls import (
+from belayer_router._client._calls import (
     Broken,
     Call,
     CallTimeout,
@@ -44,9 +44,7 @@ from belayer_router._client_calls import (
     status_error,
 )
 from belayer_router._errors import InvalidRequestError, LinkProtocolError, RouterClientError
-from belayer_router._link import _Response
-from belayer_router._protocol import FinishEvent, TokenEvent
-from belayer_router._wire import (
+from belayer_router._wire._frames import (
     MAX_LINK_FRAME_BYTES,
     ErrorFrame,
     FinishFrame,
@@ -56,6 +54,8 @@ from belayer_router._wire import (
     decode_router_frame,
     send_chunked_frames,
 )
+from belayer_router._wire._protocol import FinishEvent, TokenEvent
+from belayer_router._wire._response import ResponseBody
 
 __all__ = ["CLOSED_STATUS", "ClientMux"]
 
@@ -249,7 +249,7 @@ class ClientMux:
                     )
 
     async def _read(self, conn: Conn) -> None:
-        response = _Response()
+        response = ResponseBody()
         parser = httptools.HttpResponseParser(response)
         frames = FrameBuffer()
         status: int | None = None

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import attrs
 
-from belayer_router._store import DURABILITY_MODES, Durability
-from belayer_router._tokenizer import Tokenizer
+from belayer_router._core._store import DURABILITY_MODES, Durability
+from belayer_router._core._tokenizer import Tokenizer
 
 __all__ = ["RouterConfig"]
 

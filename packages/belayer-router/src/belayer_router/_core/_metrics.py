@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from belayer_router._registry import Registry
+from belayer_router._core._registry import Registry
 
 __all__ = ["Metrics"]
 

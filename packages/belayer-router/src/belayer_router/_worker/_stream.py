@@ -19,28 +19,11 @@ import anyio.abc
 import httptools
 
 from belayer_router._errors import WorkerStreamError
+from belayer_router._wire._response import ResponseBody
 
 __all__ = ["WorkerLink", "open_link"]
 
 _READ_BYTES = 65536
-
-
-class _Response:
-    """httptools callbacks: the body arrives de-chunked in ``body``; ``done`` at its end."""
-
-    def __init__(self) -> None:
-        self.headers_done = False
-        self.body: list[bytes] = []
-        self.done = False
-
-    def on_headers_complete(self) -> None:
-        self.headers_done = True
-
-    def on_body(self, data: bytes) -> None:
-        self.body.append(data)
-
-    def on_message_complete(self) -> None:
-        self.done = True
 
 
 def _request_head(url: str, length: int) -> tuple[str, int, bytes]:
@@ -77,7 +60,7 @@ class WorkerLink:
     ) -> None:
         self.url, self.stream = url, stream
         self.read_timeout_s, self.max_line_bytes = read_timeout_s, max_line_bytes
-        self.response = _Response()
+        self.response = ResponseBody()
         self.parser = httptools.HttpResponseParser(self.response)
         self.pending = b""
         self.checked = False  # the status code, once the headers are in

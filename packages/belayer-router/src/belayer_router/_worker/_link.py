@@ -1,7 +1,7 @@
 """The multiplexed worker link, router side: one persistent connection per worker.
 
 A worker that registered with ``link: true`` gets one long-lived ``POST /link`` (plain HTTP/1.1,
-chunked both ways, `_wire` frames inside).  Every request the router runs on that worker is a
+chunked both ways, `_wire._frames` inside).  Every request the router runs on that worker is a
 ``SUBMIT`` on the link; the worker answers with one ``STEP`` frame per engine step carrying every
 request's new tokens and finishes.  The link's reader task checks a frame whole (epoch, handles,
 indices, room left) before it journals and emits anything of it, then hands each entry to its
@@ -28,8 +28,7 @@ import attrs
 import httptools
 
 from belayer_router._errors import LinkProtocolError, WorkerStreamError
-from belayer_router._link import _Response
-from belayer_router._wire import (
+from belayer_router._wire._frames import (
     LINK_PATH,
     REJECT,
     STEP,
@@ -40,11 +39,12 @@ from belayer_router._wire import (
     encode_submit,
     send_chunked_frames,
 )
+from belayer_router._wire._response import ResponseBody
 
 if TYPE_CHECKING:
-    from belayer_router._dispatch import Emit
-    from belayer_router._journal import RequestRecord
-    from belayer_router._registry import Worker
+    from belayer_router._core._dispatch import Emit
+    from belayer_router._core._journal import RequestRecord
+    from belayer_router._core._registry import Worker
 
 __all__ = ["Link", "LinkAttempt", "LinkPool"]
 
@@ -172,7 +172,7 @@ class Link:
         await send_chunked_frames(self.outgoing, self.stream)
 
     async def _read(self) -> None:
-        response = _Response()
+        response = ResponseBody()
         parser = httptools.HttpResponseParser(response)
         frames = FrameBuffer()
         checked = False

@@ -18,13 +18,13 @@ from typing import Any
 
 import attrs
 
-from belayer_router._choices import ChoiceText
+from belayer_router._core._tokenizer import ChatTokenizer, Tokenizer
 from belayer_router._errors import InvalidRequestError
-from belayer_router._openai import ChoiceEvent, sse, usage_of
-from belayer_router._openai import CompletionRenderer as _Completion
-from belayer_router._params import OpenAIParams, off_the_loop, parse_openai_params
-from belayer_router._protocol import GenerateRequest
-from belayer_router._tokenizer import ChatTokenizer, Tokenizer
+from belayer_router._openai._choices import ChoiceText
+from belayer_router._openai._completions import ChoiceEvent, sse, usage_of
+from belayer_router._openai._completions import CompletionRenderer as _Completion
+from belayer_router._openai._params import OpenAIParams, off_the_loop, parse_openai_params
+from belayer_router._wire._protocol import GenerateRequest
 
 __all__ = ["ChatRenderer", "parse_chat_request", "parse_tool_calls"]
 

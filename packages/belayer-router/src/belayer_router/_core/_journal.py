@@ -8,9 +8,9 @@ from typing import Any
 
 import attrs
 
+from belayer_router._core._store import JournalStore
 from belayer_router._errors import InvalidRequestError, JournalError, NotFoundError, RequestConflictError
-from belayer_router._protocol import GenerateRequest
-from belayer_router._store import JournalStore
+from belayer_router._wire._protocol import GenerateRequest
 
 __all__ = ["Journal", "RequestRecord"]
 

@@ -15,11 +15,11 @@ from typing import Any
 
 import attrs
 
-from belayer_router._choices import ChoiceText
+from belayer_router._core._tokenizer import Tokenizer
 from belayer_router._errors import BelayerRouterError, InvalidRequestError
-from belayer_router._params import OpenAIParams, off_the_loop, parse_openai_params
-from belayer_router._protocol import MAX_TOKEN_ID, FinishEvent, GenerateRequest, TokenEvent, TokensEvent
-from belayer_router._tokenizer import Tokenizer
+from belayer_router._openai._choices import ChoiceText
+from belayer_router._openai._params import OpenAIParams, off_the_loop, parse_openai_params
+from belayer_router._wire._protocol import MAX_TOKEN_ID, FinishEvent, GenerateRequest, TokenEvent, TokensEvent
 
 __all__ = ["ChoiceEvent", "CompletionRenderer", "parse_completion_request", "sse", "usage_of"]
 

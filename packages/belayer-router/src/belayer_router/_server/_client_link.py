@@ -2,7 +2,7 @@
 
 The client's ``OPEN`` / ``CANCEL`` frames arrive in its chunked request body; the router answers
 ``200`` at once and streams ``TOKENS`` / ``FINISH`` / ``ERROR`` frames (and, when the client broke
-the link, one ``LINK_ERROR``) in its chunked response body (`_wire` has the framing).
+the link, one ``LINK_ERROR``) in its chunked response body (`_wire._frames` has the framing).
 
 Each ``OPEN`` runs exactly as a streamed ``POST /generate`` of its body (validation, journal,
 resume from ``num_received_tokens``, fencing, stop strings, resumes on worker failure), in a task
@@ -26,10 +26,9 @@ import anyio
 import anyio.abc
 import attrs
 
-from belayer_router._asgi import Receive, Send, Write, body_too_large, direct_writer
 from belayer_router._errors import BelayerRouterError, LinkProtocolError
-from belayer_router._protocol import FinishEvent, TokenEvent, TokensEvent
-from belayer_router._wire import (
+from belayer_router._server._asgi import Receive, Send, Write, body_too_large, direct_writer
+from belayer_router._wire._frames import (
     MAX_ENTRY_TOKENS,
     MAX_LINK_FRAME_BYTES,
     CancelFrame,
@@ -40,10 +39,11 @@ from belayer_router._wire import (
     encode_link_error,
     pack_tokens,
 )
+from belayer_router._wire._protocol import FinishEvent, TokenEvent, TokensEvent
 
 if TYPE_CHECKING:
-    from belayer_router._app import RouterApp
-    from belayer_router._journal import RequestRecord
+    from belayer_router._core._journal import RequestRecord
+    from belayer_router._server._app import RouterApp
 
 __all__ = ["CONTENT_TYPE", "ClientLink"]
 

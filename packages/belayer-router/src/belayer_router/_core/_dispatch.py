@@ -19,12 +19,12 @@ import attrs
 import httpx
 import orjson
 
+from belayer_router._core._journal import Journal, RequestRecord
+from belayer_router._core._metrics import Metrics
+from belayer_router._core._registry import Registry, Worker
+from belayer_router._core._tokenizer import Tokenizer
 from belayer_router._errors import NoHealthyWorkerError, WorkerStreamError
-from belayer_router._journal import Journal, RequestRecord
-from belayer_router._link import open_link
-from belayer_router._links import Entry, LinkAttempt, LinkPool, Stop
-from belayer_router._metrics import Metrics
-from belayer_router._protocol import (
+from belayer_router._wire._protocol import (
     MAX_FRAME_BYTES,
     FinishEvent,
     TokenEvent,
@@ -34,8 +34,8 @@ from belayer_router._protocol import (
     parse_worker_event,
     worker_request_body,
 )
-from belayer_router._registry import Registry, Worker
-from belayer_router._tokenizer import Tokenizer
+from belayer_router._worker._link import Entry, LinkAttempt, LinkPool, Stop
+from belayer_router._worker._stream import open_link
 
 __all__ = ["Dispatcher", "Emit", "new_seed"]
 

@@ -7,7 +7,15 @@ from typing import Any
 
 import anyio
 
-from belayer_router._asgi import (
+from belayer_router._core._config import RouterConfig
+from belayer_router._core._dispatch import Emit
+from belayer_router._core._journal import Journal, RequestRecord
+from belayer_router._core._tokenizer import ChatTokenizer
+from belayer_router._errors import BelayerRouterError
+from belayer_router._openai._chat import ChatRenderer, parse_chat_request
+from belayer_router._openai._completions import ChoiceEvent, CompletionRenderer, parse_completion_request
+from belayer_router._openai._params import OpenAIParams, split_choices
+from belayer_router._server._asgi import (
     Receive,
     Send,
     direct_writer,
@@ -15,15 +23,7 @@ from belayer_router._asgi import (
     send_json,
     stream_response,
 )
-from belayer_router._chat import ChatRenderer, parse_chat_request
-from belayer_router._config import RouterConfig
-from belayer_router._dispatch import Emit
-from belayer_router._errors import BelayerRouterError
-from belayer_router._journal import Journal, RequestRecord
-from belayer_router._openai import ChoiceEvent, CompletionRenderer, parse_completion_request
-from belayer_router._params import OpenAIParams, split_choices
-from belayer_router._protocol import GenerateRequest
-from belayer_router._tokenizer import ChatTokenizer
+from belayer_router._wire._protocol import GenerateRequest
 
 __all__ = ["OpenAIRoutes"]
 

@@ -16,10 +16,10 @@ from typing import Any, Literal
 import anyio
 import uvicorn
 
-from belayer_router._app import RouterApp, RouterConfig
 from belayer_router._errors import ServerConfigError
-from belayer_router._http import KEEP_ALIVE_S, HttpServer
-from belayer_router._lifespan import lifespan
+from belayer_router._server._app import RouterApp, RouterConfig
+from belayer_router._server._http import KEEP_ALIVE_S, HttpServer
+from belayer_router._server._lifespan import lifespan
 
 __all__ = ["SERVERS", "bind_socket", "choose_server", "running_router", "serve_asgi", "serving"]
 

@@ -24,9 +24,9 @@ from typing import Any, Self
 import anyio
 import attrs
 
-from belayer_router._client import Completion, RouterClient
+from belayer_router._client._client import Completion, RouterClient
 from belayer_router._errors import BelayerRouterError, InvalidRequestError
-from belayer_router._protocol import FinishEvent, TokenEvent
+from belayer_router._wire._protocol import FinishEvent, TokenEvent
 
 __all__ = ["RouterFleet", "owner_index"]
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import attrs
 
-from belayer_router._protocol import FinishEvent, TokenEvent, TokensEvent
-from belayer_router._tokenizer import Tokenizer
+from belayer_router._core._tokenizer import Tokenizer
+from belayer_router._wire._protocol import FinishEvent, TokenEvent, TokensEvent
 
 __all__ = ["ChoiceText", "cut_at_stop"]
 

@@ -15,8 +15,8 @@ import attrs
 import orjson
 
 from belayer_router._errors import InvalidRequestError, LinkProtocolError, RouterClientError
-from belayer_router._protocol import FinishEvent
-from belayer_router._wire import CLIENT_LINK_PATH, encode_cancel, encode_open
+from belayer_router._wire._frames import CLIENT_LINK_PATH, encode_cancel, encode_open
+from belayer_router._wire._protocol import FinishEvent
 
 __all__ = [
     "Broken",

@@ -14,7 +14,20 @@ import attrs
 import httpx
 import orjson
 
-from belayer_router._asgi import (
+from belayer_router._core._config import RouterConfig
+from belayer_router._core._dispatch import Dispatcher, Emit, new_seed
+from belayer_router._core._journal import Journal, RequestRecord
+from belayer_router._core._metrics import Metrics
+from belayer_router._core._registry import Registry
+from belayer_router._core._store import JournalStore
+from belayer_router._errors import (
+    BelayerRouterError,
+    InvalidRequestError,
+    JournalError,
+    NotFoundError,
+    UnauthorizedError,
+)
+from belayer_router._server._asgi import (
     Receive,
     Send,
     direct_writer,
@@ -24,20 +37,9 @@ from belayer_router._asgi import (
     send_text,
     stream_response,
 )
-from belayer_router._client_link import ClientLink
-from belayer_router._config import RouterConfig
-from belayer_router._dispatch import Dispatcher, Emit, new_seed
-from belayer_router._errors import (
-    BelayerRouterError,
-    InvalidRequestError,
-    JournalError,
-    NotFoundError,
-    UnauthorizedError,
-)
-from belayer_router._journal import Journal, RequestRecord
-from belayer_router._metrics import Metrics
-from belayer_router._openai_routes import OpenAIRoutes
-from belayer_router._protocol import (
+from belayer_router._server._client_link import ClientLink
+from belayer_router._server._openai_routes import OpenAIRoutes
+from belayer_router._wire._protocol import (
     MAX_TOKEN_ID,
     FinishEvent,
     GenerateRequest,
@@ -46,8 +48,6 @@ from belayer_router._protocol import (
     encode_event,
     parse_generate_request,
 )
-from belayer_router._registry import Registry
-from belayer_router._store import JournalStore
 
 __all__ = ["RouterApp", "RouterConfig"]
 

@@ -1,0 +1,8 @@
+"""The router's core (private): slots and epochs, the journal, and the resume loop over them.
+
+`_registry` (slots, epochs, health, weight versions, routing), `_journal` and `_store` (prompt,
+tokens, preserved prefix, ``L_k``; JSON-lines persistence), `_metrics`, `_tokenizer`, `_config`,
+and `_dispatch`, the resume loop that streams a request from a worker (through `_worker`) and
+continues it elsewhere when the stream breaks. No HTTP serving here: that is `_server`.
+The public API is re-exported from `belayer_router`.
+"""
