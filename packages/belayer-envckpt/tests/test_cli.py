@@ -65,17 +65,43 @@ def test_checkpoint_ls_restore_gc(make_sandbox, engine, tmp_path):
         ).stdout
     )
     assert made["checkpoint_id"].startswith("k00001-")
-    assert 0 < made["freeze_ms"] <= made["total_ms"]
+    assert made["kind"] == "fresh-runtime"  # only the keep-alive init runs: no CRIU
+    assert made["freeze_ms"] == 0 < made["total_ms"]
+    args = ("--store", store, "--trajectory", "cli", "--prefix")
+    same = json.loads(cli("checkpoint", sandbox.id, *args, "2", "--json").stdout)
+    assert (same["kind"], same["artifacts_of"]) == ("reference", made["checkpoint_id"])
+    full = json.loads(cli("checkpoint", sandbox.id, *args, "3", "--full", "--json").stdout)
+    assert full["kind"] == "full"
+    assert 0 < full["freeze_ms"] <= full["total_ms"]
     listed = json.loads(cli("ls", "--store", store, "--json").stdout)
-    assert [c["checkpoint_id"] for c in listed["checkpoints"]] == [made["checkpoint_id"]]
+    assert [(c["checkpoint_id"], c["kind"]) for c in listed["checkpoints"]] == [
+        (made["checkpoint_id"], "fresh-runtime"),
+        (same["checkpoint_id"], "reference"),
+        (full["checkpoint_id"], "full"),
+    ]
+    table = cli("ls", "--store", store).stdout.splitlines()
+    assert [line.split("\t")[3] for line in table] == [
+        "fresh-runtime",
+        f"reference of {made['checkpoint_id']}",
+        "full",
+    ]
+    for prefix in ("1", "2", "3"):
+        verified = cli("verify", *args, prefix, "--json")
+        assert json.loads(verified.stdout)["ok"]
+    full_path = listed["checkpoints"][2]["path"]
+    cli("gc", "--store", store, "--trajectory", "cli", "--keep", "1")  # only the full one stays
+    assert [c["path"] for c in json.loads(cli("ls", "--store", store, "--json").stdout)["checkpoints"]] == [
+        full_path
+    ]
     assert json.loads(cli("verify", "--store", store, "--trajectory", "cli", "--json").stdout)["ok"]
 
     restored = json.loads(cli("restore", "--store", store, "--trajectory", "cli", "--json").stdout)
+    assert restored["checkpoint_id"] == full["checkpoint_id"]
     new = engine.client.containers.get(restored["container_id"])
     try:
         assert new.labels.get(TEST_LABEL) == TEST_SESSION
         assert new.exec_run("cat /work/c").output == b"cli\n"
-        assert (restored["prefix"], restored["context_ref"]) == (1, "ctx/1")
+        assert (restored["prefix"], restored["context_ref"]) == (3, "")
     finally:
         new.remove(force=True)
     removed = json.loads(cli("gc", "--store", store, "--trajectory", "cli", "--json").stdout)["removed"]

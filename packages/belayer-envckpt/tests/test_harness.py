@@ -36,6 +36,8 @@ def test_outputs_match_a_failure_free_run_after_a_kill_between_actions(make_sand
     clean = SandboxEnvironment(make_sandbox(trajectory="clean"), CheckpointStore(tmp_path / "a"), "clean")
     expected = run_all(clean)
     clean.cleanup()
+    # A checkpoint after every action: the layer changed after 1-3, the reading action 4 changed nothing.
+    assert clean.state.checkpoint_kinds == ["fresh-runtime", "fresh-runtime", "fresh-runtime", "reference"]
     assert expected[3]["output"] == "one\ntwo\nthree\n"
     assert expected[2]["returncode"] != 0
     assert "nonexistent" in str(expected[2]["output"])  # stderr is part of the output
@@ -60,6 +62,29 @@ def test_outputs_match_a_failure_free_run_after_a_kill_between_actions(make_sand
     assert env.state.replay_mismatches == []
     assert [s.step_index for s in steps] == [1, 2, 3, 4]
     assert steps[2].actions_since_checkpoint == 1
+    assert set(steps[0].observation()) == {"step_index", "response_s", "action_s", "now", "checkpoint_kind"}
+    assert [s.checkpoint_kind for s in steps] == ["fresh-runtime"] * 4
+    assert env.state.checkpoint_kinds == ["fresh-runtime", "fresh-runtime"]
+
+
+def test_kinds_off_takes_full_checkpoints_and_reports_no_kind(make_sandbox, tmp_path):
+    steps: list[ActionStep] = []
+
+    def record(step: ActionStep) -> bool:
+        steps.append(step)
+        return True
+
+    env = SandboxEnvironment(
+        make_sandbox(trajectory="full"), CheckpointStore(tmp_path), "full", decide=record, kinds=False
+    )
+    try:
+        env.execute({"command": "echo one > /work/f"})
+        env.execute({"command": "cat /work/f"})
+        env.sandbox.kill()
+        assert env.execute({"command": "cat /work/f"})["output"] == "one\n"
+    finally:
+        env.cleanup()
+    assert env.state.checkpoint_kinds == ["full", "full", "full"]
     assert set(steps[0].observation()) == {"step_index", "response_s", "action_s", "now"}
 
 

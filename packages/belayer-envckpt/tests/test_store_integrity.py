@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 from conftest import fail_fsync_of
 
@@ -114,7 +115,7 @@ def test_publish_refuses_a_checkpoint_without_its_layer_or_criu_images(tmp_path)
     tmp = store.begin("traj-7", "k00004-nolayer")
     (tmp / "criu").mkdir()
     (tmp / "criu" / "core-1.img").write_bytes(b"img")
-    with pytest.raises(CheckpointCorruptError, match="lacks its layer archive or CRIU images"):
+    with pytest.raises(CheckpointCorruptError, match="lacks its layer archive"):
         store.publish(tmp, make_record(tmp, "traj-7", "k00004-nolayer", 4))
     store.abort(tmp)
     tmp = store.begin("traj-7", "k00004-nocriu")
@@ -238,11 +239,69 @@ def test_a_format_1_manifest_without_a_self_checksum_still_verifies(tmp_path):
     checkpoint = publish(store, "traj-7", "k00003-cccc", 3)
     manifest = checkpoint.path / "manifest.json"
     data = json.loads(manifest.read_text())
-    del data["manifest_sha256"]
+    for key in ("manifest_sha256", "kind", "runtime", "layer_digest", "artifacts_of"):
+        del data[key]
     data["format"] = 1
     manifest.write_text(json.dumps(data))  # as 0.2.5 wrote it
     assert store.verify(checkpoint.path) == checkpoint
     assert store.latest_ready("traj-7") == checkpoint
+
+
+def test_a_format_2_manifest_without_a_kind_reads_as_a_full_checkpoint(tmp_path):
+    store = CheckpointStore(tmp_path)
+    checkpoint = publish(store, "traj-7", "k00003-cccc", 3)
+    manifest = checkpoint.path / "manifest.json"
+    data = json.loads(manifest.read_text())
+    for key in ("kind", "runtime", "layer_digest", "artifacts_of"):
+        del data[key]
+    data["format"] = 2
+    edited = {k: v for k, v in data.items() if k != "manifest_sha256"}
+    data["manifest_sha256"] = hashlib.sha256(
+        json.dumps(edited, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
+    manifest.write_text(json.dumps(data))  # as 0.3 wrote it
+    loaded = store.verify(checkpoint.path)
+    assert (loaded.kind, loaded.runtime, loaded.artifacts_of) == ("full", "criu", "")
+    data["kind"] = "reference"  # a format-2 manifest cannot carry a kind
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(UnknownManifestFormatError):
+        store.verify(checkpoint.path)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {"kind": "delta"},
+        {"kind": "fresh-runtime"},  # a fresh-runtime checkpoint with runtime "criu"
+        {"runtime": "podman"},
+        {"kind": "reference", "runtime": "fresh"},  # a reference that names no owner
+        {"artifacts_of": "k00001-aaaa"},  # an owner on a full checkpoint
+        {"kind": "reference", "artifacts_of": "../k00001"},
+        {"layer_digest": 7},
+    ],
+)
+def test_a_manifest_whose_kind_fields_disagree_is_corrupt(tmp_path, edit):
+    store = CheckpointStore(tmp_path)
+    checkpoint = publish(store, "traj-7", "k00003-cccc", 3)
+    edit_manifest(checkpoint.path, **edit)
+    with pytest.raises(CheckpointCorruptError, match="malformed manifest"):
+        store.verify(checkpoint.path)
+
+
+def test_a_fresh_runtime_checkpoint_must_hold_no_criu_images(tmp_path):
+    store = CheckpointStore(tmp_path)
+    tmp = store.begin("traj-7", "k00004-fresh")
+    (tmp / "layer.tar").write_bytes(b"")
+    (tmp / "criu").mkdir()
+    (tmp / "criu" / "core-1.img").write_bytes(b"img")
+    record = attrs.evolve(
+        make_record(tmp, "traj-7", "k00004-fresh", 4), kind="fresh-runtime", runtime="fresh"
+    )
+    with pytest.raises(CheckpointCorruptError, match="holds CRIU images although its runtime is fresh"):
+        store.publish(tmp, record)
+    shutil.rmtree(tmp / "criu")
+    published = store.publish(tmp, attrs.evolve(record, files=record_files(tmp)))
+    assert store.verify(published.path).kind == "fresh-runtime"
 
 
 # 4. gc removes only what is surely a leftover
@@ -253,7 +312,7 @@ def test_gc_keeps_checkpoints_of_a_format_it_cannot_read(tmp_path):
     newer = publish(store, "traj-7", "k00001-aaaa", 1)
     extra = publish(store, "traj-7", "k00002-bbbb", 2)
     no_manifest = publish(store, "traj-7", "k00003-cccc", 3)
-    edit_manifest(newer.path, format=3)
+    edit_manifest(newer.path, format=4)
     edit_manifest(extra.path, future_field="x")
     (no_manifest.path / "manifest.json").unlink()
     assert store.gc() == [no_manifest.path]

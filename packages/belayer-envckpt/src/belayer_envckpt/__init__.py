@@ -2,7 +2,8 @@
 
 A `Sandbox` is one container with no network and no host mounts; `full_checkpoint` captures its
 overlay layer and its process tree from one frozen moment and publishes them atomically into a
-`CheckpointStore`; `full_restore` brings a fresh container back from the latest ready checkpoint.
+`CheckpointStore`; `checkpoint` takes the cheapest kind that captures the state (`CheckpointKind`);
+`full_restore` brings a fresh container back from the latest ready checkpoint of any kind.
 """
 
 from __future__ import annotations
@@ -34,15 +35,17 @@ from ._errors import (
     RestoreFailedError,
     SandboxLimitError,
     SandboxStillPausedError,
+    UncapturedProcessError,
     UnknownManifestFormatError,
     UnrestorableConnectionError,
     UnsafeArchiveError,
 )
 from ._exec import ExecResult
 from ._faults import CheckpointFault, CrashPoint, FaultAction, FaultInjector
+from ._kinds import checkpoint, next_checkpoint_kind
 from ._limits import LimitCause, SandboxLimits
 from ._sandbox import Sandbox, SandboxConfig
-from ._store import Checkpoint, CheckpointStore
+from ._store import Checkpoint, CheckpointKind, CheckpointStore
 
 __version__ = version("belayer-envckpt")
 
@@ -53,6 +56,7 @@ __all__ = [
     "CheckpointDurabilityError",
     "CheckpointFailedError",
     "CheckpointFault",
+    "CheckpointKind",
     "CheckpointNotFoundError",
     "CheckpointStore",
     "CheckpointTooLargeError",
@@ -81,11 +85,14 @@ __all__ = [
     "SandboxLimitError",
     "SandboxLimits",
     "SandboxStillPausedError",
+    "UncapturedProcessError",
     "UnknownManifestFormatError",
     "UnrestorableConnectionError",
     "UnsafeArchiveError",
     "__version__",
     "check_criu",
+    "checkpoint",
     "full_checkpoint",
     "full_restore",
+    "next_checkpoint_kind",
 ]

@@ -24,6 +24,8 @@ from ._faults import CheckpointFault, CrashPoint, apply_fault
 from ._ids import validate_id
 from ._layer import capture_layer, check_layer_archive, install_layer
 from ._limit_guard import check_checkpoint_size, check_checkpointable, layer_size_bytes
+from ._manifest import RUNTIME_FRESH
+from ._runtime import refuse_uncaptured, sandbox_runtime
 from ._sandbox import Sandbox, SandboxConfig, check_guarantee
 from ._store import CRIU_DIR, LAYER, PARTIAL, Checkpoint, CheckpointStore, record_files, verify_checkpoint
 
@@ -81,6 +83,8 @@ def full_checkpoint(
             freeze = time.perf_counter()
             sandbox.pause()
             try:
+                # CRIU dumps the init's tree: a process outside it would be lost without a word.
+                refuse_uncaptured(sandbox_runtime(sandbox), sandbox.id)
                 step = time.perf_counter()
                 capture_layer(upper, tmp / LAYER)
                 timings["layer_ms"] = _ms(step)
@@ -210,7 +214,8 @@ def full_restore(
 
     Nothing is touched before the manifest, every checksum and the layer archive's members have
     been checked.  The failed instance is never reused: a new container is created from the
-    original image and configuration, the layer is installed, and it starts from the CRIU images.
+    original image and configuration, the layer is installed, and it starts from the CRIU images
+    (a ``full`` checkpoint) or normally (a ``fresh-runtime`` one, or a ``reference`` to one).
     """
     if checkpoint is None:  # `full_restore(store.latest_ready(t))` for a trajectory never checkpointed
         raise CheckpointNotFoundError(
@@ -238,7 +243,12 @@ def full_restore(
         install_layer(checkpoint.path / LAYER, engine.upper_dir(sandbox.container))
         timings["layer_ms"] = _ms(step)
         step = time.perf_counter()
-        engine.start_from_checkpoint(sandbox.container, checkpoint.checkpoint_id, checkpoint.path / CRIU_DIR)
+        if checkpoint.runtime == RUNTIME_FRESH:
+            sandbox.start()  # the runtime was the image's stateless init: start it anew
+        else:
+            engine.start_from_checkpoint(
+                sandbox.container, checkpoint.checkpoint_id, checkpoint.path / CRIU_DIR
+            )
         sandbox.reload()
         timings["start_ms"] = _ms(step)
     except (BelayerEnvckptError, OSError) as exc:

@@ -22,6 +22,7 @@ from ._errors import (
     InvalidConfigError,
     InvalidIdError,
 )
+from ._kinds import checkpoint
 from ._limits import SandboxLimits, engine_warnings
 from ._sandbox import Sandbox, SandboxConfig
 from ._store import Checkpoint, CheckpointStore
@@ -44,6 +45,8 @@ DEFAULT_IMAGES = ("belayer/busybox:latest", "belayer/debian-python:latest")
 def _summary(c: Checkpoint) -> dict[str, Any]:
     return {
         "checkpoint_id": c.checkpoint_id,
+        "kind": c.kind,
+        "artifacts_of": c.artifacts_of,
         "trajectory": c.trajectory,
         "prefix": c.prefix,
         "context_ref": c.context_ref,
@@ -147,12 +150,13 @@ def _create(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
 def _checkpoint(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     engine = Engine.connect()
     sandbox = Sandbox.attach(engine, args.container, trajectory=args.trajectory, prefix=args.prefix)
-    ckpt = full_checkpoint(
-        sandbox, args.trajectory, args.prefix, args.context_ref, store=CheckpointStore(args.store)
-    )
+    take = full_checkpoint if args.full else checkpoint
+    ckpt = take(sandbox, args.trajectory, args.prefix, args.context_ref, store=CheckpointStore(args.store))
     out = _summary(ckpt) | {"timings_ms": ckpt.timings_ms}
     if not args.json:
-        print(f"{ckpt.checkpoint_id} ready (freeze {out['freeze_ms']} ms, total {out['total_ms']} ms)")
+        print(
+            f"{ckpt.checkpoint_id} ready, {ckpt.kind} (freeze {out['freeze_ms']} ms, total {out['total_ms']} ms)"
+        )
     return out, 0
 
 
@@ -180,7 +184,8 @@ def _ls(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     if not args.json:
         for c in ready:
             print(
-                f"{c['trajectory']}\t{c['prefix']}\t{c['checkpoint_id']}\t{c['bytes']} B\t{c['context_ref']}"
+                f"{c['trajectory']}\t{c['prefix']}\t{c['checkpoint_id']}\t{c['kind']}"
+                f"{' of ' + c['artifacts_of'] if c['artifacts_of'] else ''}\t{c['bytes']} B\t{c['context_ref']}"
             )
         for p in leftovers:
             print(f"leftover (not ready): {p}")
@@ -241,8 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="a capability to keep (repeatable; replaces the default set; `none`: no capabilities)",
     )
     p.add_argument("--allow-new-privileges", action="store_true", help="do not set no-new-privileges")
-    p = add("checkpoint", _checkpoint, "full checkpoint of a running container")
+    p = add("checkpoint", _checkpoint, "checkpoint a running container (the cheapest kind that captures it)")
     p.add_argument("container")
+    p.add_argument("--full", action="store_true", help="always a full (CRIU) checkpoint")
     p.add_argument("--store", required=True)
     p.add_argument("--trajectory", required=True)
     p.add_argument("--prefix", type=int, required=True)

@@ -125,6 +125,15 @@ class UnrestorableConnectionError(CheckpointFailedError):
     """CRIU refused to dump a connection it could not restore (named in the message); nothing was published."""
 
 
+class UncapturedProcessError(CheckpointFailedError):
+    """A process of the sandbox is outside its init's tree (named in the message and in
+    ``processes``): CRIU would not dump it, so the checkpoint was refused and nothing published."""
+
+    def __init__(self, message: str, processes: tuple[str, ...]) -> None:
+        self.processes = processes
+        super().__init__(message)
+
+
 class CheckpointTooLargeError(CheckpointFailedError):
     """The checkpoint would exceed the sandbox's checkpoint size cap; nothing was published."""
 

@@ -3,7 +3,8 @@
 `SandboxEnvironment` implements mini-swe-agent's ``Environment`` protocol (``execute``,
 ``get_template_vars``, ``serialize``; duck-typed, so envckpt does not depend on mini-swe-agent)
 over a `Sandbox`.  At every action boundary a pluggable ``decide`` callable says whether to take a
-full checkpoint (`full_checkpoint`, synchronous, before the output goes back to the agent).  When
+checkpoint (`checkpoint`, the cheapest kind that captures the sandbox, or `full_checkpoint` with
+``kinds=False``; synchronous, before the output goes back to the agent).  When
 the sandbox dies (killed between actions or under one), the next action restores the latest
 ready checkpoint (`full_restore`, a fresh container) and re-runs the actions the agent has seen
 since that checkpoint, so the sandbox again matches the agent's context; then the action runs.
@@ -30,6 +31,7 @@ from ._errors import (
     InvalidConfigError,
 )
 from ._exec import ExecResult
+from ._kinds import checkpoint, next_checkpoint_kind
 from ._sandbox import Sandbox
 from ._store import Checkpoint, CheckpointStore
 
@@ -48,6 +50,8 @@ class ActionStep:
 
     ``response_s`` is the time between the previous action's end and this action's start (the
     harness's model call, mostly); ``now_s`` counts from the environment's creation.
+    ``checkpoint_kind`` is the kind a checkpoint now would take (`next_checkpoint_kind`; "" when
+    the environment takes only full checkpoints).
     """
 
     step_index: int
@@ -57,15 +61,19 @@ class ActionStep:
     action_s: float
     now_s: float
     actions_since_checkpoint: int
+    checkpoint_kind: str = ""
 
     def observation(self) -> dict[str, Any]:
         """The fields of belayer-policy's ``StepObservation`` (``StepObservation(**step.observation())``)."""
-        return {
+        fields: dict[str, Any] = {
             "step_index": self.step_index,
             "response_s": self.response_s,
             "action_s": self.action_s,
             "now": self.now_s,
         }
+        if self.checkpoint_kind:
+            fields["checkpoint_kind"] = self.checkpoint_kind
+        return fields
 
 
 @attrs.define
@@ -79,6 +87,7 @@ class HarnessState:
     num_replayed: int = 0
     replay_mismatches: list[str] = attrs.field(factory=list)
     checkpoint_s: list[float] = attrs.field(factory=list)
+    checkpoint_kinds: list[str] = attrs.field(factory=list)
     restore_s: list[float] = attrs.field(factory=list)
 
 
@@ -99,7 +108,9 @@ class SandboxEnvironment:
 
     ``decide(step) -> bool``: checkpoint after this action? (default: after every action).
     ``on_checkpoint(took_s)`` / ``on_restore(restore_s)``: told after each checkpoint / restore
-    (a belayer-policy policy's ``on_checkpoint_ready`` / ``on_restore``).
+    (a belayer-policy policy's ``on_checkpoint_ready`` / ``on_restore``).  ``kinds``: take the
+    cheapest checkpoint kind (`checkpoint`) and tell ``decide`` which it would be; False: always
+    `full_checkpoint`.
     """
 
     sandbox: Sandbox
@@ -113,6 +124,7 @@ class SandboxEnvironment:
     max_restores: int = attrs.field(default=3, validator=attrs.validators.ge(0))
     settle_s: float = 5.0  # how long a SIGKILLed command waits for the engine to see a dead sandbox
     engine: Engine | None = None
+    kinds: bool = True
     state: HarnessState = attrs.field(factory=HarnessState)
     _replay: list[tuple[str, str, str]] = attrs.field(factory=list, alias="_replay")  # since checkpoint
     _checkpoint: Checkpoint | None = attrs.field(default=None, alias="_checkpoint")
@@ -167,6 +179,7 @@ class SandboxEnvironment:
             action_s=ended - started,
             now_s=ended - self._started,
             actions_since_checkpoint=len(self._replay),
+            checkpoint_kind=self._next_kind(),
         )
         if self.decide(step):
             try:
@@ -177,13 +190,24 @@ class SandboxEnvironment:
         _check_submitted(output)
         return output
 
+    def _next_kind(self) -> str:
+        if not self.kinds:
+            return ""
+        try:
+            return str(next_checkpoint_kind(self.sandbox, self.store, self.trajectory))
+        except BelayerEnvckptError:  # a dying sandbox: the checkpoint itself will say what is wrong
+            return "full"
+
     def checkpoint(self) -> Checkpoint:
-        """Take a full checkpoint now; the actions before it need no replay any more."""
+        """Take a checkpoint now (of the cheapest kind, unless ``kinds`` is False); the actions
+        before it need no replay any more."""
         started = time.monotonic()
-        self._checkpoint = full_checkpoint(
+        take = checkpoint if self.kinds else full_checkpoint
+        self._checkpoint = take(
             self.sandbox, self.trajectory, context_ref=f"actions/{self.state.num_actions}", store=self.store
         )
         took_s = time.monotonic() - started
+        self.state.checkpoint_kinds.append(self._checkpoint.kind)
         self._replay.clear()
         self.state.num_checkpoints += 1
         self.state.checkpoint_s.append(took_s)

@@ -8,7 +8,10 @@ anything is extracted.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import posixpath
+import stat
 import tarfile
 from pathlib import Path
 
@@ -34,6 +37,28 @@ def capture_layer(upper_dir: Path, archive: Path) -> None:
         ],
         hint="the container's overlay upper directory could not be archived",
     )
+
+
+def layer_digest(upper_dir: Path) -> str:
+    """A digest of the writable layer's metadata: equal digests mean an unchanged layer.
+
+    Every entry's path, inode, type and mode, owner, size, link count, device, mtime and ctime
+    (a write, a deletion, a rename, a chmod or an xattr change moves the ctime of the entry or of
+    its directory, and no process can set a ctime back).  No file is read: it costs one walk of
+    the layer, as the disk cap's measurement does.
+    """
+    digest = hashlib.sha256()
+    todo = [""]
+    while todo:
+        rel = todo.pop()
+        path = os.path.join(upper_dir, rel) if rel else str(upper_dir)
+        st = os.stat(path, follow_symlinks=False)
+        digest.update(f"{rel}\0{st.st_ino} {st.st_mode} {st.st_uid} {st.st_gid} {st.st_size} ".encode())
+        digest.update(f"{st.st_nlink} {st.st_rdev} {st.st_mtime_ns} {st.st_ctime_ns}\n".encode())
+        if stat.S_ISDIR(st.st_mode):
+            with os.scandir(path) as entries:
+                todo.extend(sorted((os.path.join(rel, e.name) for e in entries), reverse=True))
+    return digest.hexdigest()
 
 
 def _inside(path: str) -> bool:

@@ -25,7 +25,16 @@ from ._errors import (
 )
 from ._fsync import fsync_path, fsync_tree, sha256_file
 from ._ids import validate_id
-from ._manifest import CRIU_DIR, FORMAT, LAYER, MANIFEST, Checkpoint, FileRecord
+from ._manifest import (
+    CRIU_DIR,
+    FORMAT,
+    LAYER,
+    MANIFEST,
+    RUNTIME_CRIU,
+    Checkpoint,
+    CheckpointKind,
+    FileRecord,
+)
 
 __all__ = [
     "CRIU_DIR",
@@ -34,8 +43,10 @@ __all__ = [
     "MANIFEST",
     "PARTIAL",
     "Checkpoint",
+    "CheckpointKind",
     "CheckpointStore",
     "FileRecord",
+    "link_artifacts",
     "record_files",
     "verify_checkpoint",
 ]
@@ -56,13 +67,43 @@ def record_files(directory: Path) -> dict[str, FileRecord]:
     return records
 
 
+def link_artifacts(owner: Checkpoint, tmp: Path) -> dict[str, FileRecord]:
+    """Hard-link ``owner``'s layer archive and CRIU images into ``tmp`` (a reference checkpoint).
+
+    The links share the owner's inodes, so a reference costs no copy and no hashing, and its
+    artifacts stay on disk as long as any checkpoint links them, whatever `gc` removes.  Each
+    file's size is checked against the owner's manifest; its checksum is the owner's.
+    """
+    for rel, record in owner.files.items():
+        source, target = owner.path / rel, tmp / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.link(source, target)
+        if target.stat().st_size != record.size:
+            raise CheckpointCorruptError(
+                f"checkpoint {owner.path}: {rel} is {target.stat().st_size} B, its manifest says "
+                f"{record.size} B; it cannot be shared. Take a full checkpoint"
+            )
+    return dict(owner.files)
+
+
+def _missing_artifacts(files: builtins.set[str], runtime: str) -> str:
+    """What is wrong with the files of a checkpoint of ``runtime`` ("" when they fit)."""
+    has_criu = any(k.startswith(CRIU_DIR + "/") for k in files)
+    if LAYER not in files:
+        return "it lacks its layer archive"
+    if runtime == RUNTIME_CRIU and not has_criu:
+        return "it lacks its CRIU images"
+    if runtime != RUNTIME_CRIU and has_criu:
+        return "it holds CRIU images although its runtime is fresh"
+    return ""
+
+
 def verify_checkpoint(path: Path) -> Checkpoint:
     """Load and fully check a checkpoint: manifest, every file's presence, size and sha256."""
     checkpoint = Checkpoint.load(path)
-    if LAYER not in checkpoint.files or not any(k.startswith(CRIU_DIR + "/") for k in checkpoint.files):
-        raise CheckpointCorruptError(
-            f"checkpoint {path} lacks its layer archive or CRIU images; it is partial"
-        )
+    lacking = _missing_artifacts(set(checkpoint.files), checkpoint.runtime)
+    if lacking:
+        raise CheckpointCorruptError(f"checkpoint {path} ({checkpoint.kind}): {lacking}; it is partial")
     for rel, record in checkpoint.files.items():
         file = path / rel
         if not file.is_file():
@@ -145,6 +186,7 @@ class CheckpointStore:
 
     root: Path = attrs.field(converter=Path)
     _held: dict[Path, int] = attrs.field(factory=dict, init=False, repr=False)
+    _published: dict[str, Checkpoint] = attrs.field(factory=dict, init=False, repr=False)
 
     def trajectory_dir(self, trajectory: str) -> Path:
         """Where one trajectory's checkpoints live."""
@@ -215,9 +257,13 @@ class CheckpointStore:
                 "publish the directory `begin` returned for that trajectory and id"
             )
         criu = tmp / CRIU_DIR
-        if not (tmp / LAYER).is_file() or not criu.is_dir() or not any(criu.iterdir()):
+        present = {LAYER} if (tmp / LAYER).is_file() else builtins.set()
+        if criu.is_dir() and any(criu.iterdir()):
+            present.add(f"{CRIU_DIR}/")
+        lacking = _missing_artifacts(present, checkpoint.runtime)
+        if lacking:
             raise CheckpointCorruptError(
-                f"checkpoint in progress {tmp} lacks its layer archive or CRIU images (was it removed "
+                f"checkpoint in progress {tmp} ({checkpoint.kind}): {lacking} (was it removed "
                 "while being written?); nothing was published and the previous ready checkpoint is still "
                 "in effect: take the checkpoint again"
             )
@@ -238,7 +284,16 @@ class CheckpointStore:
             ) from exc
         finally:
             self._release(tmp, unlink=True)
+            self._published[checkpoint.trajectory] = published
         return published
+
+    def last_published(self, trajectory: str) -> Checkpoint | None:
+        """The checkpoint this store object published last for ``trajectory`` while it is still on
+        disk, else `latest_ready` (a scan of the trajectory's manifests)."""
+        mine = self._published.get(trajectory)
+        if mine is not None and os.path.lexists(mine.path / MANIFEST):
+            return mine
+        return self.latest_ready(trajectory)
 
     def list(self, trajectory: str | None = None) -> builtins.list[Checkpoint]:
         """Ready checkpoints (published, manifest valid) by trajectory, each oldest first: by prefix,

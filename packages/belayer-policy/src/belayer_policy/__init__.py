@@ -20,6 +20,7 @@ from belayer_policy._estimators import (
 )
 from belayer_policy._hazard import ConstantHazard, FailureModel, FixedStepProbability, OnlineHazard
 from belayer_policy._horizon import HorizonVerdict, batch_step_hazard, compare_now_and_later, protected_cost
+from belayer_policy._kinds import CHECKPOINT_KINDS, KindCosts
 from belayer_policy._policy import CheckpointPolicy
 from belayer_policy._pooled import CostModel, HazardView, KeyTable, PooledCost
 from belayer_policy._report import PolicySummary, Stats, compare_policies, format_table, percentile
@@ -54,6 +55,7 @@ from belayer_policy._workload import (
 __version__ = version("belayer-policy")
 
 __all__ = [
+    "CHECKPOINT_KINDS",
     "AdaptiveRule",
     "AlwaysRule",
     "BatchOutcome",
@@ -71,6 +73,7 @@ __all__ = [
     "HazardView",
     "HorizonVerdict",
     "KeyTable",
+    "KindCosts",
     "NeverRule",
     "OnlineHazard",
     "PaperRule",

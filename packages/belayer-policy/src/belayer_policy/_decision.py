@@ -7,6 +7,7 @@ from typing import Any
 
 import attrs
 
+from belayer_policy._kinds import check_kind
 from belayer_policy._validate import non_negative, positive_int
 
 __all__ = ["Decision", "Reason", "StepObservation"]
@@ -15,6 +16,10 @@ __all__ = ["Decision", "Reason", "StepObservation"]
 def _optional_non_negative(instance: object, attribute: Any, value: Any) -> None:
     if value is not None:
         non_negative(instance, attribute, value)
+
+
+def _kind(_instance: object, _attribute: Any, value: str | None) -> None:
+    check_kind(value)
 
 
 @attrs.frozen
@@ -28,6 +33,9 @@ class StepObservation:
     ``next_step_s`` overrides the policy's estimate of the next step's duration ``d_t``;
     ``remaining_steps`` the expected steps still to come (the agent loop knows ``max_rounds - turn``,
     an upper bound; without it the policy uses the mean length of finished trajectories).
+    ``checkpoint_kind`` is the kind a checkpoint now would take (``full``, ``fresh-runtime`` or
+    ``reference``: belayer-envckpt's `next_checkpoint_kind`); the policy then weighs that kind's
+    cost.  None: unknown, weighed as ``full``.
     """
 
     step_index: int = attrs.field(validator=positive_int)
@@ -37,6 +45,7 @@ class StepObservation:
     response_elapsed_s: float = attrs.field(default=0.0, validator=non_negative)
     next_step_s: float | None = attrs.field(default=None, validator=_optional_non_negative)
     remaining_steps: float | None = attrs.field(default=None, validator=_optional_non_negative)
+    checkpoint_kind: str | None = attrs.field(default=None, validator=_kind)
 
 
 class Reason(enum.StrEnum):
@@ -77,6 +86,7 @@ class Decision:
     step_s: float = 0.0
     restore_cost_s: float = 0.0
     contenders: int = 1  # trajectories of the batch competing with this one for its critical path
+    checkpoint_kind: str = "full"  # the kind whose cost was weighed (the observation's, else full)
 
     def to_dict(self) -> dict[str, Any]:
         """A flat JSON-ready dict (``reason`` as its string value)."""

@@ -20,6 +20,7 @@ from belayer_policy._estimators import (
     TrajectoryLengthModel,
 )
 from belayer_policy._hazard import FailureModel, OnlineHazard
+from belayer_policy._kinds import FRESH_RUNTIME, FULL, REFERENCE, KindCosts, check_kind
 from belayer_policy._pooled import CostModel
 from belayer_policy._recorder import TraceRecorder
 from belayer_policy._rules import AdaptiveRule, DecisionRule, StepContext, Verdict, paper_sides
@@ -57,6 +58,7 @@ class CheckpointPolicy:
     restore_costs: RestoreCostModel = attrs.field(factory=RestoreCostModel)
     trajectory_lengths: TrajectoryLengthModel = attrs.field(factory=TrajectoryLengthModel)
     batch_size: int = attrs.field(default=1, validator=positive_int)
+    kind_costs: KindCosts = attrs.field(factory=KindCosts)
     _regeneration: RegenerationCost = attrs.field(init=False, factory=RegenerationCost)
     _cooldown_until: float = attrs.field(init=False, default=float("-inf"))
     _step_estimate: float | None = attrs.field(init=False, default=None)
@@ -65,6 +67,7 @@ class CheckpointPolicy:
     _captured_prefix: int = attrs.field(init=False, default=0)
     _ready_prefix: int = attrs.field(init=False, default=0)
     _probing: bool = attrs.field(init=False, default=False)
+    _pending_kind: str | None = attrs.field(init=False, default=None)
 
     @property
     def name(self) -> str:
@@ -94,8 +97,9 @@ class CheckpointPolicy:
         if verdict.checkpoint:
             self._regeneration.capture()
             self._captured_prefix = obs.step_index
+            self._pending_kind = obs.checkpoint_kind
             costs = self.checkpoint_costs
-            if costs.num_observations == 0:
+            if costs.num_observations == 0 and self.kind_costs.model(obs.checkpoint_kind) is None:
                 self._probing = True
                 if costs.probes_in_flight == 0:
                     costs.probe_started_at = obs.now
@@ -117,6 +121,7 @@ class CheckpointPolicy:
             step_s=context.step_s,
             restore_cost_s=self.restore_costs.estimate,
             contenders=context.batch_size,
+            checkpoint_kind=obs.checkpoint_kind or FULL,
         )
 
     def _observe(self, obs: StepObservation) -> StepContext:
@@ -132,7 +137,11 @@ class CheckpointPolicy:
         else:
             self._step_estimate += self.step_smoothing * (step_s - self._step_estimate)
         duration = self._step_estimate if obs.next_step_s is None else obs.next_step_s
-        cost = self._cost_estimate(obs.now)
+        cost = self._cost_estimate(obs.now, obs.checkpoint_kind)
+        # A later checkpoint follows changes: fresh-runtime where the sandbox's runtime holds no
+        # state (this one would be fresh-runtime or a reference), else full.
+        stateless = obs.checkpoint_kind in (FRESH_RUNTIME, REFERENCE)
+        future_cost = self._cost_estimate(obs.now, FRESH_RUNTIME if stateless else FULL)
         remaining = (
             self.trajectory_lengths.remaining(obs.step_index)
             if obs.remaining_steps is None
@@ -146,7 +155,7 @@ class CheckpointPolicy:
             checkpoint_cost_s=cost,
             hidden_probability=self.response_times.hidden_probability(obs.response_elapsed_s, cost),
             visible_now_s=self.response_times.expected_visible(obs.response_elapsed_s, cost),
-            visible_future_s=self.response_times.expected_visible(0.0, cost),
+            visible_future_s=self.response_times.expected_visible(0.0, future_cost),
             extra_cost_s=self.extra_cost_s,
             remaining_steps=remaining,
             batch_size=self._contenders(obs.step_index + remaining),
@@ -164,8 +173,12 @@ class CheckpointPolicy:
             return self.batch_size
         return max(1, min(self.batch_size, math.ceil(self.batch_size * share - 1e-9)))
 
-    def _cost_estimate(self, now: float) -> float:
-        """``c_t``; before the first measurement at least as long as the oldest probe has run."""
+    def _cost_estimate(self, now: float, kind: str | None = None) -> float:
+        """``c_t`` of a checkpoint of ``kind`` (None: full); before the first measurement of a full
+        checkpoint at least as long as the oldest probe has run."""
+        cheap = self.kind_costs.model(kind)
+        if cheap is not None:
+            return cheap.estimate
         costs = self.checkpoint_costs
         started = costs.probe_started_at
         if costs.num_observations == 0 and started is not None:
@@ -188,14 +201,24 @@ class CheckpointPolicy:
         """Add a response time that did not come through :meth:`decide` (for example a resumed one)."""
         self.response_times.observe(response_s)
 
-    def on_checkpoint_ready(self, cost_s: float) -> None:
-        """The decided checkpoint is ready after ``cost_s`` seconds: ``C_t`` drops to the work since it."""
+    def on_checkpoint_ready(self, cost_s: float, kind: str | None = None) -> None:
+        """The decided checkpoint is ready after ``cost_s`` seconds: ``C_t`` drops to the work since it.
+
+        ``kind`` is the kind envckpt took (its manifest's ``kind``); by default the one the decision
+        was told.  The cost is learned by that kind's estimate.
+        """
         cost_s = require_non_negative("cost_s", cost_s)
+        kind = self._pending_kind if kind is None else check_kind(kind)
         self._regeneration.mark_ready()
         self._end_probe()
         self._ready_prefix = self._captured_prefix
         self._recorder.checkpoint(self._ready_prefix, cost_s)
-        self.checkpoint_costs.observe(cost_s)
+        self._cost_model(kind).observe(cost_s)
+        self._pending_kind = None
+
+    def _cost_model(self, kind: str | None) -> CostModel:
+        cheap = self.kind_costs.model(kind)
+        return self.checkpoint_costs if cheap is None else cheap
 
     def on_checkpoint_timeout(self, now: float, elapsed_s: float | None = None) -> None:
         """The decided checkpoint exceeded its timeout at ``now``: start the cooldown.
@@ -209,7 +232,8 @@ class CheckpointPolicy:
         self._end_probe()
         self._cooldown_until = now + self.cooldown_s
         if elapsed_s is not None:
-            self.checkpoint_costs.observe(elapsed_s)
+            self._cost_model(self._pending_kind).observe(elapsed_s)
+        self._pending_kind = None
 
     def on_failure(self, now: float, exposure_s: float = 0.0, **deprecated: float) -> None:
         """The container failed at ``now``, ``exposure_s`` into a step not yet reported.
@@ -226,6 +250,7 @@ class CheckpointPolicy:
         self.failure_model.observe_failure()
         self._regeneration.abandon()
         self._end_probe()
+        self._pending_kind = None
 
     def on_restore(self, restore_s: float | None = None) -> None:
         """The environment and LLM context went back to the latest ready checkpoint (or the start).

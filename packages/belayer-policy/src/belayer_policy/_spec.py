@@ -12,6 +12,7 @@ from belayer_policy._estimators import (
     TrajectoryLengthModel,
 )
 from belayer_policy._hazard import FailureModel, OnlineHazard
+from belayer_policy._kinds import KindCosts
 from belayer_policy._policy import CheckpointPolicy
 from belayer_policy._pooled import CostModel, HazardView, KeyTable, PooledCost
 from belayer_policy._rules import (
@@ -43,6 +44,7 @@ class SharedEstimators:
     batch_size: int = attrs.field(default=1, validator=positive_int)
     hazard_by_label: KeyTable = attrs.field(factory=KeyTable)
     cost_by_label: KeyTable = attrs.field(factory=KeyTable)
+    kind_costs: KindCosts = attrs.field(factory=KindCosts)
 
 
 def _labels(task: str | None, node: str | None) -> tuple[str, ...]:
@@ -125,4 +127,5 @@ class PolicySpec:
             restore_costs=shared.restore_costs,
             trajectory_lengths=shared.trajectory_lengths,
             batch_size=shared.batch_size,
+            kind_costs=shared.kind_costs,
         )
