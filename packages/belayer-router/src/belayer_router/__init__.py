@@ -42,11 +42,13 @@ from belayer_router._errors import (
     StaleEpochError,
     TokenizerError,
     UnauthorizedError,
+    WeightLoadError,
     WeightVersionError,
     WorkerStreamError,
 )
 from belayer_router._server._app import RouterApp, RouterConfig
 from belayer_router._server._asgi import read_json
+from belayer_router._server._control import PAUSE_MODES, WeightLoader
 from belayer_router._server._serve import bind_socket, running_router, serve_asgi, serving
 from belayer_router._wire._protocol import (
     FinishEvent,
@@ -63,6 +65,7 @@ from belayer_router._wire._protocol import (
 __version__ = _version("belayer-router")
 
 __all__ = [
+    "PAUSE_MODES",
     "BelayerRouterError",
     "ByteTokenizer",
     "ChatTemplateTokenizer",
@@ -97,6 +100,8 @@ __all__ = [
     "TokenizerError",
     "TokensEvent",
     "UnauthorizedError",
+    "WeightLoadError",
+    "WeightLoader",
     "WeightVersionError",
     "Worker",
     "WorkerFinish",

@@ -17,6 +17,7 @@ __all__ = [
     "StaleEpochError",
     "TokenizerError",
     "UnauthorizedError",
+    "WeightLoadError",
     "WeightVersionError",
     "WorkerStreamError",
 ]
@@ -84,6 +85,13 @@ class WeightVersionError(BelayerRouterError):
     """A weight version that goes backwards (a slot's committed version, or the required one)."""
 
     status = 409
+
+
+class WeightLoadError(InvalidRequestError):
+    """A weight folder could not be loaded (missing, malformed, truncated, or not the served
+    model's names, shapes and dtypes); nothing was changed: the previous weights are served."""
+
+    status = 400
 
 
 class RequestConflictError(BelayerRouterError):

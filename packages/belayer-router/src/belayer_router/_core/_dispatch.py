@@ -4,7 +4,9 @@ On a break (connection error, malformed event, stale epoch, retired worker) the 
 to ``resume_wait_s`` seconds for its slot's replacement and resumes there with prompt + every
 token generated so far; if the slot is unhealthy or the wait runs out, it goes to the healthy
 slot with the fewest outstanding requests.  A stream cut because its slot is held out (weight
-version) resumes at once on a current slot, waiting up to ``resume_wait_s`` for one.  Tokens reach the client through ``emit``, which is
+version) resumes at once on a current slot, waiting up to ``resume_wait_s`` for one; one cut by a
+pause (``keep``) waits for the resume, then resumes the same way (``abort``: it ends there,
+``finish_reason`` ``"abort"``).  Tokens reach the client through ``emit``, which is
 synchronous, so fencing check, journal append and emit happen with no await in between.
 """
 
@@ -111,12 +113,21 @@ class Dispatcher:
                 break
             reason = self._natural_finish(record)
             if reason is None:
-                cuts = worker.num_version_cuts
+                cuts, pauses = worker.num_version_cuts, worker.num_pause_cuts
                 try:
                     reason = await self._attempt(worker, record, emit, num_received)
                 except WorkerStreamError:
+                    if worker.num_pause_cuts != pauses and self.registry.paused == "abort":
+                        self.journal.finish(record, "abort")  # /pause?mode=abort: ends as it is
+                        return
                     record.num_resumes += 1
                     self.metrics.num_resumes += 1
+                    if worker.num_pause_cuts != pauses and not worker.retired:  # held by a pause
+                        self.metrics.num_pause_resumes += 1
+                        worker = await self._wait(
+                            self.registry.wait_for_any(frozenset(excluded), self.resume_wait_s)
+                        )
+                        continue
                     held_out = worker.held_out or worker.num_version_cuts != cuts
                     if held_out and not worker.retired:  # not the worker's fault: its version
                         self.metrics.num_version_resumes += 1
@@ -168,6 +179,7 @@ class Dispatcher:
                 raise
         if scope.cancelled_caught or finish is None:
             why = "held out (weight version)" if worker.held_out and not worker.retired else "retired"
+            why = "paused" if self.registry.paused is not None and not worker.retired else why
             raise WorkerStreamError(f"worker {worker.url} (slot {worker.slot}) was {why} mid-stream")
         return finish
 

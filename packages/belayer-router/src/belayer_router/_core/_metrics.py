@@ -20,6 +20,8 @@ class Metrics:
     num_tokens_regenerated: int = 0
     num_stale_events: int = 0
     num_version_resumes: int = 0
+    num_pause_resumes: int = 0  # streams cut by /pause?mode=keep, continued after /resume
+    num_weight_updates: int = 0  # weight folders loaded through the control plane
     num_in_flight: int = 0
     num_waiting: int = 0
     num_client_links: int = 0  # open ``POST /client-link`` connections
@@ -65,6 +67,24 @@ class Metrics:
             "counter",
             "Streams cut because their slot's weight version was not the required one, resumed.",
             [("", self.num_version_resumes)],
+        )
+        metric(
+            "pause_resumes_total",
+            "counter",
+            "Streams cut by a pause in keep mode, continued after the resume.",
+            [("", self.num_pause_resumes)],
+        )
+        metric(
+            "weight_updates_total",
+            "counter",
+            "Weight folders loaded into every slot (POST /update_weights, /update_weights_from_disk).",
+            [("", self.num_weight_updates)],
+        )
+        metric(
+            "paused",
+            "gauge",
+            "1 while generation is paused (POST /pause).",
+            [("", int(registry.paused is not None))],
         )
         if registry.required_version is not None:
             metric(

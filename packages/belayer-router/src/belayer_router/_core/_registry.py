@@ -8,6 +8,11 @@ The weight-version gate: once a version is required (`Registry.require_version`)
 committed version (`Registry.set_slot_version`) is another one is *held out*: its worker's
 streams are cut like a retired worker's (the requests resume elsewhere), and it gets no request
 until it reports the required version; then it is back in rotation, same worker, same epoch.
+
+Pausing (the control plane's ``/pause``): while `paused`, no worker is picked and the waits for
+one do not run out (a paused router holds requests, it does not fail them); modes ``keep`` and
+``abort`` also cut every running stream at once (counted in the worker's ``num_pause_cuts``, not as
+its failure); ``wait`` lets them finish.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class Worker:
     retired: bool = False
     held_out: bool = False  # its slot's weight version is not the required one (for now)
     num_version_cuts: int = 0  # times its streams were cut for that
+    num_pause_cuts: int = 0  # times its streams were cut by a pause (keep / abort)
     link: bool = False  # it serves the multiplexed link (``POST /link``) beside ``POST /generate``
     scopes: set[anyio.CancelScope] = attrs.field(factory=set, repr=False)
     links: set[anyio.CancelScope] = attrs.field(factory=set, repr=False)  # its open link's task
@@ -87,6 +93,7 @@ class Registry:
     slots: dict[str, Slot] = attrs.field(factory=dict)
     num_handovers: int = 0
     required_version: int | None = None  # None: no gate, every healthy slot serves
+    paused: str | None = None  # the pause mode ("wait", "keep", "abort") while paused
     _changed: anyio.Event | None = attrs.field(default=None, alias="_changed")
 
     def _notify(self) -> None:
@@ -146,6 +153,32 @@ class Registry:
         for state in self.slots.values():
             self._gate(state)
         self._notify()
+
+    def pause(self, mode: str) -> None:
+        """Start no request from now on; ``keep`` / ``abort`` also cut every running stream now."""
+        self.paused = mode
+        if mode != "wait":
+            for state in self.slots.values():
+                worker = state.worker
+                if worker is not None and worker.scopes:
+                    worker.num_pause_cuts += 1
+                    for scope in worker.scopes:
+                        scope.cancel()
+        self._notify()
+
+    def resume(self) -> None:
+        """Serve again: held requests are picked up (their waits start over)."""
+        self.paused = None
+        self._notify()
+
+    def num_running(self) -> int:
+        """Streams running on workers now, over every slot."""
+        return sum(state.num_outstanding for state in self.slots.values())
+
+    async def wait_idle(self) -> None:
+        """Return once no stream runs on any worker."""
+        while self.num_running():
+            await self._wait_change(anyio.current_time() + 0.05)
 
     def register(self, slot: str, url: str, epoch: int, link: bool = False) -> Worker:
         """Make ``url`` the slot's worker at ``epoch``; a lower-epoch worker is retired.
@@ -216,7 +249,10 @@ class Registry:
         return state is not None and state.healthy
 
     def pick(self, exclude: frozenset[tuple[str, int]] = frozenset()) -> Worker | None:
-        """The active worker of the healthy slot with the fewest outstanding requests."""
+        """The active worker of the healthy slot with the fewest outstanding requests (none while
+        paused)."""
+        if self.paused is not None:
+            return None
         best: Slot | None = None
         for state in self.slots.values():
             worker = state.worker
@@ -252,6 +288,10 @@ class Registry:
             if state is None or not state.healthy:
                 return None
             worker = state.worker
+            if self.paused is not None:
+                await self._wait_change(float("inf"))  # held while paused: the wait starts over after
+                deadline = anyio.current_time() + max_wait
+                continue
             if worker is not None and worker.epoch > after_epoch and not worker.held_out:
                 return worker
             if not await self._wait_change(deadline):
@@ -261,6 +301,10 @@ class Registry:
         """Like `pick`, waiting up to ``max_wait`` s for a worker to register if none is usable."""
         deadline = anyio.current_time() + max_wait
         while True:
+            if self.paused is not None:
+                await self._wait_change(float("inf"))  # held while paused: the wait starts over after
+                deadline = anyio.current_time() + max_wait
+                continue
             worker = self.pick(exclude)
             if worker is not None or not await self._wait_change(deadline):
                 return worker

@@ -38,6 +38,7 @@ from belayer_router._server._asgi import (
     stream_response,
 )
 from belayer_router._server._client_link import ClientLink
+from belayer_router._server._control import ControlRoutes, WeightLoader
 from belayer_router._server._openai_routes import OpenAIRoutes
 from belayer_router._wire._protocol import (
     MAX_TOKEN_ID,
@@ -84,14 +85,20 @@ def _error_line(error: BelayerRouterError) -> bytes:
 
 
 @attrs.define
-class RouterApp(OpenAIRoutes):
-    """The router as an ASGI app; serve it with `serve_router` or any ASGI server."""
+class RouterApp(OpenAIRoutes, ControlRoutes):
+    """The router as an ASGI app; serve it with `serve_router` or any ASGI server.
+
+    ``weight_loader``: the slots' weight servers, for the control plane's weight updates
+    (``POST /update_weights``); without one those routes answer 404.
+    """
 
     config: RouterConfig = attrs.field(factory=RouterConfig)
     registry: Registry = attrs.field(factory=Registry)
     metrics: Metrics = attrs.field(factory=Metrics)
     journal: Journal = attrs.field(init=False)
     dispatcher: Dispatcher = attrs.field(init=False)
+    weight_loader: WeightLoader | None = None
+    _weights_lock: anyio.Lock = attrs.field(factory=anyio.Lock, init=False)
 
     def __attrs_post_init__(self) -> None:
         store = None
@@ -239,6 +246,16 @@ class RouterApp(OpenAIRoutes):
                 await self._admin(method, parts, receive, send)
             case _, ["contexts", *_]:
                 await self._contexts(method, parts, receive, send)
+            case _, [
+                "pause"
+                | "resume"
+                | "is_paused"
+                | "get_world_size"
+                | "reset_prefix_cache"
+                | "update_weights"
+                | "update_weights_from_disk" as route
+            ]:
+                await self._control(method, route, scope, receive, send)
             case _:
                 raise NotFoundError(f"no route {method} {scope['path']}; see the belayer-router README")
 

@@ -18,6 +18,7 @@ import uvicorn
 
 from belayer_router._errors import ServerConfigError
 from belayer_router._server._app import RouterApp, RouterConfig
+from belayer_router._server._control import WeightLoader
 from belayer_router._server._http import KEEP_ALIVE_S, HttpServer
 from belayer_router._server._lifespan import lifespan
 
@@ -216,10 +217,15 @@ async def serving(
 
 @asynccontextmanager
 async def running_router(
-    config: RouterConfig | None = None, host: str = "127.0.0.1", port: int = 0, server: str | None = None
+    config: RouterConfig | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    server: str | None = None,
+    weight_loader: WeightLoader | None = None,
 ) -> AsyncIterator[tuple[str, RouterApp]]:
-    """A router served in this process for the block: ``(base_url, app)``; ``server`` as in `serve_asgi`."""
-    app = RouterApp(config or RouterConfig())
+    """A router served in this process for the block: ``(base_url, app)``; ``server`` as in
+    `serve_asgi`; ``weight_loader`` as in `RouterApp` (the control plane's weight updates)."""
+    app = RouterApp(config or RouterConfig(), weight_loader=weight_loader)
     try:
         async with app.serving_links(), serving(app, host, port, server=server) as url:
             yield url, app

@@ -3,6 +3,10 @@
     async with RolloutService.start(ServeConfig(model_dir, num_slots=2)) as service:
         service.url  # OpenAI routes under service.url + "/v1"
 
+The router's control plane (``/pause``, ``/resume``, ``/update_weights {"weight_dir"}``,
+``/update_weights_from_disk {"model_path"}``, ...) loads new weights into every slot's weight
+server through `SlotWeights`.
+
 Start order: check the folder (nothing starts for a bad one), the guardian, the router, then every
 slot at once (memory servers filled from the folder's safetensors, main worker, shadow standing
 by). Stop order is the reverse and runs shielded from cancellation, so Ctrl-C still stops every
@@ -29,6 +33,7 @@ from belayer_shadow._errors import BelayerShadowError, ModelConfigError, Supervi
 from belayer_shadow._serve._config import ServeConfig
 from belayer_shadow._serve._guardian import ServeGuardian
 from belayer_shadow._serve._model_folder import ModelFolder
+from belayer_shadow._serve._weights import SlotWeights
 from belayer_shadow._workers._slot import SlotSupervisor
 from belayer_shadow._workers._slot_config import SlotConfig
 
@@ -46,6 +51,7 @@ class RolloutService:
     url: str
     run_dir: Path
     app: RouterApp
+    weights: SlotWeights
     slots: list[SlotSupervisor] = attrs.field(factory=list)
 
     @property
@@ -73,18 +79,26 @@ class RolloutService:
         assert run_dir is not None
         run_dir.mkdir(parents=True, exist_ok=True)
         guardian = ServeGuardian.start(run_dir, remove=temporary)
+        weights = SlotWeights([])
         try:
             async with AsyncExitStack() as stack:
                 url, app = await stack.enter_async_context(
-                    running_router(router_config, config.host, config.port, server=config.router_server)
+                    running_router(
+                        router_config,
+                        config.host,
+                        config.port,
+                        server=config.router_server,
+                        weight_loader=weights,
+                    )
                 )
-                service = cls(config=config, model=model, url=url, run_dir=run_dir, app=app)
+                service = cls(config=config, model=model, url=url, run_dir=run_dir, app=app, weights=weights)
                 service.slots = [
                     SlotSupervisor(
                         _slot_config(config, index, _reachable(url, config.host), admin_token, run_dir)
                     )
                     for index in range(config.num_slots)
                 ]
+                weights.sockets = [supervisor.weights_socket for supervisor in service.slots]
                 stack.push_async_callback(service._stop_slots)
                 try:
                     async with anyio.create_task_group() as group:

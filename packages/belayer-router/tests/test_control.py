@@ -1,0 +1,231 @@
+"""The RL control plane: /pause (keep, wait, abort), /resume, /is_paused, /update_weights,
+/update_weights_from_disk, /get_world_size, /reset_prefix_cache.
+
+Real routers on loopback (both HTTP servers) and `FakeWorker`s; the weight servers behind the
+router are a `FakeWeightLoader` here (belayer-shadow's tests load real folders into real weight
+servers through `belayer-shadow serve`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import anyio
+import attrs
+import httpx
+import pytest
+
+from belayer_router import (
+    FinishEvent,
+    RouterClient,
+    RouterConfig,
+    TokenEvent,
+    WeightLoader,
+    WeightLoadError,
+    running_router,
+)
+from belayer_router.testing import expected_tokens, running_worker, wait_until
+
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("http_server")]
+
+TOKEN = "tok"
+
+
+@attrs.define
+class FakeWeightLoader:
+    """Records each folder it is given and how many streams ran at that moment; refuses `bad`."""
+
+    app: Any = None
+    loads: list[tuple[str, int]] = attrs.field(factory=list)
+    lock: threading.Lock = attrs.field(factory=threading.Lock)
+
+    def load_weights(self, weight_dir: str) -> int:
+        if weight_dir.endswith("bad"):
+            raise WeightLoadError(
+                f"weights from {weight_dir!r} not loaded (truncated); the previous ones stay"
+            )
+        with self.lock:
+            self.loads.append((weight_dir, self.app.registry.num_running()))
+        return 1
+
+
+async def _collect(client: RouterClient, out: dict[str, Any], seed: int, max_tokens: int, rid: str) -> None:
+    tokens: list[int] = []
+    async for event in client.generate_stream([3], max_tokens, seed=seed, request_id=rid):
+        if isinstance(event, TokenEvent):
+            tokens.append(event.token_id)
+        elif isinstance(event, FinishEvent):
+            out["finish"] = event
+    out["tokens"] = tokens
+
+
+async def test_keep_cuts_and_holds_the_running_request_and_resume_continues_it_exactly() -> None:
+    loader = FakeWeightLoader()
+    async with (
+        running_router(RouterConfig(admin_token=TOKEN, resume_wait_s=1), weight_loader=loader) as (url, app),
+        running_worker(1, pause_at=5) as (w_url, worker),
+        RouterClient(url, admin_token=TOKEN) as client,
+        httpx.AsyncClient(base_url=url) as http,
+    ):
+        loader.app = app
+        await client.register("s", w_url, 1)
+        out: dict[str, Any] = {}
+        async with anyio.create_task_group() as group:
+            group.start_soon(_collect, client, out, 7, 20, "kept")
+            await wait_until(lambda: worker.num_paused == 1)
+            answer = await http.post("/pause", params={"mode": "keep"})
+            assert answer.json() == {"status": "paused", "mode": "keep"}
+            assert (await http.get("/is_paused")).json() == {"is_paused": True}
+            worker.resume()  # what it would send now must not reach the client: its stream is cut
+            await wait_until(lambda: app.registry.num_running() == 0)
+            await anyio.sleep(1.5)  # longer than resume_wait_s: a paused router holds, never fails
+            assert "finish" not in out
+            # A weight update while paused loads at once; then the held request goes on.
+            update = await http.post("/update_weights", json={"weight_dir": "/w/step1"})
+            assert update.status_code == 200
+            assert update.json()["version"] == 1
+            assert (await http.post("/resume")).json() == {"status": "resumed"}
+        assert out["tokens"] == expected_tokens(7, 20)  # one stream: nothing lost or repeated
+        assert out["finish"].num_resumes == 1
+        runs = [len(r["generated_token_ids"]) for r in worker.requests if r["request_id"] == "kept"]
+        assert runs == [0, 5]  # continued from its 5 tokens
+        assert loader.loads == [("/w/step1", 0)]
+        assert app.metrics.num_pause_resumes == 1
+        assert app.registry.slots["s"].num_stream_failures == 0  # a pause is not the worker's fault
+        assert (await http.get("/is_paused")).json() == {"is_paused": False}
+        metrics = (await http.get("/metrics")).text
+    assert "belayer_router_pause_resumes_total 1" in metrics
+    assert "belayer_router_weight_updates_total 1" in metrics
+
+
+async def test_wait_returns_once_running_requests_finished_and_holds_new_ones() -> None:
+    async with (
+        running_router(RouterConfig(admin_token=TOKEN)) as (url, app),
+        running_worker(1, pause_at=3) as (w_url, worker),
+        RouterClient(url, admin_token=TOKEN) as client,
+        httpx.AsyncClient(base_url=url, timeout=60) as http,
+    ):
+        await client.register("s", w_url, 1)
+        first: dict[str, Any] = {}
+        later: dict[str, Any] = {}
+        paused: list[float] = []
+        async with anyio.create_task_group() as group:
+            group.start_soon(_collect, client, first, 1, 10, "running")
+            await wait_until(lambda: worker.num_paused == 1)
+
+            async def pause() -> None:
+                await http.post("/pause", params={"mode": "wait"})
+                paused.append(1.0)
+
+            group.start_soon(pause)
+            await wait_until(lambda: app.registry.paused == "wait")
+            assert not paused  # still waiting for the running request
+            worker.resume()
+            await wait_until(lambda: bool(paused))
+            assert first["tokens"] == expected_tokens(1, 10)  # it finished before the pause returned
+            group.start_soon(_collect, client, later, 2, 6, "held")
+            await anyio.sleep(0.3)
+            assert not [r for r in worker.requests if r["request_id"] == "held"]  # not started
+            await http.post("/resume")
+        assert later["tokens"] == expected_tokens(2, 6)
+        assert later["finish"].num_resumes == 0
+
+
+async def test_abort_ends_running_requests_with_what_they_have() -> None:
+    async with (
+        running_router(RouterConfig(admin_token=TOKEN)) as (url, _app),
+        running_worker(1, pause_at=4) as (w_url, worker),
+        RouterClient(url, admin_token=TOKEN) as client,
+        httpx.AsyncClient(base_url=url) as http,
+    ):
+        await client.register("s", w_url, 1)
+        out: dict[str, Any] = {}
+        async with anyio.create_task_group() as group:
+            group.start_soon(_collect, client, out, 5, 12, "aborted")
+            await wait_until(lambda: worker.num_paused == 1)
+            await http.post("/pause")  # vLLM's default mode: abort
+            worker.resume()
+        assert out["finish"].finish_reason == "abort"
+        assert out["tokens"] == expected_tokens(5, 12)[:4]
+        await http.post("/resume")
+        assert (await client.generate([3], 4, seed=5)).token_ids == expected_tokens(5, 4)
+
+
+async def test_update_weights_waits_for_running_requests_and_bumps_every_slot_version() -> None:
+    loader = FakeWeightLoader()
+    async with (
+        running_router(RouterConfig(admin_token=TOKEN), weight_loader=loader) as (url, app),
+        running_worker(1, pause_at=3) as (a_url, a),
+        running_worker(1) as (b_url, _b),
+        RouterClient(url, admin_token=TOKEN) as client,
+        httpx.AsyncClient(base_url=url, timeout=60) as http,
+    ):
+        loader.app = app
+        await client.register("a", a_url, 1)
+        await client.register("b", b_url, 1)
+        assert (await http.get("/get_world_size")).json() == {"world_size": 2}
+        out: dict[str, Any] = {}
+        results: list[httpx.Response] = []
+        async with anyio.create_task_group() as group:
+            group.start_soon(_collect, client, out, 3, 9, "before-update")
+            await wait_until(lambda: a.num_paused == 1 or app.registry.num_running() == 0)
+
+            async def update() -> None:
+                results.append(await http.post("/update_weights", json={"weight_dir": "/w/1"}))
+
+            group.start_soon(update)
+            await anyio.sleep(0.2)
+            a.resume()
+        assert results[0].json()["version"] == 1
+        assert loader.loads == [("/w/1", 0)]  # loaded with nothing running
+        assert out["tokens"] == expected_tokens(3, 9)  # finished whole on the old version
+        sglang = await http.post("/update_weights_from_disk", json={"model_path": "/w/2"})
+        assert sglang.status_code == 200
+        assert sglang.json()["success"] is True
+        assert sglang.json()["version"] == 2
+        workers = await client.workers()
+        assert {(w["slot"], w["weight_version"], w["current"]) for w in workers} == {
+            ("a", 2, True),
+            ("b", 2, True),
+        }
+        assert (await http.get("/is_paused")).json() == {"is_paused": False}
+        assert (await http.post("/reset_prefix_cache")).status_code == 200
+
+
+async def test_refused_updates_change_nothing_and_say_why() -> None:
+    loader = FakeWeightLoader()
+    async with (
+        running_router(RouterConfig(admin_token=TOKEN), weight_loader=loader) as (url, app),
+        running_worker(1) as (w_url, _worker),
+        RouterClient(url, admin_token=TOKEN) as client,
+        httpx.AsyncClient(base_url=url) as http,
+    ):
+        loader.app = app
+        await client.register("s", w_url, 1)
+        await http.post("/update_weights", json={"weight_dir": "/w/1"})
+        bad = await http.post("/update_weights", json={"weight_dir": "/w/bad"})
+        assert bad.status_code == 400
+        assert "truncated" in bad.json()["error"]["message"]
+        sglang = await http.post("/update_weights_from_disk", json={"model_path": "/w/bad"})
+        assert sglang.status_code == 400
+        assert sglang.json()["success"] is False
+        for body in ({}, {"weight_dir": ""}, {"weight_dir": 3}):
+            answer = await http.post("/update_weights", json=body)
+            assert answer.status_code == 400
+            assert "weight_dir" in answer.json()["error"]["message"]
+        assert (await http.post("/pause", params={"mode": "later"})).status_code == 400
+        assert app.registry.required_version == 1  # the refused ones moved nothing
+        assert (await http.get("/is_paused")).json() == {"is_paused": False}
+        assert (await client.generate([3], 4, seed=1)).token_ids == expected_tokens(1, 4)
+
+
+async def test_without_weight_servers_the_update_routes_answer_404() -> None:
+    async with running_router(RouterConfig()) as (url, _app), httpx.AsyncClient(base_url=url) as http:
+        answer = await http.post("/update_weights", json={"weight_dir": "/w"})
+        assert answer.status_code == 404
+        assert "belayer-shadow serve" in answer.json()["error"]["message"]
+
+
+def test_the_fake_loader_is_a_weight_loader() -> None:
+    assert isinstance(FakeWeightLoader(), WeightLoader)

@@ -1,0 +1,97 @@
+"""`SlotWeights`: a folder of safetensors into every slot's weight server, committed all at once.
+
+The weight servers are double-buffered (belayer-gpumem): an update writes the inactive half and
+`commit` flips it. So the whole folder is read and checked first (names, shapes and dtypes against
+the servers' table; a truncated or malformed file fails here), then an update is opened on every
+server and written, and only when every server holds the new weights are they committed, one
+after the other with nothing in between. Any failure before the commits aborts every open update:
+the servers keep serving the previous weights, untouched.
+
+What engines see: a worker re-reads its weight views only when it has nothing running (its
+stepping thread), so a request is computed with one version from its first token to its last.
+The router's control plane makes that strict: it loads only when no request is running (after
+`/pause`, or by waiting for the running ones), so the next request starts on the new version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+
+import attrs
+import torch
+
+from belayer_gpumem import BelayerGpumemError, WeightClient, WeightUpdate
+from belayer_router import WeightLoadError
+from belayer_shadow._engine._loader import load_safetensors
+from belayer_shadow._errors import WeightsError
+
+__all__ = ["SlotWeights", "check_weights"]
+
+
+def check_weights(tensors: Mapping[str, torch.Tensor], table: Mapping[str, object], source: str) -> None:
+    """WeightsError unless `tensors` has every name of `table` with its shape and dtype (an extra
+    `lm_head.weight` is allowed: tied embeddings)."""
+    missing = sorted(set(table) - set(tensors))
+    extra = sorted(set(tensors) - set(table) - {"lm_head.weight"})
+    if missing or extra:
+        raise WeightsError(
+            f"{source}: the tensors do not match the served model: missing {missing[:3]} "
+            f"({len(missing)} in all), unexpected {extra[:3]} ({len(extra)} in all)"
+        )
+    for name, spec in table.items():
+        tensor = tensors[name]
+        shape, dtype = tuple(getattr(spec, "shape", ())), str(getattr(spec, "dtype", ""))
+        if tuple(tensor.shape) != shape:
+            raise WeightsError(f"{source}: {name} has shape {tuple(tensor.shape)}, the served model {shape}")
+        if str(tensor.dtype).removeprefix("torch.") != dtype:
+            raise WeightsError(
+                f"{source}: {name} is {str(tensor.dtype).removeprefix('torch.')}, the served model "
+                f"{dtype}; save the weights in {dtype}"
+            )
+
+
+@attrs.define
+class SlotWeights:
+    """The weight servers of a service's slots, as belayer-router's `WeightLoader`."""
+
+    sockets: Sequence[Path]
+    num_loads: int = 0
+
+    def load_weights(self, weight_dir: str) -> int:
+        """Load `weight_dir` (a folder of `*.safetensors`) into every server and commit; returns
+        the number of tensors written. Raises belayer-router's `WeightLoadError` (the router
+        answers 400) when nothing was changed."""
+        folder = Path(weight_dir)
+        if not folder.is_dir():
+            raise WeightLoadError(
+                f"weight folder {weight_dir!r} does not exist or is not a folder (on this machine); "
+                "give a folder of *.safetensors written with save_pretrained"
+            )
+        try:
+            tensors = load_safetensors(folder)
+            with ExitStack() as stack:
+                updates = [self._open(socket, stack, tensors, weight_dir) for socket in self.sockets]
+                for update in updates:
+                    for name, view in update.tensors().items():
+                        view.copy_(tensors[name])
+                for update in updates:  # nothing fails between these: every server flips
+                    update.commit()
+        except (WeightsError, BelayerGpumemError, OSError) as error:
+            raise WeightLoadError(
+                f"weights from {weight_dir!r} not loaded ({error}); the previous ones stay"
+            ) from error
+        self.num_loads += 1
+        return len(tensors)
+
+    @staticmethod
+    def _open(
+        socket: Path, stack: ExitStack, tensors: Mapping[str, torch.Tensor], source: str
+    ) -> WeightUpdate:
+        client = WeightClient.attach(socket)
+        stack.callback(client.detach)
+        check_weights(tensors, client.layout.by_name, source)
+        update = client.update()
+        stack.enter_context(update)  # leaving with an error aborts it; after commit, a no-op
+        return update
