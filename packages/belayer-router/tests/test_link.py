@@ -27,6 +27,7 @@ from belayer_router import (
     running_router,
     serving,
 )
+from belayer_router._core._emit import EventEmit
 from belayer_router._core._registry import Worker
 from belayer_router._wire._frames import STEP, FrameBuffer
 from belayer_router._worker._link import LinkPool
@@ -358,6 +359,11 @@ def _link_pool() -> LinkPool:
     return LinkPool(check=lambda *_: None, apply=lambda *_: None, on_stale=lambda: None)
 
 
+def _discard() -> EventEmit:
+    """An emit for submissions whose tokens the test never applies."""
+    return EventEmit(lambda event: None, frames=False)
+
+
 def _submit_body(seed: int, max_tokens: int) -> bytes:
     body = {
         "prompt_token_ids": [1, 2],
@@ -377,7 +383,7 @@ async def test_a_request_on_a_link_ends_when_the_routers_links_shut_down() -> No
         async with anyio.create_task_group() as group:
             pool.group = group
             link = await pool.get(worker, 30.0, 60.0)
-            attempt = link.submit(_submit_body(1, 10), None, lambda *_: None, 0)  # type: ignore[arg-type]
+            attempt = link.submit(_submit_body(1, 10), None, _discard(), 0)  # type: ignore[arg-type]
             await wait_until(lambda: hung.num_paused == 1, 60)
             group.cancel_scope.cancel()
         with anyio.fail_after(60):
@@ -410,7 +416,7 @@ async def test_a_submission_after_every_request_was_aborted_gets_a_fresh_read_de
         async with anyio.create_task_group() as group:
             pool.group = group
             link = await pool.get(worker, 30.0, 60.0)
-            first = link.submit(_submit_body(1, 10), None, lambda *_: None, 0)  # type: ignore[arg-type]
+            first = link.submit(_submit_body(1, 10), None, _discard(), 0)  # type: ignore[arg-type]
             await wait_until(lambda: hung.num_paused == 1 and link._read_scope is not None, 60)
             link.abort(first)
             scope = link._read_scope
@@ -419,7 +425,7 @@ async def test_a_submission_after_every_request_was_aborted_gets_a_fresh_read_de
             aborted_at = anyio.current_time()
             await wait_until(lambda: anyio.current_time() > aborted_at, 60)  # time moves on
             submitted_at = anyio.current_time()
-            link.submit(_submit_body(2, 10), None, lambda *_: None, 0)  # type: ignore[arg-type]
+            link.submit(_submit_body(2, 10), None, _discard(), 0)  # type: ignore[arg-type]
             scope = link._read_scope  # the reader waits in a read (it is only out of one synchronously)
             assert scope is not None
             assert scope.deadline >= submitted_at + 60.0
@@ -466,7 +472,7 @@ async def test_a_stopped_request_stays_stopped_when_a_later_entry_of_its_frame_f
             pool.group = group
             link = await pool.get(worker, 30.0, 60.0)
             attempts: list[LinkAttempt] = [
-                link.submit(_submit_body(seed, 10), None, lambda *_: None, 0)  # type: ignore[arg-type]
+                link.submit(_submit_body(seed, 10), None, _discard(), 0)  # type: ignore[arg-type]
                 for seed in (1, 2)
             ]
             with anyio.fail_after(60):

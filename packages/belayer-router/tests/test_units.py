@@ -247,11 +247,15 @@ def test_a_streams_frame_renders_the_bytes_of_its_events(
     frames: bool, token_ids: list[int], logprobs: list[float]
 ) -> None:
     """The direct frame rendering (no event objects) writes exactly what the events would."""
+    from belayer_router._core._emit import Event
     from belayer_router._server._app import _render, _StreamEmit
+    from belayer_router._server._asgi import StreamQueue
     from belayer_router._wire._protocol import TokenEvent, TokensEvent
 
+    queue: StreamQueue[Event] = StreamQueue()
     written: list[bytes] = []
-    emit = _StreamEmit(lambda event: None, written.append, frames)
+    queue.write = lambda body: bool(written.append(body)) or True
+    emit = _StreamEmit(queue, frames)
     emit.frame(40, token_ids, logprobs)
     if frames:
         events: list[TokenEvent | TokensEvent] = [TokensEvent(40, tuple(token_ids), tuple(logprobs))]
@@ -262,9 +266,9 @@ def test_a_streams_frame_renders_the_bytes_of_its_events(
 
 def test_an_empty_pre_rendered_body_is_neither_written_nor_queued() -> None:
     """Nothing to send must not start the response (a later error could then not be a 503)."""
-    from belayer_router._server._asgi import _Queue
+    from belayer_router._server._asgi import StreamQueue
 
-    queue: _Queue[object] = _Queue()
+    queue: StreamQueue[object] = StreamQueue()
     written: list[bytes] = []
     queue.write = lambda body: bool(written.append(body)) or True
     queue.put_rendered(b"")
@@ -272,3 +276,21 @@ def test_an_empty_pre_rendered_body_is_neither_written_nor_queued() -> None:
     assert queue.items == []
     queue.put_rendered(b"x\n")
     assert written == [b"x\n"]
+
+
+@pytest.mark.parametrize("frames", [True, False])
+def test_an_event_emit_gives_a_frame_as_the_request_asked_for_it(frames: bool) -> None:
+    """A frame through `EventEmit` is one `TokensEvent` for a ``frames`` request, else one
+    `TokenEvent` per token, at the frame's indices; plain events pass through unchanged."""
+    from belayer_router._core._emit import Emit, Event, EventEmit
+    from belayer_router._wire._protocol import FinishEvent, TokenEvent, TokensEvent
+
+    events: list[Event] = []
+    emit: Emit = EventEmit(events.append, frames)
+    emit.frame(7, [11, 12, 13], [-0.5, -1.5, -2.5])
+    finish = FinishEvent("r", "stop", 3, 10, 0)
+    emit(finish)
+    if frames:
+        assert events == [TokensEvent(7, (11, 12, 13), (-0.5, -1.5, -2.5)), finish]
+    else:
+        assert events == [TokenEvent(7, 11, -0.5), TokenEvent(8, 12, -1.5), TokenEvent(9, 13, -2.5), finish]

@@ -8,12 +8,16 @@ version) resumes at once on a current slot, waiting up to ``resume_wait_s`` for 
 pause (``keep``) waits for the resume, then resumes the same way (``abort``: it ends there,
 ``finish_reason`` ``"abort"``).  Tokens reach the client through ``emit``, which is
 synchronous, so fencing check, journal append and emit happen with no await in between.
+
+Two transports reach a worker (`_worker`): its multiplexed link when it registered with one, else
+one ``POST /generate`` per attempt (NDJSON).
 """
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
+from contextlib import aclosing
 from typing import Any, TypeVar
 
 import anyio
@@ -21,6 +25,7 @@ import attrs
 import httpx
 import orjson
 
+from belayer_router._core._emit import Emit
 from belayer_router._core._journal import Journal, RequestRecord
 from belayer_router._core._metrics import Metrics
 from belayer_router._core._registry import Registry, Worker
@@ -30,22 +35,17 @@ from belayer_router._wire._protocol import (
     MAX_FRAME_BYTES,
     FinishEvent,
     TokenEvent,
-    TokensEvent,
     WorkerFinish,
     WorkerTokens,
     parse_worker_event,
     worker_request_body,
 )
 from belayer_router._worker._link import Entry, LinkAttempt, LinkPool, Stop
-from belayer_router._worker._stream import open_link
+from belayer_router._worker._stream import stream_lines
 
-__all__ = ["Dispatcher", "Emit", "new_seed"]
+__all__ = ["Dispatcher", "new_seed"]
 
 _T = TypeVar("_T")
-Emit = Callable[[TokenEvent | TokensEvent | FinishEvent], None]
-"""An emit may also have ``frame(start, token_ids, logprobs)``: a checked, journaled frame's tokens
-(indices ``start, start+1, ...``) rendered by the emit itself; the dispatcher then builds no events
-for them."""
 
 
 def new_seed() -> int:
@@ -214,11 +214,7 @@ class Dispatcher:
                     continue
                 extend(record, token_ids, logprobs)
                 num_tokens += len(token_ids)
-                frame = attempt.frame
-                if frame is not None:
-                    frame(first, token_ids, logprobs)
-                else:
-                    _emit(record, attempt.emit, first, token_ids, logprobs)
+                attempt.frame(first, token_ids, logprobs)
         finally:
             self.metrics.num_tokens += num_tokens
 
@@ -241,42 +237,14 @@ class Dispatcher:
     async def _stream(
         self, worker: Worker, body: dict[str, object], record: RequestRecord, emit: Emit, num_received: int
     ) -> str:
-        if not worker.url.startswith("http://"):
-            return await self._stream_httpx(worker, body, record, emit, num_received)
-        link_body = orjson.dumps(body)
-        async with open_link(
-            worker.url,
-            link_body,
-            connect_timeout_s=self.connect_timeout_s,
-            read_timeout_s=self.read_timeout_s,
-            max_line_bytes=MAX_FRAME_BYTES,
-        ) as link:
-            while (lines := await link.lines()) is not None:
-                for line in lines:
+        """The attempt as one ``POST /generate``: read its NDJSON lines until the finish."""
+        lines = stream_lines(self.client, worker.url, body, MAX_FRAME_BYTES)
+        async with aclosing(lines):  # leaving early closes the connection: the worker stops
+            async for batch in lines:
+                for line in batch:
                     finish = self._handle(worker, line, record, emit, num_received)
                     if finish is not None:
                         return finish
-        raise WorkerStreamError(f"worker {worker.url} ended its stream without a finish event")
-
-    async def _stream_httpx(
-        self, worker: Worker, body: dict[str, object], record: RequestRecord, emit: Emit, num_received: int
-    ) -> str:
-        """The same over httpx, for https:// workers."""
-        async with self.client.stream("POST", f"{worker.url}/generate", json=body) as response:
-            if response.status_code != 200:
-                await response.aread()
-                raise WorkerStreamError(
-                    f"worker {worker.url} answered {response.status_code}: {response.text}"
-                )
-            pending = b""
-            async for chunk in response.aiter_raw():
-                *lines, pending = (pending + chunk).split(b"\n")
-                for line in lines:
-                    finish = self._handle(worker, line, record, emit, num_received)
-                    if finish is not None:
-                        return finish
-                if len(pending) > MAX_FRAME_BYTES:
-                    raise WorkerStreamError(f"worker {worker.url} sent a line over {MAX_FRAME_BYTES} bytes")
         raise WorkerStreamError(f"worker {worker.url} ended its stream without a finish event")
 
     def _handle(
@@ -332,7 +300,7 @@ class Dispatcher:
         token_ids: Sequence[int],
         logprobs: Sequence[float],
     ) -> None:
-        """Journal and emit a checked frame whole: one event for a frames client, else per token."""
+        """Journal a checked frame whole and hand the tokens the client does not have to its emit."""
         self.journal.extend(record, token_ids, logprobs)
         skip = min(len(token_ids), max(0, num_received - start))  # regenerated: the client has them
         self.metrics.num_tokens_regenerated += skip
@@ -341,11 +309,7 @@ class Dispatcher:
             return
         if skip:
             token_ids, logprobs = token_ids[skip:], logprobs[skip:]
-        frame = getattr(emit, "frame", None)
-        if callable(frame):
-            frame(start + skip, token_ids, logprobs)
-        else:
-            _emit(record, emit, start + skip, token_ids, logprobs)
+        emit.frame(start + skip, token_ids, logprobs)
 
     def _token(
         self,
@@ -378,14 +342,3 @@ class Dispatcher:
         window = 4 * longest + 4  # a character is at most 4 byte-level tokens
         text = self.tokenizer.decode(record.token_ids[-window:])
         return any(s in text for s in record.request.stop)
-
-
-def _emit(
-    record: RequestRecord, emit: Emit, start: int, token_ids: Sequence[int], logprobs: Sequence[float]
-) -> None:
-    """A frame's tokens as events: one `TokensEvent` for a frames client, else one per token."""
-    if record.request.frames:
-        emit(TokensEvent(start, tuple(token_ids), tuple(logprobs)))
-    else:
-        for offset, token_id in enumerate(token_ids):
-            emit(TokenEvent(start + offset, token_id, logprobs[offset]))

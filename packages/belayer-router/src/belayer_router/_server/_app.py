@@ -5,7 +5,7 @@ from __future__ import annotations
 import hmac
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -15,7 +15,8 @@ import httpx
 import orjson
 
 from belayer_router._core._config import RouterConfig
-from belayer_router._core._dispatch import Dispatcher, Emit, new_seed
+from belayer_router._core._dispatch import Dispatcher, new_seed
+from belayer_router._core._emit import Emit, Event, EventEmit
 from belayer_router._core._journal import Journal, RequestRecord
 from belayer_router._core._metrics import Metrics
 from belayer_router._core._registry import Registry
@@ -30,6 +31,7 @@ from belayer_router._errors import (
 from belayer_router._server._asgi import (
     Receive,
     Send,
+    StreamQueue,
     direct_writer,
     read_json,
     run_unless_disconnected,
@@ -51,8 +53,6 @@ from belayer_router._wire._protocol import (
 )
 
 __all__ = ["RouterApp", "RouterConfig"]
-
-Event = TokenEvent | TokensEvent | FinishEvent
 
 
 _MAX_ADMIN_INT = 2**63 - 1  # epochs travel as u64 on worker links; the journal writes them as JSON
@@ -367,7 +367,8 @@ class RouterApp(OpenAIRoutes, ControlRoutes):
         skip = request.num_received_tokens
         if not request.stream:
             events: list[Event] = []
-            if not await run_unless_disconnected(receive, lambda: self._run(record, events.append, skip)):
+            emit = EventEmit(events.append, request.frames)
+            if not await run_unless_disconnected(receive, lambda: self._run(record, emit, skip)):
                 return
             token_ids: list[int] = []
             logprobs: list[float] = []
@@ -383,11 +384,8 @@ class RouterApp(OpenAIRoutes, ControlRoutes):
             await send_json(send, 200, payload)
             return
 
-        async def produce(emit: Emit) -> None:
-            put_rendered = getattr(emit, "put_rendered", None)
-            if callable(put_rendered):  # frames rendered to bytes here, no event objects
-                emit = _StreamEmit(emit, put_rendered, request.frames)
-            await self._run(record, emit, skip)
+        async def produce(queue: StreamQueue[Event]) -> None:
+            await self._run(record, _StreamEmit(queue, request.frames), skip)
 
         await stream_response(
             receive,
@@ -401,17 +399,17 @@ class RouterApp(OpenAIRoutes, ControlRoutes):
 
 
 class _StreamEmit:
-    """A ``/generate`` stream's emit: events go to the response queue; a frame's tokens (the
-    dispatcher's ``frame`` call) are rendered here to the same NDJSON bytes `encode_event` gives,
-    with no event object, and queued (or written) as one piece: one write per frame."""
+    """A ``/generate`` stream's `Emit`: events go to the response queue; a frame's tokens are
+    rendered here to the same NDJSON bytes `encode_event` gives, with no event object, and queued
+    (or written) as one piece: one write per frame."""
 
-    __slots__ = ("emit", "frames", "put_rendered")
+    __slots__ = ("frames", "put_rendered", "queue")
 
-    def __init__(self, emit: Emit, put_rendered: Callable[[bytes], None], frames: bool) -> None:
-        self.emit, self.put_rendered, self.frames = emit, put_rendered, frames
+    def __init__(self, queue: StreamQueue[Event], frames: bool) -> None:
+        self.queue, self.put_rendered, self.frames = queue, queue.put_rendered, frames
 
     def __call__(self, event: Event) -> None:
-        self.emit(event)
+        self.queue(event)
 
     def frame(self, start: int, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
         if self.frames:

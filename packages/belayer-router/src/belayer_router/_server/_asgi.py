@@ -21,6 +21,7 @@ __all__ = [
     "MAX_BODY_BYTES",
     "Receive",
     "Send",
+    "StreamQueue",
     "Write",
     "body_too_large",
     "direct_writer",
@@ -127,7 +128,7 @@ class _Rendered:
         self.body = body
 
 
-class _Queue(Generic[_E]):
+class StreamQueue(Generic[_E]):
     """The producer -> writer hand-off of a streamed response: ``put`` is synchronous, and the
     writer takes everything queued at once; one wake-up per writer wait, none per item (anyio's
     memory streams checkpoint and allocate per ``receive``: measurable per token).  On asyncio
@@ -238,7 +239,7 @@ def _render_batch(
 async def stream_response(
     receive: Receive,
     send: Send,
-    produce: Callable[[Callable[[_E], None]], Awaitable[None]],
+    produce: Callable[[StreamQueue[_E]], Awaitable[None]],
     render: Callable[[list[_E]], bytes],
     render_error: Callable[[BelayerRouterError], bytes],
     content_type: str,
@@ -249,10 +250,10 @@ async def stream_response(
     ``write``: the server's ``belayer.write`` extension (`direct_writer`): once the response has
     started, an event emitted while nothing is queued is rendered and written by the producer
     itself, synchronously; the writer task wakes only for what it could not write (back-pressure)
-    and for the end of the stream.  ``produce``'s emit is callable with an event and also has
-    ``put_rendered(body)``: bytes the producer rendered itself, kept in order with the events.
+    and for the end of the stream.  ``produce`` gets the `StreamQueue`: called with an event, or
+    ``put_rendered(body)`` with bytes the producer rendered itself, kept in order with the events.
     """
-    queue: _Queue[_E] = _Queue()
+    queue: StreamQueue[_E] = StreamQueue()
 
     async def run_producer() -> None:
         try:

@@ -55,7 +55,7 @@ _MAX_FRAME_TOKENS = (MAX_LINK_FRAME_BYTES - 4096) // 24
 
 
 class _LinkEmit:
-    """One request's emit on a link: ``frame`` (the dispatcher's fast path) and ``__call__``
+    """One request's `Emit` on a link: ``frame`` (the dispatcher's fast path) and ``__call__``
     (events: resumed or regenerated tokens, stop strings, the finish) only append to the link's
     pending output.  ``live`` goes False once the request is cancelled: nothing more is sent for it."""
 
@@ -65,10 +65,10 @@ class _LinkEmit:
         self.link, self.handle, self.live = link, handle, True
         self.run: tuple[list[int], list[float]] | None = None  # the ids / logprobs of its last event entry
 
-    def frame(self, first: int, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
+    def frame(self, start: int, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
         if self.live:
             link = self.link
-            link.entries.append((self.handle, first, token_ids, logprobs))
+            link.entries.append((self.handle, start, token_ids, logprobs))
             if not link.scheduled:
                 link.scheduled = True
                 link.loop.call_soon(link.flush)

@@ -8,7 +8,7 @@ from typing import Any
 import anyio
 
 from belayer_router._core._config import RouterConfig
-from belayer_router._core._dispatch import Emit
+from belayer_router._core._emit import Emit, EventEmit
 from belayer_router._core._journal import Journal, RequestRecord
 from belayer_router._core._tokenizer import ChatTokenizer
 from belayer_router._errors import BelayerRouterError
@@ -109,13 +109,13 @@ class OpenAIRoutes:
     async def _run_choices(self, records: list[RequestRecord], emit: Callable[[ChoiceEvent], None]) -> None:
         """Run every choice's request at once; the first error cancels the rest and is raised."""
         if len(records) == 1:
-            await self._run(records[0], lambda event: emit((0, event)), 0)
+            await self._run(records[0], _choice_emit(emit, 0, records[0]), 0)
             return
         failures: list[BelayerRouterError] = []
 
         async def one(index: int, record: RequestRecord, scope: anyio.CancelScope) -> None:
             try:
-                await self._run(record, lambda event: emit((index, event)), 0)
+                await self._run(record, _choice_emit(emit, index, record), 0)
             except BelayerRouterError as error:
                 failures.append(error)
                 scope.cancel()
@@ -125,3 +125,8 @@ class OpenAIRoutes:
                 group.start_soon(one, index, record, group.cancel_scope)
         if failures:
             raise failures[0]
+
+
+def _choice_emit(emit: Callable[[ChoiceEvent], None], index: int, record: RequestRecord) -> Emit:
+    """Choice ``index``'s `Emit`: its events, tagged with the index, go to the renderer's stream."""
+    return EventEmit(lambda event: emit((index, event)), record.request.frames)

@@ -1,8 +1,8 @@
 """An HTTP/1.1 response read by httptools' C parser: the callbacks that collect its de-chunked body.
 
-The router reads three kinds of streamed answers itself rather than through httpx (whose h11
-parser, run in Python on every chunk, was most of the router's CPU per token; issue 15): a
-worker's ``POST /generate``, a worker link and, on the client side, a client link.
+The router reads its two long-lived links itself rather than through httpx (whose h11 parser,
+run in Python on every chunk, was most of the router's CPU per token; issue 15): a worker link
+and, on the client side, a client link.
 """
 
 from __future__ import annotations

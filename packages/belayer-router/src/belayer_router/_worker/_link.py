@@ -7,8 +7,7 @@ request's new tokens and finishes.  The link's reader task checks a frame whole 
 indices, room left) before it journals and emits anything of it, then hands each entry to its
 request synchronously: no per-request task wakes up per token, only the client's writer.  The
 frame's checked entries go to the dispatcher in one call (``apply``), which journals them and
-hands each request its tokens (rendered straight to the client's bytes where the client's
-stream offers it: no event object per token).
+hands each request its tokens through its emit's ``frame`` (`_core._emit.Emit`).
 
 The link breaking (connection error, malformed frame, stale epoch, retired worker, a read slower
 than ``read_timeout_s`` while requests are out) breaks every request on it: each resumes through
@@ -42,7 +41,7 @@ from belayer_router._wire._frames import (
 from belayer_router._wire._response import ResponseBody
 
 if TYPE_CHECKING:
-    from belayer_router._core._dispatch import Emit
+    from belayer_router._core._emit import Emit
     from belayer_router._core._journal import RequestRecord
     from belayer_router._core._registry import Worker
 
@@ -64,7 +63,7 @@ class LinkAttempt:
     record: RequestRecord
     emit: Emit
     num_received: int
-    frame: EmitFrame | None = None  # the emit's ``frame(first, token_ids, logprobs)``, if it has one
+    frame: EmitFrame  # ``emit.frame``, looked up once
     done: anyio.Event = attrs.field(factory=anyio.Event)
     finish: str | None = None
     error: WorkerStreamError | None = None
@@ -107,10 +106,7 @@ class Link:
         """Send a request on the link; wait on the returned attempt's ``done``."""
         if self.broken is not None:
             raise WorkerStreamError(f"link to {self.worker.url} is broken: {self.broken}")
-        frame = getattr(emit, "frame", None)
-        attempt = LinkAttempt(
-            self.next_handle, record, emit, num_received, frame if callable(frame) else None
-        )
+        attempt = LinkAttempt(self.next_handle, record, emit, num_received, emit.frame)
         self.next_handle += 1
         was_idle = not self.attempts  # a deadline left by aborted requests is not this one's
         self.attempts[attempt.handle] = attempt
