@@ -1,9 +1,9 @@
 """Task runner for the Belayer monorepo.
 
 Every folder ``packages/belayer-*/`` is a package; each gets its own ``tests`` session (pytest,
-then mypy strict over its sources, in one venv) and ``lint`` session, and each session installs only
-that package, the siblings it declares and its ``test`` extra, so an undeclared sibling import fails
-there.  ``typecheck`` runs mypy alone (not a default session: ``tests`` already runs it).
+then mypy strict over its sources and, with mypy-tests.ini, over its tests, in one venv) and
+``lint`` session, and each session installs only that package, the siblings it declares and its
+``test`` extra, so an undeclared sibling import fails there.  ``typecheck`` runs mypy alone (not a default session: ``tests`` already runs it).
 ``layers`` checks the import contract of docs/architecture.md with import-linter; ``cli_contract``
 runs every package's command against the root README's CLI contract (tests/test_cli_contract.py).
 
@@ -67,9 +67,19 @@ def _tag(package: str) -> str:
     return package.removeprefix("belayer-")
 
 
+# Tests are typechecked too, with mypy-tests.ini (strict, but test functions and fixtures may go
+# unannotated; their bodies are checked).  Packages listed here are not, yet: their tests still
+# have typing errors (see the issue that added this).
+UNTYPED_TESTS = {"belayer-router", "belayer-shadow"}
+
+
 def _mypy(session: nox.Session, package: str) -> None:
     session.chdir(ROOT)
     session.run("mypy", "--config-file", str(ROOT / "mypy.ini"), str(PACKAGES_DIR / package / "src"))
+    if package not in UNTYPED_TESTS:
+        # from the package folder: its tests import each other as top-level modules (conftest, ...)
+        session.chdir(PACKAGES_DIR / package)
+        session.run("mypy", "--config-file", str(ROOT / "mypy-tests.ini"), "tests")
 
 
 def _prune(session: nox.Session) -> None:
@@ -114,6 +124,8 @@ def cli_contract(session: nox.Session) -> None:
         session.install("--no-deps", "--force-reinstall", *[str(PACKAGES_DIR / p) for p in PACKAGES])
         session.chdir(ROOT)
         session.run("python", "-m", "pytest", "-ra", "--timeout=900", "tests", *session.posargs)
+        session.install("-c", str(CONSTRAINTS), "mypy")
+        session.run("mypy", "--config-file", str(ROOT / "mypy.ini"), "tests")
     finally:
         _prune(session)
 

@@ -15,6 +15,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cluster_helpers import PROMPTS, gone, wait_until
@@ -44,7 +45,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _status(address: str) -> tuple[int, dict[str, object]]:
+def _status(address: str) -> tuple[int, dict[str, Any]]:
     argv = [sys.executable, "-m", "belayer_cluster", "status", "--address", address, "--json"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=180)
     return done.returncode, json.loads(done.stdout) if done.stdout else {"stderr": done.stderr}
@@ -74,7 +75,7 @@ def test_a_driver_joins_by_address_and_leaves_the_cluster_running(head: RayHead)
     assert head.alive()
     code, status = _status(head.address)
     assert code == 0, status
-    assert [(n["node_id"], n["alive"]) for n in status["nodes"]] == [(node, True)]  # type: ignore[index, union-attr]
+    assert [(n["node_id"], n["alive"]) for n in status["nodes"]] == [(node, True)]
 
 
 def test_an_address_where_no_cluster_answers_is_a_clear_error_that_names_it() -> None:

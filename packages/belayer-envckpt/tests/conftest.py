@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -46,7 +47,7 @@ def make_sandbox(engine: Engine) -> Iterator[Callable[..., Sandbox]]:
     """Create sandboxes that are removed after the test, whatever happens."""
     created: list[Sandbox] = []
 
-    def make(image: str = BUSYBOX, trajectory: str = "t", **config: object) -> Sandbox:
+    def make(image: str = BUSYBOX, trajectory: str = "t", **config: Any) -> Sandbox:
         labels = dict(TEST_LABELS)
         sandbox = Sandbox.create(
             engine, SandboxConfig(image=image, labels=labels, **config), trajectory=trajectory

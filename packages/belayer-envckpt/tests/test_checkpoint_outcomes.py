@@ -45,7 +45,9 @@ def test_a_sandbox_that_stays_paused_is_reported_after_the_publication(make_sand
         full_checkpoint(sandbox, "frozen", store=store)
     assert busy.calls == 2  # tried once more before giving up
     assert sandbox.status() == "paused"
-    assert store.verify(store.latest_ready("frozen")) == caught.value.checkpoint
+    latest = store.latest_ready("frozen")
+    assert latest is not None
+    assert store.verify(latest) == caught.value.checkpoint
     monkeypatch.undo()
     sandbox.unpause()
     assert sandbox.exec("echo thawed").stdout == "thawed\n"

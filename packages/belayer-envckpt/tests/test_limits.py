@@ -16,6 +16,7 @@ from belayer_envckpt import (
     CheckpointFailedError,
     CheckpointStore,
     CheckpointTooLargeError,
+    ExecResult,
     InvalidConfigError,
     LimitCause,
     OutsideGuaranteeError,
@@ -86,7 +87,9 @@ def assert_small_limits(seen: dict[str, object]) -> None:
     mask = f"{sum(1 << bit for bit in CAP_BITS.values()):016x}"
     assert seen["pids.max"] == "48"
     assert seen["memory"] == seen["memory+swap"] == str(96 * MIB)  # no swap on top of the memory
-    quota, period = seen["cfs"]  # type: ignore[misc]
+    cfs = seen["cfs"]
+    assert isinstance(cfs, tuple)
+    quota, period = cfs
     assert int(quota) / int(period) == 0.5
     assert seen["caps"] == (mask, mask)
     assert seen["no_new_privs"] == "1"
@@ -185,6 +188,7 @@ def test_memory_hog_is_oom_killed_inside_only(make_sandbox, track, engine, tmp_p
     with pytest.raises(SandboxLimitError, match="memory limit of 96 MB") as caught:
         sandbox.exec(["python3", "-c", "b = b'x' * (400 * 2**20); print('survived')"])
     assert caught.value.cause is LimitCause.MEMORY
+    assert isinstance(caught.value.result, ExecResult)
     assert "survived" not in caught.value.result.stdout
     assert sandbox.exec("echo next").stdout == "next\n"  # reported once, not again
     # A hog a previous action left in the background is reported by the next action.
@@ -234,6 +238,7 @@ def test_disk_filler_stops_at_the_cap(make_sandbox, track, engine, tmp_path):
     with pytest.raises(SandboxLimitError, match="over its disk cap of 16 MB") as caught:
         sandbox.exec(filler, timeout_s=120)
     assert caught.value.cause is LimitCause.DISK
+    assert isinstance(caught.value.result, ExecResult)
     assert not caught.value.result.timed_out  # the cap stopped it, not the timeout
     assert "dd" not in sandbox.probe("ps -o args").stdout
     # A checkpoint of the over-full layer is refused; the earlier ready one is untouched.

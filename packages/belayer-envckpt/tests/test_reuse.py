@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from belayer_envckpt import CheckpointStore, full_checkpoint
+from belayer_envckpt import CheckpointStore, Sandbox, full_checkpoint
 
 
-def _processes(sandbox) -> str:
+def _processes(sandbox: Sandbox) -> str:
     return sandbox.probe(["ps", "-o", "args"]).stdout
 
 

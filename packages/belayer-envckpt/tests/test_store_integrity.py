@@ -348,7 +348,9 @@ def test_a_failed_directory_fsync_after_the_rename_says_the_checkpoint_is_publis
         publish(store, "traj-7", "k00002-bbbb", 2)
     monkeypatch.undo()
     assert caught.value.checkpoint == store.latest_ready("traj-7")
-    assert store.latest_ready("traj-7").prefix == 2
+    latest = store.latest_ready("traj-7")
+    assert latest is not None
+    assert latest.prefix == 2
     assert not list(tmp_path.rglob("*.lock"))
 
 

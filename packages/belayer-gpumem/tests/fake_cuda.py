@@ -62,11 +62,18 @@ class CUmemAccessDesc:
         self.flags: int | None = None
 
 
+# Annotations in FakeCudaDriver use these names: its class attributes `CUresult` & co. (the
+# driver module's names) shadow the classes in the class body.
+_Result = CUresult
+_AllocationProp = CUmemAllocationProp
+_AccessDesc = CUmemAccessDesc
+
+
 @attrs.define
 class FakeCudaDriver:
     """One fake GPU (ordinal 0) and its driver calls; see the module docstring."""
 
-    fail: dict[str, CUresult] = attrs.field(factory=dict)
+    fail: dict[str, _Result] = attrs.field(factory=dict)
     attributes: dict[int, int] = attrs.field(
         factory=lambda: {attribute: 1 for attribute in CUdevice_attribute}
     )
@@ -95,7 +102,7 @@ class FakeCudaDriver:
         """The names of the calls made so far, in order."""
         return [name for name, _ in self.calls]
 
-    def _enter(self, name: str, *args: Any) -> CUresult:
+    def _enter(self, name: str, *args: Any) -> _Result:
         if self.missing_library:  # what cuda-bindings raises when it cannot dlopen libcuda
             raise RuntimeError("Failed to dlopen libcuda.so.1")
         self.calls.append((name, args))
@@ -114,35 +121,35 @@ class FakeCudaDriver:
                 return ctypes.addressof(self.allocations[handle]) + address - start
         raise AssertionError(f"fake GPU: {nbytes} bytes at {address:#x} are not mapped")
 
-    def cuGetErrorString(self, err: CUresult) -> tuple[CUresult, bytes]:
+    def cuGetErrorString(self, err: _Result) -> tuple[_Result, bytes]:
         return CUresult.CUDA_SUCCESS, CUresult(err).name.encode()
 
-    def cuInit(self, flags: int) -> tuple[CUresult]:
+    def cuInit(self, flags: int) -> tuple[_Result]:
         return (self._enter("cuInit", flags),)
 
-    def cuDeviceGet(self, ordinal: int) -> tuple[CUresult, int]:
+    def cuDeviceGet(self, ordinal: int) -> tuple[_Result, int]:
         err = self._enter("cuDeviceGet", ordinal)
         return (CUresult.CUDA_ERROR_INVALID_DEVICE if ordinal != 0 and not err else err), ordinal
 
-    def cuDeviceGetAttribute(self, attribute: int, device: int) -> tuple[CUresult, int]:
+    def cuDeviceGetAttribute(self, attribute: int, device: int) -> tuple[_Result, int]:
         return self._enter("cuDeviceGetAttribute", attribute, device), self.attributes.get(attribute, 0)
 
-    def cuDevicePrimaryCtxRetain(self, device: int) -> tuple[CUresult, str]:
+    def cuDevicePrimaryCtxRetain(self, device: int) -> tuple[_Result, str]:
         return self._enter("cuDevicePrimaryCtxRetain", device), f"context-{device}"
 
-    def cuCtxSetCurrent(self, context: str) -> tuple[CUresult]:
+    def cuCtxSetCurrent(self, context: str) -> tuple[_Result]:
         return (self._enter("cuCtxSetCurrent", context),)
 
-    def cuCtxSynchronize(self) -> tuple[CUresult]:
+    def cuCtxSynchronize(self) -> tuple[_Result]:
         err = self._enter("cuCtxSynchronize")
         if not err:
             self.pending = 0
         return (err,)
 
-    def cuMemGetAllocationGranularity(self, prop: CUmemAllocationProp, flag: int) -> tuple[CUresult, int]:
+    def cuMemGetAllocationGranularity(self, prop: _AllocationProp, flag: int) -> tuple[_Result, int]:
         return self._enter("cuMemGetAllocationGranularity", prop, flag), GRANULARITY
 
-    def cuMemCreate(self, nbytes: int, prop: CUmemAllocationProp, flags: int) -> tuple[CUresult, int]:
+    def cuMemCreate(self, nbytes: int, prop: _AllocationProp, flags: int) -> tuple[_Result, int]:
         err = self._enter("cuMemCreate", nbytes, prop, flags)
         if err:
             return err, 0
@@ -151,23 +158,23 @@ class FakeCudaDriver:
         self.allocations[handle] = (ctypes.c_char * nbytes)()
         return err, handle
 
-    def cuMemExportToShareableHandle(self, handle: int, kind: int, flags: int) -> tuple[CUresult, int]:
+    def cuMemExportToShareableHandle(self, handle: int, kind: int, flags: int) -> tuple[_Result, int]:
         err = self._enter("cuMemExportToShareableHandle", handle, kind, flags)
         fd = os.memfd_create("fake-cuda-export", os.MFD_CLOEXEC)
         self.exported[fd] = handle
         return err, fd
 
-    def cuMemImportFromShareableHandle(self, fd: int, kind: int) -> tuple[CUresult, int]:
+    def cuMemImportFromShareableHandle(self, fd: int, kind: int) -> tuple[_Result, int]:
         return self._enter("cuMemImportFromShareableHandle", fd, kind), self.exported.get(fd, 0)
 
-    def cuMemAddressReserve(self, nbytes: int, align: int, addr: int, flags: int) -> tuple[CUresult, int]:
+    def cuMemAddressReserve(self, nbytes: int, align: int, addr: int, flags: int) -> tuple[_Result, int]:
         err = self._enter("cuMemAddressReserve", nbytes, align, addr, flags)
         address = self._next_address
         self._next_address += nbytes + GRANULARITY
         self.reserved[address] = nbytes
         return err, address
 
-    def cuMemMap(self, address: int, nbytes: int, offset: int, handle: int, flags: int) -> tuple[CUresult]:
+    def cuMemMap(self, address: int, nbytes: int, offset: int, handle: int, flags: int) -> tuple[_Result]:
         err = self._enter("cuMemMap", address, nbytes, offset, handle, flags)
         if not err:
             assert self.reserved.get(address) == nbytes, "cuMemMap outside a reserved range"
@@ -176,47 +183,47 @@ class FakeCudaDriver:
         return (err,)
 
     def cuMemSetAccess(
-        self, address: int, nbytes: int, descs: list[CUmemAccessDesc], count: int
-    ) -> tuple[CUresult]:
+        self, address: int, nbytes: int, descs: list[_AccessDesc], count: int
+    ) -> tuple[_Result]:
         return (self._enter("cuMemSetAccess", address, nbytes, descs, count),)
 
-    def cuMemUnmap(self, address: int, nbytes: int) -> tuple[CUresult]:
+    def cuMemUnmap(self, address: int, nbytes: int) -> tuple[_Result]:
         err = self._enter("cuMemUnmap", address, nbytes)
         if not err:
             assert self.mappings.pop(address)[0] == nbytes
         return (err,)
 
-    def cuMemRelease(self, handle: int) -> tuple[CUresult]:
+    def cuMemRelease(self, handle: int) -> tuple[_Result]:
         return (self._enter("cuMemRelease", handle),)
 
-    def cuMemAddressFree(self, address: int, nbytes: int) -> tuple[CUresult]:
+    def cuMemAddressFree(self, address: int, nbytes: int) -> tuple[_Result]:
         err = self._enter("cuMemAddressFree", address, nbytes)
         if not err:
             assert address not in self.mappings, "cuMemAddressFree of a mapped range"
             assert self.reserved.pop(address) == nbytes
         return (err,)
 
-    def cuMemcpyHtoD(self, dst: int, src: int, nbytes: int) -> tuple[CUresult]:
+    def cuMemcpyHtoD(self, dst: int, src: int, nbytes: int) -> tuple[_Result]:
         err = self._enter("cuMemcpyHtoD", dst, src, nbytes)
         if not err:
             ctypes.memmove(self._host_address(dst, nbytes), src, nbytes)
             self.pending += 1
         return (err,)
 
-    def cuMemcpyDtoH(self, dst: int, src: int, nbytes: int) -> tuple[CUresult]:
+    def cuMemcpyDtoH(self, dst: int, src: int, nbytes: int) -> tuple[_Result]:
         err = self._enter("cuMemcpyDtoH", dst, src, nbytes)
         if not err:
             ctypes.memmove(dst, self._host_address(src, nbytes), nbytes)
         return (err,)
 
-    def cuMemcpyDtoD(self, dst: int, src: int, nbytes: int) -> tuple[CUresult]:
+    def cuMemcpyDtoD(self, dst: int, src: int, nbytes: int) -> tuple[_Result]:
         err = self._enter("cuMemcpyDtoD", dst, src, nbytes)
         if not err:
             ctypes.memmove(self._host_address(dst, nbytes), self._host_address(src, nbytes), nbytes)
             self.pending += 1
         return (err,)
 
-    def cuMemsetD8(self, dst: int, value: int, nbytes: int) -> tuple[CUresult]:
+    def cuMemsetD8(self, dst: int, value: int, nbytes: int) -> tuple[_Result]:
         err = self._enter("cuMemsetD8", dst, value, nbytes)
         if not err:
             ctypes.memset(self._host_address(dst, nbytes), value, nbytes)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,9 +26,9 @@ REQUIRED_KEYS = {
 }
 
 
-def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> list[dict[str, object]]:
+def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> list[dict[str, Any]]:
     assert main(["compare", *argv, "--json"]) == 0
-    result: list[dict[str, object]] = json.loads(capsys.readouterr().out)
+    result: list[dict[str, Any]] = json.loads(capsys.readouterr().out)
     return result
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -30,7 +31,7 @@ def _traj(responses: list[float], actions: list[float], ckpts: list[float], fail
     return Trajectory(responses, actions, ckpts, [ScheduledFailure(s, a) for s, a in failures])
 
 
-def _run(name: str, trajectory: Trajectory, **config: float) -> tuple[float, float, float, int, int]:
+def _run(name: str, trajectory: Trajectory, **config: Any) -> tuple[float, float, float, int, int]:
     outcome = simulate_trajectory(
         trajectory, PolicySpec.parse(name).build(), SimulationConfig(**config), random.Random(0)
     )

@@ -51,7 +51,7 @@ from belayer_policy import (
         (lambda: CheckpointCostModel().observe(float("inf")), "cost_s"),
         (lambda: StepObservation(0, 1.0, 1.0, 1.0), "step_index"),
         (lambda: StepObservation(1, -1.0, 1.0, 1.0), "response_s"),
-        (lambda: StepObservation(1, 1.0, "1", 1.0), "action_s"),
+        (lambda: StepObservation(1, 1.0, "1", 1.0), "action_s"),  # type: ignore[arg-type]  # on purpose
         (lambda: StepObservation(1, 1.0, 1.0, 1.0, next_step_s=-2.0), "next_step_s"),
         (lambda: CheckpointPolicy(extra_cost_s=-1.0), "extra_cost_s"),
         (lambda: CheckpointPolicy(cooldown_s=-1.0), "cooldown_s"),
@@ -75,7 +75,10 @@ from belayer_policy import (
         (lambda: compare_policies([PolicySpec.parse("never")], config=SimulationConfig(), runs=0), "runs"),
         (
             lambda: compare_policies(
-                [PolicySpec.parse("never")], config=SimulationConfig(), runs=1, num_trajectories=2.5
+                [PolicySpec.parse("never")],
+                config=SimulationConfig(),
+                runs=1,
+                num_trajectories=2.5,  # type: ignore[arg-type]
             ),
             "num_trajectories",
         ),
