@@ -7,6 +7,9 @@ sandbox, real Docker and CRIU).  Behind the router a scripted `FakeWorker` write
 response (restored from its checkpoint and brought back to the agent's context) and kills the
 worker mid-response (the router resumes on the replacement); it must end exactly like the
 failure-free run: same messages, same submission, every action's effect exactly once.
+
+It lives in belayer-grpo's tests because it needs both belayer-router and belayer-envckpt (and
+mini-swe-agent, a test extra here), which only belayer-grpo depends on together.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from typing import Any
 import anyio
 import pytest
 
-os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")
+os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")  # mini-swe-agent's banner
+# litellm would fetch its model price map from the internet at import; use the copy it ships.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 from minisweagent.agents.default import DefaultAgent
 from minisweagent.models.litellm_model import LitellmModel
@@ -29,7 +34,13 @@ from belayer_envckpt.harness import SandboxEnvironment
 from belayer_router import ChatTemplateTokenizer, RouterClient, RouterConfig, load_tokenizer, running_router
 from belayer_router.testing import FakeWorker, running_worker, text_script, write_chat_tokenizer
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.docker, pytest.mark.anyio]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # uvicorn serves on asyncio only
+
 
 COMMANDS = [
     "printf '3 4\\n10 20\\n' > input.txt; echo step1 >> log.txt",
