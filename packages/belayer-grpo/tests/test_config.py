@@ -127,7 +127,8 @@ def test_cli_reports_config_errors_with_exit_status_2() -> None:
         text=True,
         timeout=120,
     )
-    assert done.returncode == ExitCode.USAGE == 2
+    assert done.returncode == ExitCode.USAGE
+    assert int(ExitCode.USAGE) == 2
     # The root README's contract: one line, `belayer-grpo: error: ...`, no traceback.
     assert done.stderr.startswith("belayer-grpo: error: config key 'algorithm.steps'"), done.stderr
     assert len(done.stderr.strip().splitlines()) == 1

@@ -84,7 +84,7 @@ def test_the_guardian_reaps_within_seconds_of_a_sigkilled_trainer(tmp_path: Path
         trainer.send_signal(signal.SIGKILL)
         trainer.wait(timeout=30)
         deadline = time.monotonic() + 30
-        while find_run_processes(run_marker(run_dir)) or list(run_dir.rglob("*.sock")):
+        while find_run_processes(run_marker(run_dir)) or any(run_dir.rglob("*.sock")):
             assert time.monotonic() < deadline, (run_dir / "guardian.log").read_text()
             time.sleep(0.1)
         deadline = time.monotonic() + 30

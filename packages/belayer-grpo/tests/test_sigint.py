@@ -122,9 +122,7 @@ def test_sigkill_mid_rollout_is_reaped_and_the_folder_starts_cleanly_again(tmp_p
                 train.wait()
     # Within seconds (polled; generous for a loaded machine) the guardian has reaped the run.
     deadline = time.monotonic() + 30
-    while (
-        _tagged_pids(tag) or list(run_dir.rglob("*.sock")) or (run_dir / "slots" / "slot0" / "mem").exists()
-    ):
+    while _tagged_pids(tag) or any(run_dir.rglob("*.sock")) or (run_dir / "slots" / "slot0" / "mem").exists():
         assert time.monotonic() < deadline, (run_dir / "guardian.log").read_text()
         time.sleep(0.1)
     assert _memfd_holders(tag) == []
