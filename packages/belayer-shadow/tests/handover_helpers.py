@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -24,7 +25,7 @@ async def router(resume_wait_s: float = 30.0) -> AsyncIterator[tuple[str, Router
 
 @asynccontextmanager
 async def supervised(
-    url: str, run_dir: Path, slot: str = "s0", *, protected: bool = True, **options: object
+    url: str, run_dir: Path, slot: str = "s0", *, protected: bool = True, **options: Any
 ) -> AsyncIterator[SlotSupervisor]:
     """A started slot (waiting for its shadow to stand by when `protected`); stopped at the end.
 
@@ -34,7 +35,7 @@ async def supervised(
     options.setdefault("stale_s", 3.0)
     config = SlotConfig(
         slot=slot, router_url=url, run_dir=run_dir, admin_token=TOKEN, num_kv_blocks=256, **options
-    )  # type: ignore[arg-type]
+    )
     supervisor = SlotSupervisor(config)
     await anyio.to_thread.run_sync(supervisor.start)
     try:

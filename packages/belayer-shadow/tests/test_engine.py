@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -19,7 +21,7 @@ WEIGHTS = init_weights(CONFIG, seed=0)
 PROMPTS = {f"r{i}": [(7 * i + j * 13) % 256 for j in range(5 + 3 * i)] for i in range(8)}
 
 
-def make_engine(num_blocks: int = 128, block_size: int = 8, **kwargs: int) -> LLMEngine:
+def make_engine(num_blocks: int = 128, block_size: int = 8, **kwargs: Any) -> LLMEngine:
     return LLMEngine(CONFIG, WEIGHTS, allocate_kv_arena(CONFIG, num_blocks, block_size), **kwargs)
 
 
@@ -50,7 +52,9 @@ def test_paged_decode_equals_full_recompute() -> None:
         for k in range(12):
             fresh = make_engine(block_size=4)
             fresh.add_request(
-                rid, prompt, SamplingParams(max_tokens=1, temperature=0.0, generated_token_ids=generated)
+                rid,
+                prompt,
+                SamplingParams(max_tokens=1, temperature=0.0, generated_token_ids=tuple(generated)),
             )
             (out,) = fresh.step()
             assert out.index == k

@@ -58,7 +58,7 @@ def test_sampling_params_normalise_token_id_lists() -> None:
     assert SamplingParams(max_tokens=1, temperature=0).greedy
 
 
-def engine(num_blocks: int = 8, block_size: int = 4, **kwargs: int) -> LLMEngine:
+def engine(num_blocks: int = 8, block_size: int = 4, **kwargs: Any) -> LLMEngine:
     return LLMEngine(CONFIG, WEIGHTS, allocate_kv_arena(CONFIG, num_blocks, block_size), **kwargs)
 
 

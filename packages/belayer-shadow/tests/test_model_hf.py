@@ -30,7 +30,7 @@ def hf_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> Qwen3ForC
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True)
-    return model
+    return model  # type: ignore[no-any-return]  # transformers' eval() is untyped
 
 
 def engine_logits(config: ModelConfig, weights: dict[str, torch.Tensor], tokens: list[int]) -> torch.Tensor:

@@ -175,7 +175,12 @@ async def test_workers_outlive_the_thread_that_started_the_supervisor(tmp_path: 
     async with router() as (url, _app):
         config = SlotConfig(slot="t", router_url=url, run_dir=tmp_path, admin_token=TOKEN, num_kv_blocks=64)
         slot = SlotSupervisor(config)
-        starter = threading.Thread(target=lambda: (slot.start(), slot.wait_protected()))
+
+        def start() -> None:
+            slot.start()
+            slot.wait_protected()
+
+        starter = threading.Thread(target=start)
         starter.start()
         await anyio.to_thread.run_sync(starter.join)
         try:

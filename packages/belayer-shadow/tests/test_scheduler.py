@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from belayer_shadow import SamplingParams
 from belayer_shadow._engine._block_manager import BlockManager
 from belayer_shadow._engine._scheduler import Scheduler
@@ -19,8 +21,8 @@ def seq(request_id: str, length: int, max_tokens: int = 100, stop: tuple[int, ..
     )
 
 
-def scheduler(num_blocks: int = 16, block_size: int = 4, **kwargs: int) -> Scheduler:
-    limits = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 1000} | kwargs
+def scheduler(num_blocks: int = 16, block_size: int = 4, **kwargs: Any) -> Scheduler:
+    limits: dict[str, Any] = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 1000} | kwargs
     return Scheduler(BlockManager(num_blocks, block_size), **limits)
 
 

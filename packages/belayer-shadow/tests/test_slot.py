@@ -6,6 +6,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import httpx
@@ -92,7 +93,7 @@ async def test_dead_memory_server_shadow_refuses_and_slot_goes_unhealthy(tmp_pat
 
 
 async def test_conventional_recovery_restarts_and_regenerates(tmp_path: Path) -> None:
-    options = {"recovery": "conventional", "health_interval_s": 0.2, "health_misses": 2}
+    options: dict[str, Any] = {"recovery": "conventional", "health_interval_s": 0.2, "health_misses": 2}
     async with router() as (url, _app), supervised(url, tmp_path / "slot", **options) as slot:
         assert slot.shadow is None
         reference = await generate_all(url, PROMPTS, 96)

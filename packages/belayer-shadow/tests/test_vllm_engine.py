@@ -12,6 +12,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -77,7 +78,9 @@ def engine(weights_socket: Path, kv_socket: Path) -> Iterator[VllmEngine]:
         vllm_engine.close()
 
 
-def run(engine: VllmEngine | LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
+def run(
+    engine: VllmEngine | LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
+) -> dict[str, Any]:
     """Every request to completion: {id: [(index, token, logprob, finish)]}."""
     for request_id, (prompt, params) in requests.items():
         engine.add_request(request_id, prompt, params)
