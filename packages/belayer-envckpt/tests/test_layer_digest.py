@@ -21,16 +21,26 @@ def _layer(tmp_path: Path) -> Path:
     return root
 
 
-CHANGES: dict[str, Callable[[Path], None]] = {
+def _create_and_delete(root: Path) -> None:
+    (root / "work" / "t").write_text("x")
+    (root / "work" / "t").unlink()
+
+
+def _retarget(root: Path) -> None:
+    (root / "work" / "link").unlink()
+    os.symlink("b", root / "work" / "link")
+
+
+CHANGES: dict[str, Callable[[Path], object]] = {
     "a file written": lambda r: (r / "work" / "a").write_text("ONE"),  # same size
     "a file appended": lambda r: (r / "work" / "a").open("a").write("!"),
     "a file deleted": lambda r: (r / "work" / "sub" / "b").unlink(),
-    "a file created and deleted": lambda r: ((r / "work" / "t").write_text("x"), (r / "work" / "t").unlink()),
+    "a file created and deleted": _create_and_delete,
     "a rename": lambda r: (r / "work" / "a").rename(r / "work" / "c"),
     "a chmod": lambda r: (r / "work" / "sub" / "b").chmod(0o600),
     "an mtime set back": lambda r: os.utime(r / "work" / "a", ns=(0, 0)),
     "a hard link": lambda r: os.link(r / "work" / "a", r / "work" / "hard"),
-    "a symlink retargeted": lambda r: ((r / "work" / "link").unlink(), os.symlink("b", r / "work" / "link")),
+    "a symlink retargeted": _retarget,
     "an xattr": lambda r: os.setxattr(r / "work" / "a", "user.belayer", b"1"),
 }
 
