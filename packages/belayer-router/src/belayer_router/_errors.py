@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "BelayerRouterError",
+    "InternalRouterError",
     "InvalidRequestError",
     "JournalError",
     "LinkProtocolError",
@@ -20,6 +23,7 @@ __all__ = [
     "WeightLoadError",
     "WeightVersionError",
     "WorkerStreamError",
+    "error_payload",
 ]
 
 
@@ -30,6 +34,11 @@ class BelayerRouterError(Exception):
     """
 
     status = 500
+
+
+class InternalRouterError(BelayerRouterError):
+    """A request failed on a bug of the router, not on its input: the router logged the
+    traceback; the message names the exception.  The only error a client gets as a 500."""
 
 
 class ServerConfigError(BelayerRouterError):
@@ -101,9 +110,17 @@ class RequestConflictError(BelayerRouterError):
 
 
 class NoHealthyWorkerError(BelayerRouterError):
-    """No healthy worker became available within the configured wait."""
+    """No healthy worker became available within the configured wait.
+
+    The message names why (each slot: unhealthy since when, restarting since when, held out for
+    its weight version); ``retry_after_s`` is the ``Retry-After`` the router answers with.
+    """
 
     status = 503
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class JournalError(BelayerRouterError):
@@ -139,3 +156,29 @@ class LinkProtocolError(WorkerStreamError):
     The router fences the link (every request on it resumes elsewhere) and journals nothing of
     the frame.
     """
+
+
+# OpenAI's error types by status (its API answers ``{"error": {"message", "type", "param", "code"}}``).
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    502: "server_error",
+    503: "service_unavailable_error",
+}
+
+
+def error_payload(error: BelayerRouterError) -> dict[str, Any]:
+    """The JSON body of an error, shaped as OpenAI's API shapes its own (``status`` added)."""
+    code = "".join("_" + c.lower() if c.isupper() else c for c in type(error).__name__).lstrip("_")
+    return {
+        "error": {
+            "message": str(error),
+            "type": _ERROR_TYPES.get(error.status, "server_error"),
+            "param": None,
+            "code": code.removesuffix("_error"),
+            "status": error.status,
+        }
+    }

@@ -142,7 +142,9 @@ class Dispatcher:
             return
         raise NoHealthyWorkerError(
             f"request {record.request_id!r}: no healthy worker within {self.resume_wait_s:g} s "
-            f"after {record.num_resumes} resumes; register workers and retry with the same request_id"
+            f"after {record.num_resumes} resumes ({self.registry.unavailable_reason()}); retry "
+            "with the same request_id to resume from the tokens already streamed",
+            retry_after_s=self.resume_wait_s,
         )
 
     async def _next_worker(self, failed: Worker, excluded: frozenset[tuple[str, int]]) -> Worker | None:

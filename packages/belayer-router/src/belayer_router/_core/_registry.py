@@ -70,6 +70,8 @@ class Slot:
     weight_version: int | None = None  # the committed weight version it last reported
     num_stream_failures: int = 0  # its workers' streams that broke (worker side), every epoch
     last_stream_failure_at: float | None = None  # ``time.time()`` of the last one
+    unhealthy_since: float | None = None  # ``time.time()`` it was marked unhealthy
+    vacant_since: float | None = None  # ``time.time()`` its worker was unregistered (none since)
 
 
 def _check_version(version: int) -> None:
@@ -208,6 +210,7 @@ class Registry:
             self.num_handovers += 1
         state.worker = Worker(slot, url, epoch, link=link)
         state.max_epoch = epoch
+        state.vacant_since = None
         self._gate(state)
         self._notify()
         return state.worker
@@ -222,11 +225,14 @@ class Registry:
         if state.worker is not None:
             self._retire(state.worker)
             state.worker = None
+            state.vacant_since = time.time()
             self._notify()
 
     def mark_unhealthy(self, slot: str) -> None:
         """Take the slot out of service for good: its worker is retired and its requests move."""
         state = self._slot(slot)
+        if state.healthy:
+            state.unhealthy_since = time.time()
         state.healthy = False
         if state.worker is not None:
             self._retire(state.worker)
@@ -337,6 +343,32 @@ class Registry:
         state.num_stream_failures += 1
         state.last_stream_failure_at = time.time()
 
+    def unavailable_reason(self) -> str:
+        """Why no worker can take a request now, slot by slot (for the 503 a client gets)."""
+        if not self.slots:
+            return "no slot has registered a worker (POST /workers/register)"
+        now = time.time()
+        reasons = []
+        for state in self.slots.values():
+            name = f"slot {state.name!r}"
+            if not state.healthy:
+                since = _since(state.unhealthy_since, now)
+                reasons.append(f"{name} is unhealthy since {since} (its GPU failed; it is not restarted)")
+            elif state.worker is None:
+                since = _since(state.vacant_since, now)
+                reasons.append(f"{name} is restarting: no worker since {since}")
+            elif state.worker.held_out:
+                reasons.append(
+                    f"{name} is held out: weight version {state.weight_version}, required "
+                    f"{self.required_version}"
+                )
+            elif state.last_stream_failure_at is not None:
+                since = _since(state.last_stream_failure_at, now)
+                reasons.append(f"{name} is recovering: its worker's stream broke at {since}")
+            else:
+                reasons.append(f"{name} has a worker (epoch {state.worker.epoch}) that this request tried")
+        return "; ".join(reasons)
+
     def snapshot(self) -> list[dict[str, Any]]:
         """The slots as JSON-ready dicts, for ``GET /workers``."""
         return [
@@ -352,6 +384,16 @@ class Registry:
                 "current": not self._behind(s),
                 "num_stream_failures": s.num_stream_failures,
                 "last_stream_failure_at": s.last_stream_failure_at,
+                "unhealthy_since": s.unhealthy_since,
+                "vacant_since": s.vacant_since,
             }
             for s in self.slots.values()
         ]
+
+
+def _since(at: float | None, now: float) -> str:
+    """``at`` as UTC ISO 8601 with its age, e.g. ``2026-12-04T22:50:01Z (3.2 s ago)``."""
+    if at is None:
+        return "the router started"
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
+    return f"{stamp} ({max(0.0, now - at):.1f} s ago)"

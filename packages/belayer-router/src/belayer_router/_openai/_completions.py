@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 
 from belayer_router._core._tokenizer import Tokenizer
-from belayer_router._errors import BelayerRouterError, InvalidRequestError
+from belayer_router._errors import BelayerRouterError, InvalidRequestError, error_payload
 from belayer_router._openai._choices import ChoiceText
 from belayer_router._openai._params import OpenAIParams, off_the_loop, parse_openai_params
 from belayer_router._wire._protocol import MAX_TOKEN_ID, FinishEvent, GenerateRequest, TokenEvent, TokensEvent
@@ -97,7 +97,7 @@ def sse(payload: dict[str, Any]) -> bytes:
 
 
 def _error_chunk(error: BelayerRouterError) -> bytes:
-    return sse({"error": {"message": str(error), "code": error.status}})
+    return sse(error_payload(error))
 
 
 @attrs.define

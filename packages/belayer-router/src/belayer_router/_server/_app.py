@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -23,6 +24,7 @@ from belayer_router._core._registry import Registry
 from belayer_router._core._store import JournalStore
 from belayer_router._errors import (
     BelayerRouterError,
+    InternalRouterError,
     InvalidRequestError,
     JournalError,
     NotFoundError,
@@ -35,6 +37,7 @@ from belayer_router._server._asgi import (
     direct_writer,
     read_json,
     run_unless_disconnected,
+    send_error,
     send_json,
     send_text,
     stream_response,
@@ -54,6 +57,7 @@ from belayer_router._wire._protocol import (
 
 __all__ = ["RouterApp", "RouterConfig"]
 
+_log = logging.getLogger("belayer_router")
 
 _MAX_ADMIN_INT = 2**63 - 1  # epochs travel as u64 on worker links; the journal writes them as JSON
 
@@ -153,10 +157,29 @@ class RouterApp(OpenAIRoutes, ControlRoutes):
             return
         if scope["type"] != "http":
             return
+        started = False
+
+        async def tracked(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         try:
-            await self._route(scope, receive, send)
-        except BelayerRouterError as error:
-            await send_json(send, error.status, {"error": {"message": str(error), "status": error.status}})
+            await self._route(scope, receive, tracked)
+        except Exception as raised:  # every error a client can get is a JSON body (no bare 500)
+            error = _router_error(raised)
+            if error is None:
+                _log.error("%s %s failed", scope["method"], scope["path"], exc_info=raised)
+                error = InternalRouterError(
+                    f"internal error on {scope['method']} {scope['path']}: {type(raised).__name__}: "
+                    f"{raised} (the router logged the traceback; please report it)"
+                )
+            if started:  # a streamed response ends without its last chunk; the client sees a cut
+                _log.warning(
+                    "%s %s failed after its response started: %s", scope["method"], scope["path"], error
+                )
+                return
+            await send_error(send, error)
 
     @asynccontextmanager
     async def serving_links(self) -> AsyncIterator[None]:
@@ -431,6 +454,19 @@ def _render(events: list[Event]) -> bytes:
     if len(events) == 1:
         return encode_event(events[0])
     return b"".join([encode_event(e) for e in events])
+
+
+def _router_error(error: BaseException) -> BelayerRouterError | None:
+    """The router error ``error`` is, or the one a task group wrapped it in (anyio raises every
+    task's error in an `ExceptionGroup`: a 503 from a waiting request came out as a bare 500)."""
+    if isinstance(error, BelayerRouterError):
+        return error
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            found = _router_error(inner)
+            if found is not None:
+                return found
+    return None
 
 
 def _parse_turn(turn: str) -> int:

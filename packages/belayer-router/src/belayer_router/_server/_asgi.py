@@ -9,13 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
 import anyio
 import anyio.abc
 
-from belayer_router._errors import BelayerRouterError, InvalidRequestError, PayloadTooLargeError
+from belayer_router._errors import (
+    BelayerRouterError,
+    InvalidRequestError,
+    PayloadTooLargeError,
+    error_payload,
+)
 
 __all__ = [
     "MAX_BODY_BYTES",
@@ -27,6 +33,7 @@ __all__ = [
     "direct_writer",
     "read_json",
     "run_unless_disconnected",
+    "send_error",
     "send_json",
     "send_text",
     "stream_response",
@@ -75,17 +82,40 @@ async def read_json(receive: Receive, max_bytes: int = MAX_BODY_BYTES) -> Any:
         ) from None
 
 
-async def send_text(send: Send, status: int, text: str | bytes, content_type: str) -> None:
+async def send_text(
+    send: Send,
+    status: int,
+    text: str | bytes,
+    content_type: str,
+    extra_headers: tuple[tuple[bytes, bytes], ...] = (),
+) -> None:
     """A complete response with one body."""
     body = text.encode() if isinstance(text, str) else text
     headers = [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())]
+    headers += extra_headers
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
-async def send_json(send: Send, status: int, payload: Any) -> None:
+async def send_json(
+    send: Send, status: int, payload: Any, extra_headers: tuple[tuple[bytes, bytes], ...] = ()
+) -> None:
     """A complete JSON response."""
-    await send_text(send, status, json.dumps(payload, separators=(",", ":")), "application/json")
+    body = json.dumps(payload, separators=(",", ":"))
+    await send_text(send, status, body, "application/json", extra_headers)
+
+
+def _retry_after(error: BelayerRouterError) -> tuple[tuple[bytes, bytes], ...]:
+    seconds = getattr(error, "retry_after_s", None)
+    if seconds is None:
+        return ()
+    return ((b"retry-after", str(max(1, math.ceil(seconds))).encode()),)
+
+
+async def send_error(send: Send, error: BelayerRouterError) -> None:
+    """The error as a complete JSON response (`error_payload`), with ``Retry-After`` when the
+    error says when to retry (a 503 while no worker can serve)."""
+    await send_json(send, error.status, error_payload(error), _retry_after(error))
 
 
 async def _watch_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
@@ -272,9 +302,7 @@ async def stream_response(
                 next((e for e in batch if isinstance(e, BelayerRouterError)), None) if queue.failed else None
             )
             if not started and error is not None and len(batch) == 1:
-                await send_json(
-                    send, error.status, {"error": {"message": str(error), "status": error.status}}
-                )
+                await send_error(send, error)
                 group.cancel_scope.cancel()
                 return
             if not started:
