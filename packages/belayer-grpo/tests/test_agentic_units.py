@@ -28,7 +28,7 @@ from belayer_grpo._agentic import (
     render_observation,
     summarize,
 )
-from belayer_grpo._errors import DataError
+from belayer_grpo._errors import DataError, UnrecoverableTrajectoryError, describe_error
 from belayer_router import ByteTokenizer
 
 # -- actions -----------------------------------------------------------------------------------
@@ -250,6 +250,8 @@ def test_summarize_totals_a_batch() -> None:
         ({"policy_failure_probability": -0.1}, "policy_failure_probability"),
         ({"max_rounds": 0}, "max_rounds"),
         ({"invalid_action": "retry"}, "invalid_action"),
+        ({"on_unrecoverable": "ignore"}, "on_unrecoverable"),
+        ({"max_resamples": -1}, "max_resamples"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_field(
@@ -329,3 +331,20 @@ def test_a_node_loss_waits_for_a_checkpoint_only_while_one_can_still_come() -> N
     assert no_checkpoint.over.is_set()
     no_checkpoint.released.set()
     assert not no_checkpoint.claim("victim")  # the loss is handled: nothing is held any more
+
+
+def _raise_empty() -> None:
+    raise TimeoutError  # an error whose text is empty, as the router link's could be
+
+
+def test_describe_error_names_the_type_and_where_even_when_the_text_is_empty() -> None:
+    try:
+        try:
+            _raise_empty()
+        except TimeoutError as inner:
+            raise UnrecoverableTrajectoryError("t-g0-s1", "the sandbox is gone") from inner
+    except UnrecoverableTrajectoryError as error:
+        text = describe_error(error)
+    assert text.startswith("belayer_grpo._errors.UnrecoverableTrajectoryError (test_agentic_units.py:"), text
+    assert ": trajectory t-g0-s1: the sandbox is gone <- TimeoutError (test_agentic_units.py:" in text
+    assert "in _raise_empty): TimeoutError()" in text

@@ -18,7 +18,7 @@ from belayer_grpo._data import (
     load_math_file,
     math_reward,
 )
-from belayer_grpo._errors import CheckpointError, DataError
+from belayer_grpo._errors import BelayerGrpoError, CheckpointError, DataError
 from belayer_grpo._model import build_policy, engine_model_config
 from belayer_grpo._rollout_math import Sample
 from belayer_grpo._trainer import GRPOTrainer
@@ -194,3 +194,19 @@ def attrs_evolve_reward(sample: Sample, reward: float) -> Sample:
     import attrs
 
     return attrs.evolve(sample, reward=reward)
+
+
+def test_update_takes_a_batch_with_fewer_groups_and_refuses_a_partial_group() -> None:
+    """Dropped groups leave fewer whole groups than a full step (4 minibatches of 4 samples
+    planned, 1 group of 2 left): the update takes them; a group missing a sample is refused."""
+    config = load_config(None, ["algorithm.num_minibatches=4", "algorithm.learning_rate=0.01"])
+    model_config = engine_model_config(config.model, CharTokenizer())
+    trainer = GRPOTrainer(build_policy(model_config, seed=0), config.algorithm, group_size=2)
+    samples = _samples()
+    before = trainer._logprobs(trainer.model, samples[:2])[0].sum(dim=1)
+    result = trainer.update(samples[:2])  # group 0 alone
+    after = trainer._logprobs(trainer.model, samples[:2])[0].sum(dim=1)
+    assert result.num_tokens == 4
+    assert bool(after[0] - after[1] > before[0] - before[1])  # the rewarded answer gained on the other
+    with pytest.raises(BelayerGrpoError, match="whole groups of 2 samples, got 3"):
+        trainer.update(samples[:3])

@@ -25,6 +25,7 @@ from belayer_grpo._errors import (
     SystemStartError,
     TaskFormatError,
     TrajectoryFailedError,
+    UnrecoverableTrajectoryError,
 )
 from belayer_grpo._lazy import lazy_getattr
 
@@ -75,6 +76,7 @@ __all__ = [
     "SystemStartError",
     "TaskFormatError",
     "TrajectoryFailedError",
+    "UnrecoverableTrajectoryError",
     "__version__",
     "builtin_tasks",
     "load_config",

@@ -109,6 +109,9 @@ class RolloutConfig:
     env_checkpoint_policy: str = attrs.field(default="adaptive", validator=_checkpoint_policy)
     invalid_action: str = attrs.field(default="end", validator=v.in_(("end", "feedback")))
     max_sandboxes: int = attrs.field(default=8, validator=_positive)
+    max_recoveries: int = attrs.field(default=100, validator=_non_negative)
+    on_unrecoverable: str = attrs.field(default="resample", validator=v.in_(("resample", "drop", "fail")))
+    max_resamples: int = attrs.field(default=2, validator=_non_negative)
 
 
 @attrs.frozen

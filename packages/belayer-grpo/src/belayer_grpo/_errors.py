@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import traceback
+from pathlib import Path
 
 __all__ = [
     "BelayerGrpoError",
@@ -16,6 +18,8 @@ __all__ = [
     "SystemStartError",
     "TaskFormatError",
     "TrajectoryFailedError",
+    "UnrecoverableTrajectoryError",
+    "describe_error",
 ]
 
 
@@ -72,3 +76,29 @@ class TrajectoryFailedError(RolloutError):
 class SandboxCommandError(BelayerGrpoError):
     """A command belayer-grpo runs in a sandbox besides the agent's actions (the repository hash)
     failed; the trajectory treats it as a sandbox failure and recovers."""
+
+
+class UnrecoverableTrajectoryError(TrajectoryFailedError):
+    """One trajectory cannot be recovered (more sandbox failures than ``rollout.max_recoveries``,
+    a restart from the image that fails twice, a checkpoint that fails verification with no
+    earlier one); ``rollout.on_unrecoverable`` decides what becomes of its group."""
+
+    def __init__(self, trajectory_id: str, message: str) -> None:
+        super().__init__(f"trajectory {trajectory_id}: {message}")
+        self.trajectory_id = trajectory_id
+
+
+def describe_error(error: BaseException, _depth: int = 0) -> str:
+    """``Type (file:line in function): message``: the error's type and where it was raised, so an
+    error whose text is empty still says what it is; the innermost frame of its traceback, and
+    the chain of causes it was raised from."""
+    kind = type(error)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    text = str(error) or repr(error)
+    cause = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+    described = f"{name}{where}: {text}"
+    if cause is not None and cause is not error and _depth < 4:
+        described += f" <- {describe_error(cause, _depth + 1)}"
+    return described

@@ -168,6 +168,14 @@ class Reporter:
                 f" {env.get('checkpoint_waited_s_total', 0.0):.2f}s of it on the critical path;"
                 f" prefix-consistent: {'yes' if env['all_prefix_consistent'] else 'NO'}"
             )
+            lines.append(
+                f"{'unrecoverable':>22}: {env.get('unrecoverable_trajectories', 0)} trajectories ->"
+                f" {env.get('resampled_groups', 0)} groups resampled ({env.get('group_resamples', 0)} times),"
+                f" {env.get('dropped_groups', 0)} groups dropped; {env.get('checkpoint_fallbacks', 0)}"
+                " fallbacks to an earlier checkpoint"
+            )
+            for error in env.get("unrecoverable_errors", [])[:5]:
+                lines.append(f"{'':>22}  {error[:200]}")
             for r in env.get("recoveries", [])[:20]:
                 if r["from_checkpoint"]:
                     source = f"checkpoint at action {r['restored_prefix']} (turn {r['restored_turn']})"

@@ -46,7 +46,7 @@ from belayer_grpo._swe import (
     tooluse_warmup,
 )
 from belayer_grpo._system import RolloutSystem
-from belayer_grpo._trainer import GRPOTrainer
+from belayer_grpo._trainer import GRPOTrainer, UpdateResult
 from belayer_grpo._weight_sync import WeightSync
 from belayer_router import RouterClient
 
@@ -240,6 +240,7 @@ async def _swe_rollout(
         on_trajectory=on_trajectory,
         estimators=run.estimators,
         pool=await run.sandbox_pool(),
+        stats=run.env.unrecoverable,
     )
     run.env.add(trajectories, step)
     # The agentic trace in belayer-policy's format: what the simulator replays (issue 16).
@@ -281,7 +282,10 @@ async def _step(
     num_tokens = sum(sum(s.loss_mask) for s in samples)  # generated tokens (not observations)
     run.reporter.advance("train")
     train_started = time.monotonic()
-    update = await anyio.to_thread.run_sync(run.trainer.update, samples)
+    if samples:
+        update = await anyio.to_thread.run_sync(run.trainer.update, samples)
+    else:  # every group was dropped: no update, and nothing the policy did not earn enters one
+        update = UpdateResult(0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0, 0)
     run.reporter.advance("sync")
     sync_started = time.monotonic()
     versions = await anyio.to_thread.run_sync(sync.push, run.trainer.model)
@@ -294,8 +298,9 @@ async def _step(
     if config.system.checkpoint_every and step % config.system.checkpoint_every == 0:
         await anyio.to_thread.run_sync(_checkpoint, run, step)
     return {
-        "reward_mean": sum(rewards) / len(rewards),
-        "accuracy": sum(1 for r in rewards if r >= 1.0) / len(rewards),
+        # Over the completed groups only (a dropped group has no reward to count).
+        "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+        "accuracy": sum(1 for r in rewards if r >= 1.0) / len(rewards) if rewards else 0.0,
         "tokens_per_s": num_tokens / max(rollout_s, 1e-9),
         "rollout_s": rollout_s,
         "train_s": sync_started - train_started,

@@ -23,6 +23,7 @@ from belayer_grpo._agentic import (
     AgenticConfig,
     AgenticTrajectory,
     AgentTask,
+    RolloutStats,
     SandboxPool,
     builtin_tasks,
     load_swegym,
@@ -108,6 +109,9 @@ def agentic_config(config: Config, run_dir: Path, tokenizer: PolicyTokenizer, st
         sandbox_recovery=config.system.sandbox_recovery,
         max_concurrency=rollout.max_sandboxes,
         invalid_action=rollout.invalid_action,
+        max_recoveries=rollout.max_recoveries,
+        on_unrecoverable=rollout.on_unrecoverable,
+        max_resamples=rollout.max_resamples,
         run_label=run_marker(run_dir),
     )
 
@@ -269,6 +273,8 @@ class EnvTotals:
     inconsistent: int = 0
     checkpoint_s: float = 0.0  # time spent taking checkpoints (mostly overlapped with responses)
     checkpoint_waited_s: float = 0.0  # what of it the next action waited for: the visible cost
+    fallbacks: int = 0  # ready checkpoints given up at a restore for an earlier one
+    unrecoverable: RolloutStats = attrs.field(factory=RolloutStats)
     recoveries: list[dict[str, Any]] = attrs.field(factory=list)
 
     def add(self, trajectories: Sequence[AgenticTrajectory], step: int = 0) -> None:
@@ -292,6 +298,7 @@ class EnvTotals:
             self.tokens_regenerated += trajectory.tokens_regenerated
             self.checkpoints += len(trajectory.checkpoints)
             self.checkpoint_failures += trajectory.num_checkpoint_failures
+            self.fallbacks += trajectory.num_checkpoint_fallbacks
             self.inconsistent += not trajectory.prefix_consistent
 
     def to_dict(self) -> dict[str, Any]:
@@ -309,6 +316,9 @@ class EnvTotals:
             "checkpoint_failures": self.checkpoint_failures,
             "checkpoint_s_total": self.checkpoint_s,
             "checkpoint_waited_s_total": self.checkpoint_waited_s,
+            "checkpoint_fallbacks": self.fallbacks,
+            **self.unrecoverable.to_dict(),
+            "unrecoverable_errors": self.unrecoverable.errors[-20:],
             "all_prefix_consistent": self.inconsistent == 0,
             "recoveries": self.recoveries,
         }
@@ -325,6 +335,13 @@ def format_env(metrics: dict[str, Any]) -> str:
             " regenerated"
         )
     text += f", {metrics['env_checkpoints']} checkpoints"
+    if metrics.get("env_checkpoint_fallbacks"):
+        text += f" ({metrics['env_checkpoint_fallbacks']} fallbacks to an earlier one)"
+    if metrics.get("env_unrecoverable"):
+        text += (
+            f", {metrics['env_unrecoverable']} unrecoverable -> {metrics['env_group_resamples']} group"
+            f" resamples, {metrics['env_dropped_groups']} groups dropped"
+        )
     if not metrics["env_prefix_consistent"]:
         text += ", PREFIX INCONSISTENT"
     return text
@@ -351,21 +368,24 @@ async def run_swe_rollout(
     on_trajectory: Any = None,
     estimators: SharedEstimators | None = None,
     pool: SandboxPool | None = None,
+    stats: RolloutStats | None = None,
 ) -> tuple[list[Sample], dict[str, Any], list[AgenticTrajectory]]:
     """One step's trajectories as `Sample`s, their step metrics, and the trajectories.
 
     ``chaos``, when given, kills a worker while responses are being generated.  Every
     trajectory's summary is appended to ``trajectories_file`` (JSON lines).  ``estimators``
     (kept by the caller from step to step) keep learning the checkpoint and restore costs and
-    the hazard that the trajectories measure.
+    the hazard that the trajectories measure.  ``stats`` receives the unrecoverable trajectories
+    and what became of their groups (also in the metrics).
     """
+    stats = RolloutStats() if stats is None else stats
     async with anyio.create_task_group() as group:
         if chaos is not None:
             group.start_soon(_kill_while_generating, router, chaos)
         trajectories = await run_agentic_rollouts(
             tasks, router, config, num_samples=num_samples, tokenizer=tokenizer, run_id=run_id,
             on_trajectory=on_trajectory, estimators=estimators,
-            engine=None if pool is None else pool.engine, pool=pool,
+            engine=None if pool is None else pool.engine, pool=pool, stats=stats,
         )  # fmt: skip
         group.cancel_scope.cancel()
     with trajectories_file.open("a") as out:
@@ -383,5 +403,11 @@ async def run_swe_rollout(
         "env_checkpoints": totals["num_checkpoints"],
         "env_checkpoint_failures": totals["num_checkpoint_failures"],
         "env_prefix_consistent": int(totals["all_prefix_consistent"]),
+        "env_checkpoint_fallbacks": totals["num_checkpoint_fallbacks"],
+        "env_unrecoverable": stats.num_unrecoverable,
+        "env_resampled_groups": stats.num_resampled_groups,
+        "env_group_resamples": stats.num_resamples,
+        "env_dropped_groups": stats.num_dropped_groups,
+        "num_groups": len(trajectories) // max(num_samples, 1),
     }
     return to_samples(trajectories), metrics, trajectories

@@ -17,7 +17,7 @@ import torch
 
 from belayer_grpo._algorithm import group_advantages, grpo_loss
 from belayer_grpo._config import AlgorithmConfig
-from belayer_grpo._errors import CheckpointError
+from belayer_grpo._errors import BelayerGrpoError, CheckpointError
 from belayer_grpo._model import completion_logprobs, pack
 from belayer_grpo._rollout_math import Sample
 
@@ -86,7 +86,16 @@ class GRPOTrainer:
         return logprobs, _mask_matrix(samples, logprobs.shape[1])
 
     def update(self, samples: Sequence[Sample]) -> UpdateResult:
-        """One GRPO step on ``samples`` (groups of ``group_size`` consecutive samples)."""
+        """One GRPO step on ``samples`` (groups of ``group_size`` consecutive samples).
+
+        The batch may hold fewer groups than a full step (groups dropped after an unrecoverable
+        trajectory); every group in it must be complete, so its statistics are its own.
+        """
+        if not samples or len(samples) % self.group_size:
+            raise BelayerGrpoError(
+                f"a GRPO batch is whole groups of {self.group_size} samples, got {len(samples)}; "
+                "a group with a lost trajectory must be left out whole"
+            )
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         advantages = group_advantages(rewards, self.group_size, normalize_std=self.config.normalize_std)
         groups = rewards.view(-1, self.group_size)
@@ -101,7 +110,8 @@ class GRPOTrainer:
         self.model.train()
         order = list(range(len(samples)))
         self._rng.shuffle(order)
-        size = len(samples) // self.config.num_minibatches
+        # Fewer samples than planned (dropped groups): still at most num_minibatches steps.
+        size = math.ceil(len(samples) / self.config.num_minibatches)
         totals: dict[str, float] = {"loss": 0.0, "kl": 0.0, "clip": 0.0, "ratio": 0.0, "grad": 0.0}
         num_tokens = 0
         for start in range(0, len(order), size):
@@ -135,7 +145,7 @@ class GRPOTrainer:
             totals["grad"] += float(grad_norm) if math.isfinite(float(grad_norm)) else 0.0
             num_tokens += stats.num_tokens
         self.model.eval()
-        k = self.config.num_minibatches
+        k = math.ceil(len(order) / size)
         return UpdateResult(
             loss=totals["loss"] / k,
             kl=totals["kl"] / k,

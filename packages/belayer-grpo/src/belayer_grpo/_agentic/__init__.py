@@ -20,12 +20,17 @@ from belayer_grpo._agentic.image import DEFAULT_BASE_IMAGE, build_task_image
 from belayer_grpo._agentic.loop import AgentLoop
 from belayer_grpo._agentic.pool import SandboxLease, SandboxPool
 from belayer_grpo._agentic.records import AgenticTrajectory, CheckpointRecord, RecoveryRecord, summarize
-from belayer_grpo._agentic.rollout import default_estimators, run_agentic_rollouts
+from belayer_grpo._agentic.rollout import RolloutStats, default_estimators, run_agentic_rollouts
 from belayer_grpo._agentic.samples import to_samples
 from belayer_grpo._agentic.settings import AgenticConfig
 from belayer_grpo._agentic.swegym import SweTask, builtin_tasks, load_swegym
 from belayer_grpo._agentic.tooluse import ToolObservation, ToolUseTask, generate_tooluse_tasks
-from belayer_grpo._errors import SandboxImageError, TaskFormatError, TrajectoryFailedError
+from belayer_grpo._errors import (
+    SandboxImageError,
+    TaskFormatError,
+    TrajectoryFailedError,
+    UnrecoverableTrajectoryError,
+)
 
 __all__ = [
     "DEFAULT_BASE_IMAGE",
@@ -39,6 +44,7 @@ __all__ = [
     "InvalidAction",
     "ParsedAction",
     "RecoveryRecord",
+    "RolloutStats",
     "SandboxFailure",
     "SandboxImageError",
     "SandboxLease",
@@ -50,6 +56,7 @@ __all__ = [
     "ToolObservation",
     "ToolUseTask",
     "TrajectoryFailedError",
+    "UnrecoverableTrajectoryError",
     "build_task_image",
     "builtin_tasks",
     "context_ref",

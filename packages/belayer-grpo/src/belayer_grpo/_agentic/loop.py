@@ -34,7 +34,7 @@ from belayer_grpo._agentic.pool import SandboxLease
 from belayer_grpo._agentic.records import AgenticTrajectory, CheckpointRecord, RecoveryRecord
 from belayer_grpo._agentic.settings import AgenticConfig
 from belayer_grpo._agentic.tooluse import ToolObservation, ToolUseTask
-from belayer_grpo._errors import SandboxCommandError, TrajectoryFailedError
+from belayer_grpo._errors import SandboxCommandError, UnrecoverableTrajectoryError, describe_error
 from belayer_policy import CheckpointPolicy, StepObservation
 from belayer_router import Completion, RouterClient, Tokenizer
 
@@ -71,6 +71,7 @@ class AgentLoop:
     num_responses: int = 0
     num_checkpoint_failures: int = 0
     num_resumed_responses: int = 0
+    num_checkpoint_fallbacks: int = 0  # ready checkpoints given up at a restore (corrupt, unverified)
     _base: CheckpointRecord | None = None
     _pending: CheckpointRecord | None = None
     _response_tokens: dict[int, int] = attrs.field(factory=dict)
@@ -83,6 +84,7 @@ class AgentLoop:
     _observations: dict[int, ToolObservation] = attrs.field(factory=dict)
     _answer: str | None = None
     _round_start: int = 0  # context length before the current response
+    _verified_length: int = 0  # the context length of the checkpoint restored last
     _started: float = attrs.field(factory=time.monotonic)
 
     def _now(self) -> float:
@@ -238,7 +240,11 @@ class AgentLoop:
             # The previous ready checkpoint stays in effect.  A dead sandbox is reported by the
             # next action (on_failure); a live one starts the policy's cooldown.
             self.num_checkpoint_failures += 1
-            if await anyio.to_thread.run_sync(sandbox.status) == "running":
+            try:
+                running = await anyio.to_thread.run_sync(sandbox.status) == "running"
+            except _FAILED:
+                running = False  # gone: the next action reports it
+            if running:
                 self.policy.on_checkpoint_timeout(self._now())
             return
         self.checkpoints.append(record)
@@ -260,9 +266,10 @@ class AgentLoop:
 
     async def _recover(self, failure: environment.SandboxFailure) -> None:
         if len(self.recoveries) >= self.config.max_recoveries:
-            raise TrajectoryFailedError(
-                f"trajectory {self.trajectory_id} saw more than {self.config.max_recoveries} sandbox "
-                f"failures (last: {failure.reason}); raise agentic max_recoveries or lower the kill rate"
+            raise UnrecoverableTrajectoryError(
+                self.trajectory_id,
+                f"more than {self.config.max_recoveries} sandbox failures (last: {failure.reason}); "
+                "raise rollout.max_recoveries or lower the kill rate",
             )
         started = time.monotonic()
         self.policy.on_failure(self._now(), exposure_s=failure.action_s)
@@ -273,24 +280,12 @@ class AgentLoop:
         if self.config.sandbox_recovery == "image":
             await self._restart_without_state(failure, started)
             return
-        target, sandbox, timings = await self._restore_environment()
+        target, sandbox, timings, actual_hash = await self._restore_environment()
         lost = sorted(t for t in self._response_tokens if t > target.turn)
         tokens_lost = sum(self._response_tokens.pop(t) for t in lost)
         for t in lost:
             self._observations.pop(t, None)
-        turn, token_ids = await self.router.get_context(self.trajectory_id, target.turn)
-        context_matches = (
-            turn == target.turn
-            and context_digest(token_ids) == target.context_hash
-            and token_ids == self.context.token_ids[: len(token_ids)]
-        )
-        if not context_matches:
-            raise TrajectoryFailedError(
-                f"trajectory {self.trajectory_id}: the router's L_{target.turn} does not match the "
-                "context the checkpoint was taken with; the context log is not trustworthy"
-            )
-        self.context.truncate(len(token_ids))
-        actual_hash = await anyio.to_thread.run_sync(environment.repository_hash, sandbox, self.task.workdir)
+        self.context.truncate(self._context_length(target))
         restore_s = time.monotonic() - started
         self.policy.on_restore(restore_s)  # the measured restore cost feeds the estimators
         self.prefix, self.turn = target.prefix, target.turn
@@ -308,7 +303,7 @@ class AgentLoop:
                 rounds_regenerated=len(lost),
                 expected_repo_hash=target.repo_hash,
                 actual_repo_hash=actual_hash,
-                context_matches=context_matches,
+                context_matches=True,  # verified by `_restore_environment`
                 prefix_matches=sandbox.prefix == target.prefix
                 and (target.checkpoint is None or sandbox.context_ref == target.context_ref),
                 restore_timings_ms=timings,
@@ -345,24 +340,75 @@ class AgentLoop:
             )
         )
 
-    async def _restore_environment(self) -> tuple[CheckpointRecord, Sandbox, dict[str, float]]:
-        """Restore the newest checkpoint that restores (older ones next), else start afresh."""
-        pool, current = self.lease.pool, self.lease.sandbox
+    async def _restore_environment(self) -> tuple[CheckpointRecord, Sandbox, dict[str, float], str]:
+        """Restore the newest ready checkpoint that restores and verifies (its repository hashes to
+        what it recorded, the router's ``L_turn`` is the context it was taken with); each one
+        that does not is given up for the one before it (a fallback).  With none left, start
+        afresh from the image and the prompt (tried twice).  Returns the checkpoint (the base
+        record for a fresh start), the sandbox, the restore's timings and the repository hash.
+        """
+        pool = self.lease.pool
+        unverified = ""
         while self.checkpoints:
-            record = self.checkpoints[-1]
+            record = self.checkpoints.pop()
             assert record.checkpoint is not None
-            checkpoint = record.checkpoint
+            checkpoint, current = record.checkpoint, self.lease.sandbox
             try:
                 sandbox = await anyio.to_thread.run_sync(
                     lambda: pool.restore(checkpoint, current)  # noqa: B023  (awaited at once)
                 )
+                await self.lease.replace(sandbox)
+                actual = await anyio.to_thread.run_sync(
+                    environment.repository_hash, sandbox, self.task.workdir
+                )
             except _FAILED:
-                self.checkpoints.pop()  # unusable: fall back to the one before it
+                self.num_checkpoint_fallbacks += 1  # corrupt or unreadable: the one before it
+                unverified = ""
                 continue
-            await self.lease.replace(sandbox)
-            return record, sandbox, dict(sandbox.restore_timings_ms)
+            problem = await self._verify(record, actual)
+            if problem:
+                self.num_checkpoint_fallbacks += 1
+                unverified = f"the checkpoint of prefix {record.prefix} fails verification ({problem})"
+                continue
+            self.checkpoints.append(record)
+            return record, sandbox, dict(sandbox.restore_timings_ms), actual
+        if unverified:
+            raise UnrecoverableTrajectoryError(self.trajectory_id, f"{unverified} and no earlier one is left")
         assert self._base is not None
-        return self._base, await self.lease.restart(), {}
+        for attempt in range(2):
+            try:
+                sandbox = await self.lease.restart()
+                actual = await anyio.to_thread.run_sync(
+                    environment.repository_hash, sandbox, self.task.workdir
+                )
+            except _FAILED as error:
+                if attempt == 1:
+                    raise UnrecoverableTrajectoryError(
+                        self.trajectory_id, f"a fresh sandbox failed twice: {describe_error(error)}"
+                    ) from error
+                continue
+            return self._base, sandbox, {}, actual
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _verify(self, record: CheckpointRecord, actual_hash: str) -> str:
+        """What is wrong with a restored ``record`` ("" if nothing): its repository, its context."""
+        if actual_hash != record.repo_hash:
+            return f"repository hash {actual_hash[:12]} != recorded {record.repo_hash[:12]}"
+        turn, token_ids = await self.router.get_context(self.trajectory_id, record.turn)
+        if (
+            turn != record.turn
+            or context_digest(token_ids) != record.context_hash
+            or token_ids != self.context.token_ids[: len(token_ids)]
+        ):
+            return f"the router's L_{record.turn} is not the context the checkpoint was taken with"
+        self._verified_length = len(token_ids)
+        return ""
+
+    def _context_length(self, target: CheckpointRecord) -> int:
+        """The context's length at ``target`` (the prompt's for a fresh start)."""
+        if target.checkpoint is None:
+            return self.context.num_prompt_tokens
+        return self._verified_length
 
     def _finish(self, finish: str, reward: float, exit_code: int, output: str) -> AgenticTrajectory:
         return AgenticTrajectory(
@@ -387,6 +433,7 @@ class AgentLoop:
             recoveries=list(self.recoveries),
             num_checkpoint_failures=self.num_checkpoint_failures,
             num_resumed_responses=self.num_resumed_responses,
+            num_checkpoint_fallbacks=self.num_checkpoint_fallbacks,
             step_response_s=[float(step[0] or 0.0) for step in self._steps],
             step_action_s=[float(step[1] or 0.0) for step in self._steps],
             step_checkpoint_s=[step[2] for step in self._steps],

@@ -108,6 +108,7 @@ class AgenticTrajectory:
     recoveries: list[RecoveryRecord]
     num_checkpoint_failures: int = 0
     num_resumed_responses: int = 0
+    num_checkpoint_fallbacks: int = 0  # ready checkpoints given up at a restore for an earlier one
     # Per committed step (action) of the final prefix, for the policy simulator's trace format.
     step_response_s: list[float] = attrs.field(factory=list)
     step_action_s: list[float] = attrs.field(factory=list)
@@ -183,6 +184,7 @@ class AgenticTrajectory:
             "num_checkpoints": len(self.checkpoints),
             "num_checkpoint_failures": self.num_checkpoint_failures,
             "num_resumed_responses": self.num_resumed_responses,
+            "num_checkpoint_fallbacks": self.num_checkpoint_fallbacks,
             "tokens_regenerated": self.tokens_regenerated,
             "prefix_consistent": self.prefix_consistent,
             "policy": self.policy,
@@ -209,5 +211,6 @@ def summarize(trajectories: list[AgenticTrajectory]) -> dict[str, Any]:
         "restore_s_max": max(restore, default=0.0),
         "tokens_regenerated": sum(r.tokens_regenerated for r in recoveries),
         "num_resumed_responses": sum(t.num_resumed_responses for t in trajectories),
+        "num_checkpoint_fallbacks": sum(t.num_checkpoint_fallbacks for t in trajectories),
         "all_prefix_consistent": all(t.prefix_consistent for t in trajectories),
     }

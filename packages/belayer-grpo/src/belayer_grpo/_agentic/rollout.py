@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Callable, Sequence
 
 import anyio
 import attrs
 
-from belayer_envckpt import CheckpointStore, Engine, FaultInjector
+from belayer_envckpt import BelayerEnvckptError, CheckpointStore, Engine, FaultInjector
 from belayer_grpo._agentic.context import AgentTask
 from belayer_grpo._agentic.environment import SandboxChaos
 from belayer_grpo._agentic.image import build_task_image
@@ -17,12 +18,50 @@ from belayer_grpo._agentic.pool import SandboxPool
 from belayer_grpo._agentic.records import AgenticTrajectory
 from belayer_grpo._agentic.settings import AgenticConfig
 from belayer_grpo._agentic.swegym import SweTask
-from belayer_grpo._errors import RolloutError
+from belayer_grpo._errors import (
+    RolloutError,
+    SandboxCommandError,
+    TrajectoryFailedError,
+    describe_error,
+)
 from belayer_grpo._guardian import RUN_LABEL
 from belayer_policy import FixedStepProbability, OnlineHazard, PolicySpec, SharedEstimators
 from belayer_router import ByteTokenizer, RouterClient, Tokenizer
 
-__all__ = ["default_estimators", "run_agentic_rollouts"]
+__all__ = ["RolloutStats", "default_estimators", "run_agentic_rollouts"]
+
+# What ends one trajectory without saying anything about the rest of the system: its sandbox or
+# its checkpoints are beyond recovery.  Anything else (the router gone, a bug) ends the rollout.
+_TRAJECTORY_ERRORS = (TrajectoryFailedError, BelayerEnvckptError, SandboxCommandError)
+
+
+@attrs.define
+class RolloutStats:
+    """What a rollout did besides its trajectories: trajectories that could not be recovered and
+    what became of their groups (``rollout.on_unrecoverable``)."""
+
+    num_unrecoverable: int = 0  # trajectories that could not be recovered
+    num_resampled_groups: int = 0  # groups sampled again at least once
+    num_resamples: int = 0  # group samplings beyond the first
+    num_dropped_groups: int = 0  # groups left out of the batch
+    errors: list[str] = attrs.field(factory=list)  # `describe_error` of each unrecoverable trajectory
+
+    def add(self, other: RolloutStats) -> None:
+        """Add ``other``'s counts to these."""
+        self.num_unrecoverable += other.num_unrecoverable
+        self.num_resampled_groups += other.num_resampled_groups
+        self.num_resamples += other.num_resamples
+        self.num_dropped_groups += other.num_dropped_groups
+        self.errors += other.errors
+
+    def to_dict(self) -> dict[str, int]:
+        """The counts (the error texts aside)."""
+        return {
+            "unrecoverable_trajectories": self.num_unrecoverable,
+            "resampled_groups": self.num_resampled_groups,
+            "group_resamples": self.num_resamples,
+            "dropped_groups": self.num_dropped_groups,
+        }
 
 
 def default_estimators(config: AgenticConfig) -> SharedEstimators:
@@ -43,12 +82,17 @@ async def run_agentic_rollouts(
     estimators: SharedEstimators | None = None,
     run_id: str | None = None,
     on_trajectory: Callable[[AgenticTrajectory], None] | None = None,
+    stats: RolloutStats | None = None,
 ) -> list[AgenticTrajectory]:
     """Roll out ``num_samples`` trajectories per task (a GRPO group each), concurrently.
 
     Returns them in order: task 0's samples, then task 1's, ...  (``group_index`` is the task's
     position, ``sample_index`` the sample's).  Sandbox failures are recovered inside each
-    trajectory; a trajectory that cannot finish raises `RolloutError` after the others finished.
+    trajectory.  A trajectory that cannot be recovered takes its whole group with it, as
+    ``config.on_unrecoverable`` says: sampled again (``resample``, up to ``max_resamples`` times)
+    or left out (``drop``, and ``resample`` past its limit), so only complete groups are returned;
+    ``fail``, or any other error (the router gone), raises `RolloutError` naming the error's type
+    and origin after the other trajectories finished.  ``stats``, when given, counts what happened.
     ``engine`` and ``pool`` are created (and cleaned up) here when not given; ``tokenizer``
     defaults to bytes.  ``on_trajectory`` is called as each trajectory finishes (progress bars).
     """
@@ -73,6 +117,7 @@ async def run_agentic_rollouts(
             return await _roll_out(
                 tasks, router, config, num_samples, tokenizer or ByteTokenizer(), pool,
                 estimators or default_estimators(config), run_id or uuid.uuid4().hex[:8], on_trajectory,
+                RolloutStats() if stats is None else stats,
             )  # fmt: skip
         finally:
             if own_pool:
@@ -80,15 +125,6 @@ async def run_agentic_rollouts(
     finally:
         if own_engine:
             engine.close()
-
-
-@attrs.frozen
-class _Job:
-    task: AgentTask
-    image: str
-    group_index: int
-    sample_index: int
-    trajectory_id: str
 
 
 async def _roll_out(
@@ -101,6 +137,7 @@ async def _roll_out(
     estimators: SharedEstimators,
     run_id: str,
     on_trajectory: Callable[[AgenticTrajectory], None] | None,
+    stats: RolloutStats,
 ) -> list[AgenticTrajectory]:
     built = config.image
     if built is None and any(t.image is None for t in tasks):
@@ -109,46 +146,85 @@ async def _roll_out(
                 pool.engine, [t for t in tasks if isinstance(t, SweTask)], base_image=config.base_image
             )
         )
-    jobs = [
-        _Job(task, task.image or built or "", g, s, f"{run_id}-g{g}-s{s}")
-        for g, task in enumerate(tasks)
-        for s in range(num_samples)
-    ]
     spec = PolicySpec.parse(
         config.checkpoint_policy,
         extra_cost_s=config.policy_extra_cost_s,
         cooldown_s=config.policy_cooldown_s,
     )
-    results: list[AgenticTrajectory | None] = [None] * len(jobs)
-    errors: list[BaseException] = []
+    fatal: list[tuple[str, BaseException]] = []
 
-    async def one(index: int, job: _Job) -> None:
+    async def sample(task: AgentTask, group_index: int, sample_index: int, attempt: int) -> AgenticTrajectory:
+        # Keyed by the sample's place, not its id, so a batch sees the same faults in every run
+        # (a group sampled again sees other faults).
+        again = f"-r{attempt}" if attempt else ""
+        trajectory_id = f"{run_id}-g{group_index}{again}-s{sample_index}"
         injector = None
         if config.sandbox_kill_probability > 0:
-            # Keyed by the sample's place, not its id, so a batch sees the same faults in every run.
-            seed = derive_seed(config.seed, f"chaos-g{job.group_index}-s{job.sample_index}", -1)
+            seed = derive_seed(config.seed, f"chaos-g{group_index}-s{sample_index}{again}", -1)
             injector = FaultInjector(config.sandbox_kill_probability, seed=seed)
         chaos = SandboxChaos(config.sandbox_kill_at_actions, injector)
         try:
-            async with pool.lease(job.trajectory_id, job.image, job.task.workdir) as lease:
+            async with pool.lease(trajectory_id, task.image or built or "", task.workdir) as lease:
                 loop = AgentLoop(
-                    job.task, job.trajectory_id, config, router, tokenizer, lease,
-                    spec.build(estimators), chaos, job.group_index, job.sample_index,
+                    task, trajectory_id, config, router, tokenizer, lease,
+                    spec.build(estimators), chaos, group_index, sample_index,
                 )  # fmt: skip
-                results[index] = await loop.run()
-        except Exception as error:  # every other trajectory still finishes
-            while isinstance(error, ExceptionGroup) and len(error.exceptions) == 1:
-                error = error.exceptions[0]  # the loop's task groups wrap what they raise
-            errors.append(error)
-            return
-        if on_trajectory is not None:
-            on_trajectory(results[index])  # type: ignore[arg-type]
+                return await loop.run()
+        except BaseException:
+            # Best effort: what the router still holds of it (its own error is the one to raise).
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await router.drop_trajectory(trajectory_id)
+            raise
 
-    async with anyio.create_task_group() as group:
-        for index, job in enumerate(jobs):
-            group.start_soon(one, index, job)
-    if errors:
+    async def group(group_index: int, task: AgentTask) -> list[AgenticTrajectory]:
+        attempts = 1 + (config.max_resamples if config.on_unrecoverable == "resample" else 0)
+        for attempt in range(attempts):
+            finished: list[AgenticTrajectory | None] = [None] * num_samples
+            lost: list[str] = []
+
+            async def one(sample_index: int) -> None:
+                try:
+                    trajectory = await sample(task, group_index, sample_index, attempt)  # noqa: B023
+                except Exception as error:  # every other trajectory still finishes
+                    while isinstance(error, ExceptionGroup) and len(error.exceptions) == 1:
+                        error = error.exceptions[0]  # the loop's task groups wrap what they raise
+                    where = f"group {group_index} sample {sample_index}"
+                    if isinstance(error, _TRAJECTORY_ERRORS) and config.on_unrecoverable != "fail":
+                        lost.append(f"{where}: {describe_error(error)}")  # noqa: B023
+                    else:
+                        fatal.append((where, error))
+                    return
+                finished[sample_index] = trajectory  # noqa: B023
+                if on_trajectory is not None:
+                    on_trajectory(trajectory)
+
+            async with anyio.create_task_group() as samples:
+                for sample_index in range(num_samples):
+                    samples.start_soon(one, sample_index)
+            if not lost:
+                return [t for t in finished if t is not None]
+            stats.num_unrecoverable += len(lost)
+            stats.errors += lost
+            if fatal:
+                break  # the rollout ends anyway: no point sampling again
+            if attempt + 1 < attempts:
+                stats.num_resamples += 1
+                stats.num_resampled_groups += attempt == 0
+        stats.num_dropped_groups += 1
+        return []
+
+    groups: list[list[AgenticTrajectory]] = [[] for _ in tasks]
+
+    async def keep(group_index: int, task: AgentTask) -> None:
+        groups[group_index] = await group(group_index, task)
+
+    async with anyio.create_task_group() as all_groups:
+        for group_index, task in enumerate(tasks):
+            all_groups.start_soon(keep, group_index, task)
+    if fatal:
+        where, first = fatal[0]
         raise RolloutError(
-            f"{len(errors)} of {len(jobs)} agentic trajectories failed; first: {errors[0]}"
-        ) from errors[0]
-    return [r for r in results if r is not None]
+            f"{len(fatal)} of {len(tasks) * num_samples} agentic trajectories failed; first ({where}): "
+            f"{describe_error(first)}"
+        ) from first
+    return [trajectory for trajectories in groups for trajectory in trajectories]

@@ -48,6 +48,12 @@ class AgenticConfig:
     or start over from the image and the prompt: always prefix-consistent) or ``image``, the
     control without recovery: a fresh container from the image while the agent keeps its context
     (only the failed turn is taken again), so the sandbox's state is silently lost.
+    ``on_unrecoverable``: what becomes of a trajectory that cannot be recovered (over
+    ``max_recoveries`` sandbox failures, a restart that fails twice, a checkpoint that fails
+    verification with no earlier one): ``resample`` samples its whole group again with fresh
+    sandboxes, up to ``max_resamples`` times, then drops the group from the batch; ``drop`` drops
+    the group at once; ``fail`` ends the rollout with `RolloutError`.  A group never enters the
+    batch with a trajectory that did not finish.
     """
 
     checkpoint_root: Path = attrs.field(converter=Path)
@@ -70,6 +76,10 @@ class AgenticConfig:
         default="checkpoint", validator=attrs.validators.in_(("checkpoint", "image"))
     )
     max_recoveries: int = attrs.field(default=100, validator=_ge0)
+    on_unrecoverable: str = attrs.field(
+        default="resample", validator=attrs.validators.in_(("resample", "drop", "fail"))
+    )
+    max_resamples: int = attrs.field(default=2, validator=_ge0)
     max_concurrency: int = attrs.field(default=8, validator=_ge1)
     action_timeout_s: float = attrs.field(default=30.0, validator=_float_gt0)
     test_timeout_s: float = attrs.field(default=120.0, validator=_float_gt0)
