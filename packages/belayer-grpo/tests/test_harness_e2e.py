@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,9 @@ def run_agent(url: str, env: SandboxEnvironment) -> tuple[dict[str, Any], list[d
     )
     agent = DefaultAgent(
         model,
-        env,
+        # mini-swe-agent's Environment protocol declares `config` settable; SandboxEnvironment
+        # computes it from its working directory and timeout (a read-only property)
+        env,  # type: ignore[arg-type]
         system_template="You are a shell agent. Use the bash tool.",
         instance_template="Task: {{task}}",
         step_limit=12,
@@ -109,7 +112,7 @@ async def one_run(tokenizer: ChatTemplateTokenizer, store_dir: Path, *, faulty: 
     )
     killed_sandbox = False
 
-    def respond_and_fail(prompt: list[int], seed: int) -> list[int]:
+    def respond_and_fail(prompt: list[int], seed: int) -> Sequence[int]:
         nonlocal killed_sandbox
         if faulty and not killed_sandbox and tokenizer.decode(prompt).count("<tool_response>") == 3:
             env.sandbox.kill()  # the sandbox dies while the agent waits for its next response
