@@ -115,8 +115,9 @@ def lint(session: nox.Session, package: str) -> None:
 
 @nox.session(tags=["cli_contract"])
 def cli_contract(session: nox.Session) -> None:
-    """The root README's CLI contract on every package's command (tests/test_cli_contract.py):
-    every package installed in one venv, as a user installs them."""
+    """The root tests/: the root README's CLI contract on every package's command
+    (test_cli_contract.py), the tool pins and the CHANGELOGs' shape; every package installed in
+    one venv, as a user installs them."""
     try:
         session.install(
             "-c", str(CONSTRAINTS), *[f"{PACKAGES_DIR / p}[test]" for p in PACKAGES], "pytest-timeout"
