@@ -29,6 +29,7 @@ from belayer_grpo._agentic import (
     summarize,
 )
 from belayer_grpo._errors import DataError, UnrecoverableTrajectoryError, describe_error
+from belayer_grpo._plot import sandbox_markers, write_training_plot
 from belayer_router import ByteTokenizer
 
 # -- actions -----------------------------------------------------------------------------------
@@ -348,3 +349,30 @@ def test_describe_error_names_the_type_and_where_even_when_the_text_is_empty() -
     assert text.startswith("belayer_grpo._errors.UnrecoverableTrajectoryError (test_agentic_units.py:"), text
     assert ": trajectory t-g0-s1: the sandbox is gone <- TimeoutError (test_agentic_units.py:" in text
     assert "in _raise_empty): TimeoutError()" in text
+
+
+def test_the_plot_marks_restores_from_a_checkpoint_apart_from_restarts(tmp_path: Path) -> None:
+    history = [
+        {
+            "step": 1,
+            "reward_mean": 0.1,
+            "accuracy": 0.1,
+            "env_failures": 3,
+            "env_recoveries_from_checkpoint": 2,
+        },
+        {"step": 2, "reward_mean": 0.2, "accuracy": 0.2, "env_failures": 0, "env_dropped_groups": 1},
+        {
+            "step": 3,
+            "reward_mean": 0.3,
+            "accuracy": 0.3,
+            "env_failures": 2,
+            "env_recoveries_from_checkpoint": 0,
+        },
+    ]
+    assert sandbox_markers(history) == {
+        "restored": [(1, 2)],
+        "restarted": [(1, 1), (3, 2)],
+        "dropped": [(2, 1)],
+    }
+    path = write_training_plot(tmp_path / "training.png", history, {"workload": "tooluse"})
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

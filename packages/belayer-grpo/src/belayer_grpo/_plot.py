@@ -2,8 +2,10 @@
 
 ``training.png``: the mean reward and the share of right trajectories per step, the held-out
 greedy accuracy before (step 0) and after (the last step), a dashed line at every step in which a
-rollout worker was killed (with its handover time), and a marker at every step whose sandboxes
-failed (with how many, and how many came back from a checkpoint).
+rollout worker was killed (with its handover time), and markers at every step whose sandboxes
+failed, the two recoveries apart: restores from a checkpoint (green triangles) and restarts from
+scratch (orange crosses), each with its count; groups dropped after an unrecoverable trajectory
+are marked too (red).
 """
 
 from __future__ import annotations
@@ -12,7 +14,31 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["write_training_plot"]
+__all__ = ["sandbox_markers", "write_training_plot"]
+
+# kind -> (marker, colour, legend label, the marker's height below the axis)
+_MARKERS = {
+    "restored": ("^", "tab:green", "sandbox restored from a checkpoint (n)", -0.04),
+    "restarted": ("x", "tab:orange", "sandbox restarted from scratch (n)", -0.08),
+    "dropped": ("v", "tab:red", "group dropped (unrecoverable) (n)", -0.08),
+}
+
+
+def sandbox_markers(history: Sequence[dict[str, Any]]) -> dict[str, list[tuple[int, int]]]:
+    """Per kind of sandbox event (`restored`, `restarted`, `dropped`), the ``(step, count)`` of every
+    step that had one."""
+    markers: dict[str, list[tuple[int, int]]] = {kind: [] for kind in _MARKERS}
+    for h in history:
+        restored = int(h.get("env_recoveries_from_checkpoint", 0))
+        counts = {
+            "restored": restored,
+            "restarted": int(h.get("env_failures", 0)) - restored,
+            "dropped": int(h.get("env_dropped_groups", 0)),
+        }
+        for kind, count in counts.items():
+            if count > 0:
+                markers[kind].append((int(h["step"]), count))
+    return markers
 
 
 def write_training_plot(path: Path, history: Sequence[dict[str, Any]], summary: dict[str, Any]) -> Path:
@@ -41,15 +67,16 @@ def write_training_plot(path: Path, history: Sequence[dict[str, Any]], summary: 
             axes.annotate(f"worker kill{note}", (failure["step"], 0.98), color="tab:red", fontsize=8,
                           rotation=90, va="top", ha="right")  # fmt: skip
             killed = True
-        failed = [(h["step"], h["env_failures"], h.get("env_recoveries_from_checkpoint", 0))
-                  for h in history if h.get("env_failures")]  # fmt: skip
-        if failed:
-            axes.scatter([s for s, _, _ in failed], [-0.06] * len(failed), marker="x", color="tab:orange",
-                         clip_on=False, label="sandbox failures (n / from checkpoint)")  # fmt: skip
-            for step, count, restored in failed:
-                axes.annotate(f"{count}/{restored}", (step, -0.06), textcoords="offset points", xytext=(0, 6),
-                              ha="center", fontsize=7, color="tab:orange", annotation_clip=False)  # fmt: skip
-        axes.set_ylim(-0.1, 1.05)
+        for kind, points in sandbox_markers(history).items():
+            if not points:
+                continue
+            marker, colour, label, height = _MARKERS[kind]
+            axes.scatter([step for step, _ in points], [height] * len(points), marker=marker, color=colour,
+                         clip_on=False, label=label)  # fmt: skip
+            for step, count in points:
+                axes.annotate(str(count), (step, height), textcoords="offset points", xytext=(6, -3),
+                              fontsize=7, color=colour, annotation_clip=False)  # fmt: skip
+        axes.set_ylim(-0.12, 1.05)
         axes.set_xlabel("step")
         axes.set_ylabel("reward / accuracy")
         axes.set_title(f"belayer-grpo train ({summary.get('workload', '?')})")
