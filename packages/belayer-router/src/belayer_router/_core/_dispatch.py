@@ -66,6 +66,8 @@ class Dispatcher:
     max_attempts: int = 32
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 120.0
+    max_sessions: int = 100_000
+    sessions: dict[str, str] = attrs.field(factory=dict)  # X-Session-ID -> slot, oldest first
     links: LinkPool = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -105,12 +107,34 @@ class Dispatcher:
             return "length"
         return None
 
+    async def _first_worker(self, record: RequestRecord) -> Worker | None:
+        """The session's slot while it is healthy (waiting for its replacement after a
+        handover), else the least loaded; a session moves only when its slot is out."""
+        session = record.session_id
+        slot = None if session is None else self.sessions.get(session)
+        worker = None
+        if slot is not None and self.registry.slot_available(slot):
+            worker = await self._wait(self.registry.wait_for_replacement(slot, -1, self.resume_wait_s))
+        if worker is None:
+            worker = await self._wait(self.registry.wait_for_any(frozenset(), self.resume_wait_s))
+        return worker
+
+    def _remember(self, record: RequestRecord, worker: Worker) -> None:
+        session = record.session_id
+        if session is None:
+            return
+        self.sessions.pop(session, None)
+        self.sessions[session] = worker.slot  # most recent last: the oldest goes first
+        while len(self.sessions) > self.max_sessions:
+            del self.sessions[next(iter(self.sessions))]
+
     async def _generate(self, record: RequestRecord, emit: Emit, num_received: int) -> None:
         excluded: set[tuple[str, int]] = set()
-        worker = await self._wait(self.registry.wait_for_any(frozenset(), self.resume_wait_s))
+        worker = await self._first_worker(record)
         for _ in range(self.max_attempts):
             if worker is None:
                 break
+            self._remember(record, worker)
             reason = self._natural_finish(record)
             if reason is None:
                 cuts, pauses = worker.num_version_cuts, worker.num_pause_cuts

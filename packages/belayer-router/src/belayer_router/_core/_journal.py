@@ -34,6 +34,7 @@ class RequestRecord:
     finish_reason: str | None = None
     num_resumes: int = 0
     in_flight: bool = False
+    session_id: str | None = None  # ``X-Session-ID``: the session's slot serves it (not journaled)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready view for ``GET /requests/{id}``."""

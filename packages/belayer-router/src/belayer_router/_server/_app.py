@@ -40,11 +40,13 @@ from belayer_router._server._asgi import (
     send_error,
     send_json,
     send_text,
+    session_header,
     stream_response,
 )
 from belayer_router._server._client_link import ClientLink
 from belayer_router._server._control import ControlRoutes, WeightLoader
 from belayer_router._server._openai_routes import OpenAIRoutes
+from belayer_router._server._token_routes import TokenRoutes
 from belayer_router._wire._protocol import (
     MAX_TOKEN_ID,
     FinishEvent,
@@ -89,7 +91,7 @@ def _error_line(error: BelayerRouterError) -> bytes:
 
 
 @attrs.define
-class RouterApp(OpenAIRoutes, ControlRoutes):
+class RouterApp(OpenAIRoutes, ControlRoutes, TokenRoutes):
     """The router as an ASGI app; serve it with `serve_router` or any ASGI server.
 
     ``weight_loader``: the slots' weight servers, for the control plane's weight updates
@@ -244,6 +246,12 @@ class RouterApp(OpenAIRoutes, ControlRoutes):
                 await self._completions(await self._body(receive), scope, receive, send)
             case "POST", ["v1", "chat", "completions"]:
                 await self._chat_completions(await self._body(receive), scope, receive, send)
+            case "POST", ["inference", "v1", "generate"]:
+                await self._inference_generate(scope, receive, send)
+            case "POST", ["tokenize"]:
+                await self._tokenize(receive, send)
+            case "POST", ["detokenize"]:
+                await self._detokenize(receive, send)
             case "GET", ["v1", "models"]:
                 await send_json(send, 200, {"object": "list", "data": [self._model()]})
             case "GET", ["v1", "models", *name] if name:  # a model id may hold '/' (org/model)
@@ -387,6 +395,7 @@ class RouterApp(OpenAIRoutes, ControlRoutes):
         self, request: GenerateRequest, scope: dict[str, Any], receive: Receive, send: Send
     ) -> None:
         record = self._begin(request)
+        record.session_id = session_header(scope)
         skip = request.num_received_tokens
         if not request.stream:
             events: list[Event] = []

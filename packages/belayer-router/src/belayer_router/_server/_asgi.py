@@ -36,6 +36,7 @@ __all__ = [
     "send_error",
     "send_json",
     "send_text",
+    "session_header",
     "stream_response",
 ]
 
@@ -317,3 +318,11 @@ async def stream_response(
             await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         group.cancel_scope.cancel()
+
+
+def session_header(scope: dict[str, Any]) -> str | None:
+    """The request's ``X-Session-ID`` (sticky routing of a multi-turn session), if any."""
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"x-session-id" and value:
+            return str(value.decode(errors="replace"))[:256]
+    return None

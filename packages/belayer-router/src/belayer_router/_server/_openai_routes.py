@@ -21,6 +21,7 @@ from belayer_router._server._asgi import (
     direct_writer,
     run_unless_disconnected,
     send_json,
+    session_header,
     stream_response,
 )
 from belayer_router._wire._protocol import GenerateRequest
@@ -81,8 +82,10 @@ class OpenAIRoutes:
     ) -> None:
         records: list[RequestRecord] = []
         try:
+            session = session_header(scope)
             for request in requests:
                 records.append(self._begin(request))
+                records[-1].session_id = session
         except BelayerRouterError:
             for record in records:  # e.g. choice 2's request id conflicts: free choices 0 and 1
                 self.journal.release(record)
