@@ -131,6 +131,23 @@ def cli_contract(session: nox.Session) -> None:
         _prune(session)
 
 
+@nox.session(tags=["integrations"])
+def integrations(session: nox.Session) -> None:
+    """RL frameworks' own code, pinned in integrations/requirements.txt (TRL's GRPOTrainer), against
+    a real `belayer-shadow serve` on the CPU; the frameworks are installed here only, never as a
+    dependency of a package. Then ruff over the folder."""
+    try:
+        requirements = str(ROOT / "integrations" / "requirements.txt")
+        _install(session, "belayer-shadow", "pytest-timeout", "ruff", "-r", requirements)
+        session.chdir(ROOT / "integrations")
+        session.run("ruff", "check", ".")
+        session.run("ruff", "format", "--check", ".")
+        env = {"TRL_EXPERIMENTAL_SILENCE": "1"}  # TRL warns that rollout_func is experimental
+        session.run("python", "-m", "pytest", "-ra", "--timeout=1800", "tests", *session.posargs, env=env)
+    finally:
+        _prune(session)
+
+
 @nox.session(default=False, tags=["typecheck"])
 @nox.parametrize("package", PACKAGES)  # no per-package tag: `nox -t envckpt` runs mypy once, in tests
 def typecheck(session: nox.Session, package: str) -> None:
