@@ -72,6 +72,7 @@ async def test_an_unhealthy_slot_and_a_restarting_slot_are_named_with_since_when
         running_router(_config()) as (url, _app),
         RouterClient(url, admin_token=ADMIN_TOKEN) as admin,
         httpx.AsyncClient(base_url=url) as http,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client,
     ):
         await admin.register("a", url_a, 1)
         await admin.register("b", url_b, 1)
@@ -88,7 +89,6 @@ async def test_an_unhealthy_slot_and_a_restarting_slot_are_named_with_since_when
         assert slots["b"]["unhealthy_since"] is None
         # The openai client reads the same answer as an error of its own kind (after its retries,
         # which Retry-After spaces; none here).
-        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.InternalServerError) as raised:
             await client.completions.create(model="belayer", prompt=[1, 2], max_tokens=8)
         assert raised.value.status_code == 503
@@ -131,10 +131,10 @@ async def test_a_stream_whose_slot_never_comes_back_ends_with_an_error_event(api
         running_router(_config()) as (url, _app),
         RouterClient(url, admin_token=ADMIN_TOKEN) as admin,
         httpx.AsyncClient(base_url=url, timeout=60) as http,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client,
     ):
         await admin.register("a", url_a, 1)
         if api == "openai":
-            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
             stream = await client.completions.create(
                 model="belayer", prompt=[1, 2], max_tokens=20, stream=True
             )
