@@ -24,7 +24,7 @@ from belayer_envckpt import (
     full_checkpoint,
     full_restore,
 )
-from belayer_envckpt._engine import Engine
+from belayer_envckpt._docker import Engine
 
 
 def test_unknown_container(engine):

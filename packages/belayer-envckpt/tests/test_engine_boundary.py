@@ -22,7 +22,7 @@ from belayer_envckpt import (
 
 SRC = Path(belayer_envckpt.__file__).parent
 # The only modules that may touch the Docker SDK; every other one sees belayer-envckpt errors only.
-DOCKER_MODULES = {"_boundary.py", "_engine.py", "_exec.py", "_sandbox.py"}
+DOCKER_MODULES = {"_boundary.py", "_docker.py", "_exec.py", "_sandbox.py"}
 
 
 def test_only_the_engine_layer_imports_docker():

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import belayer_envckpt._engine as engine_module
+import belayer_envckpt._docker as engine_module
 from belayer_envckpt import CheckpointStore, full_checkpoint, full_restore
 
 SNAPSHOT = "find /work -exec ls -ld {} + | awk '{print $1, $3, $4, $5, $NF}' | sort; find /work -type f | sort | xargs md5sum"

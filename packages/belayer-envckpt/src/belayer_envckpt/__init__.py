@@ -13,7 +13,7 @@ from importlib.metadata import version
 from ._checkpoint import full_checkpoint, full_restore
 from ._cli import ExitCode
 from ._criu import check_criu
-from ._engine import ContainerInfo, Engine
+from ._docker import ContainerInfo, Engine
 from ._errors import (
     BelayerEnvckptError,
     CheckpointCorruptError,

@@ -7,7 +7,7 @@ import uuid
 from pathlib import Path
 
 from ._criu import describe_inet_socket, first_error_line, log_named_in, unrestorable_connection
-from ._engine import Engine
+from ._docker import Engine
 from ._errors import (
     BelayerEnvckptError,
     CheckpointFailedError,

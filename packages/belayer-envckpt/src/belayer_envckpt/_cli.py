@@ -14,7 +14,7 @@ from typing import Any, cast
 from ._checkpoint import full_checkpoint, full_restore
 from ._criu import check_criu, doctor_checks
 from ._demo import run_demo
-from ._engine import Engine
+from ._docker import Engine
 from ._errors import (
     BelayerEnvckptError,
     CheckpointNotFoundError,

@@ -10,7 +10,7 @@ from typing import Any
 
 from ._boundary import SETUP_HINT
 from ._errors import CriuUnavailableError
-from ._run import run_command
+from ._host_commands import run_command
 
 # runc hands this file to CRIU on every dump and restore (Docker passes no CRIU options itself).
 RUNC_CONF = Path("/etc/criu/runc.conf")

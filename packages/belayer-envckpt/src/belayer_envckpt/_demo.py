@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._checkpoint import full_checkpoint, full_restore
-from ._engine import Engine
+from ._docker import Engine
 from ._sandbox import Sandbox, SandboxConfig
 
 # A long-running process with in-memory state and a file it keeps open and appends to.

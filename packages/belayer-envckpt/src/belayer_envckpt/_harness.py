@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 
 from ._checkpoint import full_checkpoint, full_restore
-from ._engine import Engine
+from ._docker import Engine
 from ._errors import (
     BelayerEnvckptError,
     CheckpointFailedError,

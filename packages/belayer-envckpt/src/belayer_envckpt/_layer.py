@@ -16,7 +16,7 @@ import tarfile
 from pathlib import Path
 
 from ._errors import CheckpointCorruptError, UnsafeArchiveError
-from ._run import run_command
+from ._host_commands import run_command
 
 _TAR_FLAGS = ("--xattrs", "--xattrs-include=*", "--numeric-owner", "--acls")
 

@@ -12,7 +12,7 @@ import attrs
 from docker.models.containers import Container
 
 from ._boundary import engine_errors
-from ._engine import LABEL, Engine
+from ._docker import LABEL, Engine
 from ._errors import ContainerEngineError, ContainerNotFoundError, InvalidConfigError, OutsideGuaranteeError
 from ._exec import ExecResult, exec_in
 from ._ids import validate_id

@@ -1,4 +1,5 @@
-"""The one place this package runs external commands (tar, criu)."""
+"""The one place this package runs commands on the host (tar, criu); commands inside a sandbox
+are `_exec.py`'s."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Docker engine access: the SDK where it has the call, its low-level client for checkpoints.
+"""Docker engine access (`Engine`): the SDK where it has the call, its low-level client for checkpoints.
+
+The module is `_docker`, not `_engine`: in Belayer an engine is mostly the LLM engine of belayer-shadow.
 
 This module and `_boundary` are the only ones that call the Docker SDK; every error it raises is
 translated there into a belayer-envckpt error.
@@ -29,8 +31,8 @@ from ._errors import (
     InvalidConfigError,
 )
 from ._exec import ExecResult
+from ._host_commands import run_command
 from ._limits import SandboxLimits
-from ._run import run_command
 
 LABEL = "belayer.envckpt"
 # Where dockerd's runc keeps container state (runc --root); see `Engine.checkpoint`.
