@@ -7,6 +7,7 @@ __all__ = [
     "HandoverError",
     "InvalidSamplingParamsError",
     "LLMEngineError",
+    "MemoryServerLostError",
     "ModelConfigError",
     "RequestError",
     "SupervisorError",
@@ -53,6 +54,12 @@ class WorkerError(BelayerShadowError):
 
 class HandoverError(BelayerShadowError):
     """A handover step failed: the GPU health check, or a memory server is gone; the slot is not served."""
+
+
+class MemoryServerLostError(HandoverError):
+    """A handover found a memory server (weights or KV) gone or not answering: the shadow does not
+    serve from that memory, and the slot supervisor restarts the slot from scratch (new memory
+    servers, the current weights reloaded, a new main and shadow); not a GPU failure."""
 
 
 class SupervisorError(BelayerShadowError):

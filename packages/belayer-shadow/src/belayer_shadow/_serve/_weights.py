@@ -15,7 +15,7 @@ The router's control plane makes that strict: it loads only when no request is r
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -58,6 +58,9 @@ class SlotWeights:
 
     sockets: Sequence[Path]
     num_loads: int = 0
+    # Called with the folder once every server committed it (a slot keeps a copy, so that a
+    # restart from scratch reloads this version: `SlotSupervisor.keep_weights`).
+    keepers: Sequence[Callable[[Path], None]] = ()
 
     def load_weights(self, weight_dir: str) -> int:
         """Load `weight_dir` (a folder of `*.safetensors`) into every server and commit; returns
@@ -83,6 +86,8 @@ class SlotWeights:
                 f"weights from {weight_dir!r} not loaded ({error}); the previous ones stay"
             ) from error
         self.num_loads += 1
+        for keep in self.keepers:
+            keep(folder)
         return len(tensors)
 
     @staticmethod

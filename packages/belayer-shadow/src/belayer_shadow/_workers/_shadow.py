@@ -6,8 +6,10 @@ the handover flag, sleeping in between (no CPU to speak of). Handover, each step
 detect -> fence (SIGKILL a hung main, so it cannot write the shared KV arena again) -> health check
 (device, memory servers alive) -> flush the KV pool -> remap the scratch buffer -> warm up ->
 register at epoch + 1 (the router retires the failed worker and resumes its requests here) -> serve.
-If the health check or a memory server fails, the shadow does not serve from that memory: it
-marks the slot unhealthy at the router and exits with `EXIT_UNHEALTHY`.
+If the device check fails, the shadow does not serve from that memory: it marks the slot unhealthy
+at the router and exits with `EXIT_UNHEALTHY`. If a memory server is gone (or does not answer), it
+does not serve either, but the GPU is not to blame: it leaves the slot healthy, writes the state
+`memory_lost` and exits with `EXIT_MEMORY_LOST`; the supervisor restarts the slot from scratch.
 """
 
 from __future__ import annotations
@@ -25,15 +27,16 @@ import torch
 
 from belayer_gpumem import BelayerGpumemError, IdleBuffer, check_gpu_health, ping
 from belayer_router import RouterClient, RouterClientError
-from belayer_shadow._errors import HandoverError
+from belayer_shadow._errors import HandoverError, MemoryServerLostError
 from belayer_shadow._workers._events import EventLog, write_state
 from belayer_shadow._workers._heartbeat import HandoverFlag, HangDetector, Heartbeat
 from belayer_shadow._workers._service import Engine, EngineService
 from belayer_shadow._workers._worker import NUM_WARMUPS, WorkerConfig, build_engine, serve_service
 
-__all__ = ["EXIT_UNHEALTHY", "ShadowConfig", "check_device_health", "run_shadow"]
+__all__ = ["EXIT_MEMORY_LOST", "EXIT_UNHEALTHY", "ShadowConfig", "check_device_health", "run_shadow"]
 
 EXIT_UNHEALTHY = 3
+EXIT_MEMORY_LOST = 1  # ExitCode.FAILED; the supervisor tells it by the state `memory_lost`
 
 
 @attrs.frozen
@@ -107,7 +110,7 @@ def _take_over(
             try:
                 ping(socket_path, timeout_s=1.0)
             except (BelayerGpumemError, OSError) as exc:
-                raise HandoverError(f"memory server at {socket_path} is gone: {exc}") from exc
+                raise MemoryServerLostError(f"memory server at {socket_path} is gone: {exc}") from exc
         log.emit("handover.healthy", detail=detail)
     with log.step("handover.flush"):
         engine.flush_kv()
@@ -136,9 +139,10 @@ def run_shadow(config: ShadowConfig) -> int:
         # Epoch 0 until the handover: the router never sends it requests of that epoch.
         service = EngineService(engine, heartbeat, log, idle_tick_s=worker.idle_tick_s)
         failed = False
+        memory_lost = False
 
         async def prepare(router: RouterClient, url: str) -> bool:
-            nonlocal failed
+            nonlocal failed, memory_lost
             write_state(worker.state_file, "standby", url=url)
             log.emit("standby", url=url, scratch_bytes=scratch.nbytes)
             trigger = await _stand_by(config, engine, heartbeat, flag)
@@ -147,6 +151,11 @@ def run_shadow(config: ShadowConfig) -> int:
             log.emit("handover.detect", **trigger)
             try:
                 _take_over(config, engine, scratch, log, main_pid)
+            except MemoryServerLostError as exc:
+                memory_lost = True
+                log.emit("handover.failed", error=str(exc))
+                write_state(worker.state_file, "memory_lost", error=str(exc))
+                return False
             except (HandoverError, BelayerGpumemError) as exc:
                 failed = True
                 log.emit("handover.failed", error=str(exc))
@@ -160,7 +169,7 @@ def run_shadow(config: ShadowConfig) -> int:
             return True
 
         anyio.run(lambda: serve_service(service, worker, prepare=prepare))
-        return EXIT_UNHEALTHY if failed else 0
+        return EXIT_UNHEALTHY if failed else EXIT_MEMORY_LOST if memory_lost else 0
     finally:
         if service is not None and service.step_in_progress:  # as in `run_worker`
             log.emit("worker.close_skipped", reason="engine.step() still running after the stop")

@@ -4,7 +4,12 @@ Shadow recovery: the supervisor reaps the main worker (a blocking `waitpid` in a
 raises the handover flag the moment it exits; the shadow takes over; then the supervisor kills
 any residual main and starts a fresh shadow. A second failure within `failure_window_s` of a
 handover marks the slot unhealthy at the router (its requests move to healthy slots) and keeps
-it out. The restart baselines (`_baseline.py`) run behind the same supervisor: `conventional`
+it out. A lost memory server (exited, or `memory_misses` pings unanswered) is no GPU failure and
+no shadow can serve without it: the slot restarts from scratch (new memory servers, the current
+weights reloaded from `kept_weights` or the start's checkpoint, a new main and shadow); the
+router resumes the interrupted streams on the new main, token-exact; a second failure within the
+window marks the slot unhealthy as any other. The restart baselines (`_baseline.py`) run behind
+the same supervisor: `conventional`
 (health checks, restart, regenerate) and `restart` (the same instant `waitpid` detection as the
 shadow, restart from scratch, token-level resume through the router).
 
@@ -30,7 +35,7 @@ from typing import Any
 import anyio
 import attrs
 
-from belayer_gpumem import ServerConfig, ServerProcess
+from belayer_gpumem import BelayerGpumemError, ServerConfig, ServerProcess, ping
 from belayer_router import RouterClient
 from belayer_shadow._engine._config import ModelConfig, kv_layout, weight_layout
 from belayer_shadow._engine._loader import (
@@ -84,6 +89,10 @@ class SlotSupervisor:
     _spawner: Spawner | None = None
     _processes: ProcessTable | None = None
     _guardian: Guardian | None = None
+    _kept_weights: Path | None = None
+    _memory_misses: int = 0
+    _recovering: bool = False  # a restart for lost memory runs: a main exiting meanwhile is part of it
+    _next_memory_check: float = 0.0
 
     def __attrs_post_init__(self) -> None:
         self.log = EventLog(self.config.run_dir / "events.jsonl", "supervisor")
@@ -102,8 +111,35 @@ class SlotSupervisor:
 
     @property
     def checkpoint(self) -> Path:
-        """The safetensors file the weight server (and a conventional restart) loads."""
+        """The safetensors file (or folder) the weight server loads at a start or a restart from
+        scratch: the weights last kept with `keep_weights`, else the configured or seeded ones."""
+        if self._kept_weights is not None:
+            return self._kept_weights
         return self.config.weights or self.config.run_dir / "init.safetensors"
+
+    def keep_weights(self, source: Path) -> None:
+        """Keep a copy of the weights just committed to the weight server (a `*.safetensors` file
+        or a folder of them), so a restart from scratch reloads this version, not the first.
+
+        A copy, not the path: a trainer may overwrite or delete its folder at the next step. The
+        copy replaces the previous one atomically (written aside, then renamed)."""
+        source = Path(source)
+        files = sorted(source.glob("*.safetensors")) if source.is_dir() else [source]
+        kept = self.config.run_dir / "kept-weights"
+        aside = self.config.run_dir / "kept-weights.new"
+        shutil.rmtree(aside, ignore_errors=True)
+        aside.mkdir(parents=True)
+        for file in files:
+            shutil.copyfile(file, aside / file.name)
+        with self._lock:
+            old = self.config.run_dir / "kept-weights.old"
+            shutil.rmtree(old, ignore_errors=True)
+            if kept.exists():
+                kept.rename(old)
+            aside.rename(kept)
+            shutil.rmtree(old, ignore_errors=True)
+            self._kept_weights = kept
+        self.log.emit("weights.kept", source=str(source), num_files=len(files))
 
     @property
     def heartbeat(self) -> Path:
@@ -215,7 +251,7 @@ class SlotSupervisor:
         if self._conventional is not None:
             self._conventional.close()
         if self._guardian is not None:
-            self._guardian.close()
+            self._guardian.close(timeout_s=5.0)  # it has nothing left to reap: stop() killed all
             self._guardian = None
         (self.config.run_dir / PROCESSES_FILE).unlink(missing_ok=True)
         if self._spawner is not None:
@@ -339,13 +375,84 @@ class SlotSupervisor:
         with self._lock:
             self.num_handovers += 1
 
+    def _check_guardian(self) -> None:
+        """A guardian that died (SIGKILL) is replaced: the slot keeps its no-orphans guarantee."""
+        guardian = self._guardian
+        if guardian is None or guardian.popen.poll() is None or self._processes is None:
+            return
+        self.log.emit("guardian.lost", pid=guardian.popen.pid, exit_code=guardian.popen.returncode)
+        guardian.close(timeout_s=0.0)
+        self._guardian = Guardian.start(self.config.run_dir, self._processes)
+        self.log.emit("guardian.started", pid=self._guardian.popen.pid)
+
+    def _check_memory(self) -> None:
+        """Restart from scratch if a memory server exited, or missed `memory_misses` pings."""
+        with self._lock:
+            servers = [("weights", self.weights_server, self.weights_socket)]
+            servers.append(("kv", self.kv_server, self.kv_socket))
+        exited = [name for name, server, _ in servers if server is not None and not server.alive()]
+        if exited:
+            self._recover_memory(f"{' and '.join(exited)} server exited")
+            return
+        now = time.monotonic()
+        if now < self._next_memory_check:
+            return
+        config = self.config
+        self._next_memory_check = now + config.memory_check_s
+        silent = []
+        for name, server, socket_path in servers:
+            if server is None:
+                continue
+            try:
+                ping(socket_path, timeout_s=config.memory_check_s)
+            except (BelayerGpumemError, OSError):
+                silent.append(name)
+        self._memory_misses = self._memory_misses + 1 if silent else 0
+        if silent:
+            self.log.emit("memory.miss", servers=silent, num_misses=self._memory_misses)
+        if self._memory_misses >= config.memory_misses:
+            self._recover_memory(f"{' and '.join(silent)} server not answering ({self._memory_misses} pings)")
+
+    def _recover_memory(self, cause: str) -> None:
+        """The slot's memory is gone (or its shadow is stuck): restart from scratch (or, a second
+        failure within the window, take the slot out)."""
+        self._memory_misses = 0
+        self.log.emit("memory.lost", cause=cause)
+        with self._lock:
+            self._recovering = True
+            shadow, self.shadow = self.shadow, None
+            for server in (self.weights_server, self.kv_server):
+                if server is not None:
+                    server.kill()  # SIGKILL: a hung (stopped) server ignores SIGTERM
+            for path in (self.weights_socket, self.kv_socket):
+                path.unlink(missing_ok=True)
+        if shadow is not None:
+            shadow.kill()  # attached to the lost memory: it could not serve from it
+        self.flag.clear()
+        self.heartbeat.unlink(missing_ok=True)
+        try:
+            self.restart_from_scratch("memory", resume_mode="continue")
+        finally:
+            with self._lock:
+                self._recovering = False
+                self._restart_due.clear()  # the old main's exit: this restart was its recovery
+                self.flag.clear()  # the same, for a flag its reaper raised meanwhile
+        if self.healthy and self.config.recovery == "shadow" and not self._stopping.is_set():
+            with self._lock:
+                self.shadow = self._spawn("shadow")
+
     def _on_exit(self, child: Child) -> None:
         """Reaper callback: a main that dies unexpectedly raises the handover flag at once."""
         if self._processes is not None:
             self._processes.remove(child.pid)
         with self._lock:
             self.log.emit(f"{child.role}.exited", pid=child.pid, exit_code=child.exit_code)
-            if self._stopping.is_set() or child is not self.main or self.config.recovery == "conventional":
+            if (
+                self._stopping.is_set()
+                or self._recovering
+                or child is not self.main
+                or self.config.recovery == "conventional"
+            ):
                 return
             if self.config.recovery == "restart":
                 # Instant detection, as for the shadow; the monitor thread restarts from scratch.
@@ -394,6 +501,10 @@ class SlotSupervisor:
             if not self.healthy:
                 continue
             try:
+                self._check_guardian()
+                self._check_memory()
+                if not self.healthy:
+                    continue
                 if self._conventional is not None:
                     self._conventional.poll()
                 elif self._restart_due.is_set():
@@ -406,20 +517,36 @@ class SlotSupervisor:
                 time.sleep(0.5)
 
     def _check_shadow(self) -> None:
+        cause = self._check_shadow_locked()
+        if cause is not None:  # outside the lock: a restart takes seconds
+            self._recover_memory(cause)
+
+    def _check_shadow_locked(self) -> str | None:
+        """Follow the shadow's state; a cause to restart the slot from scratch, if there is one."""
         with self._lock:
             shadow = self.shadow
             if shadow is None or self._stopping.is_set():
-                return
+                return None
             state = (shadow.state() or {}).get("state")
+            raised_at = (self.flag.read() or {}).get("time") if state == "standby" else None
+            if isinstance(raised_at, float) and time.time() - raised_at > self.config.handover_timeout_s:
+                # The flag is up and the shadow has not moved (it is hung, e.g. SIGSTOPped): no
+                # handover will come; the slot restarts from scratch instead.
+                self.log.emit("shadow.stuck", pid=shadow.pid, waited_s=round(time.time() - raised_at, 3))
+                self.shadow = None
+                return "the shadow did not take over within handover_timeout_s"
             if state == "handover" and shadow.generation != self._handover_generation:
                 self._handover_generation = shadow.generation
                 if self.second_failure():
-                    return
+                    return None
                 self.last_handover = time.monotonic()
             elif state == "serving":
                 self._promote(shadow)
             elif state == "failed" or not shadow.alive():
                 self.log.emit("shadow.lost", pid=shadow.pid, state=state, exit_code=shadow.exit_code)
+                if state == "memory_lost":  # its handover found a memory server gone or silent
+                    self.shadow = None
+                    return "the shadow's handover found a memory server gone"
                 if state == "failed":
                     # The shadow found the memory or the device bad and marked the slot unhealthy;
                     # marking it again here covers a shadow that could not reach the router.
@@ -432,6 +559,7 @@ class SlotSupervisor:
                 else:
                     self._num_failed_starts = self._num_failed_starts + 1 if state is None else 0
                     self.shadow = self._spawn("shadow")
+        return None
 
     def _promote(self, shadow: Child) -> None:
         residual = self.main

@@ -27,7 +27,8 @@ class SlotConfig:
     `conventional` (remote health checks, restart from scratch, regenerate) and `restart` (instant
     `waitpid` detection, restart from scratch, token-level resume through the router).
     `health_interval_s` x `health_misses` is the conventional baseline's detection (remote
-    health checks, defaults like common trainers: 10 s x 3).
+    health checks, defaults like common trainers: 10 s x 3). `memory_check_s` x `memory_misses`
+    bounds how long a hung (not exited) memory server goes unnoticed.
     """
 
     slot: str
@@ -50,6 +51,14 @@ class SlotConfig:
     stale_s: float = attrs.field(default=0.5, validator=attrs.validators.gt(0))
     health_interval_s: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
     health_misses: int = attrs.field(default=3, validator=attrs.validators.ge(1))
+    # A memory server that exits is seen at once; one that misses `memory_misses` pings in
+    # a row (one every `memory_check_s`, each waiting as long) is taken for hung. Either way the
+    # slot restarts from scratch.
+    memory_check_s: float = attrs.field(default=2.0, validator=attrs.validators.gt(0))
+    memory_misses: int = attrs.field(default=3, validator=attrs.validators.ge(1))
+    # The handover flag up this long with the shadow still standing by: the shadow is hung; the slot
+    # restarts from scratch.
+    handover_timeout_s: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
     host: str = "127.0.0.1"
     start_timeout_s: float = attrs.field(default=120.0, validator=attrs.validators.gt(0))
     # The workers' engine: `belayer` (built in) or `vllm` (a real vLLM; belayer-shadow[vllm]).
