@@ -533,7 +533,7 @@ class SlotSupervisor:
                 # The flag is up and the shadow has not moved (it is hung, e.g. SIGSTOPped): no
                 # handover will come; the slot restarts from scratch instead.
                 self.log.emit("shadow.stuck", pid=shadow.pid, waited_s=round(time.time() - raised_at, 3))
-                self.shadow = None
+                # `_recover_memory` SIGKILLs it first (it is still `self.shadow`).
                 return "the shadow did not take over within handover_timeout_s"
             if state == "handover" and shadow.generation != self._handover_generation:
                 self._handover_generation = shadow.generation
