@@ -52,10 +52,11 @@ class SlotConfig:
     health_interval_s: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
     health_misses: int = attrs.field(default=3, validator=attrs.validators.ge(1))
     # A memory server that exits is seen at once; one that misses `memory_misses` pings in
-    # a row (one every `memory_check_s`, each waiting as long) is taken for hung. Either way the
+    # a row (one every `memory_check_s`, each waiting as long; 5 x 2 s: a loaded machine must not
+    # pass for a hung server) is taken for hung. Either way the
     # slot restarts from scratch.
     memory_check_s: float = attrs.field(default=2.0, validator=attrs.validators.gt(0))
-    memory_misses: int = attrs.field(default=3, validator=attrs.validators.ge(1))
+    memory_misses: int = attrs.field(default=5, validator=attrs.validators.ge(1))
     # The handover flag up this long with the shadow still standing by: the shadow is hung; the slot
     # restarts from scratch.
     handover_timeout_s: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
