@@ -25,11 +25,13 @@ from cluster_helpers import Rollout as Streams
 from belayer_cluster import (
     DriverRouter,
     LocalRayCluster,
+    RemoteSandbox,
     RolloutCluster,
     RouterAccessError,
     SandboxCluster,
     SandboxHostError,
 )
+from belayer_envckpt import BelayerEnvckptError, ExecResult, SandboxConfig, SandboxLike
 
 pytestmark = pytest.mark.timeout(300)
 MAX_TOKENS = 160
@@ -129,8 +131,8 @@ def _read(sandboxes: SandboxCluster, trajectory: str, container_id: str) -> str:
     `SandboxHost.checkpoint_at`)."""
     for _ in range(5):
         found = sandboxes.probe(trajectory, ["cat", "a"], container_id=container_id)
-        if found["stdout"]:
-            return str(found["stdout"])
+        if found.stdout:
+            return found.stdout
         time.sleep(1.0)
     return ""
 
@@ -143,7 +145,8 @@ def test_a_trajectorys_sandbox_is_used_through_its_container_and_restored_by_its
     box = sandboxes.create("traj-own", working_dir="/work", labels={"belayer.test": "own"})
     mine = box.container_id
     try:
-        assert sandboxes.exec("traj-own", "echo 7 > a", container_id=mine)["prefix"] == 1
+        assert sandboxes.exec("traj-own", "echo 7 > a", container_id=mine).exit_code == 0
+        assert sandboxes.where("traj-own").prefix == 1
         info, checkpoint, probed = sandboxes.checkpoint_at(
             "traj-own",
             "router:contexts/traj-own/1",
@@ -153,7 +156,7 @@ def test_a_trajectorys_sandbox_is_used_through_its_container_and_restored_by_its
             container_id=mine,
         )
         assert probed is not None
-        assert probed["exit_code"] == 0  # the file was there, in the working folder
+        assert probed.exit_code == 0  # the file was there, in the working folder
         assert (info.prefix, info.context_ref) == (1, "router:contexts/traj-own/1")
         assert (checkpoint.prefix, checkpoint.context_ref) == (1, "router:contexts/traj-own/1")
         assert checkpoint.path.is_relative_to(sandboxes.store_dir)  # published where every node reads
@@ -174,6 +177,43 @@ def test_a_trajectorys_sandbox_is_used_through_its_container_and_restored_by_its
         sandboxes.release("traj-own")
     assert back.container_id not in sandboxes.containers()
     assert mine not in sandboxes.containers()
+
+
+def test_a_remote_sandbox_is_sandbox_like_and_fails_as_a_sandbox_once_moved(
+    sandboxes: SandboxCluster,
+) -> None:
+    # What an agent loop holds on the cluster: envckpt's own types back, envckpt's errors.
+    info = sandboxes.create("traj-remote", working_dir="/work")
+    remote = RemoteSandbox(sandboxes, info, SandboxConfig(image="belayer/busybox", working_dir="/work"))
+    back = None
+    try:
+        assert isinstance(remote, SandboxLike)
+        done = remote.exec("echo 5 > a")
+        assert isinstance(done, ExecResult)
+        assert done.ok
+        assert remote.prefix == 1 == sandboxes.where("traj-remote").prefix
+        # The one probe-then-checkpoint (belayer_envckpt.probe_then_checkpoint) on the host: an
+        # answer not accepted (docker-py lost the output on a loaded machine) is asked again.
+        probed, checkpoint = remote.probe_then_checkpoint(
+            ["cat", "a"], prefix=1, context_ref="router:contexts/traj-remote/1", workdir="/work",
+            accept=lambda result: result.ok and result.stdout == "5\n",
+        )  # fmt: skip
+        assert probed.stdout == "5\n"
+        assert (checkpoint.prefix, checkpoint.context_ref) == (1, "router:contexts/traj-remote/1")
+        remote.exec("echo 6 > a")
+        remote.kill()
+        assert not remote.is_running()
+        back = remote.restored(checkpoint)
+        assert (back.prefix, back.context_ref, back.node_id) == (1, checkpoint.context_ref, info.node_id)
+        assert back.id != remote.id
+        with pytest.raises(BelayerEnvckptError, match="restored or replaced since"):
+            remote.exec("true")  # the old container is refused: a sandbox failure to recover from
+        assert remote.status() == "removed"
+        assert _read(sandboxes, "traj-remote", back.id) == "5\n"  # the checkpoint's state
+    finally:
+        remote.remove()
+        sandboxes.release("traj-remote")
+    assert back.id not in sandboxes.containers()
 
 
 def test_creating_a_trajectorys_sandbox_again_removes_its_dead_one(sandboxes: SandboxCluster) -> None:
@@ -199,7 +239,7 @@ def test_a_parked_sandbox_serves_the_next_trajectory_with_its_folder_emptied(
             "traj-park", "echo left > /work/f; echo hidden > /work/.h", container_id=first.container_id
         )
         sandboxes.exec("traj-park", "sleep 1000 > /dev/null 2>&1 & echo $! > /tmp/sleeper.pid")
-        assert sandboxes.exec("traj-park", sleeping)["exit_code"] == 0  # the leftover process runs
+        assert sandboxes.exec("traj-park", sleeping).exit_code == 0  # the leftover process runs
         assert sandboxes.park("traj-park", "another-container") is False  # not its current one
         assert sandboxes.park("traj-park", first.container_id) is True
         with pytest.raises(SandboxHostError, match="no sandbox for trajectory"):
@@ -209,9 +249,9 @@ def test_a_parked_sandbox_serves_the_next_trajectory_with_its_folder_emptied(
         assert taken is not None
         assert (taken.container_id, taken.node_id, taken.prefix) == (first.container_id, first.node_id, 0)
         listing = sandboxes.exec("traj-next", "ls -A /work", container_id=taken.container_id)
-        assert (listing["exit_code"], listing["stdout"]) == (0, "")  # emptied, hidden files too
-        assert sandboxes.exec("traj-next", sleeping)["exit_code"] != 0  # killed by the reset
-        assert sandboxes.exec("traj-next", "cat /tmp/sleeper.pid")["exit_code"] == 0  # not reset: outside
+        assert (listing.exit_code, listing.stdout) == (0, "")  # emptied, hidden files too
+        assert sandboxes.exec("traj-next", sleeping).exit_code != 0  # killed by the reset
+        assert sandboxes.exec("traj-next", "cat /tmp/sleeper.pid").exit_code == 0  # not reset: outside
         # A reused sandbox is checkpointed like a fresh one (its processes' working folder was
         # emptied, not deleted: CRIU refuses a deleted one).
         _, checkpoint, _ = sandboxes.checkpoint_at(
@@ -315,9 +355,9 @@ def test_a_node_removed_mid_rollout_resumes_on_another_node_exactly(
     assert restore.to_node != lost.node_id
     assert (restore.prefix, restore.context_ref) == (2, "traj-b/turn-2")
     assert sandboxes.where("traj-b").node_id == restore.to_node
-    assert sandboxes.exec("traj-b", "cat /kept.txt")["stdout"] == "kept\n"
-    assert sandboxes.exec("traj-b", "test -e /late.txt")["exit_code"] == 1
-    assert sandboxes.exec("traj-b", "kill -0 $(cat /sleeper.pid)")["exit_code"] == 0  # its process too
+    assert sandboxes.exec("traj-b", "cat /kept.txt").stdout == "kept\n"
+    assert sandboxes.exec("traj-b", "test -e /late.txt").exit_code == 1
+    assert sandboxes.exec("traj-b", "kill -0 $(cat /sleeper.pid)").exit_code == 0  # its process too
     containers = sandboxes.containers()
     assert box.container_id not in containers  # nothing of the lost node's sandboxes is left
     assert fresh.container_id not in containers

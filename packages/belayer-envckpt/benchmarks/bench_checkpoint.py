@@ -84,7 +84,7 @@ def measure(engine: Engine, layer_mb: int, rss_mb: int, store: CheckpointStore) 
 
         # Baseline 2: docker commit (file system only), then a container from the committed image.
         start = time.perf_counter()
-        image = restored.container.commit(repository="belayer/bench-commit", tag="latest")
+        image = restored._container.commit(repository="belayer/bench-commit", tag="latest")
         out["commit_ms"] = _ms(start)
         start = time.perf_counter()
         from_commit = Sandbox.create(
@@ -92,7 +92,7 @@ def measure(engine: Engine, layer_mb: int, rss_mb: int, store: CheckpointStore) 
         )
         out["commit_restart_ms"] = _ms(start)
         from_commit.remove()
-        engine.client.images.remove(image.id, force=True)
+        engine._client.images.remove(image.id, force=True)
         return out
     finally:
         sandbox.remove()

@@ -63,7 +63,7 @@ def measure(engine: Engine, num_files: int, reps: int) -> dict[str, Any]:
     try:
         if num_files:
             sandbox.exec(f"mkdir -p /data && cd /data && seq {num_files} | xargs touch", timeout_s=600)
-        upper = engine.upper_dir(sandbox.container)
+        upper = engine.upper_dir(sandbox._container)
         walks = []
         for _ in range(reps):
             started = time.perf_counter()

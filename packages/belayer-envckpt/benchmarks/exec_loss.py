@@ -103,7 +103,7 @@ def main() -> None:
                     order = [("docker_py", _old_path), ("exec_in", _new_path)]
                     for name, path in order if round_ % 2 == 0 else order[::-1]:
                         loads.append(os.getloadavg()[0])
-                        got = _batch(path, engine.client.api, sandbox.id, args.per_round, args.threads)
+                        got = _batch(path, engine._client.api, sandbox.id, args.per_round, args.threads)
                         for key in ("execs", "lost", "failed"):
                             totals[name][key] += got[key]
                         totals[name]["seconds"] += got["seconds"]

@@ -30,12 +30,12 @@ def engine() -> Iterator[Engine]:
         eng.require_checkpoint_support()
     except BelayerEnvckptError as exc:
         pytest.fail(f"the envckpt tests need Docker (experimental) and CRIU: {exc}", pytrace=False)
-    before = {c.id for c in eng.client.containers.list(all=True)}
+    before = {c.id for c in eng._client.containers.list(all=True)}
     yield eng
     # No leaks: every container the suite created is gone.
     leaked = [
         c.name
-        for c in eng.client.containers.list(all=True, filters={"label": f"{TEST_LABEL}={TEST_SESSION}"})
+        for c in eng._client.containers.list(all=True, filters={"label": f"{TEST_LABEL}={TEST_SESSION}"})
         if c.id not in before
     ]
     eng.close()
@@ -87,7 +87,7 @@ def wait_for_layer_file(sandbox: Sandbox, member: str, timeout_s: float = 60.0) 
 
     An action holds the sandbox, so a probe inside it would wait; the host sees the layer directly.
     """
-    path = sandbox.engine.upper_dir(sandbox.container) / member
+    path = sandbox.engine.upper_dir(sandbox._container) / member
     deadline = time.monotonic() + timeout_s
     while not path.exists():
         assert time.monotonic() < deadline, f"{member} never appeared in the sandbox's layer"

@@ -43,7 +43,7 @@ def test_unknown_container(engine):
     ids=["network", "bind-mount", "volume", "tmpfs"],
 )
 def test_container_outside_the_guarantee_is_refused(kwargs, engine, tmp_path):
-    container = engine.client.containers.create(BUSYBOX, ["sleep", "60"], labels=TEST_LABELS, **kwargs)
+    container = engine._client.containers.create(BUSYBOX, ["sleep", "60"], labels=TEST_LABELS, **kwargs)
     try:
         container.start()
         with pytest.raises(OutsideGuaranteeError, match="outside the checkpoint guarantee"):

@@ -168,7 +168,7 @@ def test_a_process_outside_the_init_tree_is_refused_not_lost(make_sandbox, track
     sandbox.exec("echo kept > /kept")
     ready = checkpoint(sandbox, "outside", store=store)
     # As `docker exec -d` does: the process's parent is the engine's shim, outside the container.
-    engine.client.api.exec_start(engine.client.api.exec_create(sandbox.id, ["sleep", "613"]), detach=True)
+    engine._client.api.exec_start(engine._client.api.exec_create(sandbox.id, ["sleep", "613"]), detach=True)
     for take in (checkpoint, full_checkpoint):
         with pytest.raises(UncapturedProcessError, match="sleep 613") as raised:
             take(sandbox, "outside", store=store)

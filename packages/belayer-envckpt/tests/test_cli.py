@@ -97,7 +97,7 @@ def test_checkpoint_ls_restore_gc(make_sandbox, engine, tmp_path):
 
     restored = json.loads(cli("restore", "--store", store, "--trajectory", "cli", "--json").stdout)
     assert restored["checkpoint_id"] == full["checkpoint_id"]
-    new = engine.client.containers.get(restored["container_id"])
+    new = engine._client.containers.get(restored["container_id"])
     try:
         assert new.labels.get(TEST_LABEL) == TEST_SESSION
         assert new.exec_run("cat /work/c").output == b"cli\n"

@@ -118,6 +118,6 @@ def test_commit_archive_builds_an_image_with_the_files(engine, make_sandbox):
             [f"{TEST_LABEL}={TEST_SESSION}", "belayer.trajectory=committed"]
         ):
             engine.remove(sandbox_info.id)
-        engine.client.images.remove(name, force=True)
+        engine._client.images.remove(name, force=True)
     with pytest.raises(BelayerEnvckptError):
         engine.commit_archive("belayer/not-built-here:1", b"", repository="belayer/x", tag="y")

@@ -229,12 +229,12 @@ def test_demuxer_is_indifferent_to_how_the_stream_is_cut(frames, cuts):
 
 
 def test_the_real_engine_is_read_through_its_unix_socket(engine):
-    assert engine_socket_path(engine.client.api) == "/var/run/docker.sock"
+    assert engine_socket_path(engine._client.api) == "/var/run/docker.sock"
 
 
 def test_many_short_concurrent_execs_under_cpu_load_keep_every_output(engine, make_sandbox):
     sandbox = make_sandbox(trajectory="many-execs")
-    api = engine.client.api
+    api = engine._client.api
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     results: dict[int, tuple[str, str, int]] = {}
     errors: list[BaseException] = []
@@ -278,4 +278,4 @@ def test_an_exec_in_a_removed_container_is_a_typed_error(engine, make_sandbox):
     container_id = sandbox.id
     sandbox.remove()
     with pytest.raises(ContainerNotFoundError):
-        exec_in(engine.client.api, container_id, ["true"], workdir="/", timeout_s=30)
+        exec_in(engine._client.api, container_id, ["true"], workdir="/", timeout_s=30)

@@ -315,7 +315,7 @@ def test_no_privileges_to_escape(make_sandbox, tmp_path):
 
 
 def test_attach_refuses_an_unconfined_seccomp(engine):
-    container = engine.client.containers.create(
+    container = engine._client.containers.create(
         BUSYBOX,
         ["sleep", "60"],
         network_mode="none",
@@ -359,4 +359,4 @@ def _put_file(sandbox: Sandbox, path: str) -> None:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         tar.addfile(tarfile.TarInfo(Path(path).name))
-    assert sandbox.container.put_archive(str(Path(path).parent), buf.getvalue())
+    assert sandbox._container.put_archive(str(Path(path).parent), buf.getvalue())

@@ -88,4 +88,4 @@ def test_two_removals_of_one_real_container_at_once(engine: Engine, make_sandbox
     assert not errors, errors
     assert True in results
     with pytest.raises(docker.errors.NotFound):
-        engine.client.containers.get(sandbox.id)
+        engine._client.containers.get(sandbox.id)

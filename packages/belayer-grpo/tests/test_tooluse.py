@@ -9,7 +9,7 @@ from typing import Any, cast
 import pytest
 import torch
 
-from belayer_envckpt import ExecResult, Sandbox
+from belayer_envckpt import ExecResult, SandboxLike
 from belayer_grpo._agentic import (
     Answer,
     BashAction,
@@ -122,9 +122,9 @@ def test_a_malformed_repository_hash_is_asked_again_then_reported() -> None:
     good = ExecResult("a" * 64 + "\n", "", 0, 0.01)
     empty = ExecResult("", "", 0, 0.01)  # seen under load: exit 0, no output
     flaky = FakeSandbox([empty, good])
-    assert repository_hash(cast(Sandbox, flaky), "/w", retry_pause_s=0.0) == "a" * 64
+    assert repository_hash(cast(SandboxLike, flaky), "/w", retry_pause_s=0.0) == "a" * 64
     assert flaky.probes == 2
     broken = FakeSandbox([empty, empty, empty])
     with pytest.raises(SandboxCommandError, match="3 times"):
-        repository_hash(cast(Sandbox, broken), "/w", retry_pause_s=0.0)
+        repository_hash(cast(SandboxLike, broken), "/w", retry_pause_s=0.0)
     assert broken.probes == 3

@@ -32,6 +32,7 @@ from belayer_cluster._errors import (
 if TYPE_CHECKING:
     from belayer_cluster._cluster import NodeLoss, RolloutCluster
     from belayer_cluster._local import LocalRayCluster
+    from belayer_cluster._remote_sandbox import RemoteSandbox, RemoteSandboxError
     from belayer_cluster._replacement import start_replacement_slot
     from belayer_cluster._router import DriverRouter
     from belayer_cluster._sandbox_host import SandboxHost, SandboxInfo
@@ -46,6 +47,8 @@ _LAZY = {
     "DriverRouter": "_router",
     "LocalRayCluster": "_local",
     "NodeLoss": "_cluster",
+    "RemoteSandbox": "_remote_sandbox",
+    "RemoteSandboxError": "_remote_sandbox",
     "RolloutCluster": "_cluster",
     "SandboxCluster": "_sandboxes",
     "SandboxHost": "_sandbox_host",
@@ -85,6 +88,8 @@ __all__ = [
     "LocalClusterConfig",
     "LocalRayCluster",
     "NodeLoss",
+    "RemoteSandbox",
+    "RemoteSandboxError",
     "RolloutCluster",
     "RouterAccessError",
     "SandboxCluster",

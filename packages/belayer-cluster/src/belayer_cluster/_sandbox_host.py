@@ -12,13 +12,17 @@ node, not a Docker engine of its own.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import ray
 
 from belayer_cluster._errors import SandboxHostError
+
+if TYPE_CHECKING:
+    from belayer_envckpt import Checkpoint, ExecResult
 
 __all__ = ["CLUSTER_LABEL", "SandboxHost", "SandboxInfo"]
 
@@ -92,9 +96,10 @@ class SandboxHost:
 
     def exec(
         self, trajectory: str, command: str, timeout_s: float = 60.0, container_id: str | None = None
-    ) -> dict[str, Any]:
-        """Run one action in the trajectory's sandbox: stdout, stderr, exit_code, timed_out,
-        duration_s, prefix. With `container_id`, only in that container (else `SandboxHostError`)."""
+    ) -> tuple[ExecResult, int]:
+        """Run one action in the trajectory's sandbox: its `belayer_envckpt.ExecResult` and the
+        sandbox's prefix after it. With `container_id`, only in that container (else
+        `SandboxHostError`)."""
         from belayer_envckpt import BelayerEnvckptError
 
         sandbox = self._sandbox(trajectory, container_id)
@@ -102,14 +107,7 @@ class SandboxHost:
             result = sandbox.exec(command, timeout_s)
         except BelayerEnvckptError as exc:
             raise SandboxHostError(f"action in {trajectory!r} failed: {exc}") from exc
-        return {
-            "stdout": result.stdout,
-            "stderr": result.stderr,
-            "exit_code": result.exit_code,
-            "timed_out": result.timed_out,
-            "duration_s": result.duration_s,
-            "prefix": sandbox.prefix,
-        }
+        return result, int(sandbox.prefix)
 
     def probe(
         self,
@@ -118,16 +116,16 @@ class SandboxHost:
         timeout_s: float = 60.0,
         workdir: str | None = None,
         container_id: str | None = None,
-    ) -> dict[str, Any]:
-        """A read-only command that is not an action (the prefix stays): stdout, stderr, exit_code."""
+    ) -> ExecResult:
+        """A read-only command that is not an action (the prefix stays)."""
         from belayer_envckpt import BelayerEnvckptError
 
         sandbox = self._sandbox(trajectory, container_id)
         try:
-            result = sandbox.probe(argv, timeout_s, workdir=workdir)
+            result: ExecResult = sandbox.probe(argv, timeout_s, workdir=workdir)
         except BelayerEnvckptError as exc:
             raise SandboxHostError(f"probe in {trajectory!r} failed: {exc}") from exc
-        return {"stdout": result.stdout, "stderr": result.stderr, "exit_code": result.exit_code}
+        return result
 
     def control(self, trajectory: str, operation: str, container_id: str | None = None) -> str:
         """`kill`, `stop`, `pause`, `unpause` the sandbox, or read its `status` (the engine's word)."""
@@ -165,19 +163,23 @@ class SandboxHost:
         probe_argv: list[str] | None = None,
         workdir: str | None = None,
         container_id: str | None = None,
-    ) -> tuple[SandboxInfo, Any, dict[str, Any] | None]:
-        """Under one action boundary: run `probe_argv` (a read-only hash), then publish a full
-        checkpoint at the caller's `prefix` tied to `context_ref`. Returns where the sandbox is, the
-        `belayer_envckpt.Checkpoint` and the probe's result (None without a probe)."""
-        from belayer_envckpt import BelayerEnvckptError, full_checkpoint
+        accept: Callable[[ExecResult], bool] | None = None,
+    ) -> tuple[SandboxInfo, Checkpoint, ExecResult | None]:
+        """Publish a full checkpoint at the caller's `prefix` tied to `context_ref`; with
+        `probe_argv`, first a read-only probe of the same state (`belayer_envckpt.probe_then_checkpoint`:
+        asked again while `accept`, by default exit 0, refuses its answer). Returns where the
+        sandbox is, the `belayer_envckpt.Checkpoint` and the accepted probe answer (None without)."""
+        from belayer_envckpt import BelayerEnvckptError, full_checkpoint, probe_then_checkpoint
 
         sandbox = self._sandbox(trajectory, container_id)
         probed = None
         try:
-            with sandbox.action_boundary():
-                if probe_argv:
-                    result = sandbox.probe(probe_argv, workdir=workdir)
-                    probed = {"stdout": result.stdout, "stderr": result.stderr, "exit_code": result.exit_code}
+            if probe_argv:
+                probed, ckpt = probe_then_checkpoint(
+                    sandbox, trajectory, probe_argv, store=self.store, prefix=prefix,
+                    context_ref=context_ref, workdir=workdir, accept=accept,
+                )  # fmt: skip
+            else:
                 ckpt = full_checkpoint(
                     sandbox, trajectory, prefix=prefix, context_ref=context_ref, store=self.store
                 )
@@ -185,7 +187,7 @@ class SandboxHost:
             raise SandboxHostError(f"checkpoint of {trajectory!r} failed: {exc}") from exc
         return self._info(trajectory, ckpt.context_ref, prefix), ckpt, probed
 
-    def restore(self, trajectory: str, checkpoint: Any = None) -> SandboxInfo:
+    def restore(self, trajectory: str, checkpoint: Checkpoint | None = None) -> SandboxInfo:
         """Bring `trajectory`'s sandbox back on this node from `checkpoint` (a
         `belayer_envckpt.Checkpoint` in the shared store), by default its latest ready one."""
         from belayer_envckpt import BelayerEnvckptError, full_restore

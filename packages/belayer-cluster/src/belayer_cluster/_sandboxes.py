@@ -7,8 +7,9 @@ import itertools
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import ray
@@ -17,6 +18,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from belayer_cluster._errors import ClusterStartError, SandboxHostError
 from belayer_cluster._sandbox_host import SandboxHost, SandboxInfo
+
+if TYPE_CHECKING:
+    from belayer_envckpt import Checkpoint, ExecResult
 
 __all__ = ["SandboxCluster", "SandboxRestore"]
 
@@ -127,17 +131,18 @@ class SandboxCluster:
 
     def exec(
         self, trajectory: str, command: str, timeout_s: float = 60.0, *, container_id: str | None = None
-    ) -> dict[str, Any]:
+    ) -> ExecResult:
         """One action in the trajectory's sandbox, wherever it runs now (with `container_id`: only
         if it still runs in that container)."""
         info = self.where(trajectory)
-        result: dict[str, Any] = self._get(
+        result, prefix = self._get(
             self._host(info.node_id).exec.remote(trajectory, command, timeout_s, container_id)
         )
         with self._moving:  # not over a placement a lost node's recovery made meanwhile
             if self.placed.get(trajectory, info).container_id == info.container_id:
-                self.placed[trajectory] = attrs.evolve(info, prefix=int(result["prefix"]))
-        return result
+                self.placed[trajectory] = attrs.evolve(info, prefix=int(prefix))
+        found: ExecResult = result
+        return found
 
     def probe(
         self,
@@ -147,12 +152,10 @@ class SandboxCluster:
         *,
         workdir: str | None = None,
         container_id: str | None = None,
-    ) -> dict[str, Any]:
-        """A read-only command in the trajectory's sandbox (not an action): stdout, stderr, exit_code."""
+    ) -> ExecResult:
+        """A read-only command in the trajectory's sandbox (not an action)."""
         host = self._host(self.where(trajectory).node_id)
-        found: dict[str, Any] = self._get(
-            host.probe.remote(trajectory, argv, timeout_s, workdir, container_id)
-        )
+        found: ExecResult = self._get(host.probe.remote(trajectory, argv, timeout_s, workdir, container_id))
         return found
 
     def control(self, trajectory: str, operation: str, *, container_id: str | None = None) -> str:
@@ -178,12 +181,16 @@ class SandboxCluster:
         probe_argv: list[str] | None = None,
         workdir: str | None = None,
         container_id: str | None = None,
-    ) -> tuple[SandboxInfo, Any, dict[str, Any] | None]:
-        """Publish a checkpoint at `prefix` tied to `context_ref`, after a read-only probe in the same
-        action boundary: (where it is, the `belayer_envckpt.Checkpoint`, the probe's result)."""
+        accept: Callable[[ExecResult], bool] | None = None,
+    ) -> tuple[SandboxInfo, Checkpoint, ExecResult | None]:
+        """Publish a checkpoint at `prefix` tied to `context_ref`, after a read-only probe of the same
+        state (`belayer_envckpt.probe_then_checkpoint`, `accept` as there): (where it is, the
+        `belayer_envckpt.Checkpoint`, the accepted probe answer or None without a probe)."""
         host = self._host(self.where(trajectory).node_id)
         info, ckpt, probed = self._get(
-            host.checkpoint_at.remote(trajectory, context_ref, prefix, probe_argv, workdir, container_id)
+            host.checkpoint_at.remote(
+                trajectory, context_ref, prefix, probe_argv, workdir, container_id, accept
+            )
         )
         with self._moving:
             if self.placed.get(trajectory, info).container_id == info.container_id:
@@ -197,7 +204,7 @@ class SandboxCluster:
         except KeyError:
             raise SandboxHostError(f"no sandbox for trajectory {trajectory!r}; create() it first") from None
 
-    def restore(self, trajectory: str, checkpoint: Any, *, replacing: str = "") -> SandboxInfo:
+    def restore(self, trajectory: str, checkpoint: Checkpoint, *, replacing: str = "") -> SandboxInfo:
         """Bring the trajectory's sandbox back from `checkpoint` (a `belayer_envckpt.Checkpoint`):
         on its node if that is alive, else on another. The caller held container `replacing`; if a
         lost node's recovery already restored this very checkpoint elsewhere, that sandbox is the

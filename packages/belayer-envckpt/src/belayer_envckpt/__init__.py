@@ -32,6 +32,7 @@ from ._errors import (
     InvalidConfigError,
     InvalidIdError,
     OutsideGuaranteeError,
+    ProbeFailedError,
     RestoreFailedError,
     SandboxLimitError,
     SandboxStillPausedError,
@@ -44,7 +45,9 @@ from ._exec import ExecResult
 from ._faults import CheckpointFault, CrashPoint, FaultAction, FaultInjector
 from ._kinds import checkpoint, next_checkpoint_kind
 from ._limits import LimitCause, SandboxLimits
+from ._probe_checkpoint import probe_then_checkpoint
 from ._sandbox import Sandbox, SandboxConfig
+from ._sandbox_like import SandboxLike
 from ._store import Checkpoint, CheckpointKind, CheckpointStore
 
 __version__ = version("belayer-envckpt")
@@ -79,9 +82,11 @@ __all__ = [
     "InvalidIdError",
     "LimitCause",
     "OutsideGuaranteeError",
+    "ProbeFailedError",
     "RestoreFailedError",
     "Sandbox",
     "SandboxConfig",
+    "SandboxLike",
     "SandboxLimitError",
     "SandboxLimits",
     "SandboxStillPausedError",
@@ -95,4 +100,5 @@ __all__ = [
     "full_checkpoint",
     "full_restore",
     "next_checkpoint_kind",
+    "probe_then_checkpoint",
 ]

@@ -73,10 +73,10 @@ def full_checkpoint(
                     f"sandbox {sandbox.id[:12]} is {status}, not running: there is nothing consistent "
                     "to capture. Restore it from its latest ready checkpoint instead"
                 )
-            check_guarantee(sandbox.container.attrs)
-            upper = sandbox.engine.upper_dir(sandbox.container)
+            check_guarantee(sandbox._container.attrs)
+            upper = sandbox.engine.upper_dir(sandbox._container)
             check_checkpointable(
-                sandbox.config.limits, sandbox.container.attrs["Config"].get("User") or "", upper, sandbox.id
+                sandbox.config.limits, sandbox._container.attrs["Config"].get("User") or "", upper, sandbox.id
             )
             tmp = store.begin(trajectory, checkpoint_id)
             container_id = sandbox.id
@@ -90,7 +90,7 @@ def full_checkpoint(
                 timings["layer_ms"] = _ms(step)
                 _maybe_fault(sandbox, fault, CrashPoint.AFTER_LAYER)
                 step = time.perf_counter()
-                sandbox.engine.checkpoint(sandbox.container, checkpoint_id, tmp)
+                sandbox.engine.checkpoint(sandbox._container, checkpoint_id, tmp)
                 (tmp / checkpoint_id).rename(tmp / CRIU_DIR)
                 timings["dump_ms"] = _ms(step)
                 _maybe_fault(sandbox, fault, CrashPoint.AFTER_DUMP)
@@ -240,14 +240,14 @@ def full_restore(
     timings["create_ms"] = _ms(step)
     try:
         step = time.perf_counter()
-        install_layer(checkpoint.path / LAYER, engine.upper_dir(sandbox.container))
+        install_layer(checkpoint.path / LAYER, engine.upper_dir(sandbox._container))
         timings["layer_ms"] = _ms(step)
         step = time.perf_counter()
         if checkpoint.runtime == RUNTIME_FRESH:
             sandbox.start()  # the runtime was the image's stateless init: start it anew
         else:
             engine.start_from_checkpoint(
-                sandbox.container, checkpoint.checkpoint_id, checkpoint.path / CRIU_DIR
+                sandbox._container, checkpoint.checkpoint_id, checkpoint.path / CRIU_DIR
             )
         sandbox.reload()
         timings["start_ms"] = _ms(step)

@@ -54,7 +54,7 @@ class ContainerInfo:
 class Engine:
     """A connection to the Docker engine with the checkpoint calls the SDK lacks."""
 
-    client: docker.DockerClient
+    _client: docker.DockerClient  # docker-py stays inside this package
     dump_method: str = attrs.field(default="runc")
     _checkpoint_ready: bool = attrs.field(default=False, init=False)
 
@@ -82,7 +82,7 @@ class Engine:
     def close(self) -> None:
         """Close the connection pool."""
         with engine_errors("closing the engine connection"):
-            self.client.close()
+            self._client.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -95,12 +95,12 @@ class Engine:
     def version(self) -> str:
         """The engine's version string."""
         with engine_errors("asking the engine for its version"):
-            return str(self.client.version().get("Version", "?"))
+            return str(self._client.version().get("Version", "?"))
 
     def experimental(self) -> bool:
         """Whether the engine runs with experimental features (needed for checkpoints)."""
         with engine_errors("asking the engine for its version"):
-            return bool(self.client.version().get("Experimental", False))
+            return bool(self._client.version().get("Experimental", False))
 
     def require_checkpoint_support(self) -> None:
         """Raise unless the engine has its checkpoint API and CRIU passes its check (cached)."""
@@ -118,19 +118,19 @@ class Engine:
     def info(self) -> dict[str, Any]:
         """The engine's `docker info`: storage driver, cgroup controllers, security options."""
         with engine_errors("reading the engine's info"):
-            return dict(self.client.info())
+            return dict(self._client.info())
 
     def root_dir(self) -> Path:
         """The engine's data root (e.g. /var/lib/docker)."""
         with engine_errors("asking the engine for its data root"):
-            return Path(self.client.info()["DockerRootDir"])
+            return Path(self._client.info()["DockerRootDir"])
 
     # -- images -----------------------------------------------------------------------------
 
     def image_id(self, image: str) -> str:
         """The id of a local image; `ImageNotFoundError` if it is not present."""
         with engine_errors(f"inspecting image {image!r}", image=image):
-            return str(self.client.images.get(image).id)
+            return str(self._client.images.get(image).id)
 
     def has_image(self, image: str) -> bool:
         """Whether ``image`` is present locally."""
@@ -158,7 +158,7 @@ class Engine:
         container: Container | None = None
         try:
             with engine_errors(f"building image {name} from {base_image!r}", image=base_image):
-                container = self.client.containers.create(
+                container = self._client.containers.create(
                     base_image, network_mode="none", labels={**(labels or {}), LABEL: "1"}
                 )
                 if not container.put_archive("/", archive):
@@ -190,7 +190,7 @@ class Engine:
         what = f"running {list(command)[:3]!r} in a container of {image!r}"
         try:
             with engine_errors(what, image=image):
-                container = self.client.containers.create(
+                container = self._client.containers.create(
                     image,
                     list(command),
                     network_mode="none",
@@ -216,12 +216,14 @@ class Engine:
     def container(self, ref: str) -> Container:
         """Look a container up by id or name (the SDK's object, for this package only)."""
         with engine_errors(f"inspecting container {ref!r}", container=ref):
-            return self.client.containers.get(ref)
+            return self._client.containers.get(ref)
 
     def list_containers(self, labels: Sequence[str] = ()) -> list[ContainerInfo]:
         """Every container (running or not) carrying all ``labels`` (``key`` or ``key=value``)."""
         with engine_errors("listing containers"):
-            found = self.client.containers.list(all=True, filters={"label": list(labels)} if labels else None)
+            found = self._client.containers.list(
+                all=True, filters={"label": list(labels)} if labels else None
+            )
             return [ContainerInfo(str(c.id), str(c.name), str(c.status), dict(c.labels)) for c in found]
 
     def upper_dir(self, container: Container) -> Path:
@@ -268,7 +270,7 @@ class Engine:
                 raise
             shutil.rmtree(work, ignore_errors=True)
             return
-        api = self.client.api
+        api = self._client.api
         body = {"CheckpointID": name, "Exit": False, "CheckpointDir": str(directory)}
         with engine_errors("checkpoint through the engine", container=str(container.id)):
             response = api.post(api._url("/containers/{0}/checkpoints", container.id), json=body)
@@ -291,7 +293,7 @@ class Engine:
         # dump already left that very content behind: a file unique to this restore (CRIU reads
         # only the images it knows) keeps the digests apart.
         (target / "belayer-restore-id").write_text(restore_id)
-        api = self.client.api
+        api = self._client.api
         try:
             with engine_errors("start from checkpoint", container=str(container.id)):
                 resp = api.post(api._url("/containers/{0}/start", container.id), params={"checkpoint": name})
@@ -336,7 +338,7 @@ class Engine:
             try:
                 with engine_errors(f"removing container {ref}", container=ref):
                     try:
-                        self.client.containers.get(ref).remove(force=True)
+                        self._client.containers.get(ref).remove(force=True)
                     except docker.errors.APIError as exc:
                         if not _removal_in_progress(exc) or time.monotonic() > deadline:
                             raise

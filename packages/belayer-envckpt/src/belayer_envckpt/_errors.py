@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ._exec import ExecResult
     from ._limits import LimitCause
 
 
@@ -154,6 +155,15 @@ class SandboxLimitError(BelayerEnvckptError):
 
 class RestoreFailedError(BelayerEnvckptError):
     """`full_restore` failed after verification; the new container was removed."""
+
+
+class ProbeFailedError(BelayerEnvckptError):
+    """`probe_then_checkpoint`'s read-only probe never gave an accepted answer (``attempts`` tries);
+    nothing was checkpointed. ``result`` is the last answer."""
+
+    def __init__(self, message: str, result: ExecResult) -> None:
+        super().__init__(message)
+        self.result = result
 
 
 class InjectedCrash(BaseException):

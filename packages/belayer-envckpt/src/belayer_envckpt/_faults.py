@@ -11,7 +11,7 @@ import attrs
 from ._errors import InjectedCrash, InvalidConfigError
 
 if TYPE_CHECKING:
-    from ._sandbox import Sandbox
+    from ._sandbox_like import SandboxLike
 
 
 class CrashPoint(enum.Enum):
@@ -31,7 +31,7 @@ class FaultAction(enum.Enum):
     PAUSE = "pause"
 
 
-def apply_fault(sandbox: Sandbox, action: FaultAction) -> None:
+def apply_fault(sandbox: SandboxLike, action: FaultAction) -> None:
     """Carry out one fault on ``sandbox``."""
     if action is FaultAction.CRASH:
         raise InjectedCrash("injected crash of the checkpointing process")
@@ -69,7 +69,7 @@ class FaultInjector:
     def __attrs_post_init__(self) -> None:
         self._rng = random.Random(self.seed)
 
-    def step(self, sandbox: Sandbox) -> bool:
+    def step(self, sandbox: SandboxLike) -> bool:
         """Call after each environment step; returns True when it failed the sandbox."""
         if self._rng.random() >= self.probability:
             return False

@@ -61,7 +61,7 @@ def next_checkpoint_kind(sandbox: Sandbox, store: CheckpointStore, trajectory: s
         view = sandbox_runtime(sandbox)
         if not view.fresh or view.outside_init:
             return CheckpointKind.FULL
-        digest = layer_digest(sandbox.engine.upper_dir(sandbox.container))
+        digest = layer_digest(sandbox.engine.upper_dir(sandbox._container))
         if _shared_owner(store, trajectory, sandbox, sandbox.prefix, digest) is not None:
             return CheckpointKind.REFERENCE
         return CheckpointKind.FRESH_RUNTIME
@@ -92,12 +92,12 @@ def checkpoint(
             return full_checkpoint(
                 sandbox, trajectory, k, context_ref, store=store, fault=fault
             )  # it refuses
-        check_guarantee(sandbox.container.attrs)
+        check_guarantee(sandbox._container.attrs)
         view = sandbox_runtime(sandbox)
         refuse_uncaptured(view, sandbox.id)
         if not view.fresh:
             return full_checkpoint(sandbox, trajectory, k, context_ref, store=store, fault=fault)
-        upper = sandbox.engine.upper_dir(sandbox.container)
+        upper = sandbox.engine.upper_dir(sandbox._container)
         check_layer(sandbox.config.limits, upper, sandbox.id)
         timings = {"detect_ms": _ms(started)}
         step = time.perf_counter()

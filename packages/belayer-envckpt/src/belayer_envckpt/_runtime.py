@@ -220,7 +220,7 @@ def read_runtime(init_pid: int, command: Sequence[str], keepalive: Sequence[str]
 
 def sandbox_runtime(sandbox: Sandbox) -> RuntimeView:
     """The sandbox's processes now (its engine view must be current: after `Sandbox.status`)."""
-    pid = int(sandbox.container.attrs.get("State", {}).get("Pid") or 0)
+    pid = int(sandbox._container.attrs.get("State", {}).get("Pid") or 0)
     from ._sandbox import KEEPALIVE  # _sandbox is imported by the checkpoint modules, not this one
 
     return read_runtime(pid, sandbox.config.command, KEEPALIVE)

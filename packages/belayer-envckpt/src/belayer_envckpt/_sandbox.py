@@ -110,7 +110,7 @@ class Sandbox:
     """
 
     engine: Engine
-    container: Container
+    _container: Container  # docker-py stays inside this package
     config: SandboxConfig
     trajectory: str = ""
     prefix: int = 0
@@ -131,7 +131,7 @@ class Sandbox:
             labels[TRAJECTORY_LABEL] = trajectory
         name = f"belayer-{trajectory or 'sandbox'}-{uuid.uuid4().hex[:8]}"
         with engine_errors(f"creating a sandbox from {config.image!r}", image=config.image):
-            container = engine.client.containers.create(
+            container = engine._client.containers.create(
                 config.image,
                 list(config.command),
                 name=name,
@@ -174,7 +174,7 @@ class Sandbox:
     @property
     def id(self) -> str:
         """The container's full id."""
-        return str(self.container.id)
+        return str(self._container.id)
 
     def status(self) -> str:
         """The engine's view: created, running, paused, exited, dead or removed."""
@@ -182,7 +182,7 @@ class Sandbox:
             self.reload()
         except ContainerNotFoundError:
             return "removed"
-        return str(self.container.status)
+        return str(self._container.status)
 
     def is_running(self) -> bool:
         """Whether the container is running (False when it stopped, died or was removed)."""
@@ -191,12 +191,12 @@ class Sandbox:
     def reload(self) -> None:
         """Refresh the engine's view of the container (status, attributes)."""
         with engine_errors("inspecting a sandbox", container=self.id):
-            self.container.reload()
+            self._container.reload()
 
     def inspect(self) -> dict[str, Any]:
         """The engine's full description of the container (as `docker inspect` prints it)."""
         self.reload()
-        return dict(self.container.attrs)
+        return dict(self._container.attrs)
 
     def exec(
         self,
@@ -251,7 +251,7 @@ class Sandbox:
     def _run(self, command: str | Sequence[str], timeout_s: float, workdir: str | None) -> ExecResult:
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
         return exec_in(
-            self.engine.client.api,
+            self.engine._client.api,
             self.id,
             argv,
             workdir=workdir or self.config.working_dir,
@@ -262,13 +262,13 @@ class Sandbox:
 
     def limit_guard(self) -> contextlib.AbstractContextManager[LimitGuard]:
         """Watch the limits around one action: `LimitGuard.check` then raises `SandboxLimitError`."""
-        if not self.container.attrs.get("State", {}).get("Pid"):
+        if not self._container.attrs.get("State", {}).get("Pid"):
             self.reload()
-        upper = self.engine.upper_dir(self.container) if self.config.limits.disk_mb else None
+        upper = self.engine.upper_dir(self._container) if self.config.limits.disk_mb else None
         guard = LimitGuard(
             self.config.limits,
             self.id,
-            int(self.container.attrs.get("State", {}).get("Pid") or 0),
+            int(self._container.attrs.get("State", {}).get("Pid") or 0),
             upper,
             is_oom_killed=lambda: bool(self.inspect().get("State", {}).get("OOMKilled")),
             seen=self._limit_counters,
@@ -301,28 +301,28 @@ class Sandbox:
     def start(self) -> None:
         """Start a created container."""
         with engine_errors("starting a sandbox", container=self.id):
-            self.container.start()
-            self.container.reload()
+            self._container.start()
+            self._container.reload()
 
     def kill(self) -> None:
         """SIGKILL the container's processes (a fail-stop container failure)."""
         with engine_errors("killing a sandbox", container=self.id):
-            self.container.kill()
+            self._container.kill()
 
     def stop(self, timeout_s: int = 1) -> None:
         """Stop the container (SIGTERM, then SIGKILL after ``timeout_s``)."""
         with engine_errors("stopping a sandbox", container=self.id):
-            self.container.stop(timeout=timeout_s)
+            self._container.stop(timeout=timeout_s)
 
     def pause(self) -> None:
         """Freeze the container's processes."""
         with engine_errors("pausing a sandbox", container=self.id):
-            self.container.pause()
+            self._container.pause()
 
     def unpause(self) -> None:
         """Thaw a paused container."""
         with engine_errors("unpausing a sandbox", container=self.id):
-            self.container.unpause()
+            self._container.unpause()
 
     def remove(self) -> None:
         """Remove the container (forcefully); idempotent."""

@@ -3,8 +3,8 @@
 With ``cluster.nodes`` / ``cluster.address`` every trajectory's sandbox is created by a node's
 sandbox host (belayer-envckpt on that node's container engine), the nodes taken in turn; its
 actions, probes and checkpoints run there, and checkpoints are published to the cluster's shared
-directory, which every node reads.  The agent loop sees a `RemoteSandbox`, which answers the calls
-it makes of a local `belayer_envckpt.Sandbox`.
+directory, which every node reads.  The agent loop sees a `belayer_cluster.RemoteSandbox`, a
+`belayer_envckpt.SandboxLike` as a local `belayer_envckpt.Sandbox` is.
 
 When a node is lost, belayer-cluster restores its sandboxes on another node from their latest ready
 checkpoint (`SandboxCluster.recover_node`).  The trajectory learns of it at its next call (the
@@ -16,142 +16,32 @@ never imports ray: this module uses belayer-cluster's public API only.
 
 from __future__ import annotations
 
-import contextlib
 import shutil
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import anyio
 import attrs
 
-from belayer_envckpt import Checkpoint, ExecResult, Sandbox, SandboxConfig
-from belayer_grpo._agentic.environment import REPO_HASH_SCRIPT, context_ref
+from belayer_envckpt import Checkpoint, SandboxConfig, SandboxLike
+from belayer_grpo._agentic.environment import REPO_HASH_SCRIPT, context_ref, is_repository_hash
 from belayer_grpo._agentic.pool import SandboxLease, SandboxPool
 from belayer_grpo._agentic.records import CheckpointRecord
 from belayer_grpo._errors import SandboxCommandError
 
 if TYPE_CHECKING:
-    from belayer_cluster import SandboxCluster, SandboxInfo
+    from belayer_cluster import RemoteSandbox, SandboxCluster
 
-__all__ = ["ClusterSandboxPool", "RemoteSandbox"]
-
-
-class RemoteSandbox:
-    """One trajectory's sandbox in one container on a node's sandbox host.
-
-    The methods the agent loop calls on a `belayer_envckpt.Sandbox` (``exec``, ``probe``, ``kill``,
-    ``status``, ``remove``, ...), carried out by the host.  Every call names this container: once
-    the trajectory's sandbox runs elsewhere (its node lost, restored on another node) the call fails
-    with `SandboxCommandError`, which the loop treats as a sandbox failure.
-    """
-
-    def __init__(self, hosts: SandboxCluster, trajectory: str, config: SandboxConfig, info: SandboxInfo):
-        self.hosts, self.trajectory, self.config = hosts, trajectory, config
-        self.container_id, self.node_id = info.container_id, info.node_id
-        self.prefix, self.context_ref = info.prefix, info.context_ref
-        self.restore_timings_ms: dict[str, float] = {}
-        self._boundary = threading.RLock()
-
-    @property
-    def id(self) -> str:
-        """The container's id."""
-        return self.container_id
-
-    def _failed(self, what: str, error: Exception) -> SandboxCommandError:
-        return SandboxCommandError(
-            f"{what} in sandbox {self.container_id[:12]} of {self.trajectory} on node {self.node_id[:12]} "
-            f"failed: {error}"
-        )
-
-    def exec(self, command: str, timeout_s: float = 60.0) -> ExecResult:
-        """Run one action (``prefix`` grows by one)."""
-        from belayer_cluster import SandboxHostError
-
-        with self._boundary:
-            try:
-                result = self.hosts.exec(self.trajectory, command, timeout_s, container_id=self.container_id)
-            except SandboxHostError as error:
-                raise self._failed("action", error) from error
-            self.prefix += 1
-        return ExecResult(
-            result["stdout"], result["stderr"], int(result["exit_code"]), float(result["duration_s"]),
-            bool(result["timed_out"]),
-        )  # fmt: skip
-
-    def probe(
-        self, command: str | Sequence[str], timeout_s: float = 60.0, *, workdir: str | None = None
-    ) -> ExecResult:
-        """A read-only command that is not an action."""
-        from belayer_cluster import SandboxHostError
-
-        argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
-        started = time.perf_counter()
-        with self._boundary:
-            try:
-                result = self.hosts.probe(
-                    self.trajectory, argv, timeout_s, workdir=workdir, container_id=self.container_id
-                )
-            except SandboxHostError as error:
-                raise self._failed("probe", error) from error
-        return ExecResult(
-            result["stdout"], result["stderr"], int(result["exit_code"]), time.perf_counter() - started
-        )
-
-    def _control(self, operation: str) -> str:
-        from belayer_cluster import SandboxHostError
-
-        try:
-            return self.hosts.control(self.trajectory, operation, container_id=self.container_id)
-        except SandboxHostError as error:
-            raise self._failed(operation, error) from error
-
-    def kill(self) -> None:
-        """SIGKILL the container's processes."""
-        self._control("kill")
-
-    def stop(self) -> None:
-        """Stop the container."""
-        self._control("stop")
-
-    def pause(self) -> None:
-        """Freeze the container's processes."""
-        self._control("pause")
-
-    def unpause(self) -> None:
-        """Thaw the container."""
-        self._control("unpause")
-
-    def status(self) -> str:
-        """The engine's word for the container; ``removed`` when it (or its node) is gone."""
-        try:
-            return self._control("status")
-        except SandboxCommandError:
-            return "removed"
-
-    def is_running(self) -> bool:
-        """Whether the container runs (False when it, or its node, is gone)."""
-        return self.status() == "running"
-
-    def remove(self) -> None:
-        """Remove the container, wherever it is (quiet if it is gone)."""
-        from belayer_cluster import SandboxHostError
-
-        with contextlib.suppress(SandboxHostError):
-            self.hosts.remove(self.trajectory, self.container_id)
-
-    @contextlib.contextmanager
-    def action_boundary(self) -> Iterator[None]:
-        """Hold the sandbox between this process's calls (the host holds its own boundary too)."""
-        with self._boundary:
-            yield
+__all__ = ["ClusterSandboxPool"]
 
 
-def _remote(sandbox: Sandbox) -> RemoteSandbox:
+def _remote(sandbox: SandboxLike) -> RemoteSandbox:
+    from belayer_cluster import RemoteSandbox
+
     if not isinstance(sandbox, RemoteSandbox):
         raise TypeError(
-            f"a ClusterSandboxPool sandbox must be a RemoteSandbox (got {type(sandbox).__name__})"
+            f"a ClusterSandboxPool sandbox must be a belayer_cluster.RemoteSandbox (got {type(sandbox).__name__})"
         )
     return sandbox
 
@@ -183,8 +73,8 @@ class ClusterSandboxPool(SandboxPool):
         assert self.hosts is not None
         return self.hosts
 
-    async def _create(self, config: SandboxConfig, trajectory: str) -> Sandbox:
-        from belayer_cluster import SandboxHostError
+    async def _create(self, config: SandboxConfig, trajectory: str) -> SandboxLike:
+        from belayer_cluster import RemoteSandbox, SandboxHostError
 
         try:
             info = await anyio.to_thread.run_sync(
@@ -194,61 +84,54 @@ class ClusterSandboxPool(SandboxPool):
             )
         except SandboxHostError as error:
             raise SandboxCommandError(f"no sandbox for {trajectory}: {error}") from error
-        # The loop calls a sandbox's methods only; RemoteSandbox answers every one it calls.
-        return cast(Sandbox, RemoteSandbox(self._hosts, trajectory, config, info))
+        return RemoteSandbox(self._hosts, info, config)
 
-    async def _take(self, config: SandboxConfig, trajectory: str) -> Sandbox:
+    async def _take(self, config: SandboxConfig, trajectory: str) -> SandboxLike:
+        from belayer_cluster import RemoteSandbox
+
         if self.reuse:
             info = await anyio.to_thread.run_sync(
                 lambda: self._hosts.take_idle(trajectory, config.image, config.working_dir)
             )
             if info is not None:
                 self.num_reused += 1
-                return cast(Sandbox, RemoteSandbox(self._hosts, trajectory, config, info))
+                return RemoteSandbox(self._hosts, info, config)
         sandbox = await self._create(config, trajectory)
         if self.reuse:
             self._created.add(sandbox.id)
         return sandbox
 
     def take_checkpoint(
-        self, sandbox: Sandbox, *, trajectory: str, prefix: int, turn: int, workdir: str, context_hash: str
+        self,
+        sandbox: SandboxLike,
+        *,
+        trajectory: str,
+        prefix: int,
+        turn: int,
+        workdir: str,
+        context_hash: str,
     ) -> CheckpointRecord:
-        """The repository hash and a full checkpoint, both taken by the sandbox's host under one
-        action boundary; the checkpoint lands in the shared directory."""
-        from belayer_cluster import SandboxHostError
-
+        """The repository hash and a full checkpoint of the same state, both taken by the sandbox's
+        host (`belayer_envckpt.probe_then_checkpoint` there); the checkpoint lands in the shared
+        directory."""
         remote = _remote(sandbox)
         started = time.perf_counter()
         ref = context_ref(trajectory, turn)
-        try:
-            _, checkpoint, probed = self._hosts.checkpoint_at(
-                trajectory, ref, prefix, probe_argv=["/bin/sh", "-c", REPO_HASH_SCRIPT], workdir=workdir,
-                container_id=remote.container_id,
-            )  # fmt: skip
-        except SandboxHostError as error:
-            raise SandboxCommandError(f"checkpoint of {trajectory} failed: {error}") from error
-        repo_hash = "" if probed is None else str(probed["stdout"]).strip()
-        if probed is None or probed["exit_code"] != 0 or len(repo_hash) != 64:
-            raise SandboxCommandError(f"hashing the repository of {trajectory} before its checkpoint failed")
+        probed, checkpoint = remote.probe_then_checkpoint(
+            REPO_HASH_SCRIPT, prefix=prefix, context_ref=ref, workdir=workdir, accept=is_repository_hash
+        )
         record = CheckpointRecord(
-            prefix=prefix, turn=turn, context_ref=ref, context_hash=context_hash, repo_hash=repo_hash,
-            duration_s=time.perf_counter() - started, checkpoint=checkpoint,
+            prefix=prefix, turn=turn, context_ref=ref, context_hash=context_hash,
+            repo_hash=probed.stdout.strip(), duration_s=time.perf_counter() - started, checkpoint=checkpoint,
         )  # fmt: skip
         if self.checkpointed is not None:
             self.checkpointed(remote.node_id)
         return record
 
-    def restore(self, checkpoint: Checkpoint, current: Sandbox) -> Sandbox:
+    def restore(self, checkpoint: Checkpoint, current: SandboxLike) -> SandboxLike:
         """The trajectory's sandbox from ``checkpoint``: on its node if alive, else on another (or
         the one a lost node's recovery already restored from this checkpoint)."""
-        from belayer_cluster import SandboxHostError
-
-        remote = _remote(current)
-        try:
-            info = self._hosts.restore(remote.trajectory, checkpoint, replacing=remote.container_id)
-        except SandboxHostError as error:
-            raise SandboxCommandError(f"restore of {remote.trajectory} failed: {error}") from error
-        return cast(Sandbox, RemoteSandbox(self._hosts, remote.trajectory, remote.config, info))
+        return _remote(current).restored(checkpoint)
 
     def _clean(self, lease: SandboxLease) -> None:
         sandbox = lease.sandbox

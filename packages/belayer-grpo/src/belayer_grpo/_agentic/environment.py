@@ -18,7 +18,8 @@ from belayer_envckpt import (
     ExecResult,
     FaultInjector,
     Sandbox,
-    full_checkpoint,
+    SandboxLike,
+    probe_then_checkpoint,
 )
 from belayer_grpo._agentic.records import CheckpointRecord
 from belayer_grpo._errors import SandboxCommandError
@@ -29,6 +30,7 @@ __all__ = [
     "SandboxFailure",
     "checkpoint_sandbox",
     "context_ref",
+    "is_repository_hash",
     "parse_context_ref",
     "repository_hash",
     "run_action",
@@ -53,7 +55,7 @@ class SandboxFailure:
 class StepFault(Protocol):
     """Called after each action; True when it failed the sandbox (`FaultInjector`, `SandboxChaos`)."""
 
-    def step(self, sandbox: Sandbox) -> bool: ...
+    def step(self, sandbox: SandboxLike) -> bool: ...
 
 
 @attrs.define
@@ -65,7 +67,7 @@ class SandboxChaos:
     injector: FaultInjector | None = None
     _fired: set[int] = attrs.field(factory=set)
 
-    def step(self, sandbox: Sandbox) -> bool:
+    def step(self, sandbox: SandboxLike) -> bool:
         """Call after each action (``sandbox.prefix`` counts it already)."""
         if sandbox.prefix in self.at_actions and sandbox.prefix not in self._fired:
             self._fired.add(sandbox.prefix)
@@ -89,27 +91,35 @@ def parse_context_ref(ref: str) -> tuple[str, int]:
     return trajectory, int(turn)
 
 
-def repository_hash(sandbox: Sandbox, workdir: str, *, attempts: int = 3, retry_pause_s: float = 0.5) -> str:
+def is_repository_hash(result: ExecResult) -> bool:
+    """Whether a `REPO_HASH_SCRIPT` answer is a hash: exit 0 and 64 hex digits. On a loaded machine
+    the pipeline was seen to end with exit 0 and no output (its last stage, ``cut``, succeeds when
+    an earlier one dies): such an answer is asked again, never recorded."""
+    text = result.stdout.strip()
+    return result.exit_code == 0 and len(text) == 64 and all(c in "0123456789abcdef" for c in text)
+
+
+def repository_hash(
+    sandbox: SandboxLike, workdir: str, *, attempts: int = 3, retry_pause_s: float = 0.5
+) -> str:
     """Hash of the repository's files, read between actions (it does not count as an action).
 
-    The probe is read-only, so a malformed answer is asked again (``attempts`` in all): on a
-    loaded machine the pipeline was seen to end with exit 0 and no output (its last stage,
-    ``cut``, succeeds when an earlier one dies), which would fail the whole rollout.
+    The probe is read-only, so a malformed answer (`is_repository_hash`) is asked again
+    (``attempts`` in all), as `belayer_envckpt.probe_then_checkpoint` does before a checkpoint.
     """
     for attempt in range(attempts):
         result = sandbox.probe(["/bin/sh", "-c", REPO_HASH_SCRIPT], workdir=workdir)
-        text = result.stdout.strip()
-        if result.exit_code == 0 and len(text) == 64:
-            return text
+        if is_repository_hash(result):
+            return result.stdout.strip()
         if attempt + 1 < attempts:
             time.sleep(retry_pause_s * (attempt + 1))
     raise SandboxCommandError(
         f"hashing the repository {workdir} in sandbox {sandbox.id} failed (exit {result.exit_code}) "
-        f"{attempts} times: {(text + result.stderr)[-200:]}"
+        f"{attempts} times: {(result.stdout.strip() + result.stderr)[-200:]}"
     )
 
 
-def _is_running(sandbox: Sandbox) -> bool:
+def _is_running(sandbox: SandboxLike) -> bool:
     try:
         return sandbox.is_running()
     except BelayerEnvckptError:
@@ -117,7 +127,7 @@ def _is_running(sandbox: Sandbox) -> bool:
 
 
 def run_action(
-    sandbox: Sandbox, command: str, timeout_s: float, injector: StepFault | None
+    sandbox: SandboxLike, command: str, timeout_s: float, injector: StepFault | None
 ) -> ExecResult | SandboxFailure:
     """Run one action; then chaos may kill the sandbox; then check that it is still running.
 
@@ -149,22 +159,23 @@ def checkpoint_sandbox(
     workdir: str,
     context_hash: str,
 ) -> CheckpointRecord:
-    """Hash the repository and take a full checkpoint of the same quiescent state, tied to ``L_turn``.
-
-    Both happen under the sandbox's action boundary, so no action runs in between.  Raises
-    a `belayer_envckpt.BelayerEnvckptError` (or `SandboxCommandError`) if it cannot be taken.
+    """Hash the repository and take a full checkpoint of the same quiescent state, tied to ``L_turn``
+    (`belayer_envckpt.probe_then_checkpoint`: both under the sandbox's action boundary, so no
+    action runs in between; a malformed hash is asked again, 3 tries).  Raises a
+    `belayer_envckpt.BelayerEnvckptError` if it cannot be taken.
     """
     started = time.perf_counter()
     ref = context_ref(trajectory, turn)
-    with sandbox.action_boundary():
-        repo_hash = repository_hash(sandbox, workdir)
-        checkpoint = full_checkpoint(sandbox, trajectory, prefix=prefix, context_ref=ref, store=store)
+    probed, checkpoint = probe_then_checkpoint(
+        sandbox, trajectory, ["/bin/sh", "-c", REPO_HASH_SCRIPT], store=store, prefix=prefix,
+        context_ref=ref, workdir=workdir, accept=is_repository_hash,
+    )  # fmt: skip
     return CheckpointRecord(
         prefix=prefix,
         turn=turn,
         context_ref=ref,
         context_hash=context_hash,
-        repo_hash=repo_hash,
+        repo_hash=probed.stdout.strip(),
         duration_s=time.perf_counter() - started,
         checkpoint=checkpoint,
     )

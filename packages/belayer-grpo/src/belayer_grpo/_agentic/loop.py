@@ -20,7 +20,7 @@ import time
 import anyio
 import attrs
 
-from belayer_envckpt import BelayerEnvckptError, Sandbox
+from belayer_envckpt import BelayerEnvckptError, SandboxLike
 from belayer_grpo._agentic import actions, environment
 from belayer_grpo._agentic.context import (
     AgentTask,
@@ -340,7 +340,7 @@ class AgentLoop:
             )
         )
 
-    async def _restore_environment(self) -> tuple[CheckpointRecord, Sandbox, dict[str, float], str]:
+    async def _restore_environment(self) -> tuple[CheckpointRecord, SandboxLike, dict[str, float], str]:
         """Restore the newest ready checkpoint that restores and verifies (its repository hashes to
         what it recorded, the router's ``L_turn`` is the context it was taken with); each one
         that does not is given up for the one before it (a fallback).  With none left, start

@@ -30,6 +30,7 @@ from belayer_envckpt import (
     Engine,
     Sandbox,
     SandboxConfig,
+    SandboxLike,
     full_restore,
 )
 from belayer_grpo._agentic import environment
@@ -40,6 +41,14 @@ __all__ = ["POOL_LABEL", "SandboxLease", "SandboxPool"]
 POOL_LABEL = "belayer.grpo.pool"
 
 
+def _local(sandbox: SandboxLike) -> Sandbox:
+    if not isinstance(sandbox, Sandbox):
+        raise TypeError(
+            f"a SandboxPool sandbox must be a belayer_envckpt.Sandbox (got {type(sandbox).__name__})"
+        )
+    return sandbox
+
+
 @attrs.define(eq=False)
 class SandboxLease:
     """One trajectory's hold on the pool: its current sandbox and how to make a fresh one."""
@@ -47,15 +56,15 @@ class SandboxLease:
     pool: SandboxPool
     trajectory: str
     config: SandboxConfig
-    sandbox: Sandbox
+    sandbox: SandboxLike
 
-    async def replace(self, sandbox: Sandbox) -> None:
+    async def replace(self, sandbox: SandboxLike) -> None:
         """Adopt ``sandbox`` (restored by ``full_restore``) as the trajectory's sandbox."""
         old, self.sandbox = self.sandbox, sandbox
         if old.id != sandbox.id:
             await anyio.to_thread.run_sync(old.remove)
 
-    async def restart(self) -> Sandbox:
+    async def restart(self) -> SandboxLike:
         """Remove the current container and start a fresh one from the base image."""
         self.pool._created.discard(self.sandbox.id)
         await anyio.to_thread.run_sync(self.sandbox.remove)
@@ -101,40 +110,47 @@ class SandboxPool:
         )
 
     def take_checkpoint(
-        self, sandbox: Sandbox, *, trajectory: str, prefix: int, turn: int, workdir: str, context_hash: str
+        self,
+        sandbox: SandboxLike,
+        *,
+        trajectory: str,
+        prefix: int,
+        turn: int,
+        workdir: str,
+        context_hash: str,
     ) -> CheckpointRecord:
         """Hash the repository and publish a full checkpoint of ``sandbox`` into the pool's store
-        (blocking; raises a `belayer_envckpt.BelayerEnvckptError` or `SandboxCommandError`)."""
+        (blocking; raises a `belayer_envckpt.BelayerEnvckptError`)."""
         return environment.checkpoint_sandbox(
-            sandbox, self.store, trajectory=trajectory, prefix=prefix, turn=turn, workdir=workdir,
+            _local(sandbox), self.store, trajectory=trajectory, prefix=prefix, turn=turn, workdir=workdir,
             context_hash=context_hash,
         )  # fmt: skip
 
-    def restore(self, checkpoint: Checkpoint, current: Sandbox) -> Sandbox:
+    def restore(self, checkpoint: Checkpoint, current: SandboxLike) -> SandboxLike:
         """A sandbox restored from ``checkpoint`` to replace ``current`` (blocking; raises like
         `take_checkpoint`)."""
         return full_restore(checkpoint, engine=self.engine)
 
-    async def _create(self, config: SandboxConfig, trajectory: str) -> Sandbox:
+    async def _create(self, config: SandboxConfig, trajectory: str) -> SandboxLike:
         return await anyio.to_thread.run_sync(
             lambda: Sandbox.create(self.engine, config, trajectory=trajectory)
         )
 
-    async def _take(self, config: SandboxConfig, trajectory: str) -> Sandbox:
+    async def _take(self, config: SandboxConfig, trajectory: str) -> SandboxLike:
         idle = self._idle.get((config.image, config.working_dir))
         if idle:
-            sandbox = idle.pop()
-            sandbox.trajectory, sandbox.prefix, sandbox.context_ref = trajectory, 0, ""
+            reused = idle.pop()
+            reused.trajectory, reused.prefix, reused.context_ref = trajectory, 0, ""
             self.num_reused += 1
-            return sandbox
+            return reused
         sandbox = await self._create(config, trajectory)
         if self.reuse:
             self._created.add(sandbox.id)
         return sandbox
 
-    def _reset(self, sandbox: Sandbox) -> bool:
+    def _reset(self, sandbox: SandboxLike) -> bool:
         """Reset a sandbox this pool created (`Sandbox.reset_for_reuse`); False if it cannot be reused."""
-        if sandbox.id not in self._created:
+        if sandbox.id not in self._created or not isinstance(sandbox, Sandbox):
             return False
         try:
             return sandbox.reset_for_reuse(30.0)  # False for a working folder of "/"
@@ -160,7 +176,7 @@ class SandboxPool:
 
     def _clean(self, lease: SandboxLease) -> None:
         sandbox = lease.sandbox
-        if self.reuse and self._reset(sandbox):
+        if self.reuse and self._reset(sandbox) and isinstance(sandbox, Sandbox):
             self._idle.setdefault((lease.config.image, lease.config.working_dir), []).append(sandbox)
         else:
             self._created.discard(sandbox.id)
