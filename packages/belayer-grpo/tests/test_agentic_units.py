@@ -313,9 +313,9 @@ def test_a_trajectory_is_written_in_the_policy_simulators_trace_format(tmp_path:
 def test_a_node_loss_waits_for_a_checkpoint_only_while_one_can_still_come() -> None:
     """Issue 33: `chaos.kill_node_at_step` with sandboxes waits for a ready checkpoint on its node,
     but no longer than half the step's trajectories, and never past the rollout's end."""
-    from belayer_grpo._cluster_system import _NodeLossHold
+    from belayer_grpo._cluster.node_chaos import NodeLossHold
 
-    hold = _NodeLossHold("victim", num_trajectories=4, wants_checkpoint=True)
+    hold = NodeLossHold("victim", num_trajectories=4, wants_checkpoint=True)
     assert not hold.claim("another-node")
     hold.trajectory_finished()
     assert not hold.checkpoint_or_late.is_set()  # 1 of 4: a checkpoint may still come
@@ -324,7 +324,7 @@ def test_a_node_loss_waits_for_a_checkpoint_only_while_one_can_still_come() -> N
     assert hold.claim("victim")  # a checkpoint on it now is still held until the loss is handled
     assert not hold.claim("victim")  # only one trajectory is held
 
-    no_checkpoint = _NodeLossHold("victim", num_trajectories=0, wants_checkpoint=True)
+    no_checkpoint = NodeLossHold("victim", num_trajectories=0, wants_checkpoint=True)
     no_checkpoint.trajectory_finished()
     assert not no_checkpoint.checkpoint_or_late.is_set()
     no_checkpoint.rollout_over()  # the rollout ended with no checkpoint on the node: go now

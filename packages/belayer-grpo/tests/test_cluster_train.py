@@ -269,7 +269,7 @@ def test_kill_node_needs_a_local_cluster_of_two_nodes() -> None:
 
 
 def test_the_default_run_does_not_ask_for_ray() -> None:
-    from belayer_grpo._cluster_system import cluster_wanted
+    from belayer_grpo._cluster import cluster_wanted
 
     assert not cluster_wanted(load_config(None, []))
 

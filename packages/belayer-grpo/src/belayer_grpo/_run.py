@@ -23,7 +23,7 @@ import torch
 from belayer_grpo._agentic import default_estimators
 from belayer_grpo._chaos import FailureRecord, WorkerChaos, match_recoveries
 from belayer_grpo._checkpointing import find_latest, load_checkpoint, save_checkpoint
-from belayer_grpo._cluster_system import ClusterSystem, ClusterWeights, rollout_system
+from belayer_grpo._cluster import ClusterSystem, ClusterWeights, rollout_system
 from belayer_grpo._config import Config
 from belayer_grpo._data import PolicyTokenizer, Problem, PromptSampler, generate_arithmetic, load_math_file
 from belayer_grpo._errors import GrpoConfigError
