@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import httpx
 import ray
 from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -28,6 +27,7 @@ from belayer_cluster._errors import (
 )
 from belayer_cluster._sandboxes import SandboxCluster, SandboxRestore
 from belayer_cluster._slot_host import SlotHost, SlotInfo
+from belayer_router import RouterAdmin, RouterClientError
 
 __all__ = ["NodeLoss", "RolloutCluster"]
 
@@ -268,16 +268,16 @@ class RolloutCluster:
         try:
             if slots:
                 self._fence(slots)
-        except httpx.HTTPStatusError as exc:
+        except RouterClientError as exc:
             self._warn(node_id, exc)
-            if exc.response.status_code >= 500:  # the router is busy or restarting: retry
+            if exc.status >= 500:  # the router is busy or restarting: retry
                 return False
             # a 4xx (bad admin token, unknown slot) will not mend itself: waiters get the
             # reason instead of a timeout
             with self._lost:
                 self._refused = (
                     f"the router refused to mark the slots {list(slots)} of lost node "
-                    f"{node_id[:12]} unhealthy ({exc.response.status_code}): check the "
+                    f"{node_id[:12]} unhealthy ({exc.status}): check the "
                     "admin token and the slot names"
                 )
                 self._lost.notify_all()
@@ -330,7 +330,9 @@ class RolloutCluster:
             self._lost.notify_all()
 
     def _fence(self, slots: tuple[str, ...]) -> None:
-        headers = {} if self.admin_token is None else {"Authorization": f"Bearer {self.admin_token}"}
-        with httpx.Client(timeout=30.0, headers=headers) as client:
+        """Mark the slots unhealthy at the router (`RouterAdmin`); a slot it does not know is a
+        refusal (`RouterClientError` 404: a wrong slot name will not mend itself)."""
+        with RouterAdmin(self.router_url, self.admin_token) as admin:
             for slot in slots:
-                client.post(f"{self.router_url}/slots/{slot}/unhealthy").raise_for_status()
+                if not admin.mark_unhealthy(slot):
+                    raise RouterClientError(404, f"the router does not know slot {slot!r}")

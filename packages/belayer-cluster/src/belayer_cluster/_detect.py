@@ -2,7 +2,7 @@
 
 Both are polled by the watcher; whichever names a node first decides `NodeLoss.detected_by`, and
 the time each first named it is kept (`Detections`), so a report can say which came first and by
-how much. The router's side uses belayer-router's public HTTP API only: ``GET /workers`` gives,
+how much. The router's side uses belayer-router's `RouterAdmin` only: its ``workers()`` gives,
 per slot, ``num_stream_failures`` (streams of that slot's workers that broke on the worker's side;
 the router does not count a stream it cut itself) and ``last_stream_failure_at``. A slot whose
 count rose since the watcher last looked is a suspect; its `SlotHost` is then pinged: a host that
@@ -15,9 +15,9 @@ from __future__ import annotations
 import threading
 
 import attrs
-import httpx
 
 from belayer_cluster._errors import RouterAccessError
+from belayer_router import RouterAdmin, RouterClientError, RouterUnreachableError
 
 __all__ = ["DETECTORS", "Detections", "RouterStreams", "SlotStreams"]
 
@@ -45,7 +45,7 @@ class RouterStreams:
 
     def __init__(self, router_url: str, admin_token: str | None) -> None:
         self.router_url = router_url.rstrip("/")
-        self.headers = {} if admin_token is None else {"Authorization": f"Bearer {admin_token}"}
+        self.admin_token = admin_token
         self._baseline: dict[str, int] = {}
 
     def read(self) -> dict[str, SlotStreams] | None:
@@ -54,29 +54,25 @@ class RouterStreams:
         `RouterAccessError` when the router refuses the read (a 4xx): that is a setting to fix,
         not a router away."""
         try:
-            answer = httpx.get(f"{self.router_url}/workers", headers=self.headers, timeout=5.0)
-        except httpx.HTTPError:
+            with RouterAdmin(self.router_url, self.admin_token, timeout_s=5.0) as admin:
+                workers = admin.workers()
+        except RouterUnreachableError:
             return None
-        if 400 <= answer.status_code < 500 and answer.status_code not in (408, 429):
-            fix = (
-                "pass the router's admin token (RolloutCluster admin_token)"
-                if answer.status_code in (401, 403)
-                else "check router_url: it must be the belayer-router's base URL"
-            )
-            raise RouterAccessError(
-                f"the router at {self.router_url} answered GET /workers with {answer.status_code} "
-                f"{answer.reason_phrase}: {fix}"
-            )
-        try:
-            slots = answer.raise_for_status().json()["slots"]
-            return {
-                s["slot"]: SlotStreams(
-                    s["slot"], int(s.get("num_stream_failures") or 0), s.get("last_stream_failure_at")
+        except RouterClientError as exc:
+            if 400 <= exc.status < 500 and exc.status not in (408, 429):
+                fix = (
+                    "pass the router's admin token (RolloutCluster admin_token)"
+                    if exc.status in (401, 403)
+                    else "check router_url: it must be the belayer-router's base URL"
                 )
-                for s in slots
-            }
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                raise RouterAccessError(
+                    f"the router at {self.router_url} refused to list its slots ({exc}): {fix}"
+                ) from exc
             return None
+        return {
+            s.slot: SlotStreams(s.slot, s.num_stream_failures, s.last_stream_failure_at)
+            for s in workers.slots
+        }
 
     def rises(self) -> dict[str, SlotStreams]:
         """The slots whose broken-stream count rose since acknowledged (empty if the router is away;

@@ -17,13 +17,13 @@ from datetime import timedelta
 from typing import Any
 
 import attrs
-import httpx
 import ray
 import torch
 import torch.distributed as dist
 from ray.exceptions import GetTimeoutError, RayError
 
 from belayer_cluster._errors import WeightSyncError, WeightSyncTimeoutError
+from belayer_router import RouterAdmin, RouterClientError, RouterUnreachableError
 
 __all__ = [
     "AfterChunk",
@@ -234,43 +234,42 @@ def _send(
 
 
 def fence(router_url: str | None, admin_token: str | None, slots: Sequence[str]) -> None:
-    """Mark `slots` unhealthy at the router: out of rotation before the next rollout."""
+    """Mark `slots` unhealthy at the router: out of rotation before the next rollout (a slot the
+    router does not know was never registered and serves nothing)."""
     if router_url is None or not slots:
         return
-    headers = {} if admin_token is None else {"Authorization": f"Bearer {admin_token}"}
-    with httpx.Client(timeout=30.0, headers=headers) as client:
+    with RouterAdmin(router_url, admin_token) as admin:
         for slot in slots:
             try:
-                reply = client.post(f"{router_url}/slots/{slot}/unhealthy")
-            except httpx.TransportError as exc:
+                admin.mark_unhealthy(slot)
+            except RouterUnreachableError as exc:
                 raise WeightSyncError(
                     f"could not take stale slot {slot!r} out of the router's rotation: {exc}; "
                     "do not start the next rollout until the router is back"
                 ) from exc
-            if reply.status_code not in (200, 204, 404):  # 404: never registered, never served
+            except RouterClientError as exc:
                 raise WeightSyncError(
-                    f"the router refused to take stale slot {slot!r} out of rotation ({reply.status_code}): "
+                    f"the router refused to take stale slot {slot!r} out of rotation ({exc.status}): "
                     "check the admin token; do not start the next rollout"
-                )
+                ) from exc
 
 
-def _admin_post(router_url: str, admin_token: str | None, path: str, body: dict[str, Any], what: str) -> bool:
-    """POST to the router's admin API; False for 404 (an unknown slot), WeightSyncError otherwise."""
-    headers = {} if admin_token is None else {"Authorization": f"Bearer {admin_token}"}
+def _admin_call(
+    router_url: str, admin_token: str | None, call: Callable[[RouterAdmin], object], what: str
+) -> None:
+    """One admin call at the router (`RouterAdmin`); `WeightSyncError` when it is away or refuses."""
     try:
-        reply = httpx.post(f"{router_url}{path}", json=body, headers=headers, timeout=30.0)
-    except httpx.TransportError as exc:
+        with RouterAdmin(router_url, admin_token) as admin:
+            call(admin)
+    except RouterUnreachableError as exc:
         raise WeightSyncError(
             f"could not {what} at the router: {exc}; do not start the next rollout until the router is back"
         ) from exc
-    if reply.status_code == 404:
-        return False
-    if reply.status_code != 200:
+    except RouterClientError as exc:
         raise WeightSyncError(
-            f"the router refused to {what} ({reply.status_code}: {reply.text[:200]}); check the admin "
+            f"the router refused to {what} ({exc.status}: {exc.message[:200]}); check the admin "
             "token and that versions only move forward; do not start the next rollout"
-        )
-    return True
+        ) from exc
 
 
 def report_versions(
@@ -280,14 +279,12 @@ def report_versions(
     never registered, is skipped: it serves nothing)."""
     if router_url is None:
         return
-    for slot in slots:
-        _admin_post(
-            router_url,
-            admin_token,
-            f"/slots/{slot}/weights",
-            {"version": version},
-            f"record slot {slot!r}'s version",
-        )
+
+    def report(admin: RouterAdmin) -> None:
+        for slot in slots:  # a slot the router does not know (False) serves nothing: skipped
+            admin.report_weight_version(slot, version)
+
+    _admin_call(router_url, admin_token, report, f"record version {version} of the slots {list(slots)}")
 
 
 def require_version(router_url: str | None, admin_token: str | None, version: int) -> None:
@@ -295,6 +292,9 @@ def require_version(router_url: str | None, admin_token: str | None, version: in
     out (their streams resume on a current slot) until they report it."""
     if router_url is None:
         return
-    _admin_post(
-        router_url, admin_token, "/weights/required", {"version": version}, f"require version {version}"
+    _admin_call(
+        router_url,
+        admin_token,
+        lambda admin: admin.require_weight_version(version),
+        f"require version {version}",
     )

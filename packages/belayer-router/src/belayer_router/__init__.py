@@ -14,6 +14,7 @@ from __future__ import annotations
 from importlib.metadata import version as _version
 
 from belayer_router._cli import ExitCode
+from belayer_router._client._admin import RouterAdmin, RouterCounters, RouterWorkers, SlotState
 from belayer_router._client._client import Completion, RouterClient
 from belayer_router._client._fleet import RouterFleet, owner_index
 from belayer_router._core._journal import Journal, RequestRecord
@@ -37,6 +38,7 @@ from belayer_router._errors import (
     PayloadTooLargeError,
     RequestConflictError,
     RouterClientError,
+    RouterUnreachableError,
     ServerConfigError,
     ServerStartupError,
     StaleEpochError,
@@ -86,14 +88,19 @@ __all__ = [
     "Registry",
     "RequestConflictError",
     "RequestRecord",
+    "RouterAdmin",
     "RouterApp",
     "RouterClient",
     "RouterClientError",
     "RouterConfig",
+    "RouterCounters",
     "RouterFleet",
+    "RouterUnreachableError",
+    "RouterWorkers",
     "ServerConfigError",
     "ServerStartupError",
     "Slot",
+    "SlotState",
     "StaleEpochError",
     "TokenEvent",
     "Tokenizer",

@@ -150,6 +150,12 @@ class RouterClientError(BelayerRouterError):
         self.message = message
 
 
+class RouterUnreachableError(BelayerRouterError):
+    """A `RouterAdmin` call got no answer (connection refused or reset, timeout): the router is away
+    or restarting; try again later. A router that answered with an error status raises
+    `RouterClientError` instead."""
+
+
 class LinkProtocolError(WorkerStreamError):
     """A worker link carried a malformed, truncated or oversized frame, or an unknown request.
 

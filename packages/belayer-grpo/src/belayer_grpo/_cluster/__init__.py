@@ -16,7 +16,6 @@ One module per role:
   checkpoint, and the run report says what the loss cost.
 - `replacement`: `cluster.replace_lost_nodes`, a new simulated node and slot per lost slot.
 - `sandbox_pool`: an agentic workload's `ClusterSandboxPool` on one sandbox host per node.
-- `router_metrics`: the router's counters and a slot's requests in flight.
 - `system`: `ClusterSystem`, which owns them.
 
 belayer-cluster is imported only when the cluster is asked for, and only it imports ray: the

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from belayer_grpo._cluster.router_metrics import metrics, outstanding
 from belayer_grpo._cluster.weights import LiveSockets
 from belayer_grpo._errors import SystemStartError
+from belayer_router import RouterAdmin, RouterClientError, RouterCounters, RouterUnreachableError
 
 if TYPE_CHECKING:
     from belayer_cluster import LocalRayCluster, RolloutCluster, SandboxCluster
@@ -129,11 +129,12 @@ class NodeLossChaos:
         """What each lost node cost: requests resumed elsewhere, sandboxes restored, tokens lost, time."""
         if self._killer is not None:
             self._killer.join(timeout=180)
-        now = metrics(self.router_url)
+        with self._admin() as admin:
+            now = _counters(admin)
         reports = []
         for loss in self.losses:
-            resumed = now.get("resumes_total", 0.0) - loss["resumes_before"]
-            failed = now.get("requests_failed_total", 0.0) - loss["failed_before"]
+            resumed = now.resumes_total - loss["resumes_before"]
+            failed = now.requests_failed_total - loss["failed_before"]
             # Restored by the node's recovery, or by their trajectory when it saw the loss first.
             restored = [] if self.sandboxes is None else self.sandboxes.restores
             moved = [r.to_dict() for r in restored if r.from_node == loss["node_id"]]
@@ -148,24 +149,28 @@ class NodeLossChaos:
             )
         return reports
 
+    def _admin(self) -> RouterAdmin:
+        return RouterAdmin(self.router_url, self.admin_token, timeout_s=10.0)
+
     def _kill_node(self, step: int, victim_slot: str, hold: NodeLossHold) -> None:
         """Remove the victim's node once the step's rollout is under way. Every wait here ends at
         the rollout's end at the latest (`after_rollout`): never on an event that may not come."""
         try:
-            start = metrics(self.router_url).get("tokens_total", 0.0)
-            while metrics(self.router_url).get("tokens_total", 0.0) < start + KILL_AFTER_TOKENS:
-                if hold.over.wait(0.02):
-                    break
-            if hold.wants_checkpoint:
-                hold.checkpoint_or_late.wait(KILL_WAIT_CHECKPOINT_S)
-            self._remove_node(step, victim_slot, hold.node_id)
+            with self._admin() as admin:
+                start = _counters(admin).tokens_total
+                while _counters(admin).tokens_total < start + KILL_AFTER_TOKENS:
+                    if hold.over.wait(0.02):
+                        break
+                if hold.wants_checkpoint:
+                    hold.checkpoint_or_late.wait(KILL_WAIT_CHECKPOINT_S)
+                self._remove_node(admin, step, victim_slot, hold.node_id)
         finally:
             hold.released.set()
 
-    def _remove_node(self, step: int, victim_slot: str, victim: str) -> None:
+    def _remove_node(self, admin: RouterAdmin, step: int, victim_slot: str, victim: str) -> None:
         assert self.local is not None
-        in_flight = outstanding(self.router_url, self.admin_token, victim_slot)
-        before = metrics(self.router_url)
+        in_flight = _outstanding(admin, victim_slot)
+        before = _counters(admin)
         removed, removed_wall = time.monotonic(), time.time()
         self.local.remove_node(victim)
         (loss,) = [
@@ -174,7 +179,7 @@ class NodeLossChaos:
         resumed_at = None
         wait_until = time.monotonic() + 30.0  # the router resumes a fenced slot's requests at once
         while in_flight and time.monotonic() < wait_until:  # streaming again: a request resumed
-            if metrics(self.router_url).get("resumes_total", 0.0) > before.get("resumes_total", 0.0):
+            if _counters(admin).resumes_total > before.resumes_total:
                 resumed_at = time.monotonic()
                 break
             time.sleep(0.02)
@@ -191,7 +196,24 @@ class NodeLossChaos:
                 "slots_left": list(loss.slots_left),
                 "time_to_recover_s": max(handled, (resumed_at or removed) - removed),
                 "removed_before": removed_wall,
-                "resumes_before": before.get("resumes_total", 0.0),
-                "failed_before": before.get("requests_failed_total", 0.0),
+                "resumes_before": before.resumes_total,
+                "failed_before": before.requests_failed_total,
             }
         )
+
+
+def _counters(admin: RouterAdmin) -> RouterCounters:
+    """The router's counters; all 0 while it does not answer (the chaos goes on regardless)."""
+    try:
+        return admin.counters()
+    except (RouterUnreachableError, RouterClientError):
+        return RouterCounters()
+
+
+def _outstanding(admin: RouterAdmin, slot: str) -> int:
+    """The requests in flight on `slot`; 0 while the router does not answer."""
+    try:
+        state = admin.workers().slot(slot)
+    except (RouterUnreachableError, RouterClientError):
+        return 0
+    return 0 if state is None else state.num_outstanding
