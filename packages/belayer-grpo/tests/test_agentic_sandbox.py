@@ -9,7 +9,7 @@ import anyio
 import pytest
 from agentic_support import agentic_config, connect_engine, router_with_worker, run_id
 
-from belayer_envckpt import CheckpointStore, Engine, full_checkpoint
+from belayer_envckpt import CheckpointStore, Engine, Sandbox, full_checkpoint
 from belayer_grpo._agentic import (
     SandboxImageError,
     SandboxPool,
@@ -71,7 +71,9 @@ async def test_pool_bounds_live_sandboxes_and_cleans_up_containers_and_checkpoin
             first_id = lease.sandbox.id
             base = await anyio.to_thread.run_sync(repository_hash, lease.sandbox, workdir)
             await anyio.to_thread.run_sync(lease.sandbox.exec, "echo changed >> calc.py")
-            await anyio.to_thread.run_sync(lambda: full_checkpoint(lease.sandbox, first, store=store))
+            local = lease.sandbox
+            assert isinstance(local, Sandbox)  # the single-machine pool's own sandbox
+            await anyio.to_thread.run_sync(lambda: full_checkpoint(local, first, store=store))
             assert store.list(first)
             fresh = await lease.restart()
             assert fresh.id != first_id

@@ -14,7 +14,7 @@ import pytest
 from agent_script import STOP
 from agentic_support import ADMIN, agentic_config, connect_engine, run_id
 
-from belayer_envckpt import CheckpointStore, Engine, full_checkpoint
+from belayer_envckpt import CheckpointStore, Engine, Sandbox, full_checkpoint
 from belayer_grpo._agentic import SandboxPool, generate_tooluse_tasks, run_agentic_rollouts
 from belayer_router import ByteTokenizer, RouterClient, RouterConfig, running_router
 from belayer_router.testing import running_worker, text_script
@@ -119,6 +119,7 @@ async def test_a_reused_sandbox_has_no_leftover_process_or_file_and_checkpoints(
             assert (await anyio.to_thread.run_sync(lambda: box.exec(sleeping))).exit_code == 0
         async with pool.lease("reuse-2", "belayer/busybox", "/work") as second:
             reused = second.sandbox
+            assert isinstance(reused, Sandbox)  # the single-machine pool's own sandbox
             assert reused.id == box.id
             assert pool.num_reused == 1
             listing = await anyio.to_thread.run_sync(lambda: reused.exec("ls -A /work"))
