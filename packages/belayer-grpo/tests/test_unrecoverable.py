@@ -19,7 +19,7 @@ import attrs
 import pytest
 from agentic_support import agentic_config, connect_engine, router_with_worker, run_id
 
-from belayer_envckpt import CheckpointStore, Engine, Sandbox
+from belayer_envckpt import CheckpointStore, Engine, SandboxLike
 from belayer_grpo._agentic import (
     AgenticTrajectory,
     AgentLoop,
@@ -127,7 +127,7 @@ class _CorruptThenKill:
     forge_context: tuple[RouterClient, int] | None = None
     fired: bool = False
 
-    def step(self, sandbox: Sandbox) -> bool:
+    def step(self, sandbox: SandboxLike) -> bool:
         if sandbox.prefix != self.at or self.fired:
             return False
         self.fired = True
