@@ -4,6 +4,7 @@ restore of each gives back exactly the state of its prefix."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 from conftest import BUSYBOX, DEBIAN
@@ -169,6 +170,11 @@ def test_a_process_outside_the_init_tree_is_refused_not_lost(make_sandbox, track
     ready = checkpoint(sandbox, "outside", store=store)
     # As `docker exec -d` does: the process's parent is the engine's shim, outside the container.
     engine._client.api.exec_start(engine._client.api.exec_create(sandbox.id, ["sleep", "613"]), detach=True)
+    # A detached exec returns before runc has exec'd the command (it shows as `runc init` meanwhile).
+    deadline = time.monotonic() + 30
+    while not any(p.startswith("sleep 613") for p in processes(sandbox)):
+        assert time.monotonic() < deadline, processes(sandbox)
+        time.sleep(0.05)
     for take in (checkpoint, full_checkpoint):
         with pytest.raises(UncapturedProcessError, match="sleep 613") as raised:
             take(sandbox, "outside", store=store)
