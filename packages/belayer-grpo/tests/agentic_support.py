@@ -46,11 +46,14 @@ def connect_engine() -> Iterator[Engine]:
 
 @asynccontextmanager
 async def router_with_worker(
+    journal_path: Path | None = None,
     **worker_options: Any,
 ) -> AsyncIterator[tuple[RouterClient, FakeWorker, str]]:
-    """A real router (in this process) with one scripted `FakeWorker` registered in slot ``s0``."""
+    """A real router (in this process, its journal at ``journal_path`` if given) with one scripted
+    `FakeWorker` registered in slot ``s0``."""
+    config = RouterConfig(admin_token=ADMIN, resume_wait_s=10.0, journal_path=journal_path)
     async with (
-        running_router(RouterConfig(admin_token=ADMIN, resume_wait_s=10.0)) as (url, _app),
+        running_router(config) as (url, _app),
         running_policy_worker(epoch=1, **worker_options) as (worker_url, worker),
         RouterClient(url, admin_token=ADMIN) as client,
     ):

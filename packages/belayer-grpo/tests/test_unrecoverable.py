@@ -10,6 +10,7 @@ happened, and a corrupt checkpoint must fall back to the one before it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -209,3 +210,31 @@ async def test_a_checkpoint_that_fails_verification_with_no_earlier_one_is_unrec
     assert "fails verification" in str(result)
     assert "no earlier one" in str(result)
     assert loop.num_checkpoint_fallbacks == 1
+
+
+async def test_the_router_owns_each_turns_context_and_a_recovery_finds_it_aligned(
+    engine: Engine, image: str, tmp_path: Path
+) -> None:
+    """One owner per turn's context (issue 32) and invariant 3: a turn's generation records prompt +
+    completion at the router, the loop sends only the observation, and a recovery finds the router's
+    ``L_turn`` equal to the context its checkpoint was taken with."""
+    journal = tmp_path / "router.jsonl"
+    async with router_with_worker(journal_path=journal) as (client, _worker, _url):
+        loop, result = await _one_trajectory(
+            engine, image, tmp_path, client, "owned", "always", at=3, num_corrupt=0
+        )
+    assert isinstance(result, AgenticTrajectory), result
+    assert result.reward == 1.0
+    [recovery] = result.recoveries
+    assert recovery.from_checkpoint
+    assert recovery.restored_prefix == 2  # the newest ready checkpoint, no fallback
+    assert recovery.context_matches  # the router's L_2 is the context the checkpoint hashed
+    assert recovery.prefix_consistent
+    assert loop.num_checkpoint_fallbacks == 0
+    ops = [json.loads(line) for line in journal.read_text().splitlines()]
+    whole = [op for op in ops if op["op"] == "context"]
+    appended = [op for op in ops if op["op"] == "context_append"]
+    assert [op["turn"] for op in whole] == [0]  # the prompt, once; never a whole context again
+    assert len(appended) >= result.num_actions  # every observation, alone
+    prompt = len(whole[0]["token_ids"])
+    assert all(len(op["token_ids"]) < prompt for op in appended)  # an observation, not a context

@@ -145,14 +145,21 @@ async def test_health_metrics_and_context_log() -> None:
         await client.put_context("traj", 1, [1, 2, 3])
         assert await client.get_context("traj", 0) == (0, [1, 2, *expected_tokens(1, 6)])
         assert await client.get_context("traj") == (1, [1, 2, 3])
+        # What a turn adds after its response goes alone: the router owns L_turn.
+        await client.generate([1, 2, 5], 4, seed=2, trajectory_id="traj", turn=2)
+        assert await client.append_context("traj", 2, [60, 61]) == 3 + 4 + 2
+        assert await client.get_context("traj", 2) == (2, [1, 2, 5, *expected_tokens(2, 4), 60, 61])
+        with pytest.raises(RouterClientError) as nothing:
+            await client.append_context("traj", 3, [1])  # no generation recorded L_3
+        assert nothing.value.status == 404
         await client.drop_trajectory("traj")
         with pytest.raises(RouterClientError) as missing:
             await client.get_context("traj")
         assert missing.value.status == 404
         text = await client.metrics()
     for line in (
-        "belayer_router_requests_total 1",
-        "belayer_router_tokens_total 6",
+        "belayer_router_requests_total 2",
+        "belayer_router_tokens_total 10",
         "belayer_router_resumes_total 0",
         "belayer_router_handovers_total 0",
         "belayer_router_tokens_regenerated_total 0",

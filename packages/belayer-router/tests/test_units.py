@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from contextlib import ExitStack
@@ -294,3 +295,31 @@ def test_an_event_emit_gives_a_frame_as_the_request_asked_for_it(frames: bool) -
         assert events == [TokensEvent(7, (11, 12, 13), (-0.5, -1.5, -2.5)), finish]
     else:
         assert events == [TokenEvent(7, 11, -0.5), TokenEvent(8, 12, -1.5), TokenEvent(9, 13, -2.5), finish]
+
+
+def test_a_turns_addition_is_appended_to_the_context_its_finish_recorded_and_journaled_alone(
+    tmp_path: Path,
+) -> None:
+    """One owner per turn's context (issue 32): the generation's finish records prompt + completion
+    as ``L_turn``; the client then sends only what the turn added (an observation)."""
+    path = tmp_path / "j.jsonl"
+    journal = Journal(JournalStore(path))
+    record = journal.begin("r", request(3, trajectory_id="t", turn=1), seed=5)
+    for token in (7, 8, 9):
+        journal.append(record, token, -0.5)
+    journal.finish(record, "length")
+    assert journal.append_context("t", 1, [40, 41]) == 2 + 3 + 2
+    assert journal.get_context("t", 1) == (1, [1, 2, 7, 8, 9, 40, 41])
+    with pytest.raises(NotFoundError, match="no context for turn 2 to append to"):
+        journal.append_context("t", 2, [1])
+    with pytest.raises(InvalidRequestError):
+        journal.append_context("t", -1, [1])
+    assert journal.store is not None
+    journal.store.close()
+    ops = [json.loads(line) for line in path.read_text().splitlines()]
+    appended = [op for op in ops if op["op"] == "context_append"]
+    assert appended == [{"op": "context_append", "trajectory_id": "t", "turn": 1, "token_ids": [40, 41]}]
+    assert not [op for op in ops if op["op"] == "context"]  # the context itself was never sent
+    reloaded = Journal(JournalStore(path))
+    reloaded.load()
+    assert reloaded.get_context("t", 1) == (1, [1, 2, 7, 8, 9, 40, 41])  # the same after a restart

@@ -36,7 +36,7 @@ from belayer_grpo._agentic.settings import AgenticConfig
 from belayer_grpo._agentic.tooluse import ToolObservation, ToolUseTask
 from belayer_grpo._errors import SandboxCommandError, UnrecoverableTrajectoryError, describe_error
 from belayer_policy import CheckpointPolicy, StepObservation
-from belayer_router import Completion, RouterClient, Tokenizer
+from belayer_router import Completion, RouterClient, RouterClientError, Tokenizer
 
 __all__ = ["AgentLoop", "derive_seed"]
 
@@ -156,8 +156,9 @@ class AgentLoop:
                 if self.config.invalid_action == "end":
                     return "no_action"
                 self._unspent_response_s += response_s
+                responded = len(self.context)
                 self.context.add_text(self.tokenizer, render_feedback(action.feedback))
-                await self.router.put_context(self.trajectory_id, turn, self.context.token_ids)
+                await self._send_added(turn, responded)
                 continue
             outcome = await anyio.to_thread.run_sync(
                 environment.run_action,
@@ -179,8 +180,9 @@ class AgentLoop:
                 observation = self.task.render_observation(outcome.exit_code, outcome.stdout + outcome.stderr)
             else:
                 observation = render_observation(outcome, self.config.max_observation_chars)
+            responded = len(self.context)
             self.context.add_text(self.tokenizer, observation)
-            await self.router.put_context(self.trajectory_id, turn, self.context.token_ids)
+            await self._send_added(turn, responded)
             decision = self.policy.decide(
                 StepObservation(self.prefix, response_s, outcome.duration_s, self._now())
             )
@@ -188,6 +190,22 @@ class AgentLoop:
                 ref = environment.context_ref(self.trajectory_id, turn)
                 self._pending = CheckpointRecord(self.prefix, turn, ref, self.context.digest(), "")
         return "max_rounds"
+
+    async def _send_added(self, turn: int, responded: int) -> None:
+        """Send the router what turn ``turn`` added after its response (``context[responded:]``):
+        the router recorded prompt + completion as ``L_turn`` when the turn's generation finished,
+        so the context crosses the wire once per turn and the router owns it. Should the router's
+        ``L_turn`` not be ours (unknown to it: 404, or another length after the append), ours is
+        sent whole: a recovery must always find the very context a checkpoint was taken with."""
+        added = self.context.token_ids[responded:]
+        try:
+            length = await self.router.append_context(self.trajectory_id, turn, added)
+        except RouterClientError as error:
+            if error.status != 404:
+                raise
+            length = -1
+        if length != len(self.context):
+            await self.router.put_context(self.trajectory_id, turn, self.context.token_ids)
 
     async def _respond(self, turn: int, room: int) -> tuple[Completion, float]:
         """The next response; a pending checkpoint runs meanwhile (or first, when blocking) and is

@@ -268,6 +268,16 @@ class RouterClient:
         """Record ``L_turn`` of a trajectory (the full token context after that turn)."""
         await self._call("PUT", f"/contexts/{trajectory_id}/{turn}", {"token_ids": list(token_ids)})
 
+    async def append_context(self, trajectory_id: str, turn: int, token_ids: Sequence[int]) -> int:
+        """Append what turn ``turn`` added after its response (an observation) to ``L_turn``, which
+        the router recorded when that turn's generation (with ``trajectory_id`` and ``turn``)
+        finished: the context crosses the wire once. Returns the length of ``L_turn`` now
+        (`RouterClientError` 404 when the router has no ``L_turn``)."""
+        answer = await self._call(
+            "POST", f"/contexts/{trajectory_id}/{turn}/append", {"token_ids": list(token_ids)}
+        )
+        return int(answer["num_tokens"])
+
     async def get_context(self, trajectory_id: str, turn: int | None = None) -> tuple[int, list[int]]:
         """``(turn, L_turn)``; ``turn=None`` gives the latest turn recorded."""
         path = f"/contexts/{trajectory_id}" + ("" if turn is None else f"/{turn}")

@@ -176,6 +176,10 @@ class RouterFleet:
         """Record ``L_turn`` on the trajectory's owner."""
         await self.owner(trajectory_id).put_context(trajectory_id, turn, token_ids)
 
+    async def append_context(self, trajectory_id: str, turn: int, token_ids: Sequence[int]) -> int:
+        """Append to ``L_turn`` on the trajectory's owner (see `RouterClient.append_context`)."""
+        return await self.owner(trajectory_id).append_context(trajectory_id, turn, token_ids)
+
     async def get_context(self, trajectory_id: str, turn: int | None = None) -> tuple[int, list[int]]:
         """``(turn, L_turn)`` from the trajectory's owner."""
         return await self.owner(trajectory_id).get_context(trajectory_id, turn)

@@ -137,13 +137,19 @@ class Journal:
         record.finish_reason = finish_reason
         record.in_flight = False
         self._write({"op": "finish", "request_id": record.request_id, "finish_reason": finish_reason})
-        request = record.request
-        if request.trajectory_id is not None and request.turn is not None:
-            context = [*request.prompt_token_ids, *record.token_ids]
-            self.put_context(request.trajectory_id, request.turn, context)
+        self._record_context(record)
         self._finished.append(record.request_id)
         while len(self._finished) > self.max_finished:
             self.records.pop(self._finished.popleft(), None)
+
+    def _record_context(self, record: RequestRecord) -> None:
+        """``L_turn`` = prompt + completion of a finished trajectory turn, in memory only: the
+        journal already holds both (its ``begin`` and ``prefix`` lines), and replaying its
+        ``finish`` rebuilds it, so the context is journaled once."""
+        request = record.request
+        if request.trajectory_id is not None and request.turn is not None:
+            context = [*request.prompt_token_ids, *record.token_ids]
+            self.contexts.setdefault(request.trajectory_id, {})[request.turn] = context
 
     def release(self, record: RequestRecord) -> None:
         """End an interrupted attempt: preserve what was streamed so the request can be resumed."""
@@ -156,6 +162,24 @@ class Journal:
             raise InvalidRequestError(f"turn must be a non-negative integer, got {turn!r}")
         self.contexts.setdefault(trajectory_id, {})[turn] = list(token_ids)
         self._write({"op": "context", "trajectory_id": trajectory_id, "turn": turn, "token_ids": token_ids})
+
+    def append_context(self, trajectory_id: str, turn: int, token_ids: list[int]) -> int:
+        """Append what turn ``turn`` added after its response (an observation) to ``L_turn``, which
+        the turn's generation recorded at its finish (prompt + completion); returns the new length.
+        Only the added tokens are journaled. `NotFoundError` when ``L_turn`` is not recorded."""
+        if isinstance(turn, bool) or not isinstance(turn, int) or turn < 0:
+            raise InvalidRequestError(f"turn must be a non-negative integer, got {turn!r}")
+        context = self.contexts.get(trajectory_id, {}).get(turn)
+        if context is None:
+            raise NotFoundError(
+                f"trajectory {trajectory_id!r} has no context for turn {turn} to append to: generate "
+                "the turn with trajectory_id and turn first (its finish records the context), or put it"
+            )
+        context.extend(token_ids)
+        self._write(
+            {"op": "context_append", "trajectory_id": trajectory_id, "turn": turn, "token_ids": token_ids}
+        )
+        return len(context)
 
     def get_context(self, trajectory_id: str, turn: int | None = None) -> tuple[int, list[int]]:
         """``(turn, L_turn)``; with ``turn=None`` the latest turn recorded."""
@@ -217,8 +241,13 @@ class Journal:
             record = self.records.get(op["request_id"])
             if record is not None:
                 record.finish_reason = op["finish_reason"]
+                self._record_context(record)
                 self._finished.append(record.request_id)
         elif kind == "context":
             self.contexts.setdefault(op["trajectory_id"], {})[op["turn"]] = op["token_ids"]
+        elif kind == "context_append":
+            turns = self.contexts.get(op["trajectory_id"], {})
+            if op["turn"] in turns:
+                turns[op["turn"]].extend(op["token_ids"])
         elif kind == "drop_trajectory":
             self.contexts.pop(op["trajectory_id"], None)

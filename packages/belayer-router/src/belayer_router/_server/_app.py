@@ -333,16 +333,15 @@ class RouterApp(OpenAIRoutes, ControlRoutes, TokenRoutes):
     async def _contexts(self, method: str, parts: list[str], receive: Receive, send: Send) -> None:
         match method, parts:
             case "PUT" | "POST", ["contexts", trajectory, turn]:
-                body = _object(await self._body(receive))
-                token_ids = body.get("token_ids")
-                if not isinstance(token_ids, list) or not all(
-                    type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in token_ids
-                ):
-                    raise InvalidRequestError(
-                        f"field 'token_ids' must be a list of token ids in [0, {MAX_TOKEN_ID}]"
-                    )
+                token_ids = _token_ids(_object(await self._body(receive)))
                 self.journal.put_context(trajectory, _parse_turn(turn), token_ids)
                 await send_json(send, 200, {"trajectory_id": trajectory, "turn": _parse_turn(turn)})
+            case "POST", ["contexts", trajectory, turn, "append"]:
+                token_ids = _token_ids(_object(await self._body(receive)))
+                length = self.journal.append_context(trajectory, _parse_turn(turn), token_ids)
+                await send_json(
+                    send, 200, {"trajectory_id": trajectory, "turn": _parse_turn(turn), "num_tokens": length}
+                )
             case "GET", ["contexts", trajectory, *rest] if len(rest) <= 1:
                 found, token_ids = self.journal.get_context(
                     trajectory, _parse_turn(rest[0]) if rest else None
@@ -476,6 +475,16 @@ def _router_error(error: BaseException) -> BelayerRouterError | None:
             if found is not None:
                 return found
     return None
+
+
+def _token_ids(body: dict[str, Any]) -> list[int]:
+    """The body's ``token_ids``: a list of token ids (`InvalidRequestError` naming the field)."""
+    token_ids = body.get("token_ids")
+    if not isinstance(token_ids, list) or not all(
+        type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in token_ids
+    ):
+        raise InvalidRequestError(f"field 'token_ids' must be a list of token ids in [0, {MAX_TOKEN_ID}]")
+    return token_ids
 
 
 def _parse_turn(turn: str) -> int:
