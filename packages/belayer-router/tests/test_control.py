@@ -18,6 +18,7 @@ import pytest
 
 from belayer_router import (
     FinishEvent,
+    PartialWeightCommitError,
     RouterClient,
     RouterConfig,
     TokenEvent,
@@ -47,6 +48,8 @@ class FakeWeightLoader:
             )
         with self.lock:
             self.loads.append((weight_dir, self.app.registry.num_running()))
+        if weight_dir.endswith("partial"):  # slot "a" committed, then "b"'s weight server died
+            raise PartialWeightCommitError(f"weights from {weight_dir!r} committed on ['a'] only", ("a",))
         return 1
 
 
@@ -218,6 +221,42 @@ async def test_refused_updates_change_nothing_and_say_why() -> None:
         assert app.registry.required_version == 1  # the refused ones moved nothing
         assert (await http.get("/is_paused")).json() == {"is_paused": False}
         assert (await client.generate([3], 4, seed=1)).token_ids == expected_tokens(1, 4)
+
+
+def _held_out(app: Any, slot: str) -> bool:
+    worker = app.registry.slots[slot].worker
+    assert worker is not None
+    return bool(worker.held_out)
+
+
+async def test_a_partial_commit_requires_the_new_version_and_holds_the_other_slots_out() -> None:
+    loader = FakeWeightLoader()
+    async with (
+        running_router(RouterConfig(admin_token=TOKEN), weight_loader=loader) as (url, app),
+        running_worker(1) as (a_url, _a),
+        running_worker(1) as (b_url, _b),
+        RouterClient(url, admin_token=TOKEN) as client,
+        httpx.AsyncClient(base_url=url) as http,
+    ):
+        loader.app = app
+        await client.register("a", a_url, 1)
+        await client.register("b", b_url, 1)
+        assert (await http.post("/update_weights", json={"weight_dir": "/w/1"})).json()["version"] == 1
+        partial = await http.post("/update_weights", json={"weight_dir": "/w/partial"})
+        assert partial.status_code == 503
+        assert "held out" in partial.json()["error"]["message"]
+        assert app.registry.required_version == 2
+        versions = {w["slot"]: w["weight_version"] for w in await client.workers()}
+        assert versions == {"a": 2, "b": 1}  # b still serves version 1: out of rotation
+        assert _held_out(app, "b")
+        assert not _held_out(app, "a")
+        for seed in range(4):
+            assert (await client.generate([3], 4, seed=seed)).token_ids == expected_tokens(seed, 4)
+        assert (await http.get("/is_paused")).json() == {"is_paused": False}
+        again = await http.post("/update_weights", json={"weight_dir": "/w/3"})
+        assert again.json()["version"] == 3
+        assert {w["slot"]: w["weight_version"] for w in await client.workers()} == {"a": 3, "b": 3}
+        assert not _held_out(app, "b")
 
 
 async def test_without_weight_servers_the_update_routes_answer_404() -> None:

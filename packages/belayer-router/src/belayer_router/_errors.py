@@ -12,6 +12,7 @@ __all__ = [
     "LinkProtocolError",
     "NoHealthyWorkerError",
     "NotFoundError",
+    "PartialWeightCommitError",
     "PayloadTooLargeError",
     "RequestConflictError",
     "RouterClientError",
@@ -101,6 +102,19 @@ class WeightLoadError(InvalidRequestError):
     model's names, shapes and dtypes); nothing was changed: the previous weights are served."""
 
     status = 400
+
+
+class PartialWeightCommitError(BelayerRouterError):
+    """A weight update committed on some slots and then failed on another (its weight server died
+    or its socket broke between load and commit): the slots in ``committed`` serve the new
+    weights, the others do not. The router counts it as a new version, requires it, and so holds
+    the other slots out of rotation until an update reaches them (push the weights again)."""
+
+    status = 503
+
+    def __init__(self, message: str, committed: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.committed = committed
 
 
 class RequestConflictError(BelayerRouterError):

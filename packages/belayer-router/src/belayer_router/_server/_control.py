@@ -23,6 +23,7 @@ the weight version every slot reports and the router requires (`Registry.require
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import parse_qs
 
@@ -31,7 +32,12 @@ import anyio
 from belayer_router._core._config import RouterConfig
 from belayer_router._core._metrics import Metrics
 from belayer_router._core._registry import Registry
-from belayer_router._errors import InvalidRequestError, NotFoundError, WeightLoadError
+from belayer_router._errors import (
+    InvalidRequestError,
+    NotFoundError,
+    PartialWeightCommitError,
+    WeightLoadError,
+)
 from belayer_router._server._asgi import Receive, Send, send_json
 
 __all__ = ["PAUSE_MODES", "ControlRoutes", "WeightLoader"]
@@ -44,8 +50,10 @@ class WeightLoader(Protocol):
     """What the router needs from the slots' weight servers (belayer-shadow's `SlotWeights`).
 
     ``load_weights`` loads a folder of safetensors into every slot's weight server and commits
-    them all at once, or changes nothing and raises `WeightLoadError` (a 400) saying why. The
-    router calls it in a worker thread, never while a request runs.
+    them all at once, or changes nothing and raises `WeightLoadError` (a 400) saying why. When
+    a commit fails after others succeeded it raises `PartialWeightCommitError` naming the slots
+    that committed (the router then holds the others out). The router calls it in a worker
+    thread, never while a request runs.
     """
 
     def load_weights(self, weight_dir: str) -> Any:
@@ -134,14 +142,29 @@ class ControlRoutes:
                 self.registry.pause("wait")
             try:
                 await self.registry.wait_idle()
-                await anyio.to_thread.run_sync(loader.load_weights, weight_dir)
-                reported = [s.weight_version or 0 for s in self.registry.slots.values()]
-                version = max([self.registry.required_version or 0, *reported]) + 1
-                for slot in list(self.registry.slots):
-                    self._admin_change({"op": "slot_version", "slot": slot, "version": version})
-                self._admin_change({"op": "require_version", "version": version})
-                self.metrics.num_weight_updates += 1
-                return version
+                try:
+                    await anyio.to_thread.run_sync(loader.load_weights, weight_dir)
+                except PartialWeightCommitError as error:
+                    # Some slots flipped to the new weights, others not: a new version that only
+                    # the committed slots report, so the version gate holds the others out.
+                    version = self._new_version(error.committed)
+                    raise PartialWeightCommitError(
+                        f"{error}; version {version} is required now: the slots that did not "
+                        "commit are held out until an update reaches them (push the weights again)",
+                        error.committed,
+                    ) from error
+                return self._new_version(list(self.registry.slots))
             finally:
                 if pause_here:
                     self.registry.resume()
+
+    def _new_version(self, committed: Sequence[str]) -> int:
+        """Bump the weight version: the ``committed`` slots report it and the router requires it."""
+        reported = [s.weight_version or 0 for s in self.registry.slots.values()]
+        version = max([self.registry.required_version or 0, *reported]) + 1
+        for slot in committed:
+            if slot in self.registry.slots:
+                self._admin_change({"op": "slot_version", "slot": slot, "version": version})
+        self._admin_change({"op": "require_version", "version": version})
+        self.metrics.num_weight_updates += 1
+        return version

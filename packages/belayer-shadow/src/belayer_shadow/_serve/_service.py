@@ -100,6 +100,7 @@ class RolloutService:
                 ]
                 weights.sockets = [supervisor.weights_socket for supervisor in service.slots]
                 weights.keepers = [supervisor.keep_weights for supervisor in service.slots]
+                weights.names = [supervisor.config.slot for supervisor in service.slots]
                 stack.push_async_callback(service._stop_slots)
                 try:
                     async with anyio.create_task_group() as group:

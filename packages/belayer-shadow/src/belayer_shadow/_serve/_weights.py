@@ -4,8 +4,10 @@ The weight servers are double-buffered (belayer-gpumem): an update writes the in
 `commit` flips it. So the whole folder is read and checked first (names, shapes and dtypes against
 the servers' table; a truncated or malformed file fails here), then an update is opened on every
 server and written, and only when every server holds the new weights are they committed, one
-after the other with nothing in between. Any failure before the commits aborts every open update:
-the servers keep serving the previous weights, untouched.
+after the other. Any failure before the commits aborts every open update: the servers keep serving
+the previous weights, untouched. A commit is a round trip to its server and may fail after others
+succeeded (the server died between load and commit): then `PartialWeightCommitError` names the
+slots that committed, and the router requires the new version, holding the others out.
 
 What engines see: a worker re-reads its weight views only when it has nothing running (its
 stepping thread), so a request is computed with one version from its first token to its last.
@@ -23,7 +25,7 @@ import attrs
 import torch
 
 from belayer_gpumem import BelayerGpumemError, WeightClient, WeightUpdate
-from belayer_router import WeightLoadError
+from belayer_router import PartialWeightCommitError, WeightLoadError
 from belayer_shadow._engine._loader import load_safetensors
 from belayer_shadow._errors import WeightsError
 
@@ -61,6 +63,8 @@ class SlotWeights:
     # Called with the folder once every server committed it (a slot keeps a copy, so that a
     # restart from scratch reloads this version: `SlotSupervisor.keep_weights`).
     keepers: Sequence[Callable[[Path], None]] = ()
+    # The router's name of each slot, in the order of `sockets` (a partial commit names them).
+    names: Sequence[str] = ()
 
     def load_weights(self, weight_dir: str) -> int:
         """Load `weight_dir` (a folder of `*.safetensors`) into every server and commit; returns
@@ -72,6 +76,7 @@ class SlotWeights:
                 f"weight folder {weight_dir!r} does not exist or is not a folder (on this machine); "
                 "give a folder of *.safetensors written with save_pretrained"
             )
+        committed: list[int] = []
         try:
             tensors = load_safetensors(folder)
             with ExitStack() as stack:
@@ -79,16 +84,33 @@ class SlotWeights:
                 for update in updates:
                     for name, view in update.tensors().items():
                         view.copy_(tensors[name])
-                for update in updates:  # nothing fails between these: every server flips
+                for index, update in enumerate(updates):  # each commit is a round trip: it may fail
                     update.commit()
-        except (WeightsError, BelayerGpumemError, OSError) as error:
+                    committed.append(index)
+        except (WeightsError, BelayerGpumemError, OSError, RuntimeError) as error:
+            if committed:
+                self._keep(folder, committed)
+                names = tuple(self._name(index) for index in committed)
+                raise PartialWeightCommitError(
+                    f"weights from {weight_dir!r} committed on {list(names)} only, then failed "
+                    f"({type(error).__name__}: {error}); the other slots still hold the previous weights",
+                    names,
+                ) from error
             raise WeightLoadError(
-                f"weights from {weight_dir!r} not loaded ({error}); the previous ones stay"
+                f"weights from {weight_dir!r} not loaded ({type(error).__name__}: {error}); "
+                "the previous ones stay"
             ) from error
         self.num_loads += 1
-        for keep in self.keepers:
-            keep(folder)
+        self._keep(folder, committed)
         return len(tensors)
+
+    def _name(self, index: int) -> str:
+        return self.names[index] if index < len(self.names) else f"slot{index}"
+
+    def _keep(self, folder: Path, committed: Sequence[int]) -> None:
+        for index in committed:
+            if index < len(self.keepers):
+                self.keepers[index](folder)
 
     @staticmethod
     def _open(
