@@ -29,7 +29,7 @@ from belayer_grpo._agentic import (
     summarize,
 )
 from belayer_grpo._errors import DataError, UnrecoverableTrajectoryError, describe_error
-from belayer_grpo._plot import sandbox_markers, write_training_plot
+from belayer_grpo._plot import _MARKERS, sandbox_markers, write_training_plot
 from belayer_router import ByteTokenizer
 
 # -- actions -----------------------------------------------------------------------------------
@@ -374,5 +374,7 @@ def test_the_plot_marks_restores_from_a_checkpoint_apart_from_restarts(tmp_path:
         "restarted": [(1, 1), (3, 2)],
         "dropped": [(2, 1)],
     }
+    # One height per kind: a step's restarts and dropped groups must not overlap.
+    assert len({height for *_, height in _MARKERS.values()}) == len(_MARKERS)
     path = write_training_plot(tmp_path / "training.png", history, {"workload": "tooluse"})
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

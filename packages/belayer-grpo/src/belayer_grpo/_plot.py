@@ -16,11 +16,12 @@ from typing import Any
 
 __all__ = ["sandbox_markers", "write_training_plot"]
 
-# kind -> (marker, colour, legend label, the marker's height below the axis)
+# kind -> (marker, colour, legend label, the marker's height below the axis; one height per kind,
+# so markers of one step never overlap)
 _MARKERS = {
     "restored": ("^", "tab:green", "sandbox restored from a checkpoint (n)", -0.04),
     "restarted": ("x", "tab:orange", "sandbox restarted from scratch (n)", -0.08),
-    "dropped": ("v", "tab:red", "group dropped (unrecoverable) (n)", -0.08),
+    "dropped": ("v", "tab:red", "group dropped (unrecoverable) (n)", -0.12),
 }
 
 
@@ -76,7 +77,7 @@ def write_training_plot(path: Path, history: Sequence[dict[str, Any]], summary: 
             for step, count in points:
                 axes.annotate(str(count), (step, height), textcoords="offset points", xytext=(6, -3),
                               fontsize=7, color=colour, annotation_clip=False)  # fmt: skip
-        axes.set_ylim(-0.12, 1.05)
+        axes.set_ylim(min(m[3] for m in _MARKERS.values()) - 0.04, 1.05)
         axes.set_xlabel("step")
         axes.set_ylabel("reward / accuracy")
         axes.set_title(f"belayer-grpo train ({summary.get('workload', '?')})")

@@ -375,19 +375,25 @@ async def run_swe_rollout(
     ``chaos``, when given, kills a worker while responses are being generated.  Every
     trajectory's summary is appended to ``trajectories_file`` (JSON lines).  ``estimators``
     (kept by the caller from step to step) keep learning the checkpoint and restore costs and
-    the hazard that the trajectories measure.  ``stats`` receives the unrecoverable trajectories
-    and what became of their groups (also in the metrics).
+    the hazard that the trajectories measure.  ``stats`` (the run's totals) has this step's
+    unrecoverable trajectories and what became of their groups added to it, also when the
+    rollout fails; the metrics hold this step's counts only.
     """
-    stats = RolloutStats() if stats is None else stats
-    async with anyio.create_task_group() as group:
-        if chaos is not None:
-            group.start_soon(_kill_while_generating, router, chaos)
-        trajectories = await run_agentic_rollouts(
-            tasks, router, config, num_samples=num_samples, tokenizer=tokenizer, run_id=run_id,
-            on_trajectory=on_trajectory, estimators=estimators,
-            engine=None if pool is None else pool.engine, pool=pool, stats=stats,
-        )  # fmt: skip
-        group.cancel_scope.cancel()
+    step_stats = RolloutStats()  # this step's: metrics.jsonl is per step, the report has totals
+    try:
+        async with anyio.create_task_group() as group:
+            if chaos is not None:
+                group.start_soon(_kill_while_generating, router, chaos)
+            trajectories = await run_agentic_rollouts(
+                tasks, router, config, num_samples=num_samples, tokenizer=tokenizer, run_id=run_id,
+                on_trajectory=on_trajectory, estimators=estimators,
+                engine=None if pool is None else pool.engine, pool=pool, stats=step_stats,
+            )  # fmt: skip
+            group.cancel_scope.cancel()
+    finally:
+        if stats is not None:
+            stats.add(step_stats)
+    stats = step_stats
     with trajectories_file.open("a") as out:
         for trajectory in trajectories:
             out.write(json.dumps({"step": step, **trajectory.summary()}) + "\n")

@@ -364,9 +364,16 @@ class AgentLoop:
         that does not is given up for the one before it (a fallback).  With none left, start
         afresh from the image and the prompt (tried twice).  Returns the checkpoint (the base
         record for a fresh start), the sandbox, the restore's timings and the repository hash.
+
+        Which failures refuse the fresh start, per cause and whatever the order they come in: a
+        context mismatch (the router's ``L_turn`` is not what the checkpoint was taken with) is
+        sticky: the trajectory is unrecoverable unless an earlier checkpoint restores and
+        verifies (the router's context can no longer be trusted for a replay from the prompt).
+        A checkpoint that does not restore, or whose repository does not hash to what it
+        recorded, only falls back: with none left, the sandbox starts afresh from the image.
         """
         pool = self.lease.pool
-        unverified = ""
+        unverified = ""  # the newest context mismatch: sticky (see above)
         while self.checkpoints:
             record = self.checkpoints.pop()
             assert record.checkpoint is not None
@@ -381,12 +388,12 @@ class AgentLoop:
                 )
             except _FAILED:
                 self.num_checkpoint_fallbacks += 1  # corrupt or unreadable: the one before it
-                unverified = ""
                 continue
-            problem = await self._verify(record, actual)
+            problem, context_mismatch = await self._verify(record, actual)
             if problem:
                 self.num_checkpoint_fallbacks += 1
-                unverified = f"the checkpoint of prefix {record.prefix} fails verification ({problem})"
+                if context_mismatch and not unverified:
+                    unverified = f"the checkpoint of prefix {record.prefix} fails verification ({problem})"
                 continue
             self.checkpoints.append(record)
             return record, sandbox, dict(sandbox.restore_timings_ms), actual
@@ -408,19 +415,20 @@ class AgentLoop:
             return self._base, sandbox, {}, actual
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _verify(self, record: CheckpointRecord, actual_hash: str) -> str:
-        """What is wrong with a restored ``record`` ("" if nothing): its repository, its context."""
+    async def _verify(self, record: CheckpointRecord, actual_hash: str) -> tuple[str, bool]:
+        """What is wrong with a restored ``record`` ("" if nothing): its repository, its context;
+        and whether it is the context (the router's ``L_turn``)."""
         if actual_hash != record.repo_hash:
-            return f"repository hash {actual_hash[:12]} != recorded {record.repo_hash[:12]}"
+            return f"repository hash {actual_hash[:12]} != recorded {record.repo_hash[:12]}", False
         turn, token_ids = await self.router.get_context(self.trajectory_id, record.turn)
         if (
             turn != record.turn
             or context_digest(token_ids) != record.context_hash
             or token_ids != self.context.token_ids[: len(token_ids)]
         ):
-            return f"the router's L_{record.turn} is not the context the checkpoint was taken with"
+            return f"the router's L_{record.turn} is not the context the checkpoint was taken with", True
         self._verified_length = len(token_ids)
-        return ""
+        return "", False
 
     def _context_length(self, target: CheckpointRecord) -> int:
         """The context's length at ``target`` (the prompt's for a fresh start)."""

@@ -94,7 +94,9 @@ async def run_agentic_rollouts(
     ``fail``, or any other error (the router gone), raises `RolloutError` naming the error's type
     and origin after the other trajectories finished.  ``stats``, when given, counts what happened.
     ``engine`` and ``pool`` are created (and cleaned up) here when not given; ``tokenizer``
-    defaults to bytes.  ``on_trajectory`` is called as each trajectory finishes (progress bars).
+    defaults to bytes.  ``on_trajectory`` is called for each trajectory that enters the result,
+    once its group is complete and kept (progress bars); never for a group that is sampled again
+    or dropped, nor for trajectories of a rollout that raises.
     """
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
@@ -195,14 +197,16 @@ async def _roll_out(
                         fatal.append((where, error))
                     return
                 finished[sample_index] = trajectory  # noqa: B023
-                if on_trajectory is not None:
-                    on_trajectory(trajectory)
 
             async with anyio.create_task_group() as samples:
                 for sample_index in range(num_samples):
                     samples.start_soon(one, sample_index)
             if not lost:
-                return [t for t in finished if t is not None]
+                kept = [t for t in finished if t is not None]
+                if on_trajectory is not None:  # only trajectories of a group that is kept
+                    for trajectory in kept:
+                        on_trajectory(trajectory)
+                return kept
             stats.num_unrecoverable += len(lost)
             stats.errors += lost
             if fatal:
