@@ -33,6 +33,12 @@ pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("http_server")]
 TOKEN = "tok"
 
 
+def _set_event() -> threading.Event:
+    event = threading.Event()
+    event.set()
+    return event
+
+
 @attrs.define
 class FakeWeightLoader:
     """Records each folder it is given and how many streams ran at that moment; refuses `bad`."""
@@ -40,6 +46,8 @@ class FakeWeightLoader:
     app: Any = None
     loads: list[tuple[str, int]] = attrs.field(factory=list)
     lock: threading.Lock = attrs.field(factory=threading.Lock)
+    # While cleared, a load blocks in the middle (a long update); set by the test to finish it.
+    gate: threading.Event = attrs.field(factory=lambda: _set_event())
 
     def load_weights(self, weight_dir: str) -> int:
         if weight_dir.endswith("bad"):
@@ -48,6 +56,7 @@ class FakeWeightLoader:
             )
         with self.lock:
             self.loads.append((weight_dir, self.app.registry.num_running()))
+        assert self.gate.wait(60), "the test never let the load finish"
         if weight_dir.endswith("partial"):  # slot "a" committed, then "b"'s weight server died
             raise PartialWeightCommitError(f"weights from {weight_dir!r} committed on ['a'] only", ("a",))
         return 1
@@ -257,6 +266,40 @@ async def test_a_partial_commit_requires_the_new_version_and_holds_the_other_slo
         assert again.json()["version"] == 3
         assert {w["slot"]: w["weight_version"] for w in await client.workers()} == {"a": 3, "b": 3}
         assert not _held_out(app, "b")
+
+
+async def test_pause_and_resume_during_an_update_wait_for_it() -> None:
+    loader = FakeWeightLoader()
+    async with (
+        running_router(RouterConfig(admin_token=TOKEN), weight_loader=loader) as (url, app),
+        running_worker(1) as (w_url, _worker),
+        RouterClient(url, admin_token=TOKEN) as client,
+        httpx.AsyncClient(base_url=url, timeout=60) as http,
+    ):
+        loader.app = app
+        await client.register("s", w_url, 1)
+        # A pause (keep) sent during an update is still in force after the update resumed its own.
+        loader.gate.clear()
+        async with anyio.create_task_group() as group:
+            group.start_soon(lambda: http.post("/update_weights", json={"weight_dir": "/w/1"}))
+            await wait_until(lambda: len(loader.loads) == 1)
+            group.start_soon(lambda: http.post("/pause", params={"mode": "keep"}))
+            await anyio.sleep(0.3)
+            loader.gate.set()
+        assert (await http.get("/is_paused")).json() == {"is_paused": True}
+        # A resume sent during an update (loading while paused) waits for the load to end.
+        loader.gate.clear()
+        paused_during_load: list[bool] = []
+        async with anyio.create_task_group() as group:
+            group.start_soon(lambda: http.post("/update_weights", json={"weight_dir": "/w/2"}))
+            await wait_until(lambda: len(loader.loads) == 2)
+            group.start_soon(http.post, "/resume")
+            await anyio.sleep(0.3)
+            paused_during_load.append(app.registry.paused is not None)
+            loader.gate.set()
+        assert paused_during_load == [True]
+        assert (await http.get("/is_paused")).json() == {"is_paused": False}
+        assert (await client.generate([3], 4, seed=1)).token_ids == expected_tokens(1, 4)
 
 
 async def test_without_weight_servers_the_update_routes_answer_404() -> None:

@@ -67,9 +67,14 @@ class _Dying(SlotWeights):
     servers: list[ServerProcess] = attrs.Factory(list)
 
     def _open(  # type: ignore[override]
-        self, socket: Path, stack: ExitStack, tensors: dict[str, torch.Tensor], source: str
+        self,
+        socket: Path,
+        stack: ExitStack,
+        tensors: dict[str, torch.Tensor],
+        source: str,
+        timeout_s: float = 30.0,
     ) -> WeightUpdate | _KillBeforeCommit:
-        update = SlotWeights._open(socket, stack, tensors, source)
+        update = SlotWeights._open(socket, stack, tensors, source, timeout_s)
         if socket == self.sockets[1]:
             return _KillBeforeCommit(update, self.servers[1])
         return update

@@ -15,7 +15,9 @@ weights then served: the client sees one stream, nothing lost or repeated), ``ab
 running requests end at once, ``finish_reason: "abort"``, with the tokens they have).
 
 A weight update runs only with no request running: while paused it loads at once; otherwise it
-pauses in ``wait`` mode itself, loads, and resumes. So no response mixes two versions: a request
+pauses in ``wait`` mode itself, loads, and resumes. ``/pause`` and ``/resume`` sent during an
+update wait for it to end (they are serialized with it): a resume never lets requests run in the
+middle of a load, and the update's own resume never undoes a pause sent meanwhile. So no response mixes two versions: a request
 runs on one version from its first token to its last, and a ``keep`` request cut before an update
 continues after it on the new version (its earlier tokens stay as they were). Each update bumps
 the weight version every slot reports and the router requires (`Registry.require_version`).
@@ -96,12 +98,16 @@ class ControlRoutes:
                 mode = _query(scope).get("mode", "abort")
                 if mode not in PAUSE_MODES:
                     raise InvalidRequestError(f"pause mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
-                self.registry.pause(mode)
+                # Serialized with weight updates: a pause sent during one takes effect after it
+                # (the update's own resume must not undo it).
+                async with self._weights_lock:
+                    self.registry.pause(mode)
                 if mode == "wait":
                     await self.registry.wait_idle()
                 await send_json(send, 200, {"status": "paused", "mode": mode})
             case "POST", "resume":
-                self.registry.resume()
+                async with self._weights_lock:  # never resume in the middle of a weight load
+                    self.registry.resume()
                 await send_json(send, 200, {"status": "resumed"})
             case "GET", "is_paused":
                 await send_json(send, 200, {"is_paused": self.registry.paused is not None})

@@ -65,6 +65,9 @@ class SlotWeights:
     keepers: Sequence[Callable[[Path], None]] = ()
     # The router's name of each slot, in the order of `sockets` (a partial commit names them).
     names: Sequence[str] = ()
+    # How long to wait for each weight server to answer an attach: short, so that one hung server
+    # fails the update (nothing changed) quickly instead of stalling it (gpumem's default is 30 s).
+    attach_timeout_s: float = 5.0
 
     def load_weights(self, weight_dir: str) -> int:
         """Load `weight_dir` (a folder of `*.safetensors`) into every server and commit; returns
@@ -80,7 +83,10 @@ class SlotWeights:
         try:
             tensors = load_safetensors(folder)
             with ExitStack() as stack:
-                updates = [self._open(socket, stack, tensors, weight_dir) for socket in self.sockets]
+                updates = [
+                    self._open(socket, stack, tensors, weight_dir, self.attach_timeout_s)
+                    for socket in self.sockets
+                ]
                 for update in updates:
                     for name, view in update.tensors().items():
                         view.copy_(tensors[name])
@@ -114,9 +120,13 @@ class SlotWeights:
 
     @staticmethod
     def _open(
-        socket: Path, stack: ExitStack, tensors: Mapping[str, torch.Tensor], source: str
+        socket: Path,
+        stack: ExitStack,
+        tensors: Mapping[str, torch.Tensor],
+        source: str,
+        timeout_s: float = 30.0,
     ) -> WeightUpdate:
-        client = WeightClient.attach(socket)
+        client = WeightClient.attach(socket, timeout_s=timeout_s)
         stack.callback(client.detach)
         check_weights(tensors, client.layout.by_name, source)
         update = client.update()
