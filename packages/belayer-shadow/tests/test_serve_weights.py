@@ -4,7 +4,9 @@ mismatched or truncated folder is a 400 with the previous weights still served."
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import threading
 import time
 from pathlib import Path
@@ -13,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from serve_helpers import serve_command, serving_process, write_model_folder
+from serve_helpers import processes_mentioning, serve_command, serving_process, write_model_folder
 
 from belayer_gpumem import WeightClient
 from belayer_shadow import ModelConfig, load_safetensors
@@ -159,3 +161,36 @@ def test_a_request_paused_in_keep_mode_continues_on_the_new_weights(
             assert choice["num_resumes"] == 1
             assert "belayer_router_pause_resumes_total 1" in client.get("/metrics").text
     shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _weight_server(run_dir: Path) -> list[int]:
+    socket = str(run_dir / "slots" / "slot0" / "mem" / "weights.sock")
+    return sorted(set(processes_mentioning("belayer_gpumem")) & set(processes_mentioning(socket)))
+
+
+def test_a_slot_restarted_from_scratch_serves_the_last_pushed_weights(
+    tmp_path: Path, folders: dict[str, Path]
+) -> None:
+    """Update, then SIGKILL the slot's weight server: the slot restarts from scratch (new memory
+    servers) and serves the pushed weights, not the model folder's, at the version it reports."""
+    run_dir = tmp_path / "run"
+    command = serve_command(
+        folders["first"], "--num-kv-blocks", "128", "--run-dir", str(run_dir), "--recovery", "restart"
+    )
+    with (
+        serving_process(command) as (_process, ready),
+        httpx.Client(base_url=ready["url"], timeout=300) as client,
+    ):
+        original = _greedy(client)
+        assert client.post("/update_weights", json={"weight_dir": str(folders["second"])}).status_code == 200
+        pushed = _greedy(client)
+        assert pushed != original
+        (victim,) = _weight_server(run_dir)
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 240
+        while _weight_server(run_dir) in ([], [victim]):
+            assert time.monotonic() < deadline, "the slot's weight server was not restarted"
+            time.sleep(0.2)
+        assert _greedy(client) == pushed  # held until the slot is back, then on the pushed weights
+        (_version, tensors), *_ = _servers(run_dir)
+        assert _same(tensors, folders["second"])
