@@ -33,7 +33,7 @@ from belayer_router.testing import running_worker, text_script, write_chat_token
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("http_server")]  # on both servers
 
-TOOLS = [
+TOOLS: list[Any] = [  # the openai client's TypedDicts, as plain JSON
     {
         "type": "function",
         "function": {
@@ -86,7 +86,7 @@ def oai(url: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
-def user(text: str) -> list[dict[str, Any]]:
+def user(text: str) -> list[Any]:
     return [{"role": "system", "content": "You are terse."}, {"role": "user", "content": text}]
 
 
@@ -141,6 +141,7 @@ async def test_tool_calls_are_parsed_and_tool_results_rendered_back(router: str)
     assert call_message.tool_calls is not None
     assert len(call_message.tool_calls) == 1
     call = call_message.tool_calls[0]
+    assert call.type == "function"
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"}
     messages += [call_message.model_dump(exclude_none=True)]
@@ -192,12 +193,11 @@ async def test_tool_call_arguments_sent_back_as_json_text_render_as_an_object(tm
         client = oai(url)
         reply = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS, max_tokens=2)
         bad = {**call, "function": {"name": "get_weather", "arguments": "{city: Paris"}}
+        bad_messages: list[Any] = [*messages[:2], {**messages[2], "tool_calls": [bad]}]
         with pytest.raises(
             openai.BadRequestError, match=r"messages\[2\]\.tool_calls\[0\]\.function\.arguments"
         ):
-            await client.chat.completions.create(
-                model="m", messages=[*messages[:2], {**messages[2], "tool_calls": [bad]}], max_tokens=2
-            )
+            await client.chat.completions.create(model="m", messages=bad_messages, max_tokens=2)
         await client.close()
     prompt = tokenizer.decode(reply.choices[0].prompt_token_ids)  # type: ignore[attr-defined]
     assert '"arguments": {"city": "Paris"}}' in prompt

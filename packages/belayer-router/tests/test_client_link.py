@@ -10,7 +10,7 @@ import random
 import signal
 import struct
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -698,7 +698,9 @@ def test_a_turn_over_the_frame_limit_goes_out_as_several_tokens_frames(
     from belayer_router._server import _client_link
 
     monkeypatch.setattr(_client_link, "_MAX_FRAME_TOKENS", 5)
-    entries = [(h, h * 10, [h] * (h % 4 + 1), [-float(h)] * (h % 4 + 1)) for h in range(9)]
+    entries: list[tuple[int, int, Sequence[int], Sequence[float]]] = [
+        (h, h * 10, [h] * (h % 4 + 1), [-float(h)] * (h % 4 + 1)) for h in range(9)
+    ]
     frames = [
         decode_router_frame(kind, payload)
         for kind, payload in FrameBuffer().feed(_client_link._pack(entries))

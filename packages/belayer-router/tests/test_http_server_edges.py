@@ -54,7 +54,7 @@ async def router() -> AsyncIterator[str]:
 
 def _sse_text(body: bytes) -> tuple[str, list[int]]:
     """The concatenated text and token ids of a streamed /v1/completions body."""
-    text, ids = "", []
+    text, ids = "", list[int]()
     for line in body.split(b"\n"):
         if not line.startswith(b"data: ") or line == b"data: [DONE]":
             continue

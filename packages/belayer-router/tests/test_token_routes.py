@@ -25,7 +25,13 @@ async def test_inference_generate_answers_token_ids_and_logprobs_in_vllms_shape(
         httpx.AsyncClient(base_url=url) as http,
     ):
         await client.register("s", w_url, 1)
-        params = {"max_tokens": 8, "seed": 3, "temperature": 1.0, "logprobs": 0, "skip_special_tokens": True}
+        params: dict[str, object] = {
+            "max_tokens": 8,
+            "seed": 3,
+            "temperature": 1.0,
+            "logprobs": 0,
+            "skip_special_tokens": True,
+        }
         answer = await http.post(
             "/inference/v1/generate", json={"token_ids": [5, 6], "sampling_params": params}
         )
@@ -41,7 +47,12 @@ async def test_inference_generate_answers_token_ids_and_logprobs_in_vllms_shape(
         )
         assert plain.json()["choices"][0]["logprobs"] is None
         assert len(plain.json()["choices"][0]["token_ids"]) == 16  # vLLM's default max_tokens
-        for params, name in (({"top_k": 5}, "top_k"), ({"n": 2}, "'n'"), ({"stop": ["x"]}, "stop")):
+        cases: list[tuple[dict[str, object], str]] = [
+            ({"top_k": 5}, "top_k"),
+            ({"n": 2}, "'n'"),
+            ({"stop": ["x"]}, "stop"),
+        ]
+        for params, name in cases:
             refused = await http.post(
                 "/inference/v1/generate", json={"token_ids": [5], "sampling_params": params}
             )

@@ -255,7 +255,12 @@ def test_a_streams_frame_renders_the_bytes_of_its_events(
 
     queue: StreamQueue[Event] = StreamQueue()
     written: list[bytes] = []
-    queue.write = lambda body: bool(written.append(body)) or True
+
+    def write(body: bytes) -> bool:
+        written.append(body)
+        return True
+
+    queue.write = write
     emit = _StreamEmit(queue, frames)
     emit.frame(40, token_ids, logprobs)
     if frames:
@@ -271,7 +276,12 @@ def test_an_empty_pre_rendered_body_is_neither_written_nor_queued() -> None:
 
     queue: StreamQueue[object] = StreamQueue()
     written: list[bytes] = []
-    queue.write = lambda body: bool(written.append(body)) or True
+
+    def write(body: bytes) -> bool:
+        written.append(body)
+        return True
+
+    queue.write = write
     queue.put_rendered(b"")
     assert written == []
     assert queue.items == []
