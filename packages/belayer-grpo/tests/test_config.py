@@ -163,7 +163,7 @@ def test_cli_reports_config_errors_with_exit_status_2() -> None:
 def test_swe_workload_settings_reach_the_agent_loop(tmp_path: Path) -> None:
     from belayer_grpo._data import BytePolicyTokenizer
     from belayer_grpo._model import build_tokenizer
-    from belayer_grpo._swe import agentic_config, load_tasks
+    from belayer_grpo._rollout_agentic import agentic_config, load_tasks
 
     config = load_config(
         None,

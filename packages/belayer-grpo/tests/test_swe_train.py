@@ -21,7 +21,7 @@ from test_sigint import _tagged_pids
 
 from belayer_envckpt import Engine
 from belayer_grpo._agentic.pool import POOL_LABEL
-from belayer_grpo._swe import run_tag
+from belayer_grpo._rollout_agentic import run_tag
 from belayer_policy import load_trace
 
 pytestmark = [pytest.mark.e2e, pytest.mark.docker]

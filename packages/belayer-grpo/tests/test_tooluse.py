@@ -61,7 +61,7 @@ def test_the_warmup_demonstrator_often_answers_without_reading_and_earns_nothing
 
 def test_the_supervised_warmups_share_one_loop_that_learns() -> None:
     from belayer_grpo._model import build_policy, build_tokenizer, engine_model_config
-    from belayer_grpo._swe import action_warmup, tooluse_warmup
+    from belayer_grpo._rollout_agentic import action_warmup, tooluse_warmup
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

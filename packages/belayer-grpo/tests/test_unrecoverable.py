@@ -31,7 +31,7 @@ from belayer_grpo._agentic import (
     run_agentic_rollouts,
 )
 from belayer_grpo._errors import RolloutError, UnrecoverableTrajectoryError
-from belayer_grpo._swe import run_swe_rollout
+from belayer_grpo._rollout_agentic import run_swe_rollout
 from belayer_policy import PolicySpec, SharedEstimators
 from belayer_router import ByteTokenizer, RouterClient
 

@@ -33,7 +33,7 @@ def format_summary(step: int, num_steps: int, metrics: dict[str, Any], failures:
     if metrics.get("num_resumed"):
         parts.append(f"resumed {metrics['num_resumed']}")
     if "env_failures" in metrics:
-        from belayer_grpo._swe import format_env
+        from belayer_grpo._rollout_agentic import format_env
 
         parts.append(format_env(metrics))
     for failure in failures:

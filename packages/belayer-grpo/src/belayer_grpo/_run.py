@@ -4,7 +4,7 @@ Each step: rollout through the router (a worker may be killed meanwhile; the sha
 and the router resumes the interrupted requests) -> rewards -> GRPO update (in a thread) ->
 weights pushed to every weight server (the barrier before the next rollout) -> summary line.
 The rollout is multi-turn agentic trajectories in sandboxes (``data.workload = "tooluse"``, the
-default, or ``"swe"``: `belayer_grpo._swe`), or one turn per math problem (``"math"``).
+default, or ``"swe"``: `belayer_grpo._rollout_agentic`), or one turn per math problem (``"math"``).
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ from belayer_grpo._guardian import Guardian, reap_run, run_processes_marked
 from belayer_grpo._model import build_policy, build_tokenizer, engine_model_config, supervised_warmup
 from belayer_grpo._plot import write_training_plot
 from belayer_grpo._reporting import Reporter
-from belayer_grpo._rollout_math import Sample, greedy_accuracy, run_math_rollouts
-from belayer_grpo._swe import (
+from belayer_grpo._rollout_agentic import (
     EnvTotals,
     action_warmup,
     agentic_config,
@@ -45,6 +44,7 @@ from belayer_grpo._swe import (
     run_tag,
     tooluse_warmup,
 )
+from belayer_grpo._rollout_math import Sample, greedy_accuracy, run_math_rollouts
 from belayer_grpo._system import RolloutSystem
 from belayer_grpo._trainer import GRPOTrainer, UpdateResult
 from belayer_grpo._weight_sync import WeightSync
@@ -65,7 +65,7 @@ def resolve_run_dir(config: Config) -> Path:
 
 
 def load_problems(config: Config) -> list[Problem]:
-    """The math problems of ``data.source`` (the swe workload's tasks: `belayer_grpo._swe.load_tasks`)."""
+    """The math problems of ``data.source`` (the swe workload's tasks: `belayer_grpo._rollout_agentic.load_tasks`)."""
     data = config.data
     if data.workload != "math":
         raise GrpoConfigError(

@@ -18,8 +18,8 @@ from belayer_router._client._admin import RouterAdmin, RouterCounters, RouterWor
 from belayer_router._client._client import Completion, RouterClient
 from belayer_router._client._fleet import RouterFleet, owner_index
 from belayer_router._core._journal import Journal, RequestRecord
+from belayer_router._core._journal_file import JournalStore
 from belayer_router._core._registry import Registry, Slot, Worker
-from belayer_router._core._store import JournalStore
 from belayer_router._core._tokenizer import (
     ByteTokenizer,
     ChatTemplateTokenizer,

@@ -23,7 +23,7 @@ def open_cluster_pool(
     from belayer_envckpt import CheckpointStore
     from belayer_grpo._agentic.cluster_pool import ClusterSandboxPool
     from belayer_grpo._guardian import RUN_LABEL, run_marker
-    from belayer_grpo._swe import connect_checkpoint_engine
+    from belayer_grpo._rollout_agentic import connect_checkpoint_engine
 
     return ClusterSandboxPool(
         connect_checkpoint_engine(), CheckpointStore(hosts.store_dir), capacity=config.rollout.max_sandboxes,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import attrs
 
-from belayer_router._core._store import DURABILITY_MODES, Durability
+from belayer_router._core._journal_file import DURABILITY_MODES, Durability
 from belayer_router._core._tokenizer import Tokenizer
 
 __all__ = ["RouterConfig"]

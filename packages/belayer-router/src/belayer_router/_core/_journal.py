@@ -8,7 +8,7 @@ from typing import Any
 
 import attrs
 
-from belayer_router._core._store import JournalStore
+from belayer_router._core._journal_file import JournalStore
 from belayer_router._errors import InvalidRequestError, JournalError, NotFoundError, RequestConflictError
 from belayer_router._wire._protocol import GenerateRequest
 

@@ -19,9 +19,9 @@ from belayer_router._core._config import RouterConfig
 from belayer_router._core._dispatch import Dispatcher, new_seed
 from belayer_router._core._emit import Emit, Event, EventEmit
 from belayer_router._core._journal import Journal, RequestRecord
+from belayer_router._core._journal_file import JournalStore
 from belayer_router._core._metrics import Metrics
 from belayer_router._core._registry import Registry
-from belayer_router._core._store import JournalStore
 from belayer_router._errors import (
     BelayerRouterError,
     InternalRouterError,
