@@ -61,10 +61,50 @@ async def test_a_sigkilled_standby_shadow_is_replaced_and_nothing_else_moves(tmp
         await anyio.to_thread.run_sync(slot.wait_handovers, 1)
 
 
-async def test_a_hung_shadow_is_found_when_the_main_fails_and_the_slot_restarts(tmp_path: Path) -> None:
+async def test_a_hung_standby_shadow_is_replaced_before_the_main_fails(tmp_path: Path) -> None:
     async with (
         router(resume_wait_s=120.0) as (url, app),
-        supervised(url, tmp_path / "slot", handover_timeout_s=2.0) as slot,
+        supervised(url, tmp_path / "slot", standby_stale_s=2.0) as slot,
+    ):
+        reference = await generate_all(url, PROMPTS, MAX_TOKENS)
+        assert slot.shadow is not None
+        assert slot.main is not None
+        hung, main_pid = slot.shadow.pid, slot.main.pid
+        os.kill(hung, signal.SIGSTOP)
+        try:
+            with anyio.fail_after(120):
+                while slot.shadow is None or slot.shadow.pid == hung:  # noqa: ASYNC110
+                    await anyio.sleep(0.05)
+            await anyio.to_thread.run_sync(slot.wait_protected, 120.0)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(hung, signal.SIGCONT)
+        assert _gone(hung)
+        assert slot.main.pid == main_pid  # the main served on, untouched
+        hung_events = [e for e in slot.events() if e["event"] == "shadow.hung"]
+        assert [e["pid"] for e in hung_events] == [hung]
+        assert hung_events[0]["age_s"] >= 2.0
+        # The new shadow protects the slot: the main's failure is a plain handover, no restart.
+        streams = Streams(url, PROMPTS, MAX_TOKENS)
+        async with anyio.create_task_group() as group:
+            group.start_soon(streams.run)
+            await streams.wait_tokens(4)
+            slot.kill_main()
+        assert streams.tokens == reference
+        await anyio.to_thread.run_sync(slot.wait_handovers, 1, 120.0)
+        names = [e["event"] for e in slot.events()]
+        assert "memory.restart" not in names
+        assert "shadow.stuck" not in names
+        assert app.registry.slots["s0"].max_epoch == 2
+        assert app.registry.slots["s0"].healthy
+
+
+async def test_a_hung_shadow_is_found_when_the_main_fails_and_the_slot_restarts(tmp_path: Path) -> None:
+    # The fallback behind the standby check: a shadow that hangs after the last check and before
+    # the main fails (here: a standby check too slow to see it first) leaves the flag unanswered.
+    async with (
+        router(resume_wait_s=120.0) as (url, app),
+        supervised(url, tmp_path / "slot", handover_timeout_s=2.0, standby_stale_s=600.0) as slot,
     ):
         reference = await generate_all(url, PROMPTS, MAX_TOKENS)
         assert slot.shadow is not None
@@ -96,20 +136,22 @@ async def test_the_guardian_lost_or_hung_changes_nothing_for_clients_and_stop_le
     tmp_path: Path, signum: int
 ) -> None:
     async with router() as (url, _app):
-        async with supervised(url, tmp_path / "slot") as slot:
+        async with supervised(url, tmp_path / "slot", standby_stale_s=2.0) as slot:
             guardian = slot._guardian
             assert guardian is not None
             old = guardian.popen.pid
             os.kill(old, signum)
             (tokens,) = await generate_all(url, PROMPTS[:1], 16)
             assert len(tokens) == 16
-            if signum == signal.SIGKILL:
-                with anyio.fail_after(60):
-                    while "guardian.started" not in [e["event"] for e in slot.events()]:  # noqa: ASYNC110
-                        await anyio.sleep(0.05)
-                assert slot._guardian is not None
-                assert slot._guardian.popen.pid != old
-                assert slot._guardian.popen.poll() is None
+            with anyio.fail_after(60):
+                while "guardian.started" not in [e["event"] for e in slot.events()]:  # noqa: ASYNC110
+                    await anyio.sleep(0.05)
+            names = [e["event"] for e in slot.events()]
+            assert ("guardian.lost" if signum == signal.SIGKILL else "guardian.hung") in names
+            assert slot._guardian is not None
+            assert slot._guardian.popen.pid != old
+            assert slot._guardian.popen.poll() is None
+            assert _gone(old)
             pids = [p.pid for p in (slot.main, slot.shadow, slot.weights_server, slot.kv_server) if p]
             new_guardian = slot._guardian.popen.pid if slot._guardian is not None else old
         assert all(_gone(pid) for pid in [*pids, old, new_guardian])
@@ -121,11 +163,14 @@ _OWNER = textwrap.dedent(
     import json, sys, time
     from belayer_shadow import SlotConfig, SlotSupervisor
     config = SlotConfig(slot="owned", router_url=sys.argv[1], run_dir=sys.argv[2],
-                        admin_token=sys.argv[3], num_kv_blocks=256, stale_s=1.0)
+                        admin_token=sys.argv[3], num_kv_blocks=256, stale_s=1.0,
+                        standby_stale_s=2.0)
     slot = SlotSupervisor(config)
     slot.start()
     slot.wait_protected()
-    print(json.dumps({"main": slot.main.pid, "shadow": slot.shadow.pid}), flush=True)
+    pids = {"main": slot.main.pid, "shadow": slot.shadow.pid, "weights": slot.weights_server.pid,
+            "kv": slot.kv_server.pid, "guardian": slot._guardian.popen.pid}
+    print(json.dumps(pids), flush=True)
     time.sleep(3600)
     """
 )
@@ -192,3 +237,30 @@ async def test_a_hung_supervisor_does_not_stop_a_handover(tmp_path: Path) -> Non
         assert app.registry.slots["owned"].max_epoch == 2  # the shadow took over by itself
         owner.send_signal(signal.SIGCONT)
         assert await generate_all(url, PROMPTS, MAX_TOKENS) == reference
+
+
+async def test_a_hung_guardian_is_replaced_so_a_sigkilled_supervisor_still_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "slot"
+    async with router() as (url, _app), _owned_slot(url, run_dir) as (owner, pids):
+        os.kill(pids["guardian"], signal.SIGSTOP)
+        try:
+            with anyio.fail_after(60):
+                while "guardian.started" not in _event_names(run_dir):  # noqa: ASYNC110
+                    await anyio.sleep(0.05)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pids["guardian"], signal.SIGCONT)
+        assert "guardian.hung" in _event_names(run_dir)
+        assert _gone(pids["guardian"])
+        owner.kill()  # the new guardian reaps the memory servers (the workers die with the owner)
+        await owner.wait()
+        with anyio.fail_after(60):
+            while not all(_gone(pid) for pid in pids.values()):  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+
+
+def _event_names(run_dir: Path) -> list[str]:
+    lines = (run_dir / "events.jsonl").read_text().splitlines()
+    return [json.loads(line)["event"] for line in lines if line.strip()]

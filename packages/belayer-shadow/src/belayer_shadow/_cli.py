@@ -78,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     shadow.add_argument("--poll-s", type=float, default=0.05, help="heartbeat / flag poll interval")
     shadow.add_argument("--stale-s", type=float, default=0.5, help="heartbeat age that counts as a hang")
     shadow.add_argument("--scratch-bytes", type=int, default=16 * 1024 * 1024)
+    shadow.add_argument(
+        "--alive-file", type=Path, help="touched at every standby poll (the supervisor watches it)"
+    )
     slot = commands.add_parser("slot", help="run one slot: memory servers, main worker, shadow, recovery")
     slot.add_argument("--slot", required=True)
     slot.add_argument("--router", required=True)
@@ -310,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             poll_s=args.poll_s,
             stale_s=args.stale_s,
             scratch_bytes=args.scratch_bytes,
+            alive_file=args.alive_file,
         )
         return run_shadow(shadow)
     except (BelayerShadowError, BelayerGpumemError, ValueError, OSError) as exc:

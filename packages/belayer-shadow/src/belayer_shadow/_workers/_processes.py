@@ -23,6 +23,7 @@ import ctypes
 import json
 import os
 import queue
+import select
 import signal
 import subprocess
 import sys
@@ -34,8 +35,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from belayer_shadow._errors import SupervisorError
+from belayer_shadow._workers._heartbeat import Heartbeat
 
 __all__ = [
+    "GUARDIAN_ALIVE_FILE",
     "PROCESSES_FILE",
     "Guardian",
     "ProcessTable",
@@ -46,6 +49,8 @@ __all__ = [
 ]
 
 PROCESSES_FILE = "processes.json"
+GUARDIAN_ALIVE_FILE = "guardian.alive"  # touched by the guardian every `_GUARDIAN_TICK_S`
+_GUARDIAN_TICK_S = 0.5
 _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded before any fork: the child only calls into it
 
@@ -274,12 +279,23 @@ class Guardian:
             self.popen.wait()
         self._table.remove(self.popen.pid)
 
+    def kill(self) -> None:
+        """SIGKILL the guardian (it hangs), then close the pipe: it reaps nothing."""
+        self.popen.kill()
+        self.popen.wait()
+        self.close(timeout_s=0.0)
+
 
 def _guard(run_dir: Path, fd: int) -> None:
-    """The guardian: block until the supervisor's end of the pipe closes, then reap its children."""
+    """The guardian: wait until the supervisor's end of the pipe closes (touching its alive file
+    every `_GUARDIAN_TICK_S`, so the supervisor can tell a hung guardian), then reap its children."""
+    alive = Heartbeat(run_dir / GUARDIAN_ALIVE_FILE)
     with contextlib.suppress(OSError):
-        while os.read(fd, 4096):
-            pass
+        while True:
+            alive.touch()
+            readable, _, _ = select.select([fd], [], [], _GUARDIAN_TICK_S)
+            if readable and not os.read(fd, 4096):
+                break
     reap_stale_processes(run_dir, owner_gone=True)
 
 

@@ -48,6 +48,9 @@ class ShadowConfig:
     poll_s: float = attrs.field(default=0.05, validator=attrs.validators.gt(0))
     stale_s: float = attrs.field(default=0.5, validator=attrs.validators.gt(0))
     scratch_bytes: int = attrs.field(default=16 * 1024 * 1024, validator=attrs.validators.ge(0))
+    # Touched at every standby poll: the supervisor takes a shadow whose file goes stale for hung
+    # and replaces it before the main fails (None: no such file).
+    alive_file: Path | None = attrs.field(default=None, converter=attrs.converters.optional(Path))
 
 
 def check_device_health(device: torch.device) -> str:
@@ -90,7 +93,10 @@ async def _stand_by(
     """
     engine.release_weights()
     hangs = HangDetector(config.stale_s, config.poll_s)
+    alive = None if config.alive_file is None else Heartbeat(config.alive_file)
     while True:
+        if alive is not None:
+            alive.touch()
         if flag.is_raised():
             return {"trigger": "flag", **(flag.read() or {})}
         age = heartbeat.age_s()

@@ -47,8 +47,9 @@ from belayer_shadow._engine._loader import (
 from belayer_shadow._workers._baseline import ConventionalRecovery
 from belayer_shadow._workers._children import Child, spawn_worker
 from belayer_shadow._workers._events import EventLog, read_events
-from belayer_shadow._workers._heartbeat import HandoverFlag
+from belayer_shadow._workers._heartbeat import HandoverFlag, HangDetector, Heartbeat
 from belayer_shadow._workers._processes import (
+    GUARDIAN_ALIVE_FILE,
     PROCESSES_FILE,
     Guardian,
     ProcessTable,
@@ -93,6 +94,8 @@ class SlotSupervisor:
     _memory_misses: int = 0
     _recovering: bool = False  # a restart for lost memory runs: a main exiting meanwhile is part of it
     _next_memory_check: float = 0.0
+    # "shadow" / "guardian": (pid, its hang detector) of the process being watched.
+    _watches: dict[str, tuple[int, HangDetector]] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self.log = EventLog(self.config.run_dir / "events.jsonl", "supervisor")
@@ -147,6 +150,16 @@ class SlotSupervisor:
         return self.config.run_dir / "heartbeat"
 
     @property
+    def shadow_alive(self) -> Path:
+        """The file a standby shadow touches at every poll (`standby_stale_s` old: it hangs)."""
+        return self.config.run_dir / "shadow.alive"
+
+    @property
+    def guardian_alive(self) -> Path:
+        """The file the guardian touches every 0.5 s (`standby_stale_s` old: it hangs)."""
+        return self.config.run_dir / GUARDIAN_ALIVE_FILE
+
+    @property
     def flag(self) -> HandoverFlag:
         """The slot's handover flag."""
         return HandoverFlag(self.config.run_dir / "handover.flag")
@@ -181,7 +194,7 @@ class SlotSupervisor:
         if reaped:
             self.log.emit("stale.reaped", pids=reaped)
         shutil.rmtree(config.run_dir / "mem", ignore_errors=True)
-        for stale in (self.heartbeat, self.flag.path):
+        for stale in (self.heartbeat, self.flag.path, self.shadow_alive, self.guardian_alive):
             stale.unlink(missing_ok=True)
         self._stopping.clear()
         self._processes = ProcessTable(config.run_dir)
@@ -257,7 +270,7 @@ class SlotSupervisor:
         if self._spawner is not None:
             self._spawner.close()
         shutil.rmtree(self.config.run_dir / "mem", ignore_errors=True)
-        for path in (self.heartbeat, self.flag.path):
+        for path in (self.heartbeat, self.flag.path, self.shadow_alive, self.guardian_alive):
             path.unlink(missing_ok=True)
 
     # Memory servers.
@@ -331,7 +344,7 @@ class SlotSupervisor:
             argv += ["--model", str(config.model)]
         if role == "shadow":
             argv += ["--handover-flag", str(self.flag.path), "--poll-s", str(config.poll_s)]
-            argv += ["--stale-s", str(config.stale_s)]
+            argv += ["--stale-s", str(config.stale_s), "--alive-file", str(self.shadow_alive)]
         return argv
 
     def _spawn(self, role: str, *, resume_mode: str = "continue") -> Child:
@@ -376,14 +389,32 @@ class SlotSupervisor:
             self.num_handovers += 1
 
     def _check_guardian(self) -> None:
-        """A guardian that died (SIGKILL) is replaced: the slot keeps its no-orphans guarantee."""
+        """A guardian that died (SIGKILL) or hangs (SIGSTOP: its alive file `standby_stale_s`
+        old) is replaced: the slot keeps its no-orphans guarantee."""
         guardian = self._guardian
-        if guardian is None or guardian.popen.poll() is None or self._processes is None:
+        if guardian is None or self._processes is None:
             return
-        self.log.emit("guardian.lost", pid=guardian.popen.pid, exit_code=guardian.popen.returncode)
-        guardian.close(timeout_s=0.0)
+        pid = guardian.popen.pid
+        if guardian.popen.poll() is not None:
+            self.log.emit("guardian.lost", pid=pid, exit_code=guardian.popen.returncode)
+            guardian.close(timeout_s=0.0)
+        elif self._stale(Heartbeat(self.guardian_alive), pid, "guardian"):
+            self.log.emit("guardian.hung", pid=pid, age_s=Heartbeat(self.guardian_alive).age_s())
+            guardian.kill()  # first, then its pipe: a slow (not stopped) one must not reap the slot
+        else:
+            return
         self._guardian = Guardian.start(self.config.run_dir, self._processes)
         self.log.emit("guardian.started", pid=self._guardian.popen.pid)
+
+    def _stale(self, alive: Heartbeat, pid: int, watch: str) -> bool:
+        """Whether process `pid`'s alive file went `standby_stale_s` stale (`HangDetector`'s rules:
+        it must have been seen fresh, and a late poll of this thread never decides)."""
+        if alive.writer_pid() != pid:
+            return False  # not touched by this process yet (it is starting)
+        current = self._watches.get(watch)
+        if current is None or current[0] != pid:
+            current = self._watches[watch] = (pid, HangDetector(self.config.standby_stale_s, poll_s=0.01))
+        return current[1].is_hung(alive.age_s(), time.monotonic())
 
     def _check_memory(self) -> None:
         """Restart from scratch if a memory server exited, or missed `memory_misses` pings."""
@@ -529,6 +560,18 @@ class SlotSupervisor:
                 return None
             state = (shadow.state() or {}).get("state")
             raised_at = (self.flag.read() or {}).get("time") if state == "standby" else None
+            if (
+                state == "standby"
+                and raised_at is None
+                and self._stale(Heartbeat(self.shadow_alive), shadow.pid, "shadow")
+            ):
+                # A hung standby shadow (SIGSTOP, a stuck event loop) would leave the slot
+                # unprotected until the main fails: replace it now.
+                age = Heartbeat(self.shadow_alive).age_s()
+                self.log.emit("shadow.hung", pid=shadow.pid, age_s=None if age is None else round(age, 3))
+                shadow.kill()
+                self.shadow = self._spawn("shadow")
+                return None
             if isinstance(raised_at, float) and time.time() - raised_at > self.config.handover_timeout_s:
                 # The flag is up and the shadow has not moved (it is hung, e.g. SIGSTOPped): no
                 # handover will come; the slot restarts from scratch instead.

@@ -60,6 +60,11 @@ class SlotConfig:
     # The handover flag up this long with the shadow still standing by: the shadow is hung; the slot
     # restarts from scratch.
     handover_timeout_s: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
+    # A standby shadow touches `run_dir/shadow.alive` at every poll and the guardian touches
+    # `run_dir/guardian.alive` every 0.5 s; one whose file is older than this (a hang: SIGSTOP, a
+    # stuck event loop) is SIGKILLed and replaced, before the main fails. Generous: on a loaded
+    # machine a sleeping process may wait seconds for a core.
+    standby_stale_s: float = attrs.field(default=5.0, validator=attrs.validators.gt(0))
     host: str = "127.0.0.1"
     start_timeout_s: float = attrs.field(default=120.0, validator=attrs.validators.gt(0))
     # The workers' engine: `belayer` (built in) or `vllm` (a real vLLM; belayer-shadow[vllm]).
