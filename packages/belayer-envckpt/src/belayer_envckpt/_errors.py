@@ -135,6 +135,12 @@ class UncapturedProcessError(CheckpointFailedError):
         super().__init__(message)
 
 
+class RuntimeUnreadableError(CheckpointFailedError):
+    """The sandbox's processes could not be read whole from /proc (a read was refused, or processes
+    kept exiting while they were listed), so a process outside its init's tree cannot be ruled out:
+    the checkpoint was refused and nothing published."""
+
+
 class CheckpointTooLargeError(CheckpointFailedError):
     """The checkpoint would exceed the sandbox's checkpoint size cap; nothing was published."""
 

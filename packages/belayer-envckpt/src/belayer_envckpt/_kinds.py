@@ -94,7 +94,8 @@ def checkpoint(
             )  # it refuses
         check_guarantee(sandbox._container.attrs)
         view = sandbox_runtime(sandbox)
-        refuse_uncaptured(view, sandbox.id)
+        if not view.unreadable:  # else the full checkpoint reads again, frozen, and refuses if it must
+            refuse_uncaptured(view, sandbox.id)
         if not view.fresh:
             return full_checkpoint(sandbox, trajectory, k, context_ref, store=store, fault=fault)
         upper = sandbox.engine.upper_dir(sandbox._container)

@@ -3,11 +3,22 @@
 A checkpoint needs CRIU only when some process holds state.  The sandbox's processes are read from
 the host (its pids cgroup, else every host process in its PID namespace) and compared with the
 stateless init its configuration declares: envckpt's keep-alive shell (`KEEPALIVE`, with the one
-``sleep 3600`` child it waits on) or a bare ``sleep`` as the container's command.  State that
+``sleep 3600`` child it waits on) or a bare ``sleep`` as the container's command.  A process is
+that init only when its executable is: its argv (which ``exec -a sleep`` sets at will) must match,
+and the file it runs (``/proc/PID/exe``) must be the one the declared command resolves to inside
+the container (same device and inode, the name looked up in the container's PATH with its
+symbolic links followed inside its root), a file of the image that the writable layer has not
+replaced.  (In a multi-call binary such as BusyBox, argv[0] selects the applet, so a matching file
+and argv is that applet.)  State that
 outlives processes is looked for as well: SysV IPC objects, POSIX message queues, files in
 ``/dev/shm`` or anything else added to the container's ``/dev`` (none of it is in the writable
 layer).  Anything unexpected, or anything that cannot be read, means the runtime is not fresh:
 when unsure, a full checkpoint.
+
+Reading /proc races with the sandbox: a process listed may exit before it is read.  Such a scan
+is taken again (up to ``_SCAN_TRIES`` times); a scan that never comes out whole, or any other read
+error (a permission refused), marks the view ``unreadable``: never fresh, and a refusal
+(`RuntimeUnreadableError`) where a checkpoint must know every process.
 
 It also finds processes of the sandbox outside its init's tree (a ``docker exec -d`` from outside
 envckpt: its parent is the engine's shim): CRIU dumps the init's tree only, so such a process
@@ -19,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import stat as stat_module
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from ._errors import UncapturedProcessError
+from ._errors import RuntimeUnreadableError, UncapturedProcessError
 
 if TYPE_CHECKING:
     from ._sandbox import Sandbox
@@ -38,17 +50,31 @@ _FRESH_DEV = frozenset(
 )
 _KEEPALIVE_CHILD = ("sleep", "3600")
 _CLONE_NEWIPC = 0x08000000
-_CLONE_NEWIPC = 0x08000000
+_DEFAULT_PATH = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
+_SCAN_TRIES = 3
+_SYMLINK_HOPS = 40
+# Errors that say the process is gone (it exited between the listing and the read).
+_GONE = (FileNotFoundError, ProcessLookupError)
+
+
+class _Gone(Exception):
+    """A listed process exited before it was read: the scan is taken again."""
+
+
+class _Unreadable(Exception):
+    """/proc refused a read for another reason than the process being gone."""
 
 
 @attrs.frozen
 class Process:
-    """One process of the sandbox: host pid, parent's host pid, start time (ticks), argv."""
+    """One process of the sandbox: host pid, parent's host pid, start time (ticks), argv, and the
+    (device, inode) of the file it executes (None when the kernel shows none: a zombie)."""
 
     pid: int
     ppid: int
     start_ticks: int
     argv: tuple[str, ...]
+    exe: tuple[int, int] | None = None
 
     def describe(self) -> str:
         """``pid 123 (sleep 50)`` for messages."""
@@ -62,6 +88,8 @@ class RuntimeView:
     ``fresh``: only the declared stateless init runs and no state outlives processes: a fresh start
     of the image's command is the same runtime.  ``outside_init``: processes a CRIU dump of the
     init's tree would miss.  ``why_not_fresh`` says what made the runtime stateful (for logs).
+    ``unreadable``: why the processes could not be read whole ("" when they were); such a view is
+    never fresh and its ``outside_init`` is not known to be complete.
     """
 
     init_pid: int
@@ -69,6 +97,7 @@ class RuntimeView:
     fresh: bool
     outside_init: tuple[Process, ...]
     why_not_fresh: str = ""
+    unreadable: str = ""
 
     @property
     def identity(self) -> tuple[tuple[int, int], ...]:
@@ -76,35 +105,152 @@ class RuntimeView:
         return tuple((p.pid, p.start_ticks) for p in self.processes)
 
 
-def _read_process(pid: int) -> Process | None:
-    """A host process from /proc, or None when it is gone."""
+def _read_process(pid: int) -> Process:
+    """A host process from /proc; `_Gone` when it exited meanwhile, `_Unreadable` for other errors."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    # The command name (field 2) is parenthesised and may hold spaces or ")": split after the last ")".
-    fields = stat[stat.rindex(")") + 2 :].split()
+    except _GONE as exc:
+        raise _Gone(pid) from exc
+    except OSError as exc:
+        raise _Unreadable(f"reading /proc/{pid}: {exc}") from exc
+    try:
+        # The command name (field 2) is parenthesised and may hold spaces or ")": split after the last ")".
+        fields = stat[stat.rindex(")") + 2 :].split()
+        ppid, start_ticks = int(fields[1]), int(fields[19])
+    except (ValueError, IndexError) as exc:
+        if not stat:  # read as the process was reaped
+            raise _Gone(pid) from exc
+        raise _Unreadable(f"/proc/{pid}/stat is not in the kernel's format: {stat[:80]!r}") from exc
     argv = tuple(part.decode(errors="replace") for part in raw.split(b"\0")[:-1])
-    return Process(pid=pid, ppid=int(fields[1]), start_ticks=int(fields[19]), argv=argv)
+    exe: tuple[int, int] | None = None
+    try:
+        info = os.stat(f"/proc/{pid}/exe")
+        exe = (info.st_dev, info.st_ino)
+    except FileNotFoundError:
+        exe = None  # a zombie (or gone: the next read of its stat says which)
+    except ProcessLookupError as exc:
+        raise _Gone(pid) from exc
+    except OSError as exc:
+        raise _Unreadable(f"reading /proc/{pid}/exe: {exc}") from exc
+    return Process(pid=pid, ppid=ppid, start_ticks=start_ticks, argv=argv, exe=exe)
 
 
 def _pids_of(init_pid: int) -> list[int]:
-    """Host pids of every process of the container: its pids cgroup, else its PID namespace."""
+    """Host pids of every process of the container: its pids cgroup, else its PID namespace.
+
+    `_Gone` when the init itself exited; `_Unreadable` when /proc refused a read.
+    """
     with contextlib.suppress(OSError, ValueError):
         for line in Path(f"/proc/{init_pid}/cgroup").read_text().splitlines():
             _, controllers, path = line.split(":", 2)
             if "pids" in controllers.split(","):
                 procs = Path("/sys/fs/cgroup/pids") / path.lstrip("/") / "cgroup.procs"
                 return [int(p) for p in procs.read_text().split()]
-    namespace = os.readlink(f"/proc/{init_pid}/ns/pid")
+    try:
+        namespace = os.readlink(f"/proc/{init_pid}/ns/pid")
+    except _GONE as exc:
+        raise _Gone(init_pid) from exc
+    except OSError as exc:
+        raise _Unreadable(f"reading the PID namespace of {init_pid}: {exc}") from exc
     found = []
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
-            with contextlib.suppress(OSError):
+            try:
                 if os.readlink(f"/proc/{entry.name}/ns/pid") == namespace:
                     found.append(int(entry.name))
+            except _GONE:
+                continue  # exited since the listing: not a process of anyone any more
+            except OSError as exc:
+                raise _Unreadable(f"reading the PID namespace of {entry.name}: {exc}") from exc
     return found
+
+
+def _scan(init_pid: int) -> list[Process]:
+    """Every process of the container, all read from one listing (`_Gone` when one exited)."""
+    return [_read_process(pid) for pid in sorted(_pids_of(init_pid))]
+
+
+def _follow_in_root(root: str, path: str) -> tuple[str, list[str]] | None:
+    """The symlink-free absolute path that ``path`` names inside the container's root, and every
+    symbolic link passed on the way; None when it names nothing.
+
+    Symbolic links are followed as the container sees them (an absolute target starts again at
+    the container's root, not the host's): the host's own resolution through /proc/PID/root
+    would follow an absolute link out of it.
+    """
+    parts = [p for p in path.split("/") if p and p != "."]
+    done: list[str] = []
+    links: list[str] = []
+    while parts:
+        part = parts.pop(0)
+        if part == "..":
+            if done:
+                done.pop()
+            continue
+        here = "/" + "/".join([*done, part])
+        try:
+            info = os.lstat(root + here)
+        except OSError:
+            return None
+        if stat_module.S_ISLNK(info.st_mode):
+            links.append(here)
+            if len(links) > _SYMLINK_HOPS:
+                return None
+            try:
+                target = os.readlink(root + here)
+            except OSError:
+                return None
+            if target.startswith("/"):
+                done = []
+            parts = [p for p in target.split("/") if p and p != "."] + parts
+        else:
+            done.append(part)
+    return "/" + "/".join(done), links
+
+
+@attrs.frozen
+class Executables:
+    """Where the declared stateless init's programs are, inside a container: its root on the host,
+    the PATH its command is looked up in, and its writable layer (a program replaced there is no
+    longer the image's)."""
+
+    root: str
+    path: tuple[str, ...] = _DEFAULT_PATH
+    upper: Path | None = None
+
+    def identity(self, name: str) -> tuple[int, int] | None:
+        """(device, inode) of the image's file that ``name`` runs in the container, or None when
+        it resolves to nothing, to no regular file, or through a file or link the writable layer
+        holds (a ``sleep`` the sandbox put first in its PATH is not the image's)."""
+        if name.startswith("/"):
+            candidates = [name]
+        elif "/" in name:
+            return None  # relative to a working directory: not a declared init
+        else:
+            candidates = [f"{folder.rstrip('/')}/{name}" for folder in self.path if folder.startswith("/")]
+        for candidate in candidates:
+            found = _follow_in_root(self.root, candidate)
+            if found is None:
+                continue
+            resolved, links = found
+            try:
+                info = os.stat(self.root + resolved)
+            except OSError:
+                continue
+            if not stat_module.S_ISREG(info.st_mode) or not info.st_mode & 0o111:
+                continue
+            upper = self.upper
+            if upper is not None and any(os.path.lexists(upper / p.lstrip("/")) for p in [*links, resolved]):
+                return None  # the container added or replaced it (or a link to it): not the image's
+
+            return (info.st_dev, info.st_ino)
+        return None
+
+
+def _runs(process: Process, name: str, executables: Executables) -> bool:
+    """Whether ``process`` executes the program ``name`` names in the container (not only its argv)."""
+    return process.exe is not None and process.exe == executables.identity(name)
 
 
 def _is_sleep(argv: Sequence[str]) -> bool:
@@ -112,17 +258,25 @@ def _is_sleep(argv: Sequence[str]) -> bool:
 
 
 def _stateless_shape(
-    init: Process, others: Sequence[Process], command: Sequence[str], keepalive: Sequence[str]
+    init: Process,
+    others: Sequence[Process],
+    command: Sequence[str],
+    keepalive: Sequence[str],
+    executables: Executables,
 ) -> str:
     """ "" when the processes are the declared stateless init, else why not."""
     if tuple(init.argv) != tuple(command):
         return f"its init runs {' '.join(init.argv)[:60]!r}, not its configured command"
+    if not command or not _runs(init, command[0], executables):
+        return f"its init's executable is not the image's {command[0] if command else '?'!r}"
     if tuple(command) == tuple(keepalive):
         extra = [p for p in others if not (p.ppid == init.pid and p.argv == _KEEPALIVE_CHILD)]
         if extra or len(others) > 1:
             return (
                 f"processes besides the stateless init: {', '.join(p.describe() for p in (extra or others))}"
             )
+        if others and not _runs(others[0], _KEEPALIVE_CHILD[0], executables):
+            return f"{others[0].describe()} does not execute the image's sleep"
         return ""
     if _is_sleep(command):
         return (
@@ -187,13 +341,37 @@ def _sysv_ipc_objects(init_pid: int) -> int:
     return found[0]
 
 
-def read_runtime(init_pid: int, command: Sequence[str], keepalive: Sequence[str]) -> RuntimeView:
+def read_runtime(
+    init_pid: int,
+    command: Sequence[str],
+    keepalive: Sequence[str],
+    *,
+    path: Sequence[str] = _DEFAULT_PATH,
+    upper: Path | None = None,
+) -> RuntimeView:
     """Read the sandbox's processes and decide whether its runtime is a fresh stateless init.
 
     ``init_pid`` is the container's init as the host sees it; ``command`` the sandbox's configured
-    command.  Any error reading the state counts as "not fresh" (a full checkpoint is always safe).
+    command, looked up in ``path`` (the container's PATH); ``upper`` its writable layer.  Any error
+    reading the state counts as "not fresh" (a full checkpoint is always safe); a process list that
+    could not be read whole is ``unreadable``.
     """
-    processes = [p for p in (_read_process(pid) for pid in sorted(_pids_of(init_pid))) if p is not None]
+    processes: list[Process] = []
+    unreadable = ""
+    for _ in range(_SCAN_TRIES):
+        try:
+            processes = _scan(init_pid)
+            unreadable = ""
+            break
+        except _Gone as gone:
+            if gone.args and gone.args[0] == init_pid:
+                return RuntimeView(init_pid, (), False, (), "its init is not running")
+            unreadable = f"its processes kept exiting while they were read ({_SCAN_TRIES} tries)"
+        except _Unreadable as exc:
+            unreadable = f"its processes could not be read ({exc})"
+            break
+    if unreadable:
+        return RuntimeView(init_pid, (), False, (), unreadable, unreadable)
     by_pid = {p.pid: p for p in processes}
     init = by_pid.get(init_pid)
     if init is None:
@@ -209,7 +387,8 @@ def read_runtime(init_pid: int, command: Sequence[str], keepalive: Sequence[str]
                 break
             cursor = parent
     others = [p for p in processes if p.pid != init_pid]
-    why = _stateless_shape(init, others, command, keepalive)
+    executables = Executables(f"/proc/{init_pid}/root", tuple(path), upper)
+    why = _stateless_shape(init, others, command, keepalive, executables)
     if not why:
         try:
             why = _state_beyond_processes(init_pid)
@@ -218,16 +397,40 @@ def read_runtime(init_pid: int, command: Sequence[str], keepalive: Sequence[str]
     return RuntimeView(init_pid, tuple(processes), not why, tuple(outside), why)
 
 
+def _container_path(attrs_: dict[str, object]) -> tuple[str, ...]:
+    """The PATH of the container's configuration (Docker's default when it sets none)."""
+    config = attrs_.get("Config")
+    env = config.get("Env") if isinstance(config, dict) else None
+    for entry in env or ():
+        if isinstance(entry, str) and entry.startswith("PATH="):
+            return tuple(folder for folder in entry[5:].split(":") if folder)
+    return _DEFAULT_PATH
+
+
 def sandbox_runtime(sandbox: Sandbox) -> RuntimeView:
     """The sandbox's processes now (its engine view must be current: after `Sandbox.status`)."""
-    pid = int(sandbox._container.attrs.get("State", {}).get("Pid") or 0)
+    attrs_ = sandbox._container.attrs
+    pid = int(attrs_.get("State", {}).get("Pid") or 0)
     from ._sandbox import KEEPALIVE  # _sandbox is imported by the checkpoint modules, not this one
 
-    return read_runtime(pid, sandbox.config.command, KEEPALIVE)
+    return read_runtime(
+        pid,
+        sandbox.config.command,
+        KEEPALIVE,
+        path=_container_path(attrs_),
+        upper=sandbox.engine.upper_dir(sandbox._container),
+    )
 
 
 def refuse_uncaptured(view: RuntimeView, sandbox_id: str) -> None:
-    """Raise `UncapturedProcessError` when a process of the sandbox is outside its init's tree."""
+    """Raise `UncapturedProcessError` when a process of the sandbox is outside its init's tree, and
+    `RuntimeUnreadableError` when its processes could not be read whole (none can be ruled out)."""
+    if view.unreadable:
+        raise RuntimeUnreadableError(
+            f"sandbox {sandbox_id[:12]}: {view.unreadable}, so a process outside its init's tree cannot be "
+            "ruled out and no checkpoint was taken; the previous ready checkpoint is still in effect. "
+            "Run belayer-envckpt as root with access to /proc, and retry the checkpoint"
+        )
     if view.outside_init:
         names = tuple(p.describe() for p in view.outside_init)
         raise UncapturedProcessError(
