@@ -150,3 +150,32 @@ def test_update_atomicity_hammer(run_dir: Path, tmp_path: Path) -> None:
             assert fields[3] == "0", f"a reader saw a torn update: {line}"
             assert fields[7] == str(rounds)
             assert int(fields[5]) >= 2  # it saw updates land while it was reading
+
+
+def test_a_layout_server_started_at_a_version_commits_the_next_one(run_dir: Path, tmp_path: Path) -> None:
+    # A slot restarted from scratch refills its weights as version N again: it starts at N - 1.
+    layout = tmp_path / "layout.json"
+    layout.write_text(json.dumps({"tensors": [{"name": "w", "dtype": "float32", "shape": [4]}]}))
+    config = ServerConfig(kind="weights", socket=run_dir / "v.sock", layout_file=layout, start_version=6)
+    assert "--start-version" in config.to_argv()
+    with ServerProcess.start(config) as server:
+        client = WeightClient.attach(server.config.socket)
+        try:
+            assert client.version == 6
+            with client.update() as update:
+                update.tensors()["w"].fill_(2)
+                assert update.commit() == 7
+            assert client.latest_version() == 7
+        finally:
+            client.detach()
+
+
+def test_a_start_version_is_refused_where_it_means_nothing(tmp_path: Path) -> None:
+    from belayer_gpumem import LayoutError
+
+    with pytest.raises(LayoutError, match="needs --layout"):
+        ServerConfig(
+            kind="weights", socket=tmp_path / "w.sock", safetensors=tmp_path / "w.st", start_version=3
+        )
+    with pytest.raises(LayoutError, match="0 or more"):
+        ServerConfig(kind="weights", socket=tmp_path / "w.sock", layout_file=tmp_path / "l", start_version=-1)

@@ -50,6 +50,12 @@ def _parser() -> argparse.ArgumentParser:
     for flag in ("--num-blocks", "--num-layers", "--block-size", "--num-kv-heads", "--head-dim"):
         serve.add_argument(flag, type=int, help="kv: arena layout")
     serve.add_argument("--dtype", choices=sorted(DTYPE_SIZES), default="bfloat16", help="kv: element type")
+    serve.add_argument(
+        "--start-version",
+        type=int,
+        default=0,
+        help="weights with --layout: the version before the first update (that update commits N + 1)",
+    )
     serve.add_argument("--ready-file", help="written (atomically) once the server accepts connections")
     serve.add_argument("--pid-file", help="written at start, removed at shutdown")
     for name in ("ping", "describe"):
@@ -80,6 +86,7 @@ def _config(args: argparse.Namespace) -> ServerConfig:
         kv_layout=kv,
         ready_file=args.ready_file,
         pid_file=args.pid_file,
+        start_version=args.start_version,
     )
 
 

@@ -27,7 +27,9 @@ class ServerConfig:
     """Configuration of one memory server.
 
     A weights server takes its table from `safetensors` (table and bytes, version 1) or from
-    `layout_file` (a JSON table, zero-filled, version 0; a client fills it with an update).
+    `layout_file` (a JSON table, zero-filled, version `start_version`, 0 by default; a client fills
+    it with an update, which commits `start_version` + 1: a server restarted to hold weights of
+    version N again starts at N - 1, so their refill brings it back to N).
     A KV server takes `kv_layout`.
     """
 
@@ -40,15 +42,24 @@ class ServerConfig:
     kv_layout: KVLayout | None = None
     ready_file: Path | None = attrs.field(default=None, converter=_path_or_none)
     pid_file: Path | None = attrs.field(default=None, converter=_path_or_none)
+    start_version: int = 0
 
     def __attrs_post_init__(self) -> None:
+        if self.start_version < 0:
+            raise LayoutError(f"--start-version must be 0 or more, got {self.start_version}")
         if self.kind == "weights":
             if (self.safetensors is None) == (self.layout_file is None):
                 raise LayoutError("a weights server needs exactly one of --safetensors or --layout")
             if self.kv_layout is not None:
                 raise LayoutError("a weights server takes no KV layout")
+            if self.start_version and self.layout_file is None:
+                raise LayoutError(
+                    "--start-version needs --layout (a --safetensors server starts at version 1)"
+                )
         elif self.kv_layout is None or self.safetensors is not None or self.layout_file is not None:
             raise LayoutError("a kv server needs the KV layout (--num-blocks ...) and no weight source")
+        elif self.start_version:
+            raise LayoutError("a kv server has no weight version: drop --start-version")
 
     def to_argv(self) -> list[str]:
         """The `belayer-gpumem serve ...` arguments that reproduce this configuration."""
@@ -62,6 +73,8 @@ class ServerConfig:
         ):
             if path is not None:
                 argv += [flag, str(path)]
+        if self.start_version:
+            argv += ["--start-version", str(self.start_version)]
         if self.kv_layout is not None:
             kv = self.kv_layout
             argv += ["--num-blocks", str(kv.num_blocks), "--num-layers", str(kv.num_layers)]

@@ -41,7 +41,8 @@ def _load_weights(config: ServerConfig) -> tuple[WeightLayout, ServerRegion, int
         layout = WeightLayout.from_json(json.loads(text))
     except json.JSONDecodeError as exc:
         raise LayoutError(f"layout file {config.layout_file} is not JSON: {exc}") from exc
-    return layout, create_region(config.backend, layout.region_bytes, device=config.device), 0
+    region = create_region(config.backend, layout.region_bytes, device=config.device)
+    return layout, region, config.start_version
 
 
 @attrs.define

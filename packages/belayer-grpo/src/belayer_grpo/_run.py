@@ -369,7 +369,15 @@ async def _train(config: Config, stream: TextIO, run_dir: Path) -> dict[str, Any
                 kill=lambda i: (system.slots[i].config.slot, system.slots[i].kill_main()),
                 num_slots=len(system.slots),
             )
-            sync = system.weights if isinstance(system, ClusterSystem) else WeightSync(system.weight_sockets)
+            sync = (
+                system.weights
+                if isinstance(system, ClusterSystem)
+                else WeightSync(
+                    system.weight_sockets,
+                    keepers=[slot.keep_weights for slot in system.slots],
+                    keep_file=run_dir / "pushed-weights.safetensors",
+                )
+            )
             if isinstance(system, ClusterSystem) and system.sandboxes is not None and run.pool is None:
                 # agentic on Ray: every sandbox on a node's sandbox host, checkpoints shared
                 run.pool = await anyio.to_thread.run_sync(system.open_pool, config, run_dir)

@@ -5,11 +5,17 @@ the next rollout only once every server has committed the new version; an idle w
 its weight views before it admits new requests (belayer-shadow), so every sample of the next step
 comes from the new weights. The trainer checks this each step by comparing the router's
 logprobs with its own (`logprob_gap` in the metrics).
+
+Every push is also kept (``keepers``, one per socket: belayer-shadow's
+`SlotSupervisor.keep_weights`): the weights are saved once to ``keep_file`` and each slot keeps a
+copy with the version its server committed, so a slot restarted from scratch (its memory lost)
+comes back with the trainer's current weights at the current version, not the start's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
@@ -25,6 +31,9 @@ class WeightSync:
     """Writes weights into the weight servers at ``sockets``; remembers the versions they report."""
 
     sockets: Sequence[Path]
+    # Called as keeper(file, version) after a push, for the slot of the socket at the same index.
+    keepers: Sequence[Callable[[Path, int], None]] = ()
+    keep_file: Path | None = None  # where the pushed weights are saved for the keepers
     versions: list[int] = attrs.field(factory=list)
     num_pushes: int = 0
     seconds: float = 0.0
@@ -45,6 +54,26 @@ class WeightSync:
             except (BelayerGpumemError, BelayerShadowError, OSError) as error:
                 raise BelayerGrpoError(f"pushing weights to {socket} failed: {error}") from error
         self.versions = versions
+        if self.keepers:
+            self._keep(tensors, versions)
         self.num_pushes += 1
         self.seconds += time.monotonic() - start
         return versions
+
+    def _keep(self, tensors: dict[str, torch.Tensor], versions: Sequence[int]) -> None:
+        """Save the pushed weights once (written aside, then renamed) and let every slot keep them."""
+        from safetensors.torch import save_file
+
+        if self.keep_file is None:
+            raise BelayerGrpoError("WeightSync has keepers but no keep_file to save the pushed weights to")
+        aside = self.keep_file.with_name(f".{self.keep_file.name}.{os.getpid()}.tmp")
+        try:
+            # Tied embeddings share storage: save_file refuses shared tensors, so each is its own.
+            save_file({name: tensor.contiguous().clone() for name, tensor in tensors.items()}, str(aside))
+            os.replace(aside, self.keep_file)
+            for keeper, version in zip(self.keepers, versions, strict=False):
+                keeper(self.keep_file, version)
+        except OSError as error:
+            raise BelayerGrpoError(
+                f"keeping the pushed weights at {self.keep_file} failed: {error}"
+            ) from error

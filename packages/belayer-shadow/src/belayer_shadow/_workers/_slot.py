@@ -61,6 +61,8 @@ from belayer_shadow._workers._slot_config import SlotConfig
 __all__ = ["SlotConfig", "SlotSupervisor"]
 
 
+# Beside the kept weights: the weight server's version they were committed as.
+_KEPT_VERSION_FILE = "version"
 # Shadows in a row that exit before standing by; then the supervisor stops starting new ones.
 _MAX_FAILED_STARTS = 3
 
@@ -120,9 +122,13 @@ class SlotSupervisor:
             return self._kept_weights
         return self.config.weights or self.config.run_dir / "init.safetensors"
 
-    def keep_weights(self, source: Path) -> None:
+    def keep_weights(self, source: Path, version: int | None = None) -> None:
         """Keep a copy of the weights just committed to the weight server (a `*.safetensors` file
         or a folder of them), so a restart from scratch reloads this version, not the first.
+
+        `version`: the weight server's version of that commit (what `fill_weight_server` or a
+        `WeightClient` commit returned); a restart from scratch then brings the new server back
+        at this version, not at 1 (the trainer's and the router's version checks see no step back).
 
         A copy, not the path: a trainer may overwrite or delete its folder at the next step. The
         copy replaces the previous one atomically (written aside, then renamed)."""
@@ -134,6 +140,8 @@ class SlotSupervisor:
         aside.mkdir(parents=True)
         for file in files:
             shutil.copyfile(file, aside / file.name)
+        if version is not None:
+            (aside / _KEPT_VERSION_FILE).write_text(f"{int(version)}\n")
         with self._lock:
             old = self.config.run_dir / "kept-weights.old"
             shutil.rmtree(old, ignore_errors=True)
@@ -142,7 +150,17 @@ class SlotSupervisor:
             aside.rename(kept)
             shutil.rmtree(old, ignore_errors=True)
             self._kept_weights = kept
-        self.log.emit("weights.kept", source=str(source), num_files=len(files))
+        self.log.emit("weights.kept", source=str(source), num_files=len(files), version=version)
+
+    @property
+    def kept_version(self) -> int | None:
+        """The weight server's version of the weights last kept, if `keep_weights` was told it."""
+        if self._kept_weights is None:
+            return None
+        try:
+            return int((self._kept_weights / _KEPT_VERSION_FILE).read_text())
+        except (OSError, ValueError):
+            return None
 
     @property
     def heartbeat(self) -> Path:
@@ -289,6 +307,8 @@ class SlotSupervisor:
             layout_file = self.weights_socket.parent / "weights-layout.json"
             layout_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             layout_file.write_text(json.dumps(weight_layout(model).to_json()))
+            # Kept weights of version N: the server starts at N - 1 and their refill commits N.
+            kept_version = self.kept_version
             self.weights_server = ServerProcess.start(
                 ServerConfig(
                     kind="weights",
@@ -296,6 +316,7 @@ class SlotSupervisor:
                     layout_file=layout_file,
                     backend=backend,
                     device=device,
+                    start_version=0 if kept_version is None else max(0, kept_version - 1),
                 )
             )
             try:
