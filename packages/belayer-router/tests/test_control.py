@@ -1,5 +1,6 @@
 """The RL control plane: /pause (keep, wait, abort), /resume, /is_paused, /update_weights,
-/update_weights_from_disk, /get_world_size, /reset_prefix_cache.
+/update_weights_from_disk, /get_world_size, /reset_prefix_cache; SGLang's (slime) and AReaL's
+names for them (/pause_generation, /continue_generation, /flush_cache, /areal_*).
 
 Real routers on loopback (both HTTP servers) and `FakeWorker`s; the weight servers behind the
 router are a `FakeWeightLoader` here (belayer-shadow's tests load real folders into real weight
@@ -300,6 +301,96 @@ async def test_pause_and_resume_during_an_update_wait_for_it() -> None:
         assert paused_during_load == [True]
         assert (await http.get("/is_paused")).json() == {"is_paused": False}
         assert (await client.generate([3], 4, seed=1)).token_ids == expected_tokens(1, 4)
+
+
+async def test_sglang_pause_generation_retract_holds_and_continue_generation_goes_on_exactly() -> None:
+    """slime's calls on an SGLang server: /pause_generation {"mode": "retract"} (requests back to
+    the queue, recomputed later: `keep` here), /update_weights_from_disk, /flush_cache,
+    /continue_generation; answered in SGLang's shapes."""
+    loader = FakeWeightLoader()
+    async with (
+        running_router(RouterConfig(admin_token=TOKEN, resume_wait_s=1), weight_loader=loader) as (url, app),
+        running_worker(1, pause_at=5) as (w_url, worker),
+        RouterClient(url, admin_token=TOKEN) as client,
+        httpx.AsyncClient(base_url=url) as http,
+    ):
+        loader.app = app
+        await client.register("s", w_url, 1)
+        out: dict[str, Any] = {}
+        async with anyio.create_task_group() as group:
+            group.start_soon(_collect, client, out, 7, 20, "retracted")
+            await wait_until(lambda: worker.num_paused == 1)
+            answer = await http.post("/pause_generation", json={"mode": "retract"})
+            assert answer.json() == {"message": "Generation paused successfully.", "status": "ok"}
+            assert app.registry.paused == "keep"
+            worker.resume()
+            await wait_until(lambda: app.registry.num_running() == 0)
+            assert "finish" not in out  # held, not failed
+            update = await http.post("/update_weights_from_disk", json={"model_path": "/w/1"})
+            assert update.json()["success"] is True
+            flushed = await http.post("/flush_cache")
+            assert (flushed.status_code, flushed.text) == (200, "Cache flushed.\n")
+            assert (await http.get("/flush_cache")).status_code == 200  # SGLang serves both methods
+            answer = await http.post("/continue_generation", json={})
+            assert answer.json() == {"message": "Generation continued successfully.", "status": "ok"}
+        assert out["tokens"] == expected_tokens(7, 20)  # nothing lost or repeated
+        assert out["finish"].num_resumes == 1
+        assert loader.loads == [("/w/1", 0)]
+        # SGLang's default mode is abort; an empty POST (no body) is taken too.
+        aborted: dict[str, Any] = {}
+        worker.gate = anyio.Event()  # the next stream pauses at index 5 again
+        paused_before = worker.num_paused
+        async with anyio.create_task_group() as group:
+            group.start_soon(_collect, client, aborted, 5, 12, "aborted")
+            await wait_until(lambda: worker.num_paused == paused_before + 1)
+            assert (await http.post("/pause_generation")).json()["status"] == "ok"
+            assert app.registry.paused == "abort"
+            worker.resume()
+        assert aborted["finish"].finish_reason == "abort"
+        assert aborted["tokens"] == expected_tokens(5, 12)[:5]
+        await http.post("/continue_generation")
+        assert (await http.get("/is_paused")).json() == {"is_paused": False}
+        for body in ({"mode": "later"}, {"mode": ["abort"]}, [1]):
+            refused = await http.post("/pause_generation", json=body)
+            assert refused.status_code == 400
+            assert "retract" in refused.json()["error"]["message"]
+        assert (await http.get("/is_paused")).json() == {"is_paused": False}
+
+
+async def test_areal_pause_aborts_update_loads_and_continue_resumes() -> None:
+    """AReaL's vLLM server routes: /areal_pause_generation aborts what runs (AReaL resubmits the
+    partial output itself), /areal_update_weights {"model_path"}, /areal_continue_generation."""
+    loader = FakeWeightLoader()
+    async with (
+        running_router(RouterConfig(admin_token=TOKEN), weight_loader=loader) as (url, app),
+        running_worker(1, pause_at=4) as (w_url, worker),
+        RouterClient(url, admin_token=TOKEN) as client,
+        httpx.AsyncClient(base_url=url) as http,
+    ):
+        loader.app = app
+        await client.register("s", w_url, 1)
+        out: dict[str, Any] = {}
+        async with anyio.create_task_group() as group:
+            group.start_soon(_collect, client, out, 5, 12, "areal")
+            await wait_until(lambda: worker.num_paused == 1)
+            answer = await http.post("/areal_pause_generation", json={})
+            assert answer.json() == {"success": True, "message": "Generation paused and all requests aborted"}
+            worker.resume()
+        assert out["finish"].finish_reason == "abort"
+        assert out["tokens"] == expected_tokens(5, 12)[:4]
+        update = await http.post("/areal_update_weights", json={"model_path": "/w/1", "load_format": "auto"})
+        assert update.status_code == 200
+        assert (update.json()["success"], update.json()["version"]) == (True, 1)
+        refused = await http.post("/areal_update_weights", json={"model_path": "/w/bad"})
+        assert refused.status_code == 400
+        assert refused.json()["success"] is False
+        assert "truncated" in refused.json()["message"]
+        answer = await http.post("/areal_continue_generation")
+        assert answer.json()["success"] is True
+        assert (await http.get("/is_paused")).json() == {"is_paused": False}
+        assert loader.loads == [("/w/1", 0)]
+        assert app.registry.required_version == 1
+        assert (await client.generate([3], 4, seed=5)).token_ids == expected_tokens(5, 4)
 
 
 async def test_without_weight_servers_the_update_routes_answer_404() -> None:

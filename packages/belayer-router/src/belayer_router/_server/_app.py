@@ -284,7 +284,13 @@ class RouterApp(OpenAIRoutes, ControlRoutes, TokenRoutes):
                 | "get_world_size"
                 | "reset_prefix_cache"
                 | "update_weights"
-                | "update_weights_from_disk" as route
+                | "update_weights_from_disk"
+                | "pause_generation"
+                | "continue_generation"
+                | "flush_cache"
+                | "areal_pause_generation"
+                | "areal_continue_generation"
+                | "areal_update_weights" as route
             ]:
                 await self._control(method, route, scope, receive, send)
             case _:

@@ -55,8 +55,8 @@ def body_too_large(max_bytes: int) -> PayloadTooLargeError:
     )
 
 
-async def read_json(receive: Receive, max_bytes: int = MAX_BODY_BYTES) -> Any:
-    """The request body decoded as JSON.
+async def read_json(receive: Receive, max_bytes: int = MAX_BODY_BYTES, *, empty: Any = None) -> Any:
+    """The request body decoded as JSON (``empty``, when given, for a body of no bytes).
 
     `PayloadTooLargeError` (413) past ``max_bytes``, `InvalidRequestError` (400) if not JSON.
     """
@@ -73,6 +73,8 @@ async def read_json(receive: Receive, max_bytes: int = MAX_BODY_BYTES) -> Any:
         chunks.append(chunk)
         if not message.get("more_body", False):
             break
+    if empty is not None and size == 0:
+        return empty
     try:
         return json.loads(b"".join(chunks))
     except ValueError as error:

@@ -4,7 +4,11 @@ The routes RL frameworks already call on vLLM and SGLang servers, with their nam
 vLLM's ``POST /pause?mode=`` / ``POST /resume`` / ``GET /is_paused`` / ``GET /get_world_size`` /
 ``POST /reset_prefix_cache`` / ``POST /tokenize`` / ``POST /detokenize``, prime-rl's
 ``POST /update_weights {"weight_dir"}`` and SGLang's ``POST /update_weights_from_disk
-{"model_path"}`` (slime, AReaL). The router holds no weights: it reaches the slots' weight
+{"model_path"}`` (slime, AReaL). Aliases under the names other servers use: SGLang's (slime)
+``POST /pause_generation {"mode"}`` (``abort``; ``retract`` and ``in_place`` are ``keep`` here),
+``POST /continue_generation``, ``GET|POST /flush_cache``; AReaL's vLLM extension
+``POST /areal_pause_generation`` (abort), ``POST /areal_continue_generation``, ``POST
+/areal_update_weights {"model_path"}``, each answering in its server's shape. The router holds no weights: it reaches the slots' weight
 servers through a `WeightLoader` that whoever assembles the service passes in (belayer-shadow's
 ``serve``), so the router imports no sibling.
 
@@ -40,11 +44,16 @@ from belayer_router._errors import (
     PartialWeightCommitError,
     WeightLoadError,
 )
-from belayer_router._server._asgi import Receive, Send, send_json
+from belayer_router._server._asgi import Receive, Send, read_json, send_json, send_text
 
-__all__ = ["PAUSE_MODES", "ControlRoutes", "WeightLoader"]
+__all__ = ["PAUSE_MODES", "SGLANG_PAUSE_MODES", "ControlRoutes", "WeightLoader"]
 
 PAUSE_MODES = ("abort", "wait", "keep")
+
+# SGLang's `/pause_generation` modes and the pause each one is here: `retract` (requests back to
+# the queue, their KV freed, recomputed later) and `in_place` (frozen with their KV) both continue
+# after `/continue_generation` with nothing lost or repeated, which is `keep`.
+SGLANG_PAUSE_MODES = {"abort": "abort", "retract": "keep", "in_place": "keep"}
 
 
 @runtime_checkable
@@ -98,17 +107,36 @@ class ControlRoutes:
                 mode = _query(scope).get("mode", "abort")
                 if mode not in PAUSE_MODES:
                     raise InvalidRequestError(f"pause mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
-                # Serialized with weight updates: a pause sent during one takes effect after it
-                # (the update's own resume must not undo it).
-                async with self._weights_lock:
-                    self.registry.pause(mode)
-                if mode == "wait":
-                    await self.registry.wait_idle()
+                await self._pause(mode)
                 await send_json(send, 200, {"status": "paused", "mode": mode})
             case "POST", "resume":
-                async with self._weights_lock:  # never resume in the middle of a weight load
-                    self.registry.resume()
+                await self._resume()
                 await send_json(send, 200, {"status": "resumed"})
+            case "POST", "pause_generation":  # SGLang (slime)
+                body = await self._optional_body(receive)
+                sglang_mode = body.get("mode", "abort") if isinstance(body, dict) else None
+                if not isinstance(sglang_mode, str) or sglang_mode not in SGLANG_PAUSE_MODES:
+                    raise InvalidRequestError(
+                        f"pause_generation mode must be one of {list(SGLANG_PAUSE_MODES)}, got {sglang_mode!r}"
+                    )
+                await self._pause(SGLANG_PAUSE_MODES[sglang_mode])
+                await send_json(send, 200, {"message": "Generation paused successfully.", "status": "ok"})
+            case "POST", "continue_generation":  # SGLang (slime)
+                await self._optional_body(receive)
+                await self._resume()
+                await send_json(send, 200, {"message": "Generation continued successfully.", "status": "ok"})
+            case "GET" | "POST", "flush_cache":  # SGLang: engines here drop their prefixes at each update
+                await send_text(send, 200, "Cache flushed.\n", "text/plain; charset=utf-8")
+            case "POST", "areal_pause_generation":  # AReaL's vLLM server: abort everything running
+                await self._optional_body(receive)
+                await self._pause("abort")
+                await send_json(
+                    send, 200, {"success": True, "message": "Generation paused and all requests aborted"}
+                )
+            case "POST", "areal_continue_generation":
+                await self._optional_body(receive)
+                await self._resume()
+                await send_json(send, 200, {"success": True, "message": "Generation continued"})
             case "GET", "is_paused":
                 await send_json(send, 200, {"is_paused": self.registry.paused is not None})
             case "GET" | "POST", "get_world_size":
@@ -122,17 +150,33 @@ class ControlRoutes:
                 weight_dir = _string_field(await self._body(receive), "weight_dir")
                 version = await self.update_weights(weight_dir)
                 await send_json(send, 200, {"status": "ok", "weight_dir": weight_dir, "version": version})
-            case "POST", "update_weights_from_disk":
+            case "POST", "update_weights_from_disk" | "areal_update_weights":  # SGLang's; AReaL's alias
                 model_path = _string_field(await self._body(receive), "model_path")
                 try:
                     version = await self.update_weights(model_path)
-                except WeightLoadError as error:  # SGLang's shape for a refused update
+                except WeightLoadError as error:  # SGLang's (and AReaL's) shape for a refused update
                     await send_json(send, 400, {"success": False, "message": str(error)})
                     return
                 message = f"weights from {model_path} loaded into every slot (version {version})"
                 await send_json(send, 200, {"success": True, "message": message, "version": version})
             case _:
                 raise NotFoundError(f"no route {method} /{route}; see the belayer-router README")
+
+    async def _optional_body(self, receive: Receive) -> Any:
+        """The JSON body, ``{}`` when there is none (the alias routes take an empty POST)."""
+        return await read_json(receive, self.config.max_body_bytes, empty={})
+
+    async def _pause(self, mode: str) -> None:
+        # Serialized with weight updates: a pause sent during one takes effect after it
+        # (the update's own resume must not undo it).
+        async with self._weights_lock:
+            self.registry.pause(mode)
+        if mode == "wait":
+            await self.registry.wait_idle()
+
+    async def _resume(self) -> None:
+        async with self._weights_lock:  # never resume in the middle of a weight load
+            self.registry.resume()
 
     async def update_weights(self, weight_dir: str) -> int:
         """Load ``weight_dir`` into every slot (no request running meanwhile); the new version."""
