@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import textwrap
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -264,3 +265,53 @@ async def test_a_hung_guardian_is_replaced_so_a_sigkilled_supervisor_still_leave
 def _event_names(run_dir: Path) -> list[str]:
     lines = (run_dir / "events.jsonl").read_text().splitlines()
     return [json.loads(line)["event"] for line in lines if line.strip()]
+
+
+async def test_a_kept_slot_whose_supervisor_is_sigkilled_comes_back_and_the_streams_finish_exactly(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "slot"
+    argv = [sys.executable, "-m", "belayer_shadow", "slot", "--slot", "kept", "--run-dir", str(run_dir)]
+    argv += ["--admin-token", TOKEN, "--num-kv-blocks", "256", "--json", "--keep-running"]
+    async with router(resume_wait_s=120.0) as (url, app):
+        keeper = await anyio.open_process([*argv, "--router", url])
+        try:
+            assert keeper.stdout is not None
+            stdout = keeper.stdout
+            buffer = b""
+
+            async def report() -> dict[str, int]:
+                nonlocal buffer
+                with anyio.fail_after(240):
+                    while b"\n" not in buffer:
+                        buffer += await stdout.receive()
+                line, buffer = buffer.split(b"\n", 1)
+                document: dict[str, int] = json.loads(line)
+                return document
+
+            first = await report()
+            reference = await generate_all(url, PROMPTS, MAX_TOKENS)
+            streams = Streams(url, PROMPTS, MAX_TOKENS)
+            async with anyio.create_task_group() as group:
+                group.start_soon(streams.run)
+                await streams.wait_tokens(4)
+                os.kill(first["pid"], signal.SIGKILL)  # the supervisor; its workers die with it
+                killed = time.monotonic()
+            # In flight: each stream waited for the slot's new main and resumed there, exactly.
+            assert streams.tokens == reference
+            second = await report()
+            print(f"kept slot: SIGKILL to the new supervisor serving {time.monotonic() - killed:.1f} s")
+            assert second["pid"] != first["pid"]
+            assert second["epoch"] > first["epoch"]
+            assert app.registry.slots["kept"].healthy
+            assert await generate_all(url, PROMPTS, MAX_TOKENS) == reference  # new requests
+            keeper.send_signal(signal.SIGTERM)  # passed on: the supervisor stops its slot
+            with anyio.fail_after(120):
+                assert await keeper.wait() == 130
+        finally:
+            if keeper.returncode is None:
+                keeper.kill()
+                await keeper.wait()
+    assert _gone(first["pid"])
+    assert _gone(second["pid"])
+    assert not (run_dir / "processes.json").exists()  # the last supervisor stopped everything

@@ -49,6 +49,7 @@ from belayer_router._errors import (
     WeightVersionError,
     WorkerStreamError,
 )
+from belayer_router._keeper import keep_running
 from belayer_router._server._app import RouterApp, RouterConfig
 from belayer_router._server._asgi import read_json
 from belayer_router._server._control import PAUSE_MODES, WeightLoader
@@ -118,6 +119,7 @@ __all__ = [
     "WorkerToken",
     "__version__",
     "bind_socket",
+    "keep_running",
     "load_tokenizer",
     "owner_index",
     "parse_generate_request",

@@ -12,14 +12,17 @@ import enum
 import gc
 import json
 import os
+import socket
 import sys
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 
 import anyio
 
 from belayer_router._core._tokenizer import load_tokenizer
 from belayer_router._errors import BelayerRouterError
+from belayer_router._keeper import keep_running
 from belayer_router._server._app import RouterApp, RouterConfig
 from belayer_router._server._serve import SERVERS, bind_socket, serve_asgi
 
@@ -87,7 +90,17 @@ def _parser() -> argparse.ArgumentParser:
         help="HTTP server: uvicorn, or the router's own (belayer: streams with no per-token task "
         "switch); default $BELAYER_ROUTER_SERVER or uvicorn",
     )
-    serve.add_argument("--json", action="store_true", help='print {"url": ...} once listening')
+    serve.add_argument(
+        "--json", action="store_true", help='print {"url": ..., "pid": ...} once listening (each start)'
+    )
+    serve.add_argument(
+        "--keep-running",
+        action="store_true",
+        help="run the router in a child process and start it again on its journal when it dies "
+        "(SIGKILL, a crash); needs --journal. The listening socket stays open meanwhile",
+    )
+    serve.add_argument("--max-restarts", type=int, default=5, help="--keep-running: restarts per 300 s")
+    serve.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)  # the keeper's socket
     serve.add_argument(
         "--loop",
         choices=["auto", "asyncio", "uvloop"],
@@ -126,6 +139,30 @@ def _tune_gc() -> None:
     gc.set_threshold(50_000, 20, 10)
 
 
+def _keep(args: argparse.Namespace, raw: Sequence[str]) -> int:
+    """`serve --keep-running`: bind once, then run `serve --listen-fd` children, restarted on death."""
+    if args.journal is None:
+        raise _UsageError(
+            "--keep-running needs --journal: a restarted router knows its workers and resumes its "
+            "requests only from its journal"
+        )
+    if args.max_restarts < 0:
+        raise _UsageError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as error:
+        raise _UsageError(f"cannot listen on {args.host}:{args.port}: {error}") from error
+    child = [arg for arg in raw if arg != "--keep-running"]
+    if not args.json:
+        host, port = sock.getsockname()[:2]
+        print(f"belayer-router keeping a router on http://{host}:{port}", file=sys.stderr, flush=True)
+    argv = [sys.executable, "-m", "belayer_router", *child, "--listen-fd", str(sock.fileno())]
+    with sock:
+        return keep_running(
+            argv, name="belayer-router", pass_fds=[sock.fileno()], max_restarts=args.max_restarts
+        )
+
+
 def _serve(args: argparse.Namespace) -> ExitCode:
     try:
         config = RouterConfig(
@@ -145,12 +182,15 @@ def _serve(args: argparse.Namespace) -> ExitCode:
     use_uvloop = _use_uvloop(args.loop)
     app = RouterApp(config)
     try:
-        sock = bind_socket(args.host, args.port)
+        if args.listen_fd is not None:  # a child of --keep-running: the keeper's socket
+            sock = socket.socket(fileno=args.listen_fd)
+        else:
+            sock = bind_socket(args.host, args.port)
     except OSError as error:
         raise _UsageError(f"cannot listen on {args.host}:{args.port}: {error}") from error
     host, port = sock.getsockname()[:2]
     if args.json:
-        print(json.dumps({"url": f"http://{host}:{port}"}), flush=True)
+        print(json.dumps({"url": f"http://{host}:{port}", "pid": os.getpid()}), flush=True)
     else:
         print(f"belayer-router listening on http://{host}:{port}", file=sys.stderr, flush=True)
     _tune_gc()
@@ -164,9 +204,12 @@ class _UsageError(Exception):
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``belayer-router`` command; returns an `ExitCode`."""
-    args = _parser().parse_args(argv)
+    raw = sys.argv[1:] if argv is None else list(argv)
+    args = _parser().parse_args(raw)
     debug = args.debug or os.environ.get("BELAYER_DEBUG") == "1"
     try:
+        if args.keep_running:
+            return _keep(args, raw)
         return int(_serve(args))
     except (_UsageError, BelayerRouterError) as error:
         if debug:

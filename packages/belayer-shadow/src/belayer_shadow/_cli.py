@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,13 @@ def _parser() -> argparse.ArgumentParser:
     slot.add_argument("--health-interval-s", type=float, default=10.0, help="conventional: probe interval")
     slot.add_argument("--health-misses", type=int, default=3, help="conventional: misses before a restart")
     slot.add_argument("--json", action="store_true", help="report the serving slot as one JSON document")
+    slot.add_argument(
+        "--keep-running",
+        action="store_true",
+        help="run the supervisor in a child process and start it again when it dies (SIGKILL, a "
+        "crash): the new one reaps what is left, restarts the slot from scratch, registers at epoch + 1",
+    )
+    slot.add_argument("--max-restarts", type=int, default=5, help="--keep-running: restarts per 300 s")
     _serve_parser(commands)
     reap = commands.add_parser("reap", help="kill what an earlier killed slot left in a run folder")
     reap.add_argument("--run-dir", type=Path, required=True, help="the slot's run folder (processes.json)")
@@ -240,6 +248,29 @@ def _worker_config(args: argparse.Namespace) -> object:
     )
 
 
+def _keep_slot(args: argparse.Namespace, raw: list[str]) -> int:
+    """`slot --keep-running`: the supervisor in a child, started again (belayer-router's
+    `keep_running`) each time it dies; the dead one's guardian finishes its reap first."""
+    from belayer_router import keep_running
+    from belayer_shadow._workers._processes import PROCESSES_FILE
+
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    table = Path(args.run_dir) / PROCESSES_FILE
+
+    def after_the_guardian() -> None:
+        # The dead supervisor's guardian reaps its children, then removes processes.json; the new
+        # supervisor must not start before that (the removal would take its own table).
+        deadline = time.monotonic() + 10.0
+        while table.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    argv = [sys.executable, "-m", "belayer_shadow", *[arg for arg in raw if arg != "--keep-running"]]
+    return keep_running(
+        argv, name="belayer-shadow", max_restarts=args.max_restarts, before_restart=after_the_guardian
+    )
+
+
 def _run_slot(args: argparse.Namespace) -> int:
     from belayer_shadow._workers._slot import SlotConfig, SlotSupervisor
 
@@ -266,7 +297,7 @@ def _run_slot(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     supervisor = SlotSupervisor(config)
     supervisor.start()
-    report = {"slot": config.slot, "url": supervisor.main_url, "epoch": supervisor.epoch}
+    report = {"slot": config.slot, "url": supervisor.main_url, "epoch": supervisor.epoch, "pid": os.getpid()}
     report |= {"run_dir": str(config.run_dir), "recovery": config.recovery}
     _report(args, report, f"belayer-shadow slot {config.slot} serving at {supervisor.main_url}")
     try:
@@ -288,11 +319,14 @@ def _run_reap(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `belayer-shadow` command."""
-    args = _parser().parse_args(argv)
+    raw = sys.argv[1:] if argv is None else list(argv)
+    args = _parser().parse_args(raw)
     from belayer_gpumem import BelayerGpumemError
     from belayer_shadow._errors import BelayerShadowError, HandoverError, SupervisorError, WorkerError
 
     try:
+        if args.command == "slot" and args.keep_running:
+            return _keep_slot(args, raw)
         if args.command == "slot":
             return _run_slot(args)
         if args.command == "serve":

@@ -1,0 +1,112 @@
+"""`keep_running`: a small parent process that starts a server process again when it dies.
+
+A SIGKILLed process cannot restart itself: another process has to. `keep_running(argv)` is that
+process for `belayer-router serve --keep-running` (and belayer-shadow's `slot --keep-running`):
+
+- it starts `argv` as its child, which dies with it (`PR_SET_PDEATHSIG` = SIGKILL), so a killed
+  keeper leaves no server behind;
+- when the child ends by a signal or with an exit code not in `final_codes` (a crash, a failure),
+  it starts it again, up to `max_restarts` times within `window_s`; then it gives up and returns
+  the child's code (a child that cannot start is not restarted forever);
+- SIGTERM and SIGINT are passed on to the child and end the keeping: the child's exit code is
+  returned;
+- `pass_fds` go to every child: a listening socket the keeper bound once stays open across
+  restarts, so a client that connects while no child runs waits in its backlog instead of being
+  refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Collection, Sequence
+from types import FrameType
+
+__all__ = ["keep_running"]
+
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True)
+# 0 OK, 2 USAGE (bad arguments: the same again), 3 UNHEALTHY (a failed device), 130 INTERRUPTED.
+_FINAL_CODES = frozenset({0, 2, 3, 130})
+
+
+def _die_with(parent_pid: int) -> Callable[[], None]:
+    def preexec() -> None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the keeper died between fork and prctl
+            os._exit(1)
+
+    return preexec
+
+
+def keep_running(
+    argv: Sequence[str],
+    *,
+    name: str,
+    pass_fds: Sequence[int] = (),
+    max_restarts: int = 5,
+    window_s: float = 300.0,
+    final_codes: Collection[int] = _FINAL_CODES,
+    before_restart: Callable[[], None] | None = None,
+) -> int:
+    """Run `argv` and start it again each time it dies (see the module); returns its last exit
+    code (a signal N as 128 + N). `name` prefixes the one line written to stderr per restart;
+    `before_restart` runs before each restart (e.g. to wait for the dead child's leftovers)."""
+    if max_restarts < 0 or window_s <= 0:
+        raise ValueError(f"max_restarts must be >= 0 and window_s > 0, got {max_restarts}, {window_s}")
+    stopping: list[int] = []
+    child: subprocess.Popen[bytes] | None = None
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        stopping.append(signum)
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    restarts: deque[float] = deque()
+    try:
+        while True:
+            child = subprocess.Popen(list(argv), pass_fds=tuple(pass_fds), preexec_fn=_die_with(os.getpid()))
+            code = child.wait()
+            code = 128 - code if code < 0 else code
+            if stopping or code in final_codes:
+                return code
+            now = time.monotonic()
+            while restarts and now - restarts[0] > window_s:
+                restarts.popleft()
+            if len(restarts) >= max_restarts:
+                print(
+                    f"{name}: the server (pid {child.pid}) ended with {_describe(code)}; "
+                    f"{max_restarts} restarts within {window_s:g} s already, giving up",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return code
+            restarts.append(now)
+            print(
+                f"{name}: the server (pid {child.pid}) ended with {_describe(code)}; starting it "
+                f"again ({len(restarts)} of {max_restarts} restarts within {window_s:g} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+            if before_restart is not None:
+                before_restart()
+            if stopping:
+                return code
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _describe(code: int) -> str:
+    if code > 128:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(code - 128).name}"
+    return f"exit code {code}"

@@ -1,0 +1,130 @@
+"""`belayer-router serve --keep-running`: the router SIGKILLed comes back by itself, on its journal.
+
+Real processes: the keeper, its router children, a fake worker; the router child is SIGKILLed
+mid-stream and again while no request runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import httpx
+import pytest
+from router_helpers import ADMIN_TOKEN
+
+from belayer_router import ExitCode, FinishEvent, RouterClient, TokenEvent
+from belayer_router.testing import expected_tokens, running_worker
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
+
+
+class _Lines:
+    """The JSON lines a keeper's router children print on its stdout, one per start."""
+
+    def __init__(self, process: anyio.abc.Process) -> None:
+        assert process.stdout is not None
+        self.stream = process.stdout
+        self.buffer = b""
+
+    async def next(self, limit_s: float = 120) -> dict[str, Any]:
+        with anyio.fail_after(limit_s):
+            while b"\n" not in self.buffer:
+                self.buffer += await self.stream.receive()
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        document: dict[str, Any] = json.loads(line)
+        return document
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].startswith("Z")
+    except FileNotFoundError:
+        return True
+
+
+async def test_a_kept_router_killed_mid_stream_comes_back_on_its_journal_and_serves(tmp_path: Path) -> None:
+    journal = tmp_path / "router.jsonl"
+    argv = [sys.executable, "-m", "belayer_router", "serve", "--port", "0", "--json", "--keep-running"]
+    argv += ["--journal", str(journal), "--prefix-interval", "4", "--admin-token", ADMIN_TOKEN]
+    keeper = await anyio.open_process(argv)
+    pids: list[int] = []
+    try:
+        lines = _Lines(keeper)
+        first = await lines.next()
+        url = first["url"]
+        pids.append(first["pid"])
+        assert first["pid"] != keeper.pid
+        async with (
+            running_worker(1, token_delay_s=0.01) as (worker_url, _worker),
+            RouterClient(url, admin_token=ADMIN_TOKEN, reconnect_timeout_s=60) as client,
+        ):
+            await client.register("s0", worker_url, 1)
+            tokens: list[int] = []
+            finish = None
+            async for event in client.generate_stream([1, 2], 40, seed=21, request_id="req-1"):
+                if isinstance(event, FinishEvent):
+                    finish = event
+                    continue
+                assert isinstance(event, TokenEvent)
+                tokens.append(event.token_id)
+                if len(tokens) == 10:
+                    os.kill(pids[0], signal.SIGKILL)  # nobody but the keeper starts it again
+                    killed = time.monotonic()
+            # The in-flight stream: the client reconnected to the new router, which resumed it
+            # from the journal's preserved prefix: one token-exact stream.
+            assert tokens == expected_tokens(21, 40)
+            assert finish is not None
+            assert finish.num_resumes == 1
+            second = await lines.next()
+            print(
+                f"kept router: SIGKILL to the stream's end and the new router's line {time.monotonic() - killed:.2f} s"
+            )
+            assert second["url"] == url  # the same socket: the keeper kept it open
+            assert second["pid"] not in pids
+            pids.append(second["pid"])
+            # Killed again with no request running: a plain HTTP client that connects meanwhile
+            # waits in the socket's backlog (no connection refused) and gets its answer.
+            os.kill(pids[1], signal.SIGKILL)
+            async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+                response = await http.get("/health")
+            assert response.status_code == 200
+            third = await lines.next()
+            pids.append(third["pid"])
+            # New requests succeed: the restarted router knows the worker from its journal.
+            completion = await client.generate([3, 4], 12, seed=5)
+            assert completion.token_ids == expected_tokens(5, 12)
+        assert _gone(pids[0])
+        assert _gone(pids[1])
+        keeper.send_signal(signal.SIGTERM)  # passed on to the router; the keeping ends
+        with anyio.fail_after(60):
+            assert await keeper.wait() == ExitCode.INTERRUPTED
+        assert keeper.stderr is not None
+        stderr = (await keeper.stderr.receive(65536)).decode()
+        assert stderr.count("starting it again") == 2, stderr
+        assert "signal SIGKILL" in stderr
+    finally:
+        if keeper.returncode is None:
+            keeper.kill()
+            await keeper.wait()
+    with anyio.fail_after(30):
+        while not all(_gone(pid) for pid in pids):  # noqa: ASYNC110  (the children die with it)
+            await anyio.sleep(0.05)
+
+
+async def test_keep_running_without_a_journal_is_a_usage_error() -> None:
+    argv = [sys.executable, "-m", "belayer_router", "serve", "--port", "0", "--keep-running"]
+    done = await anyio.run_process(argv, check=False)
+    assert done.returncode == ExitCode.USAGE
+    assert (
+        done.stderr.decode()
+        .strip()
+        .splitlines()[-1]
+        .startswith("belayer-router: error: --keep-running needs --journal")
+    )
