@@ -13,7 +13,10 @@ never, always, every:2..every:8.  Reported: adaptive's mean batch rollout agains
 policy in hindsight of that workload, in percent; its distribution and worst cases.
 
     python benchmarks/bench_family.py [--workloads 200] [--runs 8] [--trajectories 16] [--jobs 2]
-        [--out benchmarks/results/bench_family.json]
+        [--indices 3,50,73] [--out benchmarks/results/bench_family.json]
+
+``--indices`` judges only those workloads of the family (the same draws and failure streams as in
+a full run), for a quick check of a change on chosen workloads.
 """
 
 from __future__ import annotations
@@ -129,13 +132,13 @@ def main() -> None:
     parser.add_argument("--trajectories", type=int, default=16)
     parser.add_argument("--seed", type=int, default=34)
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--indices", default="", help="comma-separated workload indices (default: all)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_family.json"))
     args = parser.parse_args()
     started, load_before = time.monotonic(), os.getloadavg()
     with ProcessPoolExecutor(args.jobs) as pool:
-        futures = [
-            pool.submit(judge, i, args.seed, args.trajectories, args.runs) for i in range(args.workloads)
-        ]
+        indices = [int(i) for i in args.indices.split(",")] if args.indices else list(range(args.workloads))
+        futures = [pool.submit(judge, i, args.seed, args.trajectories, args.runs) for i in indices]
         rows = [f.result() for f in futures]
     pcts = sorted(r["vs_best_fixed_pct"] for r in rows)
     summary = {

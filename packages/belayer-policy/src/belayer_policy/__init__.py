@@ -19,7 +19,13 @@ from belayer_policy._estimators import (
     TrajectoryLengthModel,
 )
 from belayer_policy._hazard import ConstantHazard, FailureModel, FixedStepProbability, OnlineHazard
-from belayer_policy._horizon import HorizonVerdict, batch_step_hazard, compare_now_and_later, protected_cost
+from belayer_policy._horizon import (
+    HorizonVerdict,
+    batch_step_hazard,
+    compare_now_and_later,
+    critical_share,
+    protected_cost,
+)
 from belayer_policy._kinds import CHECKPOINT_KINDS, KindCosts
 from belayer_policy._policy import CheckpointPolicy
 from belayer_policy._pooled import CostModel, HazardView, KeyTable, PooledCost
@@ -103,6 +109,7 @@ __all__ = [
     "batch_step_hazard",
     "compare_now_and_later",
     "compare_policies",
+    "critical_share",
     "format_table",
     "load_trace",
     "percentile",

@@ -55,6 +55,7 @@ class Reason(enum.StrEnum):
     COST_EXCEEDS_BENEFIT = "cost_exceeds_benefit"
     COOLDOWN = "cooldown"
     CHECKPOINT_IN_FLIGHT = "checkpoint_in_flight"
+    COST_PROBE_IN_FLIGHT = "cost_probe_in_flight"
     ALWAYS = "always"
     NEVER = "never"
     EVERY_K = "every_k"

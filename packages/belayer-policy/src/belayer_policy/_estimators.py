@@ -38,6 +38,7 @@ class ResponseTimeModel:
     _recent: deque[float] = attrs.field(init=False, factory=deque)
     _sorted: list[float] = attrs.field(init=False, factory=list)
     _sum: float = attrs.field(init=False, default=0.0)
+    _sum_squares: float = attrs.field(init=False, default=0.0)
 
     @property
     def num_observations(self) -> int:
@@ -49,16 +50,27 @@ class ResponseTimeModel:
         """Mean of the samples in the window (0.0 when empty)."""
         return self._sum / len(self._recent) if self._recent else 0.0
 
+    @property
+    def std(self) -> float:
+        """Standard deviation of the samples in the window (0.0 with fewer than two)."""
+        n = len(self._recent)
+        if n < 2:
+            return 0.0
+        mean = self._sum / n
+        return math.sqrt(max(0.0, (self._sum_squares - n * mean * mean) / (n - 1)))
+
     def observe(self, response_s: float) -> None:
         """Add one measured response time."""
         value = require_non_negative("response_s", response_s)
         self._recent.append(value)
         bisect.insort(self._sorted, value)
         self._sum += value
+        self._sum_squares += value * value
         if len(self._recent) > self.window:
             oldest = self._recent.popleft()
             del self._sorted[bisect.bisect_left(self._sorted, oldest)]
             self._sum -= oldest
+            self._sum_squares -= oldest * oldest
 
     def survival(self, at_s: float) -> float:
         """Empirical ``P(T >= at_s)``; 1.0 for ``at_s <= 0`` even without samples."""

@@ -11,7 +11,9 @@ with a checkpoint now beats every plan that takes the next one ``s >= 1`` steps 
 
 The batch waits for its slowest trajectory, so what one failure costs the batch is not its mean:
 :func:`batch_step_hazard` turns the per-step probability of one trajectory into the per-step
-weight of the batch's critical path (the expected largest loss among ``n`` trajectories).
+weight of the batch's critical path (the expected largest loss among ``n`` trajectories).  Where
+trajectories' durations spread (heavy-tailed responses), a loss on one that would have finished
+early is absorbed by its slack: only :func:`critical_share` of the largest loss lengthens the batch.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from statistics import NormalDist
 
 import attrs
 
-__all__ = ["HorizonVerdict", "batch_step_hazard", "compare_now_and_later", "protected_cost"]
+__all__ = ["HorizonVerdict", "batch_step_hazard", "compare_now_and_later", "critical_share", "protected_cost"]
 
 
 @functools.cache
@@ -33,7 +35,105 @@ def _expected_max_normal(n: int) -> float:
     return NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
 
 
-def batch_step_hazard(step_probability: float, total_steps: float, batch_size: int) -> float:
+_SQRT2 = math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_GRID = 240  # points of the numerical integration of the batch's largest finish
+
+
+def _phi(t: float) -> float:
+    return _INV_SQRT_2PI * math.exp(-0.5 * t * t)
+
+
+def _cdf(t: float) -> float:
+    return 0.5 * (1.0 + math.erf(t / _SQRT2))
+
+
+def _loss_terms(mu: float) -> list[tuple[float, int]]:
+    """Poisson(mu) weights of 0, 1, 2, ... failures, the tail folded into the last term."""
+    terms, weight, n, left = [], math.exp(-mu), 0, 1.0
+    while True:
+        if n >= mu + 6.0 * math.sqrt(mu) + 3 or left - weight < 1e-7:
+            terms.append((left, n))
+            return terms
+        terms.append((weight, n))
+        left -= weight
+        n += 1
+        weight *= mu / n
+
+
+def _finish_cdf(x: float, spread: float, terms: list[tuple[float, int]]) -> float:
+    """``P(B + L <= x)``: ``B`` normal (sd ``spread``), ``L`` the sum of a Poisson number of
+    uniform losses on [0, 1] (one exactly, two or more as a normal: Irwin-Hall)."""
+    total = 0.0
+    for weight, n in terms:
+        if n == 0:
+            part = _cdf(x / spread) if spread > 0 else float(x >= 0)
+        elif n == 1:
+            if spread > 0:
+
+                def g(t: float) -> float:
+                    return t * _cdf(t) + _phi(t)
+
+                part = spread * (g(x / spread) - g((x - 1.0) / spread))
+            else:
+                part = min(1.0, max(0.0, x))
+        else:
+            part = _cdf((x - n / 2.0) / math.sqrt(n / 12.0 + spread * spread))
+        total += weight * part
+    return total
+
+
+def _expected_largest(spread: float, terms: list[tuple[float, int]], n: int, high: float) -> float:
+    """``E[max of n]`` of ``B + L`` by the trapezoid rule over [-6 spread, high]."""
+    low = -6.0 * spread
+    step = (high - low) / _GRID
+    total = 0.0
+    for i in range(_GRID + 1):
+        x = low + i * step
+        f = _finish_cdf(x, spread, terms) ** n
+        value = (1.0 - f) if x >= 0 else -f
+        total += value * (0.5 if i in (0, _GRID) else 1.0)
+    return total * step
+
+
+@functools.lru_cache(maxsize=4096)
+def _critical_share_cached(mu: float, spread: float, n: int) -> float:
+    terms = _loss_terms(mu)
+    last = terms[-1][1]
+    high = 6.0 * spread + max(1.0, last / 2.0 + 4.0 * math.sqrt(last / 12.0 + 1e-12))
+    largest_loss = _expected_largest(0.0, terms, n, high)
+    if largest_loss <= 0.0:
+        return 1.0
+    with_spread = _expected_largest(spread, terms, n, high)
+    without_loss = _expected_largest(spread, [(1.0, 0)], n, high)
+    return min(1.0, max(0.0, (with_spread - without_loss) / largest_loss))
+
+
+def _round(value: float, digits: int = 2) -> float:
+    """``value`` to ``digits`` significant digits (a cache key: the share varies smoothly)."""
+    if value <= 0.0:
+        return 0.0
+    return round(value, digits - 1 - math.floor(math.log10(value)))
+
+
+def critical_share(mu: float, duration_cv: float, batch_size: int) -> float:
+    """Share of the batch's expected largest loss that lengthens its critical path.
+
+    ``mu``: expected failures of one trajectory; ``duration_cv``: the spread (standard deviation
+    over mean) of the trajectories' failure-free durations; ``batch_size`` trajectories.  A
+    trajectory's loss is the sum of a Poisson number of uniform fractions of its work; the batch
+    ends at the largest failure-free duration plus loss, so the share is
+    ``(E[max(B + L)] - E[max B]) / E[max L]`` (between 0 and 1; ``max(B + L) <= max B + max L``),
+    computed numerically with ``B`` normal.  1 for one trajectory or no spread.
+    """
+    if batch_size <= 1 or duration_cv <= 0.0 or mu <= 0.0:
+        return 1.0
+    return _critical_share_cached(_round(mu), _round(duration_cv), batch_size)
+
+
+def batch_step_hazard(
+    step_probability: float, total_steps: float, batch_size: int, duration_cv: float = 0.0
+) -> float:
     """Per-step failure weight of the batch's critical path.
 
     One trajectory of ``total_steps`` steps sees ``mu = total_steps * -log(1 - p)`` failures in
@@ -43,7 +143,10 @@ def batch_step_hazard(step_probability: float, total_steps: float, batch_size: i
     of a Poisson number of uniforms), ``mu / 2 + z_n * sqrt(mu / 3)`` when each trajectory fails
     several times (the largest of ``n`` compound sums, ``z_n`` the expected largest of ``n`` normals).
     The result is spread back over the steps, ``2 * E[largest] / total_steps``, so that a single
-    trajectory (``batch_size == 1``) gets its own rate ``-log(1 - p)`` back.
+    trajectory (``batch_size == 1``) gets its own rate ``-log(1 - p)`` back.  With
+    ``duration_cv > 0`` (the trajectories' durations spread) the batch's part is scaled by
+    :func:`critical_share`: a loss on a trajectory with slack does not lengthen the batch, never
+    below the trajectory's own rate.
     """
     if step_probability <= 0.0 or total_steps <= 0.0:
         return 0.0
@@ -54,7 +157,8 @@ def batch_step_hazard(step_probability: float, total_steps: float, batch_size: i
         batch_mu = batch_size * mu
         rare = 1.0 - (-math.expm1(-batch_mu)) / batch_mu
         frequent = mu / 2.0 + _expected_max_normal(batch_size) * math.sqrt(mu / 3.0)
-        largest = max(largest, rare, frequent)
+        batch = max(rare, frequent) * critical_share(mu, duration_cv, batch_size)
+        largest = max(largest, batch)
     return 2.0 * largest / total_steps
 
 

@@ -23,7 +23,7 @@ from belayer_policy._hazard import FailureModel, OnlineHazard
 from belayer_policy._kinds import FRESH_RUNTIME, FULL, REFERENCE, KindCosts, check_kind
 from belayer_policy._pooled import CostModel
 from belayer_policy._recorder import TraceRecorder
-from belayer_policy._rules import AdaptiveRule, DecisionRule, StepContext, Verdict, paper_sides
+from belayer_policy._rules import AdaptiveRule, DecisionRule, PaperRule, StepContext, Verdict, paper_sides
 from belayer_policy._validate import (
     non_negative,
     positive_int,
@@ -61,7 +61,7 @@ class CheckpointPolicy:
     kind_costs: KindCosts = attrs.field(factory=KindCosts)
     _regeneration: RegenerationCost = attrs.field(init=False, factory=RegenerationCost)
     _cooldown_until: float = attrs.field(init=False, default=float("-inf"))
-    _step_estimate: float | None = attrs.field(init=False, default=None)
+    _action_estimate: float | None = attrs.field(init=False, default=None)
     _recorder: TraceRecorder = attrs.field(init=False, factory=TraceRecorder)
     _prefix: int = attrs.field(init=False, default=0)
     _captured_prefix: int = attrs.field(init=False, default=0)
@@ -94,6 +94,8 @@ class CheckpointPolicy:
             verdict = self._guard(Reason.COOLDOWN, context)
         else:
             verdict = self.rule.choose(context)
+            if verdict.checkpoint and self._cost_unknown_and_probed(obs.checkpoint_kind):
+                verdict = self._guard(Reason.COST_PROBE_IN_FLIGHT, context)
         if verdict.checkpoint:
             self._regeneration.capture()
             self._captured_prefix = obs.step_index
@@ -132,11 +134,14 @@ class CheckpointPolicy:
         self._regeneration.add(step_s)
         self.failure_model.observe_exposure(step_s)
         self.response_times.observe(obs.response_s)
-        if self._step_estimate is None:
-            self._step_estimate = step_s
+        if self._action_estimate is None:
+            self._action_estimate = obs.action_s
         else:
-            self._step_estimate += self.step_smoothing * (step_s - self._step_estimate)
-        duration = self._step_estimate if obs.next_step_s is None else obs.next_step_s
+            self._action_estimate += self.step_smoothing * (obs.action_s - self._action_estimate)
+        # A future step: the batch's mean response (the shared window, not this trajectory's last
+        # few: a heavy tail would swing them) plus this trajectory's own actions.
+        expected_step = self.response_times.mean + self._action_estimate
+        duration = expected_step if obs.next_step_s is None else obs.next_step_s
         cost = self._cost_estimate(obs.now, obs.checkpoint_kind)
         # A later checkpoint follows changes: fresh-runtime where the sandbox's runtime holds no
         # state (this one would be fresh-runtime or a reference), else full.
@@ -159,6 +164,23 @@ class CheckpointPolicy:
             extra_cost_s=self.extra_cost_s,
             remaining_steps=remaining,
             batch_size=self._contenders(obs.step_index + remaining),
+            step_sd_s=self.response_times.std,
+        )
+
+    def _cost_unknown_and_probed(self, kind: str | None) -> bool:
+        """Whether a rule that weighs the cost must wait: the cost of a checkpoint of ``kind`` was
+        never measured and another trajectory's checkpoint is measuring it right now.
+
+        Until then the cost is the prior, or only as long as that probe has run so far; every
+        trajectory of a batch that decides on it would take a checkpoint of unknown cost, and one
+        probe already buys the measurement.  So the batch takes one probe at a time (a fixed
+        baseline is not held back).
+        """
+        if not isinstance(self.rule, AdaptiveRule | PaperRule):
+            return False
+        costs = self.checkpoint_costs
+        return (
+            costs.num_observations == 0 and costs.probes_in_flight > 0 and self.kind_costs.model(kind) is None
         )
 
     def _contenders(self, total_steps: float) -> int:

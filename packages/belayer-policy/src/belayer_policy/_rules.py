@@ -6,6 +6,7 @@ A rule sees a :class:`StepContext` (every estimate the policy holds for this ste
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import attrs
@@ -34,7 +35,9 @@ class StepContext:
     expected part of a checkpoint now that the current response does not hide;
     ``visible_future_s`` the same for a checkpoint at the start of a response.  ``batch_size`` is
     how many trajectories of the batch compete with this one for its critical path (those at
-    least as long as this one; the whole batch until the policy knows the lengths).
+    least as long as this one; the whole batch until the policy knows the lengths).  ``step_sd_s``
+    is the standard deviation of a step's duration (0: unknown), from which the spread of the
+    trajectories' durations follows.
     """
 
     step_index: int
@@ -48,6 +51,7 @@ class StepContext:
     extra_cost_s: float
     remaining_steps: float
     batch_size: int
+    step_sd_s: float = 0.0
 
 
 @attrs.frozen
@@ -109,7 +113,8 @@ class AdaptiveRule:
 
     Compares the best plan that checkpoints now with the best that waits ``s >= 1`` steps (or
     never), over the expected remaining steps, with the per-step weight of the batch's critical
-    path (:func:`batch_step_hazard`); checkpoints iff the saving exceeds the visible cost now.
+    path (:func:`batch_step_hazard`, scaled by the share of a loss that the trajectories' spread
+    does not absorb); checkpoints iff the saving exceeds the visible cost now.
     """
 
     name: str = "adaptive"
@@ -117,7 +122,10 @@ class AdaptiveRule:
     def choose(self, context: StepContext) -> Verdict:
         """The renewal comparison."""
         c = context
-        hazard = batch_step_hazard(c.failure_probability, c.step_index + c.remaining_steps, c.batch_size)
+        total = c.step_index + c.remaining_steps
+        # Independent steps: the duration's spread over its mean is the step's, over sqrt(steps).
+        cv = c.step_sd_s / (c.step_s * math.sqrt(total)) if c.step_s > 0 and total > 0 else 0.0
+        hazard = batch_step_hazard(c.failure_probability, total, c.batch_size, cv)
         visible = c.visible_now_s + c.extra_cost_s
         if c.step_s <= 0.0 or hazard <= 0.0 or c.remaining_steps <= 0.0:
             return _compare(0.0, visible, hazard)
