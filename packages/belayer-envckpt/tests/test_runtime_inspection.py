@@ -12,9 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import DEBIAN
+from conftest import BUSYBOX, DEBIAN
 
 from belayer_envckpt import (
+    CheckpointFailedError,
     CheckpointKind,
     CheckpointStore,
     RuntimeUnreadableError,
@@ -24,7 +25,7 @@ from belayer_envckpt import (
     full_checkpoint,
     next_checkpoint_kind,
 )
-from belayer_envckpt._runtime import read_runtime, sandbox_runtime
+from belayer_envckpt._runtime import read_runtime, sandbox_runtime, still_running
 
 # A python program that holds state in memory; run as `exec -a sleep python3 3600` it shows the
 # argv of the keep-alive's `sleep 3600`.
@@ -177,3 +178,34 @@ def test_a_permission_refused_by_proc_is_an_unreadable_view_not_an_oserror(make_
     assert result["fresh"] is False
     assert "Permission denied" in result["unreadable"]
     assert "cannot be ruled out" in result["refused"]
+
+
+def test_a_running_sandbox_is_checkpointed_without_asking_the_engine_until_it_stops_being_so(
+    make_sandbox, monkeypatch, tmp_path
+):
+    sandbox = make_sandbox(BUSYBOX, "fast")
+    store = CheckpointStore(tmp_path / "store")
+    assert checkpoint(sandbox, "fast", store=store).kind == "fresh-runtime"
+    asked = []
+    real_status = Sandbox.status
+
+    def counted(self: Sandbox) -> str:
+        asked.append(self.id)
+        return real_status(self)
+
+    monkeypatch.setattr(Sandbox, "status", counted)
+    assert still_running(sandbox)
+    assert checkpoint(sandbox, "fast", store=store).kind == "reference"
+    assert asked == []  # the same init, alive and thawed: no engine round trip
+    sandbox.pause()  # the engine's pause freezes the cgroup: the engine is asked again
+    assert not still_running(sandbox)
+    with pytest.raises(CheckpointFailedError, match="paused"):
+        checkpoint(sandbox, "fast", store=store)
+    assert asked
+    sandbox.unpause()
+    assert checkpoint(sandbox, "fast", store=store).kind == "reference"
+    sandbox.kill()  # the init is gone
+    assert not still_running(sandbox)
+    with pytest.raises(CheckpointFailedError, match="not running"):
+        checkpoint(sandbox, "fast", store=store)
+    assert next_checkpoint_kind(sandbox, store, "fast") is CheckpointKind.FULL

@@ -31,7 +31,7 @@ from ._ids import validate_id
 from ._layer import capture_layer, layer_digest
 from ._limit_guard import check_checkpoint_size, check_layer, layer_size_bytes
 from ._manifest import RUNTIME_FRESH, CheckpointKind
-from ._runtime import refuse_uncaptured, sandbox_runtime
+from ._runtime import refuse_uncaptured, sandbox_runtime, sandbox_status
 from ._sandbox import Sandbox, check_guarantee
 from ._store import LAYER, Checkpoint, CheckpointStore, link_artifacts, record_files
 
@@ -56,7 +56,7 @@ def _shared_owner(
 def next_checkpoint_kind(sandbox: Sandbox, store: CheckpointStore, trajectory: str) -> CheckpointKind:
     """The kind `checkpoint` would take now (for a policy's cost estimate); nothing is written."""
     with sandbox.action_boundary():
-        if sandbox.status() != "running":
+        if sandbox_status(sandbox) != "running":
             return CheckpointKind.FULL
         view = sandbox_runtime(sandbox)
         if not view.fresh or view.outside_init:
@@ -88,7 +88,7 @@ def checkpoint(
         k = sandbox.prefix if prefix is None else prefix
         if k < 0:
             raise InvalidConfigError(f"prefix must be >= 0, got {k}")
-        if sandbox.status() != "running":
+        if sandbox_status(sandbox) != "running":
             return full_checkpoint(
                 sandbox, trajectory, k, context_ref, store=store, fault=fault
             )  # it refuses
