@@ -5,6 +5,7 @@ mid-stream and again while no request runs."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -116,6 +117,51 @@ async def test_a_kept_router_killed_mid_stream_comes_back_on_its_journal_and_ser
     with anyio.fail_after(30):
         while not all(_gone(pid) for pid in pids):  # noqa: ASYNC110  (the children die with it)
             await anyio.sleep(0.05)
+
+
+async def test_a_kept_router_that_hangs_is_killed_by_its_health_checks_and_replaced(tmp_path: Path) -> None:
+    journal = tmp_path / "router.jsonl"
+    argv = [sys.executable, "-m", "belayer_router", "serve", "--port", "0", "--json", "--keep-running"]
+    argv += ["--journal", str(journal), "--prefix-interval", "4", "--admin-token", ADMIN_TOKEN]
+    argv += ["--hang-check-s", "1", "--hang-misses", "2"]
+    keeper = await anyio.open_process(argv)
+    pids: list[int] = []
+    try:
+        lines = _Lines(keeper)
+        first = await lines.next()
+        url = first["url"]
+        pids.append(first["pid"])
+        async with (
+            running_worker(1, token_delay_s=0.01) as (worker_url, _worker),
+            # timeout_s: a stream that hears nothing for 1 s reconnects (and finds the new router)
+            RouterClient(url, admin_token=ADMIN_TOKEN, reconnect_timeout_s=90, timeout_s=1.0) as client,
+        ):
+            await client.register("s0", worker_url, 1)
+            tokens: list[int] = []
+            async for event in client.generate_stream([1, 2], 60, seed=8, request_id="hung-1"):
+                if isinstance(event, TokenEvent):
+                    tokens.append(event.token_id)
+                    if len(tokens) == 10:
+                        os.kill(pids[0], signal.SIGSTOP)  # alive, silent: no exit to notice
+            assert tokens == expected_tokens(8, 60)
+            second = await lines.next()
+            pids.append(second["pid"])
+            assert second["pid"] != pids[0]
+            assert _gone(pids[0])  # SIGKILLed while stopped
+            completion = await client.generate([3, 4], 12, seed=5)
+            assert completion.token_ids == expected_tokens(5, 12)
+        keeper.send_signal(signal.SIGTERM)
+        with anyio.fail_after(60):
+            assert await keeper.wait() == ExitCode.INTERRUPTED
+        assert keeper.stderr is not None
+        stderr = (await keeper.stderr.receive(65536)).decode()
+        assert "did not answer 2 checks in a row" in stderr, stderr
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pids[0], signal.SIGCONT)
+        if keeper.returncode is None:
+            keeper.kill()
+            await keeper.wait()
 
 
 async def test_keep_running_without_a_journal_is_a_usage_error() -> None:

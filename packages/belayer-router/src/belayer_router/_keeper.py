@@ -12,7 +12,12 @@ process for `belayer-router serve --keep-running` (and belayer-shadow's `slot --
   returned;
 - `pass_fds` go to every child: a listening socket the keeper bound once stays open across
   restarts, so a client that connects while no child runs waits in its backlog instead of being
-  refused.
+  refused;
+- `check` (optional) finds a child that hangs (SIGSTOP, a stuck event loop), which no exit
+  reveals: it is called every `check_interval_s` and should return False (or raise) when the child
+  does not answer in time; after `check_misses` such calls in a row the child is SIGKILLed and
+  started again like any dead one. A child counts misses only once a check has passed (it may be
+  starting) or after `start_timeout_s`.
 """
 
 from __future__ import annotations
@@ -54,12 +59,19 @@ def keep_running(
     window_s: float = 300.0,
     final_codes: Collection[int] = _FINAL_CODES,
     before_restart: Callable[[], None] | None = None,
+    check: Callable[[], bool] | None = None,
+    check_interval_s: float = 5.0,
+    check_misses: int = 3,
+    start_timeout_s: float = 120.0,
 ) -> int:
     """Run `argv` and start it again each time it dies (see the module); returns its last exit
     code (a signal N as 128 + N). `name` prefixes the one line written to stderr per restart;
     `before_restart` runs before each restart (e.g. to wait for the dead child's leftovers)."""
-    if max_restarts < 0 or window_s <= 0:
-        raise ValueError(f"max_restarts must be >= 0 and window_s > 0, got {max_restarts}, {window_s}")
+    if max_restarts < 0 or window_s <= 0 or check_interval_s <= 0 or check_misses < 1:
+        raise ValueError(
+            "max_restarts must be >= 0, window_s and check_interval_s > 0, check_misses >= 1; got "
+            f"{max_restarts}, {window_s}, {check_interval_s}, {check_misses}"
+        )
     stopping: list[int] = []
     child: subprocess.Popen[bytes] | None = None
 
@@ -74,7 +86,7 @@ def keep_running(
     try:
         while True:
             child = subprocess.Popen(list(argv), pass_fds=tuple(pass_fds), preexec_fn=_die_with(os.getpid()))
-            code = child.wait()
+            code = _wait(child, name, check, check_interval_s, check_misses, start_timeout_s, stopping)
             code = 128 - code if code < 0 else code
             if stopping or code in final_codes:
                 return code
@@ -103,6 +115,46 @@ def keep_running(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _wait(
+    child: subprocess.Popen[bytes],
+    name: str,
+    check: Callable[[], bool] | None,
+    interval_s: float,
+    misses: int,
+    start_timeout_s: float,
+    stopping: list[int],
+) -> int:
+    """Wait for `child` to end; SIGKILL it first if `check` fails `misses` times in a row."""
+    if check is None:
+        return child.wait()
+    started, passed, missed = time.monotonic(), False, 0
+    while True:
+        try:
+            return child.wait(timeout=interval_s)
+        except subprocess.TimeoutExpired:
+            pass
+        if stopping:
+            continue  # SIGTERM passed on: it is shutting down, not hung
+        try:
+            ok = check()
+        except Exception:  # the check's own failure (a timeout, a refused connection) is a miss
+            ok = False
+        if ok:
+            passed, missed = True, 0
+            continue
+        if not passed and time.monotonic() - started < start_timeout_s:
+            continue
+        missed += 1
+        if missed >= misses:
+            print(
+                f"{name}: the server (pid {child.pid}) did not answer {missed} checks in a row "
+                f"({interval_s:g} s apart); killing it",
+                file=sys.stderr,
+                flush=True,
+            )
+            child.kill()  # SIGKILL ends a stopped process too
 
 
 def _describe(code: int) -> str:
