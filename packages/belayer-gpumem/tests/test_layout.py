@@ -11,7 +11,7 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from belayer_gpumem import KVLayout, LayoutError, ProtocolError, WeightLayout
+from belayer_gpumem import FusedSpec, KVLayout, LayoutError, ProtocolError, WeightLayout
 from belayer_gpumem._double_buffer import DoubleBufferConflictError, WeightDoubleBuffer
 from belayer_gpumem._layout import DTYPE_SIZES, REGION_ALIGNMENT, TENSOR_ALIGNMENT
 from belayer_gpumem._protocol import decode_body, encode_frame, validate_request
@@ -41,6 +41,46 @@ def test_layout_file_without_offsets_is_packed() -> None:
     layout = WeightLayout.from_json({"tensors": [{"name": "w", "dtype": "float16", "shape": [3, 5]}]})
     assert layout.by_name["w"].nbytes == 30
     assert layout.region_bytes == 2 * REGION_ALIGNMENT
+
+
+def test_merged_parts_lie_back_to_back_and_read_as_one_tensor() -> None:
+    # bf16 parts of 3 x 5 elements (30 bytes each): no part but the first on a 256-byte boundary.
+    entries = [("norm", "float32", [5]), ("q", "bfloat16", [3, 5]), ("k", "bfloat16", [2, 5])]
+    entries += [("v", "bfloat16", [2, 5]), ("o", "bfloat16", [5, 3])]
+    layout = WeightLayout.pack(entries, [FusedSpec("qkv", ["q", "k", "v"])])
+    table = layout.by_name
+    assert table["q"].offset % TENSOR_ALIGNMENT == 0
+    assert table["k"].offset == table["q"].offset + 30
+    assert table["v"].offset == table["k"].offset + 20
+    assert table["o"].offset % TENSOR_ALIGNMENT == 0
+    assert table["o"].offset >= table["v"].offset + 20
+    merged = layout.fused_spec("qkv")
+    assert (merged.offset, merged.shape, merged.dtype) == (table["q"].offset, (7, 5), "bfloat16")
+    assert WeightLayout.from_json(layout.to_json()) == layout
+    # A layout file without offsets keeps its merged tensors too.
+    listed = {"tensors": [{"name": n, "dtype": d, "shape": s} for n, d, s in entries]}
+    listed["fused"] = [{"name": "qkv", "parts": ["q", "k", "v"]}]
+    assert WeightLayout.from_json(listed) == layout
+    with pytest.raises(LayoutError, match="no merged tensor"):
+        layout.fused_spec("gate_up")
+
+
+@pytest.mark.parametrize(
+    ("fused", "error"),
+    [
+        ([{"name": "qkv", "parts": ["q", "x"]}], "not in the table"),
+        ([{"name": "qkv", "parts": ["q"]}], "at least two parts"),
+        ([{"name": "q", "parts": ["k", "v"]}], "repeats a name"),
+        ([{"name": "a", "parts": ["q", "k"]}, {"name": "b", "parts": ["k", "v"]}], "one merged tensor only"),
+        ([{"name": "qo", "parts": ["q", "o"]}], "back to back"),  # o is not right after q
+        ([{"name": "qv", "parts": ["q", "v"]}], "back to back"),  # k lies between them
+    ],
+)
+def test_bad_merged_tensors_raise_layout_error(fused: list[dict[str, object]], error: str) -> None:
+    # 256 bytes each: q, k, v and o lie back to back.
+    data = WeightLayout.pack([(name, "float32", [8, 8]) for name in ("q", "k", "v", "o")])
+    with pytest.raises(LayoutError, match=error):
+        WeightLayout.from_json({**data.to_json(), "fused": fused})
 
 
 @pytest.mark.parametrize(

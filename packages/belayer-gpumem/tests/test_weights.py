@@ -28,6 +28,39 @@ def test_attach_views_match_the_safetensors_file(weights_server: ServerProcess, 
             assert base <= tensor.data_ptr() < base + client.region.numel()
 
 
+def test_a_merged_tensor_is_one_view_of_the_parts_written_by_name(tmp_path: Path) -> None:
+    from belayer_gpumem import FusedSpec, WeightLayout
+
+    entries = [("q", "bfloat16", (6, 8)), ("k", "bfloat16", (3, 8)), ("v", "bfloat16", (3, 8))]
+    layout = WeightLayout.pack([*entries, ("o", "bfloat16", (8, 6))], [FusedSpec("qkv", ["q", "k", "v"])])
+    layout_file = tmp_path / "layout.json"
+    layout_file.write_text(json.dumps(layout.to_json()))
+    sockets = tmp_path / "s"
+    sockets.mkdir(mode=0o700)
+    server = ServerProcess.start(
+        ServerConfig(kind="weights", socket=sockets / "w.sock", layout_file=layout_file)
+    )
+    try:
+        with WeightClient.attach(server.config.socket) as client:
+            with client.update() as update:  # writers write the parts by their own names
+                for i, view in enumerate(update.tensors().values()):
+                    view.fill_(i + 1)
+            merged = client.fused_tensors()["qkv"]
+            assert merged.shape == (12, 8)
+            assert merged.dtype == torch.bfloat16
+            parts = client.tensors()
+            assert merged.data_ptr() == parts["q"].data_ptr()
+            assert merged.untyped_storage().data_ptr() == client.region.untyped_storage().data_ptr()
+            assert [
+                bool(merged[rows].eq(i + 1).all())
+                for i, rows in enumerate((slice(0, 6), slice(6, 9), slice(9, 12)))
+            ] == [True] * 3
+            parts["k"].fill_(7)  # the same bytes, no copy
+            assert merged[6:9].eq(7).all()
+    finally:
+        server.stop()
+
+
 def test_our_reader_agrees_with_the_safetensors_library(weights_file: Path) -> None:
     safetensors_torch = pytest.importorskip("safetensors.torch")
     from belayer_gpumem._safetensors_io import read_safetensors

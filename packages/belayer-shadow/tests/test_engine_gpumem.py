@@ -190,3 +190,38 @@ def test_weight_server_started_from_a_safetensors_checkpoint(tmp_path: Path) -> 
             assert _same(run(engine), reference(weights))
         finally:
             engine.close()
+
+
+def test_every_weight_is_a_view_of_the_server_and_a_private_copy_is_caught(
+    servers: tuple[Path, Path],
+) -> None:
+    weights_socket, kv_socket = servers
+    fill_weight_server(weights_socket, init_weights(CONFIG, seed=3))
+    engine = LLMEngine.attach(CONFIG, weights_socket, kv_socket)
+    try:
+        assert engine.weight_client is not None
+        # The server holds each layer's q|k|v and gate|up as one merged region (weight_layout):
+        # the engine's fused matmuls read exactly those views.
+        merged = engine.weight_client.fused_tensors()
+        assert len(merged) == 2 * CONFIG.num_hidden_layers
+        for i, layer in enumerate(engine.model.layers):
+            assert layer.qkv_proj is not None
+            assert layer.gate_up_proj is not None
+            assert (
+                layer.qkv_proj.data_ptr() == merged[f"model.layers.{i}.self_attn.qkv_proj.weight"].data_ptr()
+            )
+            assert (
+                layer.gate_up_proj.data_ptr()
+                == merged[f"model.layers.{i}.mlp.gate_up_proj.weight"].data_ptr()
+            )
+        assert engine.private_weights() == []
+        # A private copy of one weight (here: of a layer's q|k|v) is named.
+        params = {**engine.weight_client.tensors(), **merged}
+        name = "model.layers.1.self_attn.qkv_proj.weight"
+        engine.bind_params({**params, name: params[name].clone()})
+        assert engine.private_weights() == ["model.layers.1.qkv_proj"]
+        name = "model.norm.weight"
+        engine.bind_params({**params, name: params[name].clone()})
+        assert engine.private_weights() == [name]
+    finally:
+        engine.close()

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     )
     from belayer_gpumem._health import HealthReport, check_gpu_health
     from belayer_gpumem._idle import IdleBuffer
-    from belayer_gpumem._layout import KVLayout, TensorSpec, WeightLayout
+    from belayer_gpumem._layout import FusedSpec, KVLayout, TensorSpec, WeightLayout
     from belayer_gpumem._process import ServerProcess
 
 __version__ = importlib.metadata.version("belayer-gpumem")
@@ -37,6 +37,7 @@ _EXPORTS = {
     "BackendUnavailableError": "belayer_gpumem._errors",
     "BelayerGpumemError": "belayer_gpumem._errors",
     "ExitCode": "belayer_gpumem._cli",
+    "FusedSpec": "belayer_gpumem._layout",
     "GpuUnhealthyError": "belayer_gpumem._errors",
     "HealthReport": "belayer_gpumem._health",
     "IdleBuffer": "belayer_gpumem._idle",
@@ -65,6 +66,7 @@ __all__ = [
     "BackendUnavailableError",
     "BelayerGpumemError",
     "ExitCode",
+    "FusedSpec",
     "GpuUnhealthyError",
     "HealthReport",
     "IdleBuffer",

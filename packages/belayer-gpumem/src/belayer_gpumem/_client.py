@@ -194,6 +194,13 @@ class WeightClient(_ClientBase):
             self._tensors = self._views(self._slot_offset)
         return dict(self._tensors)
 
+    def fused_tensors(self) -> dict[str, torch.Tensor]:
+        """{merged name: tensor} of the pinned version: one view over each merged tensor's parts
+        (the layout's `fused`), zero copy; empty when the layout merges nothing."""
+        flat = self.region
+        specs = [self.layout.fused_spec(group.name) for group in self.layout.fused]
+        return {s.name: _view(flat, self._slot_offset + s.offset, s.nbytes, s.dtype, s.shape) for s in specs}
+
     def _views(self, slot_offset: int) -> dict[str, torch.Tensor]:
         flat = self.region
         return {

@@ -5,6 +5,7 @@ Pure bookkeeping, no torch: layouts travel over the wire as JSON and are validat
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -17,6 +18,7 @@ __all__ = [
     "DTYPE_SIZES",
     "REGION_ALIGNMENT",
     "TENSOR_ALIGNMENT",
+    "FusedSpec",
     "KVLayout",
     "TensorSpec",
     "WeightLayout",
@@ -97,12 +99,39 @@ class TensorSpec:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "offset": self.offset}
 
 
+def _to_names(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)
+
+
+@attrs.frozen
+class FusedSpec:
+    """A merged tensor: table tensors `parts` that lie back to back along their first dimension,
+    with no gap, seen as one tensor `name` (e.g. vLLM's `qkv_proj` over q, k and v). Writers
+    write the parts by their own names; readers of the merged name get one view of all of them."""
+
+    name: str
+    parts: tuple[str, ...] = attrs.field(converter=_to_names)
+
+    def to_json(self) -> dict[str, Any]:
+        """The wire form."""
+        return {"name": self.name, "parts": list(self.parts)}
+
+
+def _to_fused(value: Iterable[FusedSpec]) -> tuple[FusedSpec, ...]:
+    return tuple(value)
+
+
 @attrs.frozen
 class WeightLayout:
-    """The weight table of one slot; the weight region holds two slots (a double buffer)."""
+    """The weight table of one slot; the weight region holds two slots (a double buffer).
+
+    `fused` names merged regions over table tensors (see `FusedSpec`): the layout the engine
+    reads, so that a merged parameter is one view of the region, never a copy.
+    """
 
     tensors: tuple[TensorSpec, ...] = attrs.field(converter=_to_specs)
     slot_bytes: int
+    fused: tuple[FusedSpec, ...] = attrs.field(default=(), converter=_to_fused)
 
     def __attrs_post_init__(self) -> None:
         names = [t.name for t in self.tensors]
@@ -115,24 +144,82 @@ class WeightLayout:
             or self.slot_bytes % REGION_ALIGNMENT
         ):
             raise LayoutError(f"slot_bytes must be a positive multiple of {REGION_ALIGNMENT}")
+        # A part after the first of a merged region starts where the previous part ends: only its
+        # element size aligns it.
+        continued = {part for group in self.fused for part in group.parts[1:]}
         for spec in self.tensors:
-            if (
-                spec.offset % TENSOR_ALIGNMENT
-                or spec.offset < 0
-                or spec.offset + spec.nbytes > self.slot_bytes
-            ):
+            alignment = DTYPE_SIZES[spec.dtype] if spec.name in continued else TENSOR_ALIGNMENT
+            if spec.offset % alignment or spec.offset < 0 or spec.offset + spec.nbytes > self.slot_bytes:
                 raise LayoutError(f"tensor {spec.name!r} at offset {spec.offset} does not fit the slot")
+        self._check_fused()
+
+    def _check_fused(self) -> None:
+        table = self.by_name
+        seen: set[str] = set()
+        for group in self.fused:
+            if group.name in table or group.name in seen:
+                raise LayoutError(f"merged tensor {group.name!r} repeats a name of the weight table")
+            seen.add(group.name)
+            if len(group.parts) < 2:
+                raise LayoutError(f"merged tensor {group.name!r} needs at least two parts")
+            missing = [p for p in group.parts if p not in table]
+            if missing:
+                raise LayoutError(f"merged tensor {group.name!r}: parts {missing[:3]} are not in the table")
+            taken = seen & set(group.parts)
+            if taken or len(set(group.parts)) != len(group.parts):
+                raise LayoutError(f"merged tensor {group.name!r}: a part belongs to one merged tensor only")
+            seen.update(group.parts)
+            specs = [table[p] for p in group.parts]
+            first = specs[0]
+            for before, spec in itertools.pairwise(specs):
+                if (
+                    spec.dtype != first.dtype
+                    or len(spec.shape) < 1
+                    or spec.shape[1:] != first.shape[1:]
+                    or spec.offset != before.offset + before.nbytes
+                ):
+                    raise LayoutError(
+                        f"merged tensor {group.name!r}: {spec.name!r} does not follow {before.name!r} "
+                        "back to back with the same dtype and trailing shape"
+                    )
 
     @classmethod
-    def pack(cls, entries: Iterable[tuple[str, str, Iterable[int]]]) -> WeightLayout:
-        """Lay out `(name, dtype, shape)` entries back to back, each on a TENSOR_ALIGNMENT boundary."""
+    def pack(
+        cls, entries: Iterable[tuple[str, str, Iterable[int]]], fused: Iterable[FusedSpec] = ()
+    ) -> WeightLayout:
+        """Lay out `(name, dtype, shape)` entries back to back, each on a TENSOR_ALIGNMENT boundary,
+        except that the parts of each merged tensor of `fused` (consecutive entries, in order)
+        follow each other with no gap."""
+        groups = tuple(fused)
+        follows = {g.parts[i + 1]: g.parts[i] for g in groups for i in range(len(g.parts) - 1)}
         specs: list[TensorSpec] = []
         offset = 0
+        previous = ""
         for name, dtype, shape in entries:
             spec = TensorSpec(name=name, dtype=dtype, shape=tuple(shape), offset=offset)
+            if specs and follows.get(name) == previous:
+                spec = attrs.evolve(spec, offset=specs[-1].offset + specs[-1].nbytes)
+            else:
+                spec = attrs.evolve(spec, offset=round_up(offset, TENSOR_ALIGNMENT))
             specs.append(spec)
-            offset = round_up(offset + spec.nbytes, TENSOR_ALIGNMENT)
-        return cls(tensors=tuple(specs), slot_bytes=max(REGION_ALIGNMENT, round_up(offset, REGION_ALIGNMENT)))
+            offset = spec.offset + spec.nbytes
+            previous = name
+        slot_bytes = max(REGION_ALIGNMENT, round_up(offset, REGION_ALIGNMENT))
+        return cls(tensors=tuple(specs), slot_bytes=slot_bytes, fused=groups)
+
+    def fused_spec(self, name: str) -> TensorSpec:
+        """The merged tensor `name` as one spec: its first part's offset and dtype, the parts' rows
+        summed. Raises LayoutError if the layout has no merged tensor of that name."""
+        for group in self.fused:
+            if group.name == name:
+                table = self.by_name
+                specs = [table[p] for p in group.parts]
+                rows = sum(s.shape[0] for s in specs)
+                first = specs[0]
+                return TensorSpec(
+                    name=name, dtype=first.dtype, shape=(rows, *first.shape[1:]), offset=first.offset
+                )
+        raise LayoutError(f"the weight layout has no merged tensor {name!r}")
 
     @property
     def region_bytes(self) -> int:
@@ -146,7 +233,10 @@ class WeightLayout:
 
     def to_json(self) -> dict[str, Any]:
         """The wire form."""
-        return {"slot_bytes": self.slot_bytes, "tensors": [t.to_json() for t in self.tensors]}
+        data: dict[str, Any] = {"slot_bytes": self.slot_bytes, "tensors": [t.to_json() for t in self.tensors]}
+        if self.fused:
+            data["fused"] = [g.to_json() for g in self.fused]
+        return data
 
     @classmethod
     def from_json(cls, data: Any) -> WeightLayout:
@@ -159,12 +249,16 @@ class WeightLayout:
                 for t in data["tensors"]
             ]
             slot_bytes = data.get("slot_bytes")
+            fused = [
+                FusedSpec(name=str(g["name"]), parts=[str(p) for p in g["parts"]])
+                for g in data.get("fused", ())
+            ]
         except (KeyError, TypeError) as exc:
             raise LayoutError(f"malformed weight layout ({exc!r}); expected {{'tensors': [...]}}") from exc
         if slot_bytes is None or any(t.offset == -1 for t in tensors):
             # A layout file may list only names, dtypes and shapes: pack them.
-            return cls.pack((t.name, t.dtype, t.shape) for t in tensors)
-        return cls(tensors=tuple(tensors), slot_bytes=slot_bytes)
+            return cls.pack(((t.name, t.dtype, t.shape) for t in tensors), fused)
+        return cls(tensors=tuple(tensors), slot_bytes=slot_bytes, fused=fused)
 
 
 def _positive(_inst: object, attr: attrs.Attribute[int], value: int) -> None:

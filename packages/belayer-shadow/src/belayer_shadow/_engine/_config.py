@@ -9,13 +9,20 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from belayer_gpumem import KVLayout, WeightLayout
+from belayer_gpumem import FusedSpec, KVLayout, WeightLayout
 from belayer_shadow._errors import ModelConfigError
 
 if TYPE_CHECKING:
     from transformers import Qwen3Config
 
-__all__ = ["ModelConfig", "kv_layout", "parameter_shapes", "weight_layout"]
+__all__ = [
+    "FUSED_PROJECTIONS",
+    "ModelConfig",
+    "fused_projections",
+    "kv_layout",
+    "parameter_shapes",
+    "weight_layout",
+]
 
 _FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -183,9 +190,30 @@ def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# The merged projections the engines read (vLLM's parameter names): each one region of the weight
+# server over its parts, which writers still write by their Hugging Face names.
+FUSED_PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def fused_projections(config: ModelConfig) -> list[FusedSpec]:
+    """Every layer's merged `qkv_proj` and `gate_up_proj` weight, over its parts' table names."""
+    return [
+        FusedSpec(f"model.layers.{i}.{merged}.weight", [f"model.layers.{i}.{part}.weight" for part in parts])
+        for i in range(config.num_hidden_layers)
+        for merged, parts in FUSED_PROJECTIONS.items()
+    ]
+
+
 def weight_layout(config: ModelConfig) -> WeightLayout:
-    """The weight server's table for `config` (no `lm_head.weight` when embeddings are tied)."""
-    return WeightLayout.pack((name, config.dtype, shape) for name, shape in parameter_shapes(config).items())
+    """The weight server's table for `config` (no `lm_head.weight` when embeddings are tied), in the
+    layout the engines read: each layer's q|k|v and gate|up back to back with no gap, declared as
+    the merged tensors `qkv_proj` and `gate_up_proj` (`fused_projections`), so that vLLM's merged
+    parameters and the built-in engine's fused matmuls are views of the server, never copies."""
+    entries = ((name, config.dtype, shape) for name, shape in parameter_shapes(config).items())
+    return WeightLayout.pack(entries, fused_projections(config))
 
 
 def kv_layout(config: ModelConfig, num_blocks: int, block_size: int) -> KVLayout:

@@ -16,13 +16,18 @@ import torch
 from belayer_gpumem import KVClient, WeightClient
 from belayer_shadow._engine._block_manager import BlockManager, num_blocks_for
 from belayer_shadow._engine._config import ModelConfig
-from belayer_shadow._engine._model import Qwen3Model, torch_dtype
+from belayer_shadow._engine._model import Qwen3Model, outside_region, torch_dtype
 from belayer_shadow._engine._runner import ModelRunner
 from belayer_shadow._engine._scheduler import Scheduler
 from belayer_shadow._engine._sequence import SamplingParams, Sequence, StepOutput
 from belayer_shadow._errors import LLMEngineError, RequestError, WeightsError
 
-__all__ = ["LLMEngine", "allocate_kv_arena"]
+__all__ = ["LLMEngine", "allocate_kv_arena", "server_params"]
+
+
+def server_params(client: WeightClient) -> dict[str, torch.Tensor]:
+    """The weight server's views of the pinned version: the table and its merged projections."""
+    return {**client.tensors(), **client.fused_tensors()}
 
 
 def allocate_kv_arena(
@@ -104,7 +109,7 @@ class LLMEngine:
                     f"the weight server at {weights_socket} holds no weights yet; fill it first "
                     "(belayer_shadow.fill_weight_server)"
                 )
-            engine = cls(config, weights.tensors(), arena, device=arena.device, **kwargs)
+            engine = cls(config, server_params(weights), arena, device=arena.device, **kwargs)
         except BaseException:
             weights.detach()
             kv.detach()
@@ -235,14 +240,25 @@ class LLMEngine:
             return False
         changed = self.weight_client.refresh()
         if changed:
-            self.model.bind(self.weight_client.tensors())
+            self.model.bind(server_params(self.weight_client))
         return changed
+
+    def private_weights(self) -> list[str]:
+        """The weights the forward pass reads that are not views of the weight server's region
+        (private copies); every one when the engine is not attached to a weight server."""
+        weights = self.model.named_weights()
+        if self.weight_client is None:
+            return sorted(weights)
+        return outside_region(weights, self.weight_client.region)
 
     def release_weights(self) -> None:
         """Unpin the weight version while the engine is idle (a standby shadow): weight updates then
         never wait for it.  Call `refresh_weights()` before the next step."""
         if self.weight_client is not None:
             self.weight_client.release()
+
+    def bind_kv(self) -> None:
+        """Nothing to do: this engine's KV cache is the arena it was built on."""
 
     def bind_params(self, params: Mapping[str, torch.Tensor]) -> None:
         """Use other parameter tensors from now on (zero copy), e.g. a new dict of weights."""

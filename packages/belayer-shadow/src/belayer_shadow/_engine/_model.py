@@ -8,7 +8,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from belayer_shadow._engine._config import ModelConfig, parameter_shapes
+from belayer_shadow._engine._config import ModelConfig, fused_projections, parameter_shapes
 from belayer_shadow._engine._layers import (
     AttentionMetadata,
     RotaryEmbedding,
@@ -18,7 +18,7 @@ from belayer_shadow._engine._layers import (
 )
 from belayer_shadow._errors import WeightsError
 
-__all__ = ["Qwen3Model", "check_params", "stacked_view", "torch_dtype"]
+__all__ = ["Qwen3Model", "check_params", "merged_shapes", "outside_region", "stacked_view", "torch_dtype"]
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -28,14 +28,26 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def merged_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The merged projections (`qkv_proj`, `gate_up_proj` of every layer) and their shapes."""
+    shapes = parameter_shapes(config)
+    return {
+        spec.name: (sum(shapes[p][0] for p in spec.parts), shapes[spec.parts[0]][1])
+        for spec in fused_projections(config)
+    }
+
+
 def check_params(config: ModelConfig, params: Mapping[str, torch.Tensor]) -> None:
-    """Raise WeightsError unless `params` holds every parameter of `config` with its shape and dtype."""
+    """Raise WeightsError unless `params` holds every parameter of `config` with its shape and dtype
+    (merged projections, the weight server's views over their parts, may be given too)."""
     expected = parameter_shapes(config)
     missing = sorted(set(expected) - set(params))
     if missing:
         raise WeightsError(
             f"{len(missing)} parameters missing, e.g. {missing[:3]}; do the weights fit the config?"
         )
+    merged = merged_shapes(config)
+    expected.update({name: shape for name, shape in merged.items() if name in params})
     allowed = set(expected) | {"lm_head.weight"}
     extra = sorted(set(params) - allowed)
     if extra:
@@ -74,6 +86,24 @@ def stacked_view(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return torch.as_strided(first, (rows, cols), (cols, 1), first.storage_offset())
 
 
+def outside_region(params: Mapping[str, torch.Tensor], region: torch.Tensor) -> list[str]:
+    """The names in `params` whose bytes do not all lie inside `region` (the weight server's
+    mapping in this process): private copies of a weight, where the design wants views."""
+    start = region.data_ptr()
+    end = start + region.numel() * region.element_size()
+    outside = []
+    for name, tensor in params.items():
+        if not tensor.numel():
+            continue
+        first = tensor.data_ptr()
+        span = sum(
+            (size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+        )
+        if not start <= first or first + (span + 1) * tensor.element_size() > end:
+            outside.append(name)
+    return sorted(outside)
+
+
 @attrs.frozen
 class _Layer:
     input_norm: torch.Tensor
@@ -93,6 +123,18 @@ class _Layer:
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "qkv_proj", stacked_view((self.q_proj, self.k_proj, self.v_proj)))
         object.__setattr__(self, "gate_up_proj", stacked_view((self.gate_proj, self.up_proj)))
+
+    @classmethod
+    def of(cls, params: Mapping[str, torch.Tensor], index: int) -> _Layer:
+        """Layer `index` of `params`; its fused matmuls read the weight server's merged views
+        (`qkv_proj`, `gate_up_proj` of its layout) when `params` has them."""
+        prefix = f"model.layers.{index}."
+        layer = cls(*(params[f"{prefix}{name}.weight"] for name in _LAYER_PARAMS))
+        for field, merged in (("qkv_proj", "self_attn.qkv_proj"), ("gate_up_proj", "mlp.gate_up_proj")):
+            view = params.get(f"{prefix}{merged}.weight")
+            if view is not None:
+                object.__setattr__(layer, field, view)
+        return layer
 
 
 class Qwen3Model:
@@ -117,10 +159,21 @@ class Qwen3Model:
         self.norm = params["model.norm.weight"]
         tied = self.config.tie_word_embeddings
         self.lm_head = self.embed if tied else params["lm_head.weight"]
-        self.layers = [
-            _Layer(*(params[f"model.layers.{i}.{name}.weight"] for name in _LAYER_PARAMS))
-            for i in range(self.config.num_hidden_layers)
-        ]
+        self.layers = [_Layer.of(params, i) for i in range(self.config.num_hidden_layers)]
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """Every weight tensor the forward pass reads (the merged projections it uses included)."""
+        weights = {
+            "model.embed_tokens.weight": self.embed,
+            "model.norm.weight": self.norm,
+            "lm_head": self.lm_head,
+        }
+        for i, layer in enumerate(self.layers):
+            for field in attrs.fields(_Layer):
+                value = getattr(layer, field.name)
+                if isinstance(value, torch.Tensor):
+                    weights[f"model.layers.{i}.{field.name}"] = value
+        return weights
 
     def forward(
         self,
