@@ -36,10 +36,10 @@ def serve_command(model: Path, *flags: str) -> list[str]:
 
 @contextmanager
 def serving_process(
-    command: list[str], timeout_s: float = 240.0
+    command: list[str], timeout_s: float = 240.0, env: dict[str, str] | None = None
 ) -> Iterator[tuple[subprocess.Popen[str], dict[str, Any]]]:
     """Start the command; yield it with its one JSON line once it serves; kill it at the end."""
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert process.stdout is not None
         line = process.stdout.readline()  # blocks until ready (or the command ends)

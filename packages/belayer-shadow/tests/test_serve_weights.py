@@ -163,8 +163,8 @@ def test_a_request_paused_in_keep_mode_continues_on_the_new_weights(
     shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _weight_server(run_dir: Path) -> list[int]:
-    socket = str(run_dir / "slots" / "slot0" / "mem" / "weights.sock")
+def _weight_server(run_dir: Path, slot: str = "slot0") -> list[int]:
+    socket = str(run_dir / "slots" / slot / "mem" / "weights.sock")
     return sorted(set(processes_mentioning("belayer_gpumem")) & set(processes_mentioning(socket)))
 
 
@@ -194,3 +194,34 @@ def test_a_slot_restarted_from_scratch_serves_the_last_pushed_weights(
         assert _greedy(client) == pushed  # held until the slot is back, then on the pushed weights
         (_version, tensors), *_ = _servers(run_dir)
         assert _same(tensors, folders["second"])
+
+
+def test_an_update_while_a_slot_restarts_does_not_wait_for_it_and_the_slot_returns_on_it(
+    tmp_path: Path, folders: dict[str, Path]
+) -> None:
+    """SIGKILL slot1's weight server, then update at once: the update succeeds (before, it waited
+    5 s to attach to the dead server and failed with a 400), and slot1, back from its restart from
+    scratch, holds the new folder, as slot0 does, and serves its outputs."""
+    run_dir = tmp_path / "run"
+    command = serve_command(
+        folders["first"], "--slots", "2", "--num-kv-blocks", "64", "--run-dir", str(run_dir)
+    )
+    with (
+        serving_process(command) as (_process, ready),
+        httpx.Client(base_url=ready["url"], timeout=300) as client,
+    ):
+        (victim,) = _weight_server(run_dir, "slot1")
+        os.kill(victim, signal.SIGKILL)
+        response = client.post("/update_weights", json={"weight_dir": str(folders["second"])})
+        assert response.status_code == 200, response.text
+        deadline = time.monotonic() + 240
+        while _weight_server(run_dir, "slot1") in ([], [victim]):
+            assert time.monotonic() < deadline, "slot1's weight server was not restarted"
+            time.sleep(0.2)
+        servers = _servers(run_dir)
+        assert len(servers) == 2
+        assert all(_same(tensors, folders["second"]) for _version, tensors in servers)
+        events = (run_dir / "slots" / "slot1" / "events.jsonl").read_text()
+        assert "memory.lost" in events  # slot1 did restart from scratch
+        outputs = {tuple(_greedy(client)) for _ in range(4)}  # over both slots: one answer
+        assert len(outputs) == 1

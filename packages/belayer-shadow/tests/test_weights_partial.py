@@ -1,6 +1,8 @@
-"""`SlotWeights` on real weight servers when a commit fails after another succeeded: the error is
+"""`SlotWeights` on real weight servers. A commit failing after another succeeded: the error is
 `PartialWeightCommitError` naming the slots that committed (not "the previous ones stay"), and
-only those slots keep the new folder for a restart from scratch."""
+only those slots keep the new folder for a restart from scratch. A slot that is out is skipped
+(it keeps the folder for its restart), one back meanwhile is written last, a bad folder is kept
+for none, and with every slot out nothing is loaded."""
 
 from __future__ import annotations
 
@@ -121,3 +123,73 @@ def test_a_failure_before_any_commit_is_a_weight_load_error(
     live = _live(sockets[0])
     first = load_safetensors(folders["first"])
     assert all(torch.equal(live[name], first[name]) for name in live)
+
+
+# Slots that are out (unhealthy, or their memory restarting from scratch) are skipped, not waited for.
+
+
+def _record(kept: list[Path], folder: Path) -> bool:
+    """`keep_if_out` of a slot that stays out: it keeps the folder (here: records it)."""
+    kept.append(folder)
+    return True
+
+
+def _same_as(socket: Path, folder: Path) -> bool:
+    live, expected = _live(socket), load_safetensors(folder)
+    return all(torch.equal(live[name], expected[name]) for name in live)
+
+
+def test_a_slot_that_is_out_is_skipped_and_keeps_the_folder_for_its_restart(
+    servers: list[ServerProcess], folders: dict[str, Path]
+) -> None:
+    sockets = [server.config.socket for server in servers]
+    servers[1].kill()  # out: a dead weight server (attaching would wait attach_timeout_s, then fail)
+    kept_out: list[Path] = []
+    weights = SlotWeights(
+        sockets=sockets,
+        names=["slot0", "slot1"],
+        accepts=[lambda: True, lambda: False],
+        keep_if_out=[lambda p: False, lambda p: _record(kept_out, p)],
+        attach_timeout_s=60.0,  # were slot1 attached, the update would fail, not skip it
+    )
+    assert weights.load_weights(str(folders["second"])) > 0
+    assert weights.skipped == ["slot1"]
+    assert kept_out == [folders["second"]]  # what its restart loads: the current version
+    assert _same_as(sockets[0], folders["second"])
+
+
+def test_a_slot_back_during_the_update_is_written_last(
+    servers: list[ServerProcess], folders: dict[str, Path]
+) -> None:
+    sockets = [server.config.socket for server in servers]
+    weights = SlotWeights(
+        sockets=sockets,
+        names=["slot0", "slot1"],
+        accepts=[lambda: True, lambda: False],  # out when the update began...
+        keep_if_out=[lambda p: False, lambda p: False],  # ...back by the time the others committed
+    )
+    weights.load_weights(str(folders["second"]))
+    assert weights.skipped == []
+    assert _same_as(sockets[0], folders["second"])
+    assert _same_as(sockets[1], folders["second"])
+
+
+def test_a_bad_folder_is_not_kept_for_a_slot_that_is_out(
+    servers: list[ServerProcess], folders: dict[str, Path], tmp_path: Path
+) -> None:
+    sockets = [server.config.socket for server in servers]
+    kept_out: list[Path] = []
+    weights = SlotWeights(
+        sockets=sockets,
+        names=["slot0", "slot1"],
+        accepts=[lambda: True, lambda: False],
+        keep_if_out=[lambda p: False, lambda p: _record(kept_out, p)],
+    )
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(WeightLoadError, match="previous ones stay"):
+        weights.load_weights(str(tmp_path / "empty"))
+    assert kept_out == []  # checked against slot0's table first: nothing kept for slot1
+    everyone_out = SlotWeights(sockets=sockets, accepts=[lambda: False, lambda: False])
+    with pytest.raises(WeightLoadError, match="every slot is out"):
+        everyone_out.load_weights(str(folders["second"]))
+    assert _same_as(sockets[1], folders["first"])

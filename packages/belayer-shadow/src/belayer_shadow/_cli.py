@@ -151,6 +151,14 @@ def _serve_parser(commands: Any) -> None:
         "--hang-threshold-s", type=float, default=3.0, help="heartbeat age that counts as a hang"
     )
     serve.add_argument("--router-server", choices=("uvicorn", "belayer"), help="the router's HTTP server")
+    serve.add_argument(
+        "--api-key",
+        nargs="+",
+        help="require 'Authorization: Bearer KEY' on every route but /health (default: $VLLM_API_KEY)",
+    )
+    serve.add_argument(
+        "--seed", type=int, help="seed of requests that name none: same seed + same request, same tokens"
+    )
     serve.add_argument("--json", action="store_true", help="print one JSON line when ready")
 
 
@@ -176,8 +184,16 @@ def _run_serve(args: argparse.Namespace) -> int:
         resume_wait_s=args.resume_wait_s,
         hang_threshold_s=args.hang_threshold_s,
         router_server=args.router_server,
+        api_keys=_api_keys(args.api_key),
+        seed=args.seed,
     )
     return anyio.run(_serve, args, config)
+
+
+def _api_keys(flag: list[str] | None) -> tuple[str, ...]:
+    """`--api-key`, else `$VLLM_API_KEY` (as `vllm serve`: the flag wins)."""
+    keys = flag or [os.environ.get("VLLM_API_KEY", "")]
+    return tuple(key for key in keys if key)
 
 
 async def _serve(args: argparse.Namespace, config: object) -> int:

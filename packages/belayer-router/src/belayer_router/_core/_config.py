@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import attrs
@@ -16,6 +17,25 @@ def _config_alias(config: RouterConfig, old: str, new: str) -> None:
     value = getattr(config, old)
     if value is not None:  # the pre-0.2 spelling wins when given: callers that still use it
         object.__setattr__(config, new, value)
+
+
+def _key_tuple(keys: Iterable[str]) -> tuple[str, ...]:
+    return tuple(keys)
+
+
+def _api_keys(_inst: object, _attr: object, value: tuple[str, ...]) -> None:
+    for key in value:
+        if not isinstance(key, str) or not key or key != key.strip() or any(c.isspace() for c in key):
+            raise ValueError(
+                f"RouterConfig.api_keys: an API key must be a non-empty string without spaces, got {key!r}"
+            )
+
+
+def _optional_seed(_inst: object, _attr: object, value: int | None) -> None:
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63
+    ):
+        raise ValueError(f"RouterConfig.seed must be an int in [0, 2**63) or None, got {value!r}")
 
 
 @attrs.frozen
@@ -41,6 +61,12 @@ class RouterConfig:
     max_prompt_tokens: int = attrs.field(default=131_072, validator=attrs.validators.ge(1))
     max_choices: int = attrs.field(default=64, validator=attrs.validators.ge(1))
     default_max_tokens: int = attrs.field(default=4096, validator=attrs.validators.ge(1))
+    # `vllm serve --api-key`: with any, every route but /health needs `Authorization: Bearer <key>`
+    # (one of these, or the admin token); 401 otherwise. Empty: no check (the admin routes keep theirs).
+    api_keys: tuple[str, ...] = attrs.field(default=(), converter=_key_tuple, validator=_api_keys)
+    # `vllm serve --seed`: requests without a seed get one derived from it and their body
+    # (`_seeds.SeedSource`); None: a random seed each.
+    seed: int | None = attrs.field(default=None, validator=_optional_seed)
     resume_wait: float | None = attrs.field(default=None, kw_only=True)
     worker_read_timeout: float | None = attrs.field(default=None, kw_only=True)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import logging
@@ -16,12 +17,13 @@ import httpx
 import orjson
 
 from belayer_router._core._config import RouterConfig
-from belayer_router._core._dispatch import Dispatcher, new_seed
+from belayer_router._core._dispatch import Dispatcher
 from belayer_router._core._emit import Emit, Event, EventEmit
 from belayer_router._core._journal import Journal, RequestRecord
 from belayer_router._core._journal_file import JournalStore
 from belayer_router._core._metrics import Metrics
 from belayer_router._core._registry import Registry
+from belayer_router._core._seeds import SeedSource
 from belayer_router._errors import (
     BelayerRouterError,
     InternalRouterError,
@@ -105,6 +107,7 @@ class RouterApp(OpenAIRoutes, ControlRoutes, TokenRoutes):
     dispatcher: Dispatcher = attrs.field(init=False)
     weight_loader: WeightLoader | None = None
     _weights_lock: anyio.Lock = attrs.field(factory=anyio.Lock, init=False)
+    seeds: SeedSource = attrs.field(init=False)  # the seed of a request that names none
 
     def __attrs_post_init__(self) -> None:
         store = None
@@ -112,6 +115,7 @@ class RouterApp(OpenAIRoutes, ControlRoutes, TokenRoutes):
             durability = "fsync" if self.config.fsync else self.config.durability
             store = JournalStore(self.config.journal_path, durability=durability)
         self.journal = Journal(store, prefix_interval=self.config.prefix_interval)
+        self.seeds = SeedSource(self.config.seed)
         for op in self.journal.load():
             try:
                 self._apply_admin(op)
@@ -167,6 +171,7 @@ class RouterApp(OpenAIRoutes, ControlRoutes, TokenRoutes):
             await send(message)
 
         try:
+            self._check_api_key(scope)
             await self._route(scope, receive, tracked)
         except Exception as raised:  # every error a client can get is a JSON body (no bare 500)
             error = _router_error(raised)
@@ -225,6 +230,25 @@ class RouterApp(OpenAIRoutes, ControlRoutes, TokenRoutes):
 
     async def _body(self, receive: Receive) -> Any:
         return await read_json(receive, self.config.max_body_bytes)
+
+    def _check_api_key(self, scope: dict[str, Any]) -> None:
+        """`--api-key`: every route but ``GET /health`` (and ``OPTIONS``) needs one of the keys, or
+        the admin token (the slots' workers hold it), as ``Authorization: Bearer <key>``."""
+        keys = self.config.api_keys
+        if not keys or scope["method"] == "OPTIONS" or scope["path"].rstrip("/") == "/health":
+            return
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, given = header.partition(b" ")
+        accepted = [*keys, *([self.config.admin_token] if self.config.admin_token else [])]
+        digest = hashlib.sha256(given).digest()
+        matched = False
+        for key in accepted:  # no early exit: the time does not tell which key nearly matched
+            matched |= hmac.compare_digest(digest, hashlib.sha256(key.encode()).digest())
+        if scheme.lower() != b"bearer" or not matched:
+            raise UnauthorizedError(
+                "this server needs an API key: send the header 'Authorization: Bearer <key>' with "
+                "the key it was started with (--api-key or VLLM_API_KEY); the OpenAI client's api_key"
+            )
 
     def _authorize(self, scope: dict[str, Any]) -> None:
         token = self.config.admin_token
@@ -377,8 +401,13 @@ class RouterApp(OpenAIRoutes, ControlRoutes, TokenRoutes):
 
     def _begin(self, request: GenerateRequest) -> RequestRecord:
         request_id = request.request_id or uuid.uuid4().hex
-        seed = request.seed if request.seed is not None else new_seed()
         existing = self.journal.records.get(request_id)
+        if request.seed is not None:
+            seed = request.seed
+        elif existing is not None:  # a resumed request keeps the seed it began with
+            seed = existing.seed
+        else:
+            seed = self.seeds.next(_seed_fields(request))
         record = self.journal.begin(request_id, request, seed)
         if existing is not None and existing.finish_reason is None:
             record.num_resumes += 1  # picked up again, e.g. after a router restart
@@ -461,6 +490,14 @@ class _StreamEmit:
             for offset, token_id in enumerate(token_ids)
         ]
         self.put_rendered(lines[0] if len(lines) == 1 else b"".join(lines))
+
+
+def _seed_fields(request: GenerateRequest) -> dict[str, Any]:
+    """What makes two requests the same for `SeedSource` (not their ids, nor how they stream)."""
+    fields = attrs.asdict(request)
+    for name in ("request_id", "num_received_tokens", "stream", "frames", "seed"):
+        fields.pop(name, None)
+    return fields
 
 
 def _render(events: list[Event]) -> bytes:

@@ -10,6 +10,7 @@ import anyio
 from belayer_router._core._config import RouterConfig
 from belayer_router._core._emit import Emit, EventEmit
 from belayer_router._core._journal import Journal, RequestRecord
+from belayer_router._core._seeds import SeedSource
 from belayer_router._core._tokenizer import ChatTokenizer
 from belayer_router._errors import BelayerRouterError
 from belayer_router._openai._chat import ChatRenderer, parse_chat_request
@@ -34,6 +35,7 @@ class OpenAIRoutes:
 
     config: RouterConfig
     journal: Journal
+    seeds: SeedSource
 
     def _begin(self, request: GenerateRequest) -> RequestRecord:
         raise NotImplementedError
@@ -41,7 +43,14 @@ class OpenAIRoutes:
     async def _run(self, record: RequestRecord, emit: Emit, num_received: int) -> None:
         raise NotImplementedError
 
+    def _seeded(self, body: Any) -> Any:
+        """The body with the server's seed for it (`RouterConfig.seed`) when it names none."""
+        if self.config.seed is None or not isinstance(body, dict) or body.get("seed") is not None:
+            return body
+        return {**body, "seed": self.seeds.next(body)}
+
     async def _completions(self, body: Any, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        body = self._seeded(body)
         tokenizer = self.config.tokenizer
         params, prompts, logprobs = await parse_completion_request(
             body, tokenizer, default_model=self.config.model_name
@@ -51,6 +60,7 @@ class OpenAIRoutes:
         await self._openai(requests, renderer, params.stream, scope, receive, send)
 
     async def _chat_completions(self, body: Any, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        body = self._seeded(body)
         tokenizer = self.config.tokenizer
         params, prompt, tools, logprobs = await parse_chat_request(
             body,

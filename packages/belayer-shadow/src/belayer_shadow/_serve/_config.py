@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 
 import attrs
 
 __all__ = ["ServeConfig"]
+
+
+def _key_tuple(keys: Iterable[str]) -> tuple[str, ...]:
+    return tuple(keys)
 
 
 def _optional_path(value: str | Path | None) -> Path | None:
@@ -28,6 +33,7 @@ class ServeConfig:
     router accepts; it must fit the model and one slot's KV pool; default: the smaller of the two). `run_dir` holds the
     slots' sockets, logs and event logs; without one a temporary folder is made and removed at the
     end (also after a SIGKILL of the command). `backend="cuda"` puts slot `i` on GPU `i`.
+    `api_keys` and `seed` are the router's (`RouterConfig.api_keys`, `.seed`): `--api-key`, `--seed`.
     """
 
     model_dir: Path = attrs.field(converter=Path)
@@ -55,6 +61,11 @@ class ServeConfig:
     resume_wait_s: float = attrs.field(default=30.0, validator=attrs.validators.ge(0))
     start_timeout_s: float = attrs.field(default=300.0, validator=attrs.validators.gt(0))
     router_server: str | None = None  # the router's HTTP server: uvicorn (default) or belayer
+    # `vllm serve --api-key`: every route but /health then needs `Authorization: Bearer <key>`.
+    api_keys: tuple[str, ...] = attrs.field(default=(), converter=_key_tuple)
+    # `vllm serve --seed`: the seed of requests that name none, derived from it and the request
+    # (belayer-router's `RouterConfig.seed`); None: a random seed each.
+    seed: int | None = None
 
     @property
     def model_name(self) -> str:

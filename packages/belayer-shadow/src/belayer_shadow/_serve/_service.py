@@ -73,6 +73,8 @@ class RolloutService:
             model_name=config.model_name,
             max_prompt_tokens=max_model_len,
             resume_wait_s=config.resume_wait_s,
+            api_keys=config.api_keys,
+            seed=config.seed,
         )
         temporary = config.run_dir is None
         run_dir = Path(tempfile.mkdtemp(prefix="belayer-serve-")) if temporary else config.run_dir
@@ -101,6 +103,8 @@ class RolloutService:
                 weights.sockets = [supervisor.weights_socket for supervisor in service.slots]
                 weights.keepers = [supervisor.keep_weights for supervisor in service.slots]
                 weights.names = [supervisor.config.slot for supervisor in service.slots]
+                weights.accepts = [supervisor.accepts_weights for supervisor in service.slots]
+                weights.keep_if_out = [supervisor.keep_weights_if_out for supervisor in service.slots]
                 stack.push_async_callback(service._stop_slots)
                 try:
                     async with anyio.create_task_group() as group:

@@ -11,6 +11,10 @@ slots that committed, and the router requires the new version, holding the other
 
 What engines see: a worker re-reads its weight views only when it has nothing running (its
 stepping thread), so a request is computed with one version from its first token to its last.
+A slot that is out (unhealthy, or its memory restarting from scratch: `accepts`) is not waited
+for: the update skips it and keeps the folder for it (`keep_if_out`), which its restart loads,
+so it comes back on the current version; one that came back during the update is written last.
+
 The router's control plane makes that strict: it loads only when no request is running (after
 `/pause`, or by waiting for the running ones), so the next request starts on the new version.
 """
@@ -68,6 +72,13 @@ class SlotWeights:
     # How long to wait for each weight server to answer an attach: short, so that one hung server
     # fails the update (nothing changed) quickly instead of stalling it (gpumem's default is 30 s).
     attach_timeout_s: float = 5.0
+    # Per slot, in the order of `sockets`: whether it takes an update now
+    # (`SlotSupervisor.accepts_weights`), and, for one that does not, keep the folder for it if it
+    # is still out (`SlotSupervisor.keep_weights_if_out`; False: it came back, write it).
+    # Without them every slot is written.
+    accepts: Sequence[Callable[[], bool]] = ()
+    keep_if_out: Sequence[Callable[[Path], bool]] = ()
+    skipped: list[str] = attrs.field(factory=list)  # the slots the last update skipped (out)
 
     def load_weights(self, weight_dir: str) -> int:
         """Load `weight_dir` (a folder of `*.safetensors`) into every server and commit; returns
@@ -80,19 +91,39 @@ class SlotWeights:
                 "give a folder of *.safetensors written with save_pretrained"
             )
         committed: list[int] = []
+        skipped: list[int] = []
+        out = [i for i in range(len(self.sockets)) if i < len(self.accepts) and not self.accepts[i]()]
+        if out and len(out) == len(self.sockets):
+            raise WeightLoadError(
+                f"weights from {weight_dir!r} not loaded: every slot is out (restarting or unhealthy), "
+                "so none can check them; the previous ones stay; retry once a slot serves"
+            )
         try:
             tensors = load_safetensors(folder)
             with ExitStack() as stack:
+                opened = [i for i in range(len(self.sockets)) if i not in out]
                 updates = [
-                    self._open(socket, stack, tensors, weight_dir, self.attach_timeout_s)
-                    for socket in self.sockets
+                    self._open(self.sockets[i], stack, tensors, weight_dir, self.attach_timeout_s)
+                    for i in opened
                 ]
                 for update in updates:
                     for name, view in update.tensors().items():
                         view.copy_(tensors[name])
-                for index, update in enumerate(updates):  # each commit is a round trip: it may fail
+                for index, update in zip(opened, updates, strict=True):  # a commit may fail
                     update.commit()
                     committed.append(index)
+            # The slots that were out: each keeps the folder for its restart, or, back meanwhile,
+            # is written now (checked above against a slot that took it).
+            for index in out:
+                if self.keep_if_out[index](folder):
+                    skipped.append(index)
+                    continue
+                with ExitStack() as stack:
+                    late = self._open(self.sockets[index], stack, tensors, weight_dir, self.attach_timeout_s)
+                    for name, view in late.tensors().items():
+                        view.copy_(tensors[name])
+                    late.commit()
+                committed.append(index)
         except (WeightsError, BelayerGpumemError, OSError, RuntimeError) as error:
             if committed:
                 self._keep(folder, committed)
@@ -107,6 +138,7 @@ class SlotWeights:
                 "the previous ones stay"
             ) from error
         self.num_loads += 1
+        self.skipped = [self._name(index) for index in skipped]
         self._keep(folder, committed)
         return len(tensors)
 

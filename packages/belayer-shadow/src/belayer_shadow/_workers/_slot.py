@@ -95,6 +95,10 @@ class SlotSupervisor:
     _kept_weights: Path | None = None
     _memory_misses: int = 0
     _recovering: bool = False  # a restart for lost memory runs: a main exiting meanwhile is part of it
+    # The memory servers are down or being refilled (a restart from scratch): a weight update
+    # skips the slot and only keeps its folder, which the refill loads (`keep_weights_if_out`).
+    _memory_out: bool = False
+    _kept_generation: int = 0  # bumped by every keep_weights: a refill rereads a newer copy
     _next_memory_check: float = 0.0
     # "shadow" / "guardian": (pid, its hang detector) of the process being watched.
     _watches: dict[str, tuple[int, HangDetector]] = attrs.field(factory=dict)
@@ -150,6 +154,7 @@ class SlotSupervisor:
             aside.rename(kept)
             shutil.rmtree(old, ignore_errors=True)
             self._kept_weights = kept
+            self._kept_generation += 1
         self.log.emit("weights.kept", source=str(source), num_files=len(files), version=version)
 
     @property
@@ -161,6 +166,25 @@ class SlotSupervisor:
             return int((self._kept_weights / _KEPT_VERSION_FILE).read_text())
         except (OSError, ValueError):
             return None
+
+    def accepts_weights(self) -> bool:
+        """Whether a weight update can be written to this slot's weight server now: the slot is
+        healthy, no restart from scratch is tearing down or refilling its memory, and the weight
+        server process is alive. (A stopped server passes; the update's attach timeout fails it.)"""
+        with self._lock:
+            server = self.weights_server
+            return self.healthy and not self._memory_out and server is not None and server.alive()
+
+    def keep_weights_if_out(self, source: Path) -> bool:
+        """If the slot is out (`accepts_weights` False), keep `source` as its current weights and
+        return True: a restart under way reloads it (the refill rereads a copy kept while it
+        ran), a later one loads it. Else return False and keep nothing (write the server)."""
+        with self._lock:  # held through the copy: a refill cannot finish between check and keep
+            if self.accepts_weights():
+                return False
+            self.keep_weights(source)
+            self.log.emit("weights.skipped", source=str(source), healthy=self.healthy)
+            return True
 
     @property
     def heartbeat(self) -> Path:
@@ -320,7 +344,7 @@ class SlotSupervisor:
                 )
             )
             try:
-                fill_weight_server(self.weights_socket, load_safetensors(self.checkpoint))
+                self._fill_weights()
             except BaseException:
                 self.weights_server.stop(timeout_s=10)
                 self.weights_server = None
@@ -335,6 +359,18 @@ class SlotSupervisor:
             weights, kv = self.weights_server.pid, self.kv_server.pid
             self._processes.add(weights, "weights-server", group=False, files=(self.weights_socket,))
             self._processes.add(kv, "kv-server", group=False, files=(self.kv_socket,))
+
+    def _fill_weights(self) -> None:
+        """Fill the new weight server from the checkpoint; again while an update kept a newer copy
+        meanwhile (it skipped this slot); then the slot takes updates directly."""
+        while True:
+            with self._lock:
+                generation, checkpoint = self._kept_generation, self.checkpoint
+            fill_weight_server(self.weights_socket, load_safetensors(checkpoint))
+            with self._lock:
+                if generation == self._kept_generation:
+                    self._memory_out = False
+                    return
 
     def stop_memory_servers(self) -> None:
         """SIGTERM both memory servers (they remove their sockets and release their regions)."""
@@ -397,6 +433,7 @@ class SlotSupervisor:
         self.last_handover = time.monotonic()
         with self.log.step(f"{cause}.restart"):
             with self._lock:
+                self._memory_out = True
                 residual = self.main
                 if residual is not None and residual.alive():
                     residual.kill()
@@ -472,6 +509,7 @@ class SlotSupervisor:
         self.log.emit("memory.lost", cause=cause)
         with self._lock:
             self._recovering = True
+            self._memory_out = True
             shadow, self.shadow = self.shadow, None
             for server in (self.weights_server, self.kv_server):
                 if server is not None:
