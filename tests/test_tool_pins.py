@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
-TOOLS = ("ruff", "mypy", "import-linter", "pytest", "pytest-timeout", "hypothesis", "nox")
+TOOLS = ("ruff", "mypy", "import-linter", "pytest", "pytest-timeout", "hypothesis", "nox", "uv")
 
 
 def _constraints() -> dict[str, str]:
