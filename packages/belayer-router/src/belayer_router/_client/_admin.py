@@ -18,6 +18,7 @@ import attrs
 import httpx
 
 from belayer_router._errors import RouterClientError, RouterUnreachableError
+from belayer_router._wire._protocol import CLIENT_KEEP_ALIVE_S
 
 __all__ = ["RouterAdmin", "RouterCounters", "RouterWorkers", "SlotState"]
 
@@ -136,7 +137,8 @@ class RouterAdmin:
             raise ValueError(f"timeout_s must be > 0 (got {timeout_s!r})")
         self.url = url.rstrip("/")
         headers = {} if admin_token is None else {"Authorization": f"Bearer {admin_token}"}
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+        limits = httpx.Limits(keepalive_expiry=CLIENT_KEEP_ALIVE_S)
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s, limits=limits)
 
     def __enter__(self) -> Self:
         return self

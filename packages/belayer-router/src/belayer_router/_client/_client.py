@@ -15,7 +15,7 @@ import orjson
 
 from belayer_router._client._mux import ClientMux
 from belayer_router._errors import RouterClientError
-from belayer_router._wire._protocol import FinishEvent, TokenEvent
+from belayer_router._wire._protocol import CLIENT_KEEP_ALIVE_S, FinishEvent, TokenEvent
 
 __all__ = ["Completion", "RouterClient"]
 
@@ -77,7 +77,9 @@ class RouterClient:
         if self.timeout is not None:
             self.timeout_s = self.timeout
         headers = {} if self.admin_token is None else {"authorization": f"Bearer {self.admin_token}"}
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
+        limits = httpx.Limits(
+            max_connections=None, max_keepalive_connections=1024, keepalive_expiry=CLIENT_KEEP_ALIVE_S
+        )
         if self.multiplex:  # before the HTTP client: a bad URL leaves nothing to close
             self._link = ClientMux(
                 self.base_url, connect_timeout_s=min(30.0, self.timeout_s), read_timeout_s=self.timeout_s

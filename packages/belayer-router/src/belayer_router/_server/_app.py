@@ -50,6 +50,7 @@ from belayer_router._server._control import ControlRoutes, WeightLoader
 from belayer_router._server._openai_routes import OpenAIRoutes
 from belayer_router._server._token_routes import TokenRoutes
 from belayer_router._wire._protocol import (
+    CLIENT_KEEP_ALIVE_S,
     MAX_TOKEN_ID,
     FinishEvent,
     GenerateRequest,
@@ -125,7 +126,9 @@ class RouterApp(OpenAIRoutes, ControlRoutes, TokenRoutes):
                     f"replayed ({op!r}: {error!r}); move the file away to start with an empty journal"
                 ) from error
         timeout = httpx.Timeout(10.0, read=self.config.worker_read_timeout_s)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
+        limits = httpx.Limits(
+            max_connections=None, max_keepalive_connections=1024, keepalive_expiry=CLIENT_KEEP_ALIVE_S
+        )
         client = httpx.AsyncClient(timeout=timeout, limits=limits)
         self.dispatcher = Dispatcher(
             self.registry,

@@ -33,11 +33,11 @@ from typing import Any, cast
 import httptools
 
 from belayer_router._errors import ServerConfigError
+from belayer_router._wire._protocol import KEEP_ALIVE_S  # an idle connection is closed
 
 __all__ = ["HEAD_TIMEOUT_S", "KEEP_ALIVE_S", "MAX_HEAD_BYTES", "HttpServer"]
 
 MAX_HEAD_BYTES = 64 * 1024  # request line + headers
-KEEP_ALIVE_S = 5.0  # an idle connection (between requests, or before the first) is closed
 HEAD_TIMEOUT_S = 30.0  # a request line + headers must be complete this long after their first byte
 _HIGH_WATER = 256 * 1024  # body bytes buffered for the app before reading pauses
 _LINGER_S = 2.0  # a connection closed on an error drains what the client still sends this long

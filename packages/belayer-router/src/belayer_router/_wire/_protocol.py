@@ -16,8 +16,19 @@ import orjson
 
 from belayer_router._errors import InvalidRequestError, WorkerStreamError
 
+# Keep-alive, both ends.  The router's (and every worker's) HTTP server closes a connection idle
+# this long between requests.
+KEEP_ALIVE_S = 5.0
+# Every client of ours drops a pooled connection idle this long, well before the server closes it.
+# At equal times (httpx's default expiry is 5 s too) a request sent on a connection the server is
+# closing at that moment fails with a ReadError after the server may have read it; under load that
+# ended a training run ("httpx.ReadError ... BrokenResourceError" from append_context).
+CLIENT_KEEP_ALIVE_S = 2.0
+
 __all__ = [
+    "CLIENT_KEEP_ALIVE_S",
     "FINISH_REASONS",
+    "KEEP_ALIVE_S",
     "MAX_TOKENS",
     "MAX_TOKEN_ID",
     "FinishEvent",
