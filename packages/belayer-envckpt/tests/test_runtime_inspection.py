@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from belayer_envckpt import (
     full_checkpoint,
     next_checkpoint_kind,
 )
-from belayer_envckpt._runtime import read_runtime, sandbox_runtime, still_running
+from belayer_envckpt._runtime import read_runtime, refuse_uncaptured, sandbox_runtime, still_running
 
 # A python program that holds state in memory; run as `exec -a sleep python3 3600` it shows the
 # argv of the keep-alive's `sleep 3600`.
@@ -149,32 +148,36 @@ def test_an_init_that_is_gone_reads_as_not_running():
 def test_a_permission_refused_by_proc_is_an_unreadable_view_not_an_oserror(make_sandbox):
     sandbox = make_sandbox(DEBIAN, "perm")
     pid = init_pid(sandbox)
-    # Read as an unprivileged user: /proc/PID/exe of a root process refuses it (EACCES).
-    script = (
-        "import json, sys\n"
-        "from belayer_envckpt._runtime import read_runtime, refuse_uncaptured\n"
-        "from belayer_envckpt import RuntimeUnreadableError\n"
-        "cmd = tuple(json.loads(sys.argv[2]))\n"
-        "view = read_runtime(int(sys.argv[1]), cmd, cmd)\n"
-        "try:\n"
-        "    refuse_uncaptured(view, 'x')\n"
-        "    refused = ''\n"
-        "except RuntimeUnreadableError as exc:\n"
-        "    refused = str(exc)\n"
-        "print(json.dumps({'fresh': view.fresh, 'unreadable': view.unreadable, 'refused': refused}))\n"
-    )
-    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-    argv = [*as_nobody, sys.executable, "-c", script, str(pid), json.dumps(list(sandbox.config.command))]
-    out = subprocess.run(
-        argv,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "HOME": "/tmp"},
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr
-    result = json.loads(out.stdout)
+    # Read as an unprivileged user: /proc/PID/exe of a root process refuses it (EACCES).  A forked
+    # child drops to nobody and reads with the modules already loaded (nothing to import from a
+    # folder nobody may not read), and sends what it saw back through a pipe.
+    command = tuple(sandbox.config.command)
+    reader, writer = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child process
+        code = 1
+        try:
+            os.close(reader)
+            os.setgroups([])
+            os.setresgid(65534, 65534, 65534)
+            os.setresuid(65534, 65534, 65534)
+            view = read_runtime(pid, command, command)
+            try:
+                refuse_uncaptured(view, "x")
+                refused = ""
+            except RuntimeUnreadableError as exc:
+                refused = str(exc)
+            answer = {"fresh": view.fresh, "unreadable": view.unreadable, "refused": refused}
+            os.write(writer, json.dumps(answer).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(writer)
+    with os.fdopen(reader, "rb") as pipe:
+        raw = pipe.read()
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, raw
+    result = json.loads(raw)
     assert result["fresh"] is False
     assert "Permission denied" in result["unreadable"]
     assert "cannot be ruled out" in result["refused"]
