@@ -216,6 +216,47 @@ def test_a_remote_sandbox_is_sandbox_like_and_fails_as_a_sandbox_once_moved(
     assert back.id not in sandboxes.containers()
 
 
+def test_a_remote_sandbox_takes_the_cheapest_checkpoint_kind_and_restores_each(
+    sandboxes: SandboxCluster,
+) -> None:
+    # The host asks envckpt which kind a checkpoint would take and takes that kind: only the
+    # stateless init runs -> fresh-runtime; nothing changed since -> reference; a process left
+    # running -> full (CRIU). Each restores exactly its prefix's state.
+    info = sandboxes.create("traj-kinds", working_dir="/work")
+    remote = RemoteSandbox(sandboxes, info, SandboxConfig(image="belayer/busybox", working_dir="/work"))
+    restored: list[RemoteSandbox] = []
+    try:
+        remote.exec("echo 1 > a")
+        assert remote.next_checkpoint_kind() == "fresh-runtime"
+        _, fresh = remote.probe_then_checkpoint(
+            ["cat", "a"], prefix=1, context_ref="router:contexts/traj-kinds/1", workdir="/work",
+            accept=lambda result: result.ok and result.stdout == "1\n",
+        )  # fmt: skip
+        assert fresh.kind == "fresh-runtime"
+        remote.exec("cat a")  # an action that changes nothing
+        assert remote.next_checkpoint_kind() == "reference"
+        _, same = remote.probe_then_checkpoint(["true"], prefix=2, context_ref="router:contexts/traj-kinds/2")
+        assert same.kind == "reference"
+        remote.exec("echo 3 > a; sleep 1000 > /dev/null 2>&1 &")
+        assert remote.next_checkpoint_kind() == "full"
+        _, full = remote.probe_then_checkpoint(["true"], prefix=3, context_ref="router:contexts/traj-kinds/3")
+        assert full.kind == "full"
+        current = remote
+        for checkpoint, expected in ((fresh, "1\n"), (same, "1\n"), (full, "3\n")):
+            current.kill()
+            current = current.restored(checkpoint)
+            restored.append(current)
+            assert (current.prefix, current.context_ref) == (checkpoint.prefix, checkpoint.context_ref)
+            assert _read(sandboxes, "traj-kinds", current.id) == expected
+        # The full checkpoint's process came back with it; the fresh-runtime ones started anew.
+        assert current.probe("ps | grep -v grep | grep -q 'sleep 1000'").ok
+        assert remote.next_checkpoint_kind() is None  # a container that is gone: cannot be told
+    finally:
+        for sandbox in (remote, *restored):
+            sandbox.remove()
+        sandboxes.release("traj-kinds")
+
+
 def test_creating_a_trajectorys_sandbox_again_removes_its_dead_one(sandboxes: SandboxCluster) -> None:
     first = sandboxes.create("traj-again")
     try:

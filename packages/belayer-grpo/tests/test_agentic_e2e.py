@@ -117,6 +117,14 @@ async def test_always_recovers_from_checkpoints_not_from_scratch(
         assert recovery.restore_timings_ms["total_ms"] > 0
         # Only the rounds after the checkpoint were generated again.
         assert recovery.rounds_regenerated == recovery.failed_turn - recovery.restored_turn
+    # Only the stateless init runs in these sandboxes (every action is an exec that exits): the
+    # checkpoints are the layer only (fresh-runtime), or a reference when an action changed
+    # nothing; never CRIU. Each restore went by its checkpoint's kind.
+    kinds = [c.kind for t in trajectories for c in t.checkpoints]
+    assert kinds
+    assert set(kinds) <= {"fresh-runtime", "reference"}, kinds
+    assert {r.restored_kind for r in restored} <= {"fresh-runtime", "reference"}
+    assert summarize(trajectories)["checkpoints_by_kind"]["full"] == 0
 
 
 async def test_worker_killed_mid_rollout_is_replaced_and_nothing_is_lost(

@@ -15,6 +15,7 @@ from belayer_grpo._agentic import (
     AgenticConfig,
     AgenticTrajectory,
     BashAction,
+    CheckpointRecord,
     InvalidAction,
     RecoveryRecord,
     Submit,
@@ -22,6 +23,7 @@ from belayer_grpo._agentic import (
     TokenContext,
     builtin_tasks,
     context_ref,
+    count_kinds,
     load_swegym,
     parse_action,
     parse_context_ref,
@@ -30,6 +32,7 @@ from belayer_grpo._agentic import (
 )
 from belayer_grpo._errors import DataError, UnrecoverableTrajectoryError, describe_error
 from belayer_grpo._plot import _MARKERS, sandbox_markers, write_training_plot
+from belayer_grpo._rollout_agentic import EnvTotals, format_env
 from belayer_router import ByteTokenizer
 
 # -- actions -----------------------------------------------------------------------------------
@@ -241,6 +244,36 @@ def test_summarize_totals_a_batch() -> None:
     assert totals["reward_mean"] == 0.5
     assert totals["all_prefix_consistent"]
     assert not summarize([trajectory([recovery(False)], 1.0)])["all_prefix_consistent"]
+
+
+def test_checkpoints_are_counted_per_kind_with_their_time_and_wait(tmp_path: Path) -> None:
+    def ckpt(kind: str, seconds: float, waited: float) -> CheckpointRecord:
+        return CheckpointRecord(1, 1, "router:contexts/t/1", "h", "r", seconds, waited, kind=kind)
+
+    one = attrs.evolve(
+        trajectory([attrs.evolve(recovery(True), restored_kind="fresh-runtime")], 1.0),
+        checkpoints=[ckpt("fresh-runtime", 0.2, 0.1), ckpt("reference", 0.05, 0.0), ckpt("full", 1.0, 0.5)],
+    )
+    two = attrs.evolve(trajectory([], 0.0), checkpoints=[ckpt("reference", 0.01, 0.0)], kind_query_s=0.25)
+    by_kind = count_kinds([one, two])
+    assert {k: v["count"] for k, v in by_kind.items()} == {"full": 1, "fresh-runtime": 1, "reference": 2}
+    assert by_kind["reference"]["s"] == pytest.approx(0.06)
+    assert by_kind["full"]["waited_s"] == 0.5
+    assert summarize([one, two])["checkpoints_by_kind"] == {"full": 1, "fresh-runtime": 1, "reference": 2}
+    assert one.summary()["checkpoints_by_kind"]["reference"] == 1
+    totals = EnvTotals()
+    totals.add([one, two], step=1)
+    env = totals.to_dict()
+    assert env["checkpoints_by_kind"] == {"full": 1, "fresh-runtime": 1, "reference": 2}
+    assert env["checkpoint_waited_s_by_kind"]["fresh-runtime"] == 0.1
+    assert env["kind_query_s_total"] == 0.25
+    assert env["recoveries_by_kind"] == {"fresh-runtime": 1}
+    assert env["recoveries"][0]["restored_kind"] == "fresh-runtime"
+    line = format_env(
+        {"env_failures": 0, "env_checkpoints": 4, "env_checkpoints_full": 1, "env_checkpoints_fresh_runtime": 1,
+         "env_checkpoints_reference": 2, "env_prefix_consistent": 1}
+    )  # fmt: skip
+    assert "4 checkpoints (1 full, 1 fresh-runtime, 2 reference)" in line
 
 
 @pytest.mark.parametrize(

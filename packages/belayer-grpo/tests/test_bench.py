@@ -12,6 +12,7 @@ import pytest
 from belayer_grpo._bench import EXPERIMENTS, load_bench_config, quick_config
 from belayer_grpo._bench.agent_worker import ScriptedAgentWorker, script_for
 from belayer_grpo._bench.env_failures import checkpoint_costs
+from belayer_grpo._bench.report import _build_recovery
 from belayer_grpo._bench.stats import relative_change, summarize
 from belayer_grpo._cli import main
 from belayer_grpo._errors import GrpoConfigError
@@ -64,6 +65,29 @@ def test_scripted_agent_follows_the_script() -> None:
     assert key == "calc.py/1"
     assert f"```bash\n{commands[1]}\n```" in text
     assert "submit" in worker.response("calc.py" + "<observation" * 5)[1]
+
+
+def test_scripted_agent_answers_a_build_task_and_the_report_compares_the_recoveries() -> None:
+    worker = ScriptedAgentWorker(1, rounds=3, action_s=0.0, token_delay_s=0.0, padding=0)
+    prompt = "Build 375 into file a, cat it, reply ANSWER: the number you read\n"
+    assert worker.response(prompt)[1] == "ACTION: mk 375\n"
+    assert worker.response(prompt + "ACTION: mk 375\nOUT 0: kqfm 375\n")[1] == "ACTION: cat a\n"
+    seen = prompt + "ACTION: mk 375\nOUT 0: kqfm 375\nACTION: cat a\nOUT 0: kqfm 375\n"
+    assert worker.response(seen)[1] == "ANSWER: 375\n"
+
+    def arm(rollout_s: float, inconsistent: int) -> dict[str, object]:
+        return {"batches": 1, "rollout_s_mean": rollout_s, "failures": 4, "from_checkpoint": 2,
+                "from_scratch": 2, "replayed": 0, "inconsistent": inconsistent, "reward_mean": 1.0,
+                "tokens_regenerated": 10, "checkpoints": {"fresh-runtime": 3, "full": 0}}  # fmt: skip
+
+    lines = _build_recovery(
+        {"arms": {"adaptive": arm(10.0, 0), "never": arm(15.0, 0), "replay": arm(12.0, 3)}}
+    )
+    rows = [line for line in lines if line.startswith("| replay") or line.startswith("| never")]
+    assert "+50%" in rows[0]
+    assert "+20%" in rows[1]
+    assert "3 of 4" in rows[1]
+    assert "3 fresh-runtime" in lines[2]
 
 
 def test_checkpoint_cost_accounts_hidden_and_exposed_time() -> None:

@@ -85,9 +85,11 @@ class RemoteSandbox:
         workdir: str | None = None,
         accept: Callable[[ExecResult], bool] | None = None,
     ) -> tuple[ExecResult, Checkpoint]:
-        """`belayer_envckpt.probe_then_checkpoint` on the sandbox's host: a read-only probe and a
-        full checkpoint of the same state under one action boundary, published to the cluster's
-        shared store. Returns the accepted answer and the checkpoint."""
+        """A read-only probe and a checkpoint of the same state under one action boundary on the
+        sandbox's host (`SandboxHost.checkpoint_at`), published to the cluster's shared store; the
+        checkpoint is the cheapest kind that captures the sandbox (`belayer_envckpt.checkpoint`:
+        ``full``, ``fresh-runtime`` or ``reference``, its ``kind``). Returns the accepted answer
+        and the checkpoint."""
         argv = ["/bin/sh", "-c", probe] if isinstance(probe, str) else list(probe)
         with self._boundary:
             try:
@@ -99,6 +101,14 @@ class RemoteSandbox:
                 raise self._failed("checkpoint", error) from error
         assert probed is not None  # a probe was given
         return probed, checkpoint
+
+    def next_checkpoint_kind(self) -> str | None:
+        """The kind a checkpoint would take now (`belayer_envckpt.next_checkpoint_kind` on its host),
+        for a policy's cost; None when it cannot be told (the container is gone)."""
+        try:
+            return self.hosts.next_kind(self.trajectory, container_id=self.container_id)
+        except SandboxHostError:
+            return None
 
     def restored(self, checkpoint: Checkpoint) -> RemoteSandbox:
         """The trajectory's sandbox brought back from ``checkpoint``: on its node if alive, else on

@@ -12,6 +12,7 @@ node, not a Docker engine of its own.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,32 @@ class SandboxInfo:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
         return attrs.asdict(self)
+
+
+_PROBE_TRIES = 3
+
+
+def _accepted_probe(
+    sandbox: Any,
+    trajectory: str,
+    argv: list[str],
+    workdir: str | None,
+    accept: Callable[[ExecResult], bool] | None,
+) -> ExecResult:
+    """The probe's first answer `accept` takes (None: exit 0), `_PROBE_TRIES` tries with a pause
+    growing by 0.5 s; `SandboxHostError` when none is taken (a pipeline on a loaded machine can
+    answer exit 0 and nothing)."""
+    for attempt in range(_PROBE_TRIES):
+        result: ExecResult = sandbox.probe(argv, 60.0, workdir=workdir)
+        if result.ok if accept is None else accept(result):
+            return result
+        if attempt + 1 < _PROBE_TRIES:
+            time.sleep(0.5 * (attempt + 1))
+    raise SandboxHostError(
+        f"the probe before checkpointing {trajectory!r} gave no accepted answer in {_PROBE_TRIES} "
+        f"tries (last: exit {result.exit_code}, {(result.stdout + result.stderr)[-200:]!r}); nothing "
+        "was checkpointed"
+    )
 
 
 class SandboxHost:
@@ -143,17 +170,27 @@ class SandboxHost:
         return operation
 
     def checkpoint(self, trajectory: str, context_ref: str) -> SandboxInfo:
-        """Publish a full checkpoint of the sandbox, tied to its prefix and LLM context `context_ref`."""
-        from belayer_envckpt import BelayerEnvckptError, full_checkpoint
+        """Publish a checkpoint of the sandbox (the cheapest kind that captures it:
+        `belayer_envckpt.checkpoint`), tied to its prefix and LLM context `context_ref`."""
+        from belayer_envckpt import BelayerEnvckptError, checkpoint
 
         sandbox = self._sandbox(trajectory)
         try:
-            ckpt = full_checkpoint(
-                sandbox, trajectory, prefix=sandbox.prefix, context_ref=context_ref, store=self.store
-            )
+            ckpt = checkpoint(sandbox, trajectory, sandbox.prefix, context_ref, store=self.store)
         except BelayerEnvckptError as exc:
             raise SandboxHostError(f"checkpoint of {trajectory!r} failed: {exc}") from exc
         return self._info(trajectory, ckpt.context_ref)
+
+    def next_kind(self, trajectory: str, container_id: str | None = None) -> str | None:
+        """The kind a checkpoint of the sandbox would take now (`belayer_envckpt.next_checkpoint_kind`:
+        ``full``, ``fresh-runtime`` or ``reference``), or None when it cannot be told (it is gone)."""
+        from belayer_envckpt import BelayerEnvckptError, next_checkpoint_kind
+
+        try:
+            sandbox = self._sandbox(trajectory, container_id)
+            return str(next_checkpoint_kind(sandbox, self.store, trajectory))
+        except (BelayerEnvckptError, SandboxHostError, OSError):
+            return None
 
     def checkpoint_at(
         self,
@@ -165,24 +202,22 @@ class SandboxHost:
         container_id: str | None = None,
         accept: Callable[[ExecResult], bool] | None = None,
     ) -> tuple[SandboxInfo, Checkpoint, ExecResult | None]:
-        """Publish a full checkpoint at the caller's `prefix` tied to `context_ref`; with
-        `probe_argv`, first a read-only probe of the same state (`belayer_envckpt.probe_then_checkpoint`:
-        asked again while `accept`, by default exit 0, refuses its answer). Returns where the
-        sandbox is, the `belayer_envckpt.Checkpoint` and the accepted probe answer (None without)."""
-        from belayer_envckpt import BelayerEnvckptError, full_checkpoint, probe_then_checkpoint
+        """Publish a checkpoint at the caller's `prefix` tied to `context_ref`, of the cheapest kind
+        that captures the sandbox (`belayer_envckpt.checkpoint`: its ``kind`` says which); with
+        `probe_argv`, first a read-only probe of the same state, under the same action boundary (no
+        action runs in between), asked again while `accept` (by default exit 0) refuses its answer,
+        3 tries, nothing checkpointed without an accepted one (`SandboxHostError`). Returns where
+        the sandbox is, the `belayer_envckpt.Checkpoint` and the accepted probe answer (None
+        without)."""
+        from belayer_envckpt import BelayerEnvckptError, checkpoint
 
         sandbox = self._sandbox(trajectory, container_id)
         probed = None
         try:
-            if probe_argv:
-                probed, ckpt = probe_then_checkpoint(
-                    sandbox, trajectory, probe_argv, store=self.store, prefix=prefix,
-                    context_ref=context_ref, workdir=workdir, accept=accept,
-                )  # fmt: skip
-            else:
-                ckpt = full_checkpoint(
-                    sandbox, trajectory, prefix=prefix, context_ref=context_ref, store=self.store
-                )
+            with sandbox.action_boundary():
+                if probe_argv:
+                    probed = _accepted_probe(sandbox, trajectory, probe_argv, workdir, accept)
+                ckpt = checkpoint(sandbox, trajectory, prefix, context_ref, store=self.store)
         except BelayerEnvckptError as exc:
             raise SandboxHostError(f"checkpoint of {trajectory!r} failed: {exc}") from exc
         return self._info(trajectory, ckpt.context_ref, prefix), ckpt, probed

@@ -183,9 +183,10 @@ class SandboxCluster:
         container_id: str | None = None,
         accept: Callable[[ExecResult], bool] | None = None,
     ) -> tuple[SandboxInfo, Checkpoint, ExecResult | None]:
-        """Publish a checkpoint at `prefix` tied to `context_ref`, after a read-only probe of the same
-        state (`belayer_envckpt.probe_then_checkpoint`, `accept` as there): (where it is, the
-        `belayer_envckpt.Checkpoint`, the accepted probe answer or None without a probe)."""
+        """Publish a checkpoint at `prefix` tied to `context_ref`, of the cheapest kind that captures the
+        sandbox, after a read-only probe of the same state (`SandboxHost.checkpoint_at`, `accept` as
+        there): (where it is, the `belayer_envckpt.Checkpoint`, the accepted probe answer or None
+        without a probe)."""
         host = self._host(self.where(trajectory).node_id)
         info, ckpt, probed = self._get(
             host.checkpoint_at.remote(
@@ -196,6 +197,13 @@ class SandboxCluster:
             if self.placed.get(trajectory, info).container_id == info.container_id:
                 self.placed[trajectory] = info
         return info, ckpt, probed
+
+    def next_kind(self, trajectory: str, *, container_id: str | None = None) -> str | None:
+        """The kind a checkpoint of the trajectory's sandbox would take now, asked of its host
+        (`SandboxHost.next_kind`); None when it cannot be told."""
+        host = self._host(self.where(trajectory).node_id)
+        kind: str | None = self._get(host.next_kind.remote(trajectory, container_id))
+        return kind
 
     def where(self, trajectory: str) -> SandboxInfo:
         """Where the trajectory's sandbox runs now."""

@@ -50,7 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--config", help="a benchmark TOML layered over the scale's configuration")
     bench.add_argument("--scale", choices=("small", "full"), default=None, help="default: small (CPU)")
     bench.add_argument(
-        "--experiment", action="append", help="overhead, worker-failure, env-failures, checkpoint-cost"
+        "--experiment",
+        action="append",
+        help="overhead, worker-failure, env-failures, checkpoint-cost, build-recovery",
     )
     bench.add_argument("--quick", action="store_true", help="fewer repeats and steps (a few minutes)")
     bench.add_argument("--out", help="results folder (default: the configuration's results_dir)")

@@ -87,6 +87,9 @@ class DataConfig:
     max_prompt_tokens: int = attrs.field(default=256, validator=_positive)
     # tooluse: values (of the 1,000, 000-999) kept out of training; at least one stays for training
     held_out: int = attrs.field(default=40, validator=[_non_negative, v.lt(1000)])
+    # tooluse: "store" (echo a value to a file, read it back) or "build" (`mk` the value, seconds,
+    # stamping a build id that differs on every run; read it back)
+    tool_task: str = attrs.field(default="store", validator=v.in_(("store", "build")))
 
     @max_operand.validator
     def _check_range(self, attribute: attrs.Attribute[int], value: int) -> None:
@@ -156,7 +159,9 @@ class SystemConfig:
     # Agentic workloads: how a failed sandbox comes back.  `checkpoint` (latest ready checkpoint
     # and its context, else from scratch) or `image`, the control without recovery (a fresh
     # container, the agent's context kept: the state is silently lost).
-    sandbox_recovery: str = attrs.field(default="checkpoint", validator=v.in_(("checkpoint", "image")))
+    sandbox_recovery: str = attrs.field(
+        default="checkpoint", validator=v.in_(("checkpoint", "image", "replay"))
+    )
 
 
 @attrs.frozen

@@ -168,6 +168,20 @@ class Reporter:
                 f" {env.get('checkpoint_waited_s_total', 0.0):.2f}s of it on the critical path;"
                 f" prefix-consistent: {'yes' if env['all_prefix_consistent'] else 'NO'}"
             )
+            by_kind = env.get("checkpoints_by_kind") or {}
+            if any(by_kind.values()):
+                seconds = env.get("checkpoint_s_by_kind") or {}
+                waited = env.get("checkpoint_waited_s_by_kind") or {}
+                parts = [
+                    f"{kind} {count} ({seconds.get(kind, 0.0):.1f}s, {waited.get(kind, 0.0):.2f}s waited)"
+                    for kind, count in by_kind.items()
+                    if count
+                ]
+                lines.append(
+                    f"{'checkpoint kinds':>22}: {', '.join(parts)};"
+                    f" asking the kind {env.get('kind_query_s_total', 0.0):.1f}s (overlapped; waited"
+                    f" {env.get('decide_waited_s_total', 0.0):.2f}s where no checkpoint followed)"
+                )
             lines.append(
                 f"{'unrecoverable':>22}: {env.get('unrecoverable_trajectories', 0)} trajectories ->"
                 f" {env.get('resampled_groups', 0)} groups resampled ({env.get('group_resamples', 0)} times),"
@@ -178,7 +192,8 @@ class Reporter:
                 lines.append(f"{'':>22}  {error[:200]}")
             for r in env.get("recoveries", [])[:20]:
                 if r["from_checkpoint"]:
-                    source = f"checkpoint at action {r['restored_prefix']} (turn {r['restored_turn']})"
+                    kind = f"{r['restored_kind']} " if r.get("restored_kind") else ""
+                    source = f"{kind}checkpoint at action {r['restored_prefix']} (turn {r['restored_turn']})"
                 elif r["prefix_consistent"]:
                     source = "the start (image and prompt)"
                 else:

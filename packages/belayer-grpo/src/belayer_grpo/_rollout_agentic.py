@@ -26,6 +26,7 @@ from belayer_grpo._agentic import (
     RolloutStats,
     SandboxPool,
     builtin_tasks,
+    count_kinds,
     load_swegym,
     render_observation,
     render_prompt,
@@ -33,7 +34,12 @@ from belayer_grpo._agentic import (
     summarize,
     to_samples,
 )
-from belayer_grpo._agentic.tooluse import ToolUseTask, generate_tooluse_tasks, tooluse_demonstration
+from belayer_grpo._agentic.tooluse import (
+    ToolUseTask,
+    ensure_build_image,
+    generate_tooluse_tasks,
+    tooluse_demonstration,
+)
 from belayer_grpo._chaos import WorkerChaos
 from belayer_grpo._config import Config
 from belayer_grpo._data import PolicyTokenizer
@@ -55,6 +61,7 @@ __all__ = [
     "held_out_tasks",
     "load_tasks",
     "open_pool",
+    "prepare_images",
     "run_swe_rollout",
     "run_tag",
     "supervised_loop",
@@ -70,7 +77,7 @@ def load_tasks(config: Config) -> list[AgentTask]:
     """The training tasks.  tooluse: generated from ``data.seed`` (less the held-out ones); swe:
     ``data.source``, ``builtin`` (the shipped tasks) or a SWE-Gym style ``.jsonl`` file."""
     if config.data.workload == "tooluse":
-        return list(generate_tooluse_tasks(config.data.seed, config.data.held_out)[0])
+        return list(generate_tooluse_tasks(config.data.seed, config.data.held_out, config.data.tool_task)[0])
     source = config.data.source
     if source == "builtin":
         return list(builtin_tasks())
@@ -83,7 +90,7 @@ def held_out_tasks(config: Config) -> list[AgentTask]:
     """The tasks evaluated greedily before and after training (tooluse; none for swe)."""
     if config.data.workload != "tooluse":
         return []
-    return list(generate_tooluse_tasks(config.data.seed, config.data.held_out)[1])
+    return list(generate_tooluse_tasks(config.data.seed, config.data.held_out, config.data.tool_task)[1])
 
 
 def run_tag(run_dir: Path) -> str:
@@ -129,11 +136,24 @@ def connect_checkpoint_engine() -> Engine:
 
 def open_pool(config: Config, run_dir: Path) -> SandboxPool:
     """The run's sandbox pool, kept from step to step.  tooluse reuses its sandboxes (the state
-    of a task lives in its working directory, which the pool empties between trajectories)."""
+    of a task lives in its working directory, which the pool empties between trajectories); its
+    build tasks' image is committed first if it is not there (`ensure_build_image`)."""
+    engine = connect_checkpoint_engine()
+    try:
+        prepare_images(config, engine)
+    except BaseException:
+        engine.close()
+        raise
     return SandboxPool(
-        connect_checkpoint_engine(), CheckpointStore(run_dir / "env-checkpoints"), capacity=config.rollout.max_sandboxes,
+        engine, CheckpointStore(run_dir / "env-checkpoints"), capacity=config.rollout.max_sandboxes,
         labels={RUN_LABEL: run_marker(run_dir)}, reuse=config.data.workload == "tooluse",
     )  # fmt: skip
+
+
+def prepare_images(config: Config, engine: Engine) -> None:
+    """Commit the images the workload's tasks need and that are not there (the build tasks')."""
+    if config.data.workload == "tooluse" and config.data.tool_task == "build":
+        ensure_build_image(engine)
 
 
 async def close_pool(pool: SandboxPool) -> None:
@@ -274,18 +294,29 @@ class EnvTotals:
     checkpoint_s: float = 0.0  # time spent taking checkpoints (mostly overlapped with responses)
     checkpoint_waited_s: float = 0.0  # what of it the next action waited for: the visible cost
     fallbacks: int = 0  # ready checkpoints given up at a restore for an earlier one
+    # Per checkpoint kind (full, fresh-runtime, reference): count, time taking them, time waited.
+    by_kind: dict[str, dict[str, float]] = attrs.field(factory=lambda: count_kinds([]))
+    kind_query_s: float = 0.0  # asking which kind a checkpoint would take (overlapped with responses)
+    decide_waited_s: float = 0.0  # what actions waited for decisions that took no checkpoint
     unrecoverable: RolloutStats = attrs.field(factory=RolloutStats)
     recoveries: list[dict[str, Any]] = attrs.field(factory=list)
 
     def add(self, trajectories: Sequence[AgenticTrajectory], step: int = 0) -> None:
         """Count one step's trajectories and list each sandbox failure with its recovery."""
+        for kind, row in count_kinds(list(trajectories)).items():
+            mine = self.by_kind.setdefault(kind, {"count": 0, "s": 0.0, "waited_s": 0.0})
+            for key, value in row.items():
+                mine[key] += value
         for trajectory in trajectories:
+            self.kind_query_s += trajectory.kind_query_s
+            self.decide_waited_s += trajectory.decide_waited_s
             self.checkpoint_s += sum(c.duration_s for c in trajectory.checkpoints)
             self.checkpoint_waited_s += sum(c.waited_s for c in trajectory.checkpoints)
             for r in trajectory.recoveries:
                 self.recoveries.append({
                     "step": step, "trajectory": trajectory.trajectory_id, "reason": r.reason,
                     "failed_turn": r.failed_turn, "from_checkpoint": r.from_checkpoint,
+                    "restored_kind": r.restored_kind,
                     "restored_prefix": r.restored_prefix, "restored_turn": r.restored_turn,
                     "turns_replayed": r.rounds_regenerated, "tokens_regenerated": r.tokens_regenerated,
                     "restore_s": r.restore_s, "prefix_consistent": r.prefix_consistent,
@@ -317,11 +348,25 @@ class EnvTotals:
             "checkpoint_s_total": self.checkpoint_s,
             "checkpoint_waited_s_total": self.checkpoint_waited_s,
             "checkpoint_fallbacks": self.fallbacks,
+            "checkpoints_by_kind": {k: int(v["count"]) for k, v in self.by_kind.items()},
+            "checkpoint_s_by_kind": {k: v["s"] for k, v in self.by_kind.items()},
+            "checkpoint_waited_s_by_kind": {k: v["waited_s"] for k, v in self.by_kind.items()},
+            "kind_query_s_total": self.kind_query_s,
+            "decide_waited_s_total": self.decide_waited_s,
+            "recoveries_by_kind": self._recoveries_by_kind(),
             **self.unrecoverable.to_dict(),
             "unrecoverable_errors": self.unrecoverable.errors[-20:],
             "all_prefix_consistent": self.inconsistent == 0,
             "recoveries": self.recoveries,
         }
+
+    def _recoveries_by_kind(self) -> dict[str, int]:
+        """Recoveries per kind of checkpoint restored (``scratch``: from the image and the prompt)."""
+        out: dict[str, int] = {}
+        for r in self.recoveries:
+            key = str(r["restored_kind"] or "scratch") if r["from_checkpoint"] else "scratch"
+            out[key] = out.get(key, 0) + 1
+        return out
 
 
 def format_env(metrics: dict[str, Any]) -> str:
@@ -335,6 +380,13 @@ def format_env(metrics: dict[str, Any]) -> str:
             " regenerated"
         )
     text += f", {metrics['env_checkpoints']} checkpoints"
+    kinds = [
+        f"{metrics.get(f'env_checkpoints_{key}', 0)} {name}"
+        for key, name in (("full", "full"), ("fresh_runtime", "fresh-runtime"), ("reference", "reference"))
+        if metrics.get(f"env_checkpoints_{key}")
+    ]
+    if kinds:
+        text += f" ({', '.join(kinds)})"
     if metrics.get("env_checkpoint_fallbacks"):
         text += f" ({metrics['env_checkpoint_fallbacks']} fallbacks to an earlier one)"
     if metrics.get("env_unrecoverable"):
@@ -407,6 +459,8 @@ async def run_swe_rollout(
         "env_restore_s_max": totals["restore_s_max"],
         "env_tokens_regenerated": totals["tokens_regenerated"],
         "env_checkpoints": totals["num_checkpoints"],
+        **{f"env_checkpoints_{k.replace('-', '_')}": n for k, n in totals["checkpoints_by_kind"].items()},
+        "env_checkpoint_waited_s": sum(c.waited_s for t in trajectories for c in t.checkpoints),
         "env_checkpoint_failures": totals["num_checkpoint_failures"],
         "env_prefix_consistent": int(totals["all_prefix_consistent"]),
         "env_checkpoint_fallbacks": totals["num_checkpoint_fallbacks"],

@@ -226,7 +226,10 @@ async def _swe_rollout(
             finished()
 
     if run.estimators is None:
-        run.estimators = default_estimators(settings)
+        # A step waits for its slowest trajectory: the policy weighs failures by the batch's size.
+        run.estimators = default_estimators(
+            settings, config.rollout.batch_size * config.rollout.samples_per_prompt
+        )
     samples, metrics, trajectories = await run_swe_rollout(
         run.sampler.next_batch(config.rollout.batch_size),
         settings,

@@ -19,7 +19,13 @@ from belayer_grpo._agentic.environment import SandboxFailure, context_ref, parse
 from belayer_grpo._agentic.image import DEFAULT_BASE_IMAGE, build_task_image
 from belayer_grpo._agentic.loop import AgentLoop
 from belayer_grpo._agentic.pool import SandboxLease, SandboxPool
-from belayer_grpo._agentic.records import AgenticTrajectory, CheckpointRecord, RecoveryRecord, summarize
+from belayer_grpo._agentic.records import (
+    AgenticTrajectory,
+    CheckpointRecord,
+    RecoveryRecord,
+    count_kinds,
+    summarize,
+)
 from belayer_grpo._agentic.rollout import RolloutStats, default_estimators, run_agentic_rollouts
 from belayer_grpo._agentic.samples import to_samples
 from belayer_grpo._agentic.settings import AgenticConfig
@@ -60,6 +66,7 @@ __all__ = [
     "build_task_image",
     "builtin_tasks",
     "context_ref",
+    "count_kinds",
     "default_estimators",
     "generate_tooluse_tasks",
     "load_swegym",

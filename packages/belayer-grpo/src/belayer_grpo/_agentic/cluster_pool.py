@@ -110,10 +110,12 @@ class ClusterSandboxPool(SandboxPool):
         turn: int,
         workdir: str,
         context_hash: str,
+        previous: CheckpointRecord | None = None,
     ) -> CheckpointRecord:
-        """The repository hash and a full checkpoint of the same state, both taken by the sandbox's
-        host (`belayer_envckpt.probe_then_checkpoint` there); the checkpoint lands in the shared
-        directory."""
+        """The repository hash and a checkpoint of the same state (the cheapest kind that captures
+        it), both taken by the sandbox's host (`belayer_cluster.RemoteSandbox.probe_then_checkpoint`);
+        the checkpoint lands in the shared directory.  (``previous`` is not used: the host probes
+        every time.)"""
         remote = _remote(sandbox)
         started = time.perf_counter()
         ref = context_ref(trajectory, turn)
@@ -123,10 +125,15 @@ class ClusterSandboxPool(SandboxPool):
         record = CheckpointRecord(
             prefix=prefix, turn=turn, context_ref=ref, context_hash=context_hash,
             repo_hash=probed.stdout.strip(), duration_s=time.perf_counter() - started, checkpoint=checkpoint,
+            kind=checkpoint.kind,
         )  # fmt: skip
         if self.checkpointed is not None:
             self.checkpointed(remote.node_id)
         return record
+
+    def next_kind(self, sandbox: SandboxLike, trajectory: str) -> str | None:
+        """The kind a checkpoint would take now, asked of the sandbox's host."""
+        return _remote(sandbox).next_checkpoint_kind()
 
     def restore(self, checkpoint: Checkpoint, current: SandboxLike) -> SandboxLike:
         """The trajectory's sandbox from ``checkpoint``: on its node if alive, else on another (or

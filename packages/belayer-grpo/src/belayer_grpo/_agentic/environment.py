@@ -1,4 +1,4 @@
-"""The environment side of a trajectory: actions, state hashes and full checkpoints.
+"""The environment side of a trajectory: actions, state hashes and checkpoints (of every kind).
 
 Blocking calls into belayer-envckpt (which translates every container-engine error into its own
 typed errors); the agent loop runs each function in a worker thread.  A sandbox failure is
@@ -19,7 +19,8 @@ from belayer_envckpt import (
     FaultInjector,
     Sandbox,
     SandboxLike,
-    probe_then_checkpoint,
+    checkpoint,
+    next_checkpoint_kind,
 )
 from belayer_grpo._agentic.records import CheckpointRecord
 from belayer_grpo._errors import SandboxCommandError
@@ -31,6 +32,7 @@ __all__ = [
     "checkpoint_sandbox",
     "context_ref",
     "is_repository_hash",
+    "next_kind",
     "parse_context_ref",
     "repository_hash",
     "run_action",
@@ -158,24 +160,48 @@ def checkpoint_sandbox(
     turn: int,
     workdir: str,
     context_hash: str,
+    previous: CheckpointRecord | None = None,
 ) -> CheckpointRecord:
-    """Hash the repository and take a full checkpoint of the same quiescent state, tied to ``L_turn``
-    (`belayer_envckpt.probe_then_checkpoint`: both under the sandbox's action boundary, so no
-    action runs in between; a malformed hash is asked again, 3 tries).  Raises a
-    `belayer_envckpt.BelayerEnvckptError` if it cannot be taken.
+    """Checkpoint the sandbox and hash its repository in the same quiescent state, tied to
+    ``L_turn``: both under the sandbox's action boundary, so no action runs in between (a
+    malformed hash is asked again, 3 tries).  The checkpoint is the cheapest kind that captures
+    the sandbox (`belayer_envckpt.checkpoint`: ``reference`` when nothing changed since the last
+    one, ``fresh-runtime`` when only the stateless init runs, else ``full``); the record says which.
+    A reference to ``previous`` (the trajectory's latest record) takes its repository hash: the
+    layer's metadata is unchanged, so are its files, and no probe runs (the probe, an exec, was
+    most of a reference's cost).  Raises a `belayer_envckpt.BelayerEnvckptError` (or
+    `SandboxCommandError` for the hash) if it cannot be taken.
     """
     started = time.perf_counter()
     ref = context_ref(trajectory, turn)
-    probed, checkpoint = probe_then_checkpoint(
-        sandbox, trajectory, ["/bin/sh", "-c", REPO_HASH_SCRIPT], store=store, prefix=prefix,
-        context_ref=ref, workdir=workdir, accept=is_repository_hash,
-    )  # fmt: skip
+    with sandbox.action_boundary():
+        taken = checkpoint(sandbox, trajectory, prefix, ref, store=store)
+        owner = None if previous is None or previous.checkpoint is None else previous.checkpoint
+        shares = (
+            owner is not None
+            and taken.kind == "reference"
+            and taken.artifacts_of in (owner.checkpoint_id, owner.artifacts_of)
+        )
+        repo_hash = (
+            previous.repo_hash if shares and previous is not None else repository_hash(sandbox, workdir)
+        )
     return CheckpointRecord(
         prefix=prefix,
         turn=turn,
         context_ref=ref,
         context_hash=context_hash,
-        repo_hash=probed.stdout.strip(),
+        repo_hash=repo_hash,
         duration_s=time.perf_counter() - started,
-        checkpoint=checkpoint,
+        checkpoint=taken,
+        kind=taken.kind,
     )
+
+
+def next_kind(sandbox: Sandbox, store: CheckpointStore, trajectory: str) -> str | None:
+    """The kind a checkpoint of ``sandbox`` would take now (`belayer_envckpt.next_checkpoint_kind`,
+    for the policy's cost), or None when it cannot be told (the sandbox is gone: the policy then
+    weighs a full checkpoint and the next action reports the failure)."""
+    try:
+        return str(next_checkpoint_kind(sandbox, store, trajectory))
+    except (BelayerEnvckptError, OSError):
+        return None

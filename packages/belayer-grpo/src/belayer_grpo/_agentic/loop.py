@@ -41,6 +41,7 @@ from belayer_router import Completion, RouterClient, RouterClientError, Tokenize
 __all__ = ["AgentLoop", "derive_seed"]
 
 _FAILED = (BelayerEnvckptError, SandboxCommandError)
+_COST_WEIGHING = ("adaptive", "paper")  # the rules that weigh a checkpoint's cost (its kind's)
 
 
 def derive_seed(base: int, trajectory: str, turn: int) -> int:
@@ -72,8 +73,10 @@ class AgentLoop:
     num_checkpoint_failures: int = 0
     num_resumed_responses: int = 0
     num_checkpoint_fallbacks: int = 0  # ready checkpoints given up at a restore (corrupt, unverified)
+    kind_query_s: float = 0.0  # time spent asking which kind a checkpoint would take (overlapped)
+    decide_waited_s: float = 0.0  # what of a decision without checkpoint the next action waited for
     _base: CheckpointRecord | None = None
-    _pending: CheckpointRecord | None = None
+    _pending: _Step | None = None  # the last step, decided on during the next response
     _response_tokens: dict[int, int] = attrs.field(factory=dict)
     # Per committed step: [response_s, action_s, checkpoint_s or None]; `_unspent_response_s` holds
     # response time of rounds without an action (feedback), charged to the next step.
@@ -99,8 +102,12 @@ class AgentLoop:
                 await self._recover(finish)
                 continue
             if isinstance(self.task, ToolUseTask):
+                state = await self._read_state()
+                if isinstance(state, environment.SandboxFailure):
+                    await self._recover(state)
+                    continue
                 observations = [self._observations[t] for t in sorted(self._observations)]
-                reward = self.task.score(self._answer, observations)
+                reward = self.task.score(self._answer, observations, state)
                 steps = "; ".join(f"{o.command} -> {o.output.strip()[:40]!r}" for o in observations)
                 result = _TestResult(0 if reward else 1, f"{steps}; answer {self._answer!r}", "")
                 break
@@ -112,7 +119,13 @@ class AgentLoop:
             reward = 1.0 if result.exit_code == 0 else 0.0
             break
         await self.router.drop_trajectory(self.trajectory_id)
-        self.policy.on_trajectory_end(self.prefix)
+        last, self._pending = self._pending, None  # an action that no response followed: undecided
+        self.policy.on_trajectory_end(
+            self.prefix,
+            None
+            if last is None
+            else StepObservation(last.record.prefix, last.response_s, last.action_s, self._now()),
+        )
         return self._finish(finish, reward, result.exit_code, result.stdout + result.stderr)
 
     async def _begin(self) -> None:
@@ -183,13 +196,27 @@ class AgentLoop:
             responded = len(self.context)
             self.context.add_text(self.tokenizer, observation)
             await self._send_added(turn, responded)
-            decision = self.policy.decide(
-                StepObservation(self.prefix, response_s, outcome.duration_s, self._now())
+            # Decided (and checkpointed) while the next response is generated: see `_respond`.
+            ref = environment.context_ref(self.trajectory_id, turn)
+            self._pending = _Step(
+                CheckpointRecord(self.prefix, turn, ref, self.context.digest(), ""),
+                response_s,
+                outcome.duration_s,
             )
-            if decision.checkpoint:
-                ref = environment.context_ref(self.trajectory_id, turn)
-                self._pending = CheckpointRecord(self.prefix, turn, ref, self.context.digest(), "")
         return "max_rounds"
+
+    async def _next_kind(self) -> str | None:
+        """The kind a checkpoint now would take, for a policy that weighs its cost (adaptive, paper):
+        a read of the sandbox's processes and layer metadata on its host, overlapped with the next
+        response (its time is counted in ``kind_query_s``).  None (a full checkpoint is weighed) for the
+        fixed policies, which do not weigh costs, and when it cannot be told."""
+        if self.policy.name not in _COST_WEIGHING:
+            return None
+        started = time.monotonic()
+        sandbox = self.lease.sandbox
+        kind = await anyio.to_thread.run_sync(lambda: self.lease.pool.next_kind(sandbox, self.trajectory_id))
+        self.kind_query_s += time.monotonic() - started
+        return kind
 
     async def _send_added(self, turn: int, responded: int) -> None:
         """Send the router what turn ``turn`` added after its response (``context[responded:]``):
@@ -208,18 +235,20 @@ class AgentLoop:
             await self.router.put_context(self.trajectory_id, turn, self.context.token_ids)
 
     async def _respond(self, turn: int, room: int) -> tuple[Completion, float]:
-        """The next response; a pending checkpoint runs meanwhile (or first, when blocking) and is
-        done when this returns.  What it added to the critical path is measured, not modelled."""
-        pending, self._pending = self._pending, None
-        if pending is not None and self.config.checkpoint_blocking:
+        """The next response; meanwhile the policy decides on the step before it (after asking which
+        kind a checkpoint would take, `_next_kind`) and a decided checkpoint runs (first, when
+        blocking); both are done when this returns.  What they added to the critical path (how long
+        the next action waited after the response) is measured, not modelled."""
+        step, self._pending = self._pending, None
+        if step is not None and self.config.checkpoint_blocking:
             started = time.monotonic()
-            await self._checkpoint(pending)
-            self._record_wait(pending, time.monotonic() - started)
-            pending = None
+            await self._decide(step, None)
+            self._record_wait(step.record, time.monotonic() - started)
+            step = None
         async with anyio.create_task_group() as group:
-            if pending is not None:
-                group.start_soon(self._checkpoint, pending)
             started = time.monotonic()
+            if step is not None:
+                group.start_soon(self._decide, step, started)
             completion = await self.router.generate(
                 self.context.token_ids,
                 min(self.config.max_response_tokens, room),
@@ -231,18 +260,35 @@ class AgentLoop:
                 turn=turn,
             )
             responded = time.monotonic()
-        if pending is not None:
-            self._record_wait(pending, time.monotonic() - responded)  # the next action waited this long
+        if step is not None:
+            self._record_wait(step.record, time.monotonic() - responded)  # the next action waited this long
         self.num_responses += 1
         self.num_resumed_responses += completion.num_resumes > 0
         return completion, responded - started
 
+    async def _decide(self, step: _Step, response_started: float | None) -> None:
+        """The policy's decision on ``step``, ``x`` seconds into the response that overlaps it
+        (``response_started``; None: blocking, before it), and the checkpoint it decides."""
+        kind = await self._next_kind()
+        elapsed = 0.0 if response_started is None else time.monotonic() - response_started
+        decision = self.policy.decide(
+            StepObservation(
+                step.record.prefix, step.response_s, step.action_s, self._now(),
+                response_elapsed_s=elapsed, checkpoint_kind=kind,
+            )
+        )  # fmt: skip
+        if decision.checkpoint:
+            await self._checkpoint(step.record)
+
     def _record_wait(self, pending: CheckpointRecord, waited_s: float) -> None:
         if self.checkpoints and self.checkpoints[-1].turn == pending.turn:
             self.checkpoints[-1] = attrs.evolve(self.checkpoints[-1], waited_s=waited_s)
+        else:
+            self.decide_waited_s += waited_s  # no checkpoint: the kind's query outlasted the response
 
     async def _checkpoint(self, pending: CheckpointRecord) -> None:
         sandbox = self.lease.sandbox
+        previous = self.checkpoints[-1] if self.checkpoints else None
         try:
             record = await anyio.to_thread.run_sync(
                 lambda: self.lease.pool.take_checkpoint(
@@ -252,6 +298,7 @@ class AgentLoop:
                     turn=pending.turn,
                     workdir=self.task.workdir,
                     context_hash=pending.context_hash,
+                    previous=previous,
                 )
             )
         except _FAILED:
@@ -268,7 +315,33 @@ class AgentLoop:
         self.checkpoints.append(record)
         if 0 < record.prefix <= len(self._steps):
             self._steps[record.prefix - 1][2] = record.duration_s
-        self.policy.on_checkpoint_ready(record.duration_s)  # the measured cost feeds the estimators
+        # The measured cost feeds the estimate of the kind envckpt took.
+        self.policy.on_checkpoint_ready(record.duration_s, kind=record.kind or None)
+
+    async def _read_state(self) -> str | environment.SandboxFailure | None:
+        """What the task's ``state_probe`` reads in the sandbox at the end (None for a task without
+        one): the reward compares it with what the agent saw.  A sandbox that cannot be read is
+        a sandbox failure, recovered like any other."""
+        assert isinstance(self.task, ToolUseTask)
+        probe = self.task.state_probe
+        if probe is None:
+            return None
+        sandbox = self.lease.sandbox
+        for attempt in range(3):
+            try:
+                result = await anyio.to_thread.run_sync(
+                    lambda: sandbox.probe(["/bin/sh", "-c", probe], workdir=self.task.workdir)
+                )
+            except _FAILED as error:
+                return environment.SandboxFailure(f"the state could not be read: {error}")
+            if not (result.ok and not result.stdout):
+                break
+            # exit 0 and nothing: docker-py can lose an exec's output on a loaded machine (the
+            # probe is read-only, so it is asked again)
+            await anyio.sleep(0.5 * (attempt + 1))
+        if not result.ok and not await anyio.to_thread.run_sync(sandbox.is_running):
+            return environment.SandboxFailure("container not running when its state was read")
+        return result.stdout
 
     def _run_tests(self) -> environment.SandboxFailure | _TestResult:
         assert not isinstance(self.task, ToolUseTask)  # scored from its answer, without tests
@@ -298,6 +371,9 @@ class AgentLoop:
         if self.config.sandbox_recovery == "image":
             await self._restart_without_state(failure, started)
             return
+        if self.config.sandbox_recovery == "replay":
+            await self._replay_actions(failure, started)
+            return
         target, sandbox, timings, actual_hash = await self._restore_environment()
         lost = sorted(t for t in self._response_tokens if t > target.turn)
         tokens_lost = sum(self._response_tokens.pop(t) for t in lost)
@@ -325,6 +401,7 @@ class AgentLoop:
                 prefix_matches=sandbox.prefix == target.prefix
                 and (target.checkpoint is None or sandbox.context_ref == target.context_ref),
                 restore_timings_ms=timings,
+                restored_kind=target.kind,
             )
         )
 
@@ -355,6 +432,47 @@ class AgentLoop:
                 actual_repo_hash=actual_hash,
                 context_matches=True,
                 prefix_matches=self.prefix == 0,  # a fresh sandbox holds the state of prefix 0 only
+            )
+        )
+
+    async def _replay_actions(self, failure: environment.SandboxFailure, started: float) -> None:
+        """The baseline of a harness without Belayer: a fresh sandbox from the image, every committed
+        action run again verbatim, the context kept but for the failed turn.  The recovery is
+        consistent only when every replayed action returned what the agent saw the first time
+        (``context_matches``); an effect that differs on re-execution (a build id, a time) breaks
+        it, silently for the agent."""
+        failed_prefix, failed_turn = self.prefix, self.turn
+        sandbox = await self.lease.restart()
+        self._observations.pop(failed_turn, None)
+        same = True
+        for turn in sorted(self._observations):
+            seen = self._observations[turn]
+            again = await anyio.to_thread.run_sync(
+                lambda: sandbox.exec(seen.command, timeout_s=self.config.action_timeout_s)  # noqa: B023
+            )
+            same = same and (again.exit_code, again.stdout + again.stderr) == (seen.exit_code, seen.output)
+        self.context.truncate(self._round_start)
+        tokens_lost = self._response_tokens.pop(failed_turn, 0)
+        self.turn = failed_turn - 1
+        self.prefix = sandbox.prefix
+        del self._steps[self.prefix :]
+        actual_hash = await anyio.to_thread.run_sync(environment.repository_hash, sandbox, self.task.workdir)
+        self.recoveries.append(
+            RecoveryRecord(
+                failed_prefix=failed_prefix,
+                failed_turn=failed_turn,
+                reason=failure.reason,
+                restored_prefix=self.prefix,
+                restored_turn=self.turn,
+                from_checkpoint=False,
+                restore_s=time.monotonic() - started,
+                tokens_regenerated=tokens_lost,
+                rounds_regenerated=1,
+                expected_repo_hash=actual_hash,  # no hash of the lost state: the outputs are compared
+                actual_repo_hash=actual_hash,
+                context_matches=same,
+                prefix_matches=True,
+                replayed=True,
             )
         )
 
@@ -460,11 +578,22 @@ class AgentLoop:
             num_checkpoint_failures=self.num_checkpoint_failures,
             num_resumed_responses=self.num_resumed_responses,
             num_checkpoint_fallbacks=self.num_checkpoint_fallbacks,
+            kind_query_s=self.kind_query_s,
+            decide_waited_s=self.decide_waited_s,
             step_response_s=[float(step[0] or 0.0) for step in self._steps],
             step_action_s=[float(step[1] or 0.0) for step in self._steps],
             step_checkpoint_s=[step[2] for step in self._steps],
             failed_steps=list(self._failed_steps),
         )
+
+
+@attrs.frozen
+class _Step:
+    """A committed step awaiting its decision: the checkpoint it would be, and its durations."""
+
+    record: CheckpointRecord
+    response_s: float
+    action_s: float
 
 
 @attrs.frozen

@@ -118,17 +118,25 @@ class SandboxPool:
         turn: int,
         workdir: str,
         context_hash: str,
+        previous: CheckpointRecord | None = None,
     ) -> CheckpointRecord:
-        """Hash the repository and publish a full checkpoint of ``sandbox`` into the pool's store
-        (blocking; raises a `belayer_envckpt.BelayerEnvckptError`)."""
+        """Hash the repository and publish a checkpoint of ``sandbox`` into the pool's store, of the
+        cheapest kind that captures it (`environment.checkpoint_sandbox`; blocking; raises a
+        `belayer_envckpt.BelayerEnvckptError`)."""
         return environment.checkpoint_sandbox(
             _local(sandbox), self.store, trajectory=trajectory, prefix=prefix, turn=turn, workdir=workdir,
-            context_hash=context_hash,
+            context_hash=context_hash, previous=previous,
         )  # fmt: skip
+
+    def next_kind(self, sandbox: SandboxLike, trajectory: str) -> str | None:
+        """The kind a checkpoint of ``sandbox`` would take now (None when it cannot be told)."""
+        return environment.next_kind(_local(sandbox), self.store, trajectory)
 
     def restore(self, checkpoint: Checkpoint, current: SandboxLike) -> SandboxLike:
         """A sandbox restored from ``checkpoint`` to replace ``current`` (blocking; raises like
-        `take_checkpoint`)."""
+        `take_checkpoint`).  `belayer_envckpt.full_restore` goes by the checkpoint's kind: a
+        ``full`` one restores its processes with CRIU, a ``fresh-runtime`` one (or a ``reference``
+        to one) installs its layer and starts the image's stateless init anew."""
         return full_restore(checkpoint, engine=self.engine)
 
     async def _create(self, config: SandboxConfig, trajectory: str) -> SandboxLike:

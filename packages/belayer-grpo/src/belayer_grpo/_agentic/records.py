@@ -8,12 +8,22 @@ import attrs
 
 from belayer_envckpt import Checkpoint
 
-__all__ = ["AgenticTrajectory", "CheckpointRecord", "RecoveryRecord", "summarize"]
+__all__ = [
+    "CHECKPOINT_KINDS",
+    "AgenticTrajectory",
+    "CheckpointRecord",
+    "RecoveryRecord",
+    "count_kinds",
+    "summarize",
+]
 
 
 @attrs.frozen
 class CheckpointRecord:
-    """A ready full checkpoint at prefix ``prefix`` (actions), tied to the router's ``L_turn``.
+    """A ready checkpoint at prefix ``prefix`` (actions), tied to the router's ``L_turn``.
+
+    ``kind`` is the kind belayer-envckpt took (``full``, ``fresh-runtime`` or ``reference``; the
+    base record's is "").
 
     ``repo_hash`` is the repository's content hash taken at the checkpoint's frozen moment,
     ``context_hash`` that of ``L_turn``; both are compared after a restore.  The base record
@@ -30,6 +40,7 @@ class CheckpointRecord:
     # waited for it after the overlapping response was done (the whole checkpoint if blocking).
     waited_s: float = 0.0
     checkpoint: Checkpoint | None = attrs.field(default=None, eq=False, repr=False)
+    kind: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -63,6 +74,10 @@ class RecoveryRecord:
     context_matches: bool
     prefix_matches: bool
     restore_timings_ms: dict[str, float] = attrs.field(factory=dict)
+    restored_kind: str = ""  # the kind of the checkpoint restored ("" for a start from scratch)
+    # A verbatim replay of the committed actions in a fresh sandbox (sandbox_recovery = "replay"):
+    # ``context_matches`` then says whether every replayed action returned what the agent saw.
+    replayed: bool = False
 
     @property
     def prefix_consistent(self) -> bool:
@@ -109,6 +124,8 @@ class AgenticTrajectory:
     num_checkpoint_failures: int = 0
     num_resumed_responses: int = 0
     num_checkpoint_fallbacks: int = 0  # ready checkpoints given up at a restore for an earlier one
+    kind_query_s: float = 0.0  # asking which kind a checkpoint would take, before each decision
+    decide_waited_s: float = 0.0  # what the next action waited for a decision that took no checkpoint
     # Per committed step (action) of the final prefix, for the policy simulator's trace format.
     step_response_s: list[float] = attrs.field(factory=list)
     step_action_s: list[float] = attrs.field(factory=list)
@@ -185,6 +202,9 @@ class AgenticTrajectory:
             "num_checkpoint_failures": self.num_checkpoint_failures,
             "num_resumed_responses": self.num_resumed_responses,
             "num_checkpoint_fallbacks": self.num_checkpoint_fallbacks,
+            "checkpoints_by_kind": {k: int(v["count"]) for k, v in count_kinds([self]).items()},
+            "kind_query_s": self.kind_query_s,
+            "decide_waited_s": self.decide_waited_s,
             "tokens_regenerated": self.tokens_regenerated,
             "prefix_consistent": self.prefix_consistent,
             "policy": self.policy,
@@ -192,6 +212,22 @@ class AgenticTrajectory:
             "checkpoints": [c.to_dict() for c in self.checkpoints],
             "recoveries": [r.to_dict() for r in self.recoveries],
         }
+
+
+CHECKPOINT_KINDS = ("full", "fresh-runtime", "reference")  # belayer-envckpt's CheckpointKind values
+
+
+def count_kinds(trajectories: list[AgenticTrajectory]) -> dict[str, dict[str, float]]:
+    """Per checkpoint kind: how many were taken, their time and what of it the critical path waited
+    (``{"full": {"count": n, "s": ..., "waited_s": ...}, ...}``, every kind present)."""
+    out: dict[str, dict[str, float]] = {k: {"count": 0, "s": 0.0, "waited_s": 0.0} for k in CHECKPOINT_KINDS}
+    for trajectory in trajectories:
+        for c in trajectory.checkpoints:
+            row = out.setdefault(c.kind or "full", {"count": 0, "s": 0.0, "waited_s": 0.0})
+            row["count"] += 1
+            row["s"] += c.duration_s
+            row["waited_s"] += c.waited_s
+    return out
 
 
 def summarize(trajectories: list[AgenticTrajectory]) -> dict[str, Any]:
@@ -206,6 +242,7 @@ def summarize(trajectories: list[AgenticTrajectory]) -> dict[str, Any]:
         "num_failures": len(recoveries),
         "num_recoveries_from_checkpoint": sum(r.from_checkpoint for r in recoveries),
         "num_checkpoints": sum(len(t.checkpoints) for t in trajectories),
+        "checkpoints_by_kind": {k: int(v["count"]) for k, v in count_kinds(trajectories).items()},
         "num_checkpoint_failures": sum(t.num_checkpoint_failures for t in trajectories),
         "restore_s_mean": sum(restore) / len(restore) if restore else 0.0,
         "restore_s_max": max(restore, default=0.0),

@@ -64,10 +64,14 @@ class RolloutStats:
         }
 
 
-def default_estimators(config: AgenticConfig) -> SharedEstimators:
-    """Estimators for one batch: a fixed per-step failure probability if known, else learned."""
+def default_estimators(config: AgenticConfig, batch_size: int = 1) -> SharedEstimators:
+    """Estimators for one batch: a fixed per-step failure probability if known, else learned.
+    ``batch_size`` is how many trajectories roll out together, the slowest ending the batch (a
+    training step waits for every one): the adaptive policy weighs a failure by it."""
     p = config.failure_probability
-    return SharedEstimators(failure_model=OnlineHazard() if p is None else FixedStepProbability(p))
+    return SharedEstimators(
+        failure_model=OnlineHazard() if p is None else FixedStepProbability(p), batch_size=max(1, batch_size)
+    )
 
 
 async def run_agentic_rollouts(

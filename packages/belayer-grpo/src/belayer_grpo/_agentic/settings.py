@@ -47,7 +47,11 @@ class AgenticConfig:
     ``sandbox_recovery``: ``checkpoint`` (restore the latest ready checkpoint and its ``L_turn``,
     or start over from the image and the prompt: always prefix-consistent) or ``image``, the
     control without recovery: a fresh container from the image while the agent keeps its context
-    (only the failed turn is taken again), so the sandbox's state is silently lost.
+    (only the failed turn is taken again), so the sandbox's state is silently lost; or ``replay``,
+    what a harness without Belayer does: a fresh container from the image in which every committed
+    action is run again verbatim, the agent keeping its context (only the failed turn is taken
+    again); an action whose effect differs on re-execution leaves the sandbox unlike what the
+    agent saw (the recovery records whether the replayed outputs equal the observations).
     ``on_unrecoverable``: what becomes of a trajectory that cannot be recovered (over
     ``max_recoveries`` sandbox failures, a restart that fails twice, a checkpoint that fails
     verification with no earlier one): ``resample`` samples its whole group again with fresh
@@ -73,7 +77,7 @@ class AgenticConfig:
     sandbox_kill_probability: float = attrs.field(default=0.0, validator=_probability)
     sandbox_kill_at_actions: tuple[int, ...] = attrs.field(default=(), converter=_token_ids)
     sandbox_recovery: str = attrs.field(
-        default="checkpoint", validator=attrs.validators.in_(("checkpoint", "image"))
+        default="checkpoint", validator=attrs.validators.in_(("checkpoint", "image", "replay"))
     )
     max_recoveries: int = attrs.field(default=100, validator=_ge0)
     on_unrecoverable: str = attrs.field(

@@ -6,12 +6,14 @@ router's worker protocol, reads the task and the turn (observations so far) from
 streams a fixed response, one byte token every ``token_delay_s`` (the decode time that makes the
 response bubbles a checkpoint can hide in).  The script inspects the file, does ``rounds - 2``
 sleeping bookkeeping actions, fixes the bug, runs the tests and submits, so every trajectory has
-the same number of environment steps.  It records how long each (task, turn) response took.
+the same number of environment steps.  A build task of the default workload (``Build 375 into
+file a, ...``) gets the perfect agent's turns: ``mk 375``, ``cat a``, the number it read.  It records how long each (task, turn) response took.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -25,6 +27,8 @@ from belayer_router import serving
 __all__ = ["STOP_TOKEN", "ScriptedAgentWorker", "running_agent_worker", "script_for"]
 
 STOP_TOKEN = 256  # beyond the byte range: the agent loop's stop token
+_BUILD = re.compile(r"Build (\d+) into file a, ")
+_OBSERVATION = re.compile(r"OUT -?\d+: (.*)\n")
 
 # prompt marker -> (file to inspect, the fix, the test module)
 _TASKS: dict[str, tuple[str, str, str]] = {
@@ -58,6 +62,14 @@ class ScriptedAgentWorker:
 
     def response(self, prompt: str) -> tuple[str, str]:
         """``(key, text)``: the response to ``prompt`` and the ``marker/turn`` it is timed under."""
+        build = _BUILD.match(prompt)
+        if build is not None:  # the default workload's build task (belayer_grpo._agentic.tooluse)
+            seen = _OBSERVATION.findall(prompt)
+            if not seen:
+                return f"build/{len(seen)}", f"ACTION: mk {build.group(1)}\n"
+            if len(seen) == 1:
+                return f"build/{len(seen)}", "ACTION: cat a\n"
+            return f"build/{len(seen)}", f"ANSWER: {(seen[-1].split() or [''])[-1]}\n"
         turn = prompt.count("<observation")
         for marker in _TASKS:
             if marker in prompt:

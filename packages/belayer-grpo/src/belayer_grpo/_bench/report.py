@@ -164,11 +164,37 @@ def _checkpoint_cost(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+_ROLES = {
+    "adaptive": "Belayer: adaptive checkpoints, restore with the LLM context",
+    "never": "baseline: restart from scratch",
+    "replay": "baseline: verbatim replay of the actions (no Belayer)",
+}
+
+
+def _build_recovery(result: dict[str, Any]) -> list[str]:
+    arms = result["arms"]
+    base = arms.get("adaptive", {}).get("rollout_s_mean") or 0.0
+    header = ["arm", "what it is (baseline or Belayer)", "batches", "rollout s (mean)", "vs adaptive",
+              "sandbox failures", "restored from checkpoint",
+              "from scratch", "replayed", "inconsistent recoveries", "reward of a perfect agent",
+              "tokens regenerated", "checkpoints (kinds)"]  # fmt: skip
+    rows = []
+    for name, arm in arms.items():
+        kinds = ", ".join(f"{count} {kind}" for kind, count in arm["checkpoints"].items() if count) or "0"
+        versus = f"{arm['rollout_s_mean'] / base - 1:+.0%}" if base and name != "adaptive" else ""
+        rows.append([name, _ROLES.get(name, name), str(arm["batches"]), _s(arm["rollout_s_mean"], 1), versus, str(arm["failures"]),
+                     str(arm["from_checkpoint"]), str(arm["from_scratch"]), str(arm["replayed"]),
+                     f"{arm['inconsistent']} of {arm['failures']}", f"{arm['reward_mean']:.2f}",
+                     str(arm["tokens_regenerated"]), kinds])  # fmt: skip
+    return _table(header, rows)
+
+
 _SECTIONS: dict[str, tuple[str, Callable[[Any], list[str]], str]] = {
     "overhead": ("Failure-free overhead", _overhead, "overhead.png"),
     "worker-failure": ("Rollout-worker failure", _worker_failure, "worker_failure.png"),
     "env-failures": ("Environment failures", _env_failures, "env_failures.png"),
     "checkpoint-cost": ("Checkpoint cost", _checkpoint_cost, "checkpoint_cost.png"),
+    "build-recovery": ("Build tasks: adaptive vs restart vs replay", _build_recovery, ""),
 }
 
 
@@ -208,7 +234,7 @@ def write_plots(results: dict[str, Any], out_dir: Path) -> dict[str, str]:
         return {}
     written = {}
     for name, (_title, _render, png) in _SECTIONS.items():
-        if name in results["experiments"]:
+        if name in results["experiments"] and png:  # a table only: no plot
             plotter: Any = plots.PLOTTERS[name]
             plotter(results["experiments"][name], out_dir / png)
             written[name] = png

@@ -13,6 +13,7 @@ from typing import Any, TextIO
 
 import attrs
 
+from belayer_grpo._bench.build_recovery import run_build_recovery
 from belayer_grpo._bench.env_failures import checkpoint_costs, run_env_failures
 from belayer_grpo._bench.overhead import run_math_overhead, run_swe_overhead
 from belayer_grpo._bench.report import write_report
@@ -43,6 +44,14 @@ _DESCRIPTIONS = {
                         "rest was hidden by the response. Then, in the same run and per seed, a failure-free "
                         "batch under `always` with checkpoints overlapped (Belayer) and with every checkpoint "
                         "blocking the next response (baseline)."],
+    "build-recovery": ["The default workload's build tasks (`mk V`: 1.5 s, a build id that differs on every run; "
+                       "then `cat a`; the answer) with a scripted perfect agent, sandboxes killed with probability "
+                       "p per action, the same seeded batch three ways: `adaptive` (Belayer: the adaptive policy "
+                       "checkpoints on its own, a failure restores the latest checkpoint with its LLM context), "
+                       "`never` (restart from scratch: image and prompt) and `replay` (a harness without Belayer: "
+                       "a fresh sandbox, every committed action run again verbatim, the context kept). A recovery "
+                       "is inconsistent when the sandbox after it is not what the agent's context says (for a "
+                       "replay: a replayed action returned something else than the agent saw)."],
 }  # fmt: skip
 
 
@@ -69,6 +78,7 @@ def quick_config(bench: BenchConfig) -> BenchConfig:
             max_repeats=min(bench.env_failures.max_repeats, 4),
             max_repeat_s=min(bench.env_failures.max_repeat_s, 180.0),
         ),
+        build_recovery=attrs.evolve(bench.build_recovery, seeds=bench.build_recovery.seeds[:1]),
     )
 
 
@@ -111,6 +121,9 @@ async def run_bench(
                 results["experiments"]["checkpoint-cost"] = checkpoint_costs(env["runs"], env["variants"])
             for run in [*env["runs"], *env["variants"]]:
                 run.pop("checkpoints", None)  # kept once, in checkpoint-cost
+        if "build-recovery" in experiments:
+            _say(stream, "build tasks under sandbox kills: adaptive vs never vs verbatim replay")
+            results["experiments"]["build-recovery"] = await run_build_recovery(bench, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     uses_swe = "overhead" in experiments and "swe" in bench.overhead.workloads

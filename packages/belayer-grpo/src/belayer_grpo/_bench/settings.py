@@ -22,6 +22,7 @@ from belayer_grpo._errors import GrpoConfigError
 __all__ = [
     "EXPERIMENTS",
     "BenchConfig",
+    "BuildRecoveryBench",
     "EnvFailureBench",
     "OverheadBench",
     "SweBench",
@@ -29,7 +30,7 @@ __all__ = [
     "load_bench_config",
 ]
 
-EXPERIMENTS = ("overhead", "worker-failure", "env-failures", "checkpoint-cost")
+EXPERIMENTS = ("overhead", "worker-failure", "env-failures", "checkpoint-cost", "build-recovery")
 
 _pos = v.gt(0)
 _nonneg = v.ge(0)
@@ -104,6 +105,18 @@ class EnvFailureBench:
 
 
 @attrs.frozen
+class BuildRecoveryBench:
+    """The default workload's build tasks under sandbox kills: adaptive, never, verbatim replay."""
+
+    tasks: int = attrs.field(default=4, validator=_pos)  # build tasks (values) per batch
+    samples_per_task: int = attrs.field(default=4, validator=_pos)
+    kill_p: float = attrs.field(default=0.2, validator=[v.gt(0.0), v.le(1.0)])  # per action
+    seeds: tuple[int, ...] = (0, 1, 2)
+    token_delay_s: float = attrs.field(default=0.05, validator=_nonnegf)  # the scripted LLM's decode time
+    max_concurrency: int = attrs.field(default=16, validator=_pos)
+
+
+@attrs.frozen
 class BenchConfig:
     """The whole benchmark configuration (see ``small.toml`` for every key with a comment)."""
 
@@ -115,6 +128,7 @@ class BenchConfig:
     overhead: OverheadBench = attrs.field(factory=OverheadBench)
     worker_failure: WorkerFailureBench = attrs.field(factory=WorkerFailureBench)
     env_failures: EnvFailureBench = attrs.field(factory=EnvFailureBench)
+    build_recovery: BuildRecoveryBench = attrs.field(factory=BuildRecoveryBench)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data, saved with the results."""
@@ -152,7 +166,7 @@ def load_bench_config(path: str | Path | None = None, *, scale: str | None = Non
         except tomllib.TOMLDecodeError as error:
             raise GrpoConfigError("--config", f"{file} is not valid TOML: {error}") from error
     sections = {"swe": SweBench, "overhead": OverheadBench, "worker_failure": WorkerFailureBench,
-                "env_failures": EnvFailureBench}  # fmt: skip
+                "env_failures": EnvFailureBench, "build_recovery": BuildRecoveryBench}  # fmt: skip
     values: dict[str, Any] = {}
     for key, value in data.items():
         values[key] = _section(sections[key], value, key) if key in sections else value

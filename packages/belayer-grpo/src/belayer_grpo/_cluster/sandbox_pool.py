@@ -23,10 +23,12 @@ def open_cluster_pool(
     from belayer_envckpt import CheckpointStore
     from belayer_grpo._agentic.cluster_pool import ClusterSandboxPool
     from belayer_grpo._guardian import RUN_LABEL, run_marker
-    from belayer_grpo._rollout_agentic import connect_checkpoint_engine
+    from belayer_grpo._rollout_agentic import connect_checkpoint_engine, prepare_images
 
+    engine = connect_checkpoint_engine()
+    prepare_images(config, engine)  # one Docker daemon serves every simulated node here
     return ClusterSandboxPool(
-        connect_checkpoint_engine(), CheckpointStore(hosts.store_dir), capacity=config.rollout.max_sandboxes,
+        engine, CheckpointStore(hosts.store_dir), capacity=config.rollout.max_sandboxes,
         labels={RUN_LABEL: run_marker(run_dir)}, reuse=config.data.workload == "tooluse",
         hosts=hosts, checkpointed=checkpointed,
     )  # fmt: skip
