@@ -109,7 +109,8 @@ class AgentLoop:
                 observations = [self._observations[t] for t in sorted(self._observations)]
                 reward = self.task.score(self._answer, observations, state)
                 steps = "; ".join(f"{o.command} -> {o.output.strip()[:40]!r}" for o in observations)
-                result = _TestResult(0 if reward else 1, f"{steps}; answer {self._answer!r}", "")
+                held = "" if state is None else f"; state {state.strip()[:40]!r}"
+                result = _TestResult(0 if reward else 1, f"{steps}; answer {self._answer!r}{held}", "")
                 break
             tested = await anyio.to_thread.run_sync(self._run_tests)
             if isinstance(tested, environment.SandboxFailure):
