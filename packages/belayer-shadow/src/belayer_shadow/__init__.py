@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from belayer_shadow._serve._config import ServeConfig
     from belayer_shadow._serve._model_folder import ModelFolder
     from belayer_shadow._serve._service import RolloutService
+    from belayer_shadow._vllm._media import set_aside_unloadable_media
     from belayer_shadow._workers._events import EventLog, read_events
     from belayer_shadow._workers._heartbeat import HandoverFlag, Heartbeat
     from belayer_shadow._workers._processes import reap_stale_processes
@@ -97,6 +98,8 @@ _EXPORTS = {
     "ModelFolder": "belayer_shadow._serve._model_folder",
     "RolloutService": "belayer_shadow._serve._service",
     "ServeConfig": "belayer_shadow._serve._config",
+    # vLLM's CPU build beside CUDA builds of torchvision & co. (`_vllm/_media.py`).
+    "set_aside_unloadable_media": "belayer_shadow._vllm._media",
 }
 
 __all__ = [
@@ -140,6 +143,7 @@ __all__ = [
     "run_shadow",
     "run_worker",
     "save_safetensors",
+    "set_aside_unloadable_media",
     "weight_layout",
 ]
 

@@ -349,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
             return _run_serve(args)
         if args.command == "reap":
             return _run_reap(args)
+        if getattr(args, "engine", None) == "vllm":  # before transformers is imported (`_media`)
+            from belayer_shadow._vllm._media import set_aside_unloadable_media
+
+            set_aside_unloadable_media()
         from belayer_shadow._workers._shadow import ShadowConfig, run_shadow
         from belayer_shadow._workers._worker import WorkerConfig, run_worker
 

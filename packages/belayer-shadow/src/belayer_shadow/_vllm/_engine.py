@@ -34,6 +34,7 @@ from belayer_shadow._vllm._loader import (
     register_loader,
 )
 from belayer_shadow._vllm._logprobs import install as install_sampled_logprobs
+from belayer_shadow._vllm._media import set_aside_unloadable_media
 from belayer_shadow._vllm._sampling import KEY_EXTRA, processor_name
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "VllmEngine", "model_folder"]
@@ -342,6 +343,7 @@ def _start_engine(folder: Path, socket_path: str, *, num_threads: int, packed: b
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     torch.set_num_threads(num_threads)
     set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a warning
+    set_aside_unloadable_media()  # CUDA builds of torchvision & co. beside a CPU torch (`_media`)
     try:
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine as VllmLLMEngine
