@@ -153,28 +153,31 @@ class _BackgroundMypy:
         self._results: list[tuple[str, int, str]] = []
         self._running: subprocess.Popen[str] | None = None
         self._stopped = False
+        self._lock = threading.Lock()  # stop() never falls between the check and the start
         self._thread = threading.Thread(target=self._run, name="mypy", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         for arguments, folder in self._commands:
-            if self._stopped:
-                return
             shown = "mypy " + " ".join(arguments)
-            self._running = subprocess.Popen(
-                [self._python, "-m", "mypy", *arguments],
-                cwd=folder,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            output, _ = self._running.communicate()
-            self._results.append((f"{shown} (in {folder})", self._running.returncode, output))
+            with self._lock:
+                if self._stopped:
+                    return
+                self._running = running = subprocess.Popen(
+                    [self._python, "-m", "mypy", *arguments],
+                    cwd=folder,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            output, _ = running.communicate()
+            self._results.append((f"{shown} (in {folder})", running.returncode, output))
 
     def stop(self) -> None:
-        self._stopped = True
-        if self._running is not None and self._running.poll() is None:
-            self._running.kill()
+        with self._lock:
+            self._stopped = True
+            if self._running is not None and self._running.poll() is None:
+                self._running.kill()
         self._thread.join()
 
     def finish(self, session: nox.Session) -> None:

@@ -19,7 +19,7 @@ import openai
 import pytest
 from router_helpers import ADMIN_TOKEN
 
-from belayer_router import RouterClient, RouterConfig, running_router
+from belayer_router import RouterClient, RouterClientError, RouterConfig, running_router
 from belayer_router._core._seeds import SeedSource
 from belayer_router.testing import expected_tokens, running_worker
 
@@ -166,3 +166,22 @@ def test_api_keys_and_seed_are_checked() -> None:
     with pytest.raises(ValueError, match="seed"):
         RouterConfig(seed=-1)
     assert RouterConfig(api_keys=["a", "b"]).api_keys == ("a", "b")
+
+
+async def test_the_multiplexed_client_sends_its_token_on_the_client_link() -> None:
+    """`RouterClient(multiplex=True)` (belayer-grpo's default) opens ``POST /client-link``; with
+    API keys on, the link needs the key like every other route."""
+    config = RouterConfig(admin_token=ADMIN_TOKEN, api_keys=[KEY])
+    async with (
+        running_worker(1) as (worker_url, _worker),
+        running_router(config) as (url, _app),
+        RouterClient(url, admin_token=ADMIN_TOKEN) as admin,
+        RouterClient(url, admin_token=KEY, multiplex=True) as client,
+        RouterClient(url, multiplex=True, reconnect_timeout_s=1.0) as stranger,
+    ):
+        await admin.register("a", worker_url, 1)
+        completion = await client.generate([1, 2, 3], 6, seed=5)
+        assert len(completion.token_ids) == 6
+        with pytest.raises(RouterClientError) as refused:
+            await stranger.generate([1, 2, 3], 6, seed=5)
+        assert refused.value.status == 401

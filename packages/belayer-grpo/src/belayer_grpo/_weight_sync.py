@@ -74,6 +74,7 @@ class WeightSync:
             for keeper, version in zip(self.keepers, versions, strict=False):
                 keeper(self.keep_file, version)
         except OSError as error:
+            aside.unlink(missing_ok=True)  # a half-written file must not stay in the run folder
             raise BelayerGrpoError(
                 f"keeping the pushed weights at {self.keep_file} failed: {error}"
             ) from error

@@ -142,17 +142,22 @@ class Conn:
             self.scope.cancel()  # `ClientMux._run` closes the socket
 
 
-def link_head(base_url: str) -> tuple[str, int, bytes]:
+def link_head(base_url: str, token: str | None = None) -> tuple[str, int, bytes]:
+    """The client link's request head; ``token`` goes in ``Authorization: Bearer`` (a router with
+    API keys answers the link 401 without it)."""
     parts = urlsplit(base_url)
     if parts.scheme != "http" or parts.hostname is None:
         raise InvalidRequestError(
             f"RouterClient(multiplex=True) needs a plain http:// router URL, got {base_url!r}; "
             "use multiplex=False for other URLs"
         )
+    if token is not None and (not token.isprintable() or not token.isascii()):
+        raise InvalidRequestError("the router token must be printable ASCII (it goes in a header)")
     path = (parts.path.rstrip("/") or "") + CLIENT_LINK_PATH
+    authorization = "" if token is None else f"Authorization: Bearer {token}\r\n"
     head = (
         f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/x-belayer-link\r\n"
-        "Accept: application/x-belayer-link\r\nTransfer-Encoding: chunked\r\n\r\n"
+        f"Accept: application/x-belayer-link\r\n{authorization}Transfer-Encoding: chunked\r\n\r\n"
     )
     return parts.hostname, parts.port or 80, head.encode("ascii")
 

@@ -82,7 +82,10 @@ class RouterClient:
         )
         if self.multiplex:  # before the HTTP client: a bad URL leaves nothing to close
             self._link = ClientMux(
-                self.base_url, connect_timeout_s=min(30.0, self.timeout_s), read_timeout_s=self.timeout_s
+                self.base_url,
+                connect_timeout_s=min(30.0, self.timeout_s),
+                read_timeout_s=self.timeout_s,
+                token=self.admin_token,
             )
         self._http = httpx.AsyncClient(
             base_url=self.base_url.rstrip("/"), headers=headers, timeout=self.timeout_s, limits=limits

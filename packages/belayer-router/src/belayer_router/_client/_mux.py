@@ -71,9 +71,11 @@ class ClientMux:
     Enter it (``async with``) around its use: its reader task runs in the task group it holds.
     """
 
-    def __init__(self, base_url: str, connect_timeout_s: float, read_timeout_s: float) -> None:
+    def __init__(
+        self, base_url: str, connect_timeout_s: float, read_timeout_s: float, token: str | None = None
+    ) -> None:
         self.url = base_url.rstrip("/")
-        self.host, self.port, self.head = link_head(self.url)
+        self.host, self.port, self.head = link_head(self.url, token)
         self.connect_timeout_s, self.read_timeout_s = connect_timeout_s, read_timeout_s
         self.conn: Conn | None = None  # the link new calls open on
         self._conns: set[Conn] = set()  # every link still running (a retired one finishes its calls)
