@@ -21,6 +21,7 @@ ends: every test venv holds torch (and Ray), and together they outgrow a small C
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import shutil
@@ -262,6 +263,59 @@ def integrations(session: nox.Session) -> None:
         session.run("ruff", "format", "--check", ".")
         env = {"TRL_EXPERIMENTAL_SILENCE": "1"}  # TRL warns that rollout_func is experimental
         session.run("python", "-m", "pytest", "-ra", "--timeout=1800", "tests", *session.posargs, env=env)
+    finally:
+        _prune(session)
+
+
+SKYRL = "skyrl==0.4.0"  # requires Python >= 3.12; the client runs in a venv of its own
+
+
+def _python_at_least_3_12() -> str | None:
+    """An interpreter >= 3.12 that runs (a pyenv shim may name one that is not active)."""
+    candidates = [os.environ.get("BELAYER_PYTHON312", ""), "python3.13", "python3.12"]
+    candidates += sorted(
+        glob.glob(os.path.expanduser("~/.pyenv/versions/3.1[2-9]*/bin/python3")), reverse=True
+    )
+    for candidate in filter(None, candidates):
+        found = shutil.which(candidate)
+        if found is None:
+            continue
+        probe = subprocess.run(
+            [found, "-c", "import sys, venv; print(sys.version_info >= (3, 12))"],
+            capture_output=True,
+            text=True,
+        )
+        if probe.returncode == 0 and probe.stdout.strip() == "True":
+            return found
+    return None
+
+
+# Not in the default run: SkyRL's client imports torch, and for Python >= 3.12 the index here has
+# only its CUDA build (5.5 GB with its libraries, ~10 min to install on a loaded machine).
+@nox.session(default=False, tags=["integrations"])
+def integrations_skyrl(session: nox.Session) -> None:
+    """SkyRL's own RemoteInferenceClient (skyrl 0.4.0, which needs Python >= 3.12) against a real
+    `belayer-shadow serve` (this session's 3.11 venv); the client gets a venv of its own: skyrl with
+    --no-deps plus integrations/requirements-skyrl.txt."""
+    try:
+        _install(session, "belayer-shadow", "pytest-timeout", "transformers")
+        python = _python_at_least_3_12()
+        if python is None:
+            session.error(
+                "skyrl 0.4.0 needs Python >= 3.12 and none was found (tried $BELAYER_PYTHON312, "
+                "python3.13, python3.12, ~/.pyenv/versions/3.12+); install one (e.g. `pyenv install 3.12`)"
+            )
+        client_venv = Path(session.virtualenv.location) / "skyrl-client"
+        session.run(python, "-m", "venv", str(client_venv), external=True)
+        client_python = str(client_venv / "bin" / "python")
+        requirements = str(ROOT / "integrations" / "requirements-skyrl.txt")
+        session.run(client_python, "-m", "pip", "install", "-q", "-r", requirements, external=True)
+        session.run(client_python, "-m", "pip", "install", "-q", "--no-deps", SKYRL, external=True)
+        session.chdir(ROOT / "integrations")
+        env = {"BELAYER_SKYRL_PYTHON": client_python}
+        session.run(
+            "python", "-m", "pytest", "-ra", "--timeout=900", "tests/test_skyrl.py", *session.posargs, env=env
+        )
     finally:
         _prune(session)
 
