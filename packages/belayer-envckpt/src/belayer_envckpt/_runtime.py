@@ -426,14 +426,33 @@ def _init_start(pid: int) -> int | None:
     return int(fields[19])
 
 
-def _thawed(pid: int) -> bool:
-    """Whether the freezer cgroup of ``pid`` is THAWED (False when it cannot be read)."""
+def _thawed(pid: int, *, proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> bool:
+    """Whether the cgroup of ``pid`` is not frozen (False when that cannot be read).
+
+    cgroup v1: the ``freezer`` controller's line names the cgroup; its ``freezer.state`` is THAWED.
+    cgroup v2 (unified, the line ``0::/path``): its ``cgroup.freeze`` reads 0, or, where that file
+    is missing (the root cgroup), ``cgroup.events`` says ``frozen 0``. ``proc`` and ``cgroup_root``
+    are the mount points (tests give other trees).
+    """
     try:
-        for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
-            _, controllers, path = line.split(":", 2)
+        unified: str | None = None
+        for line in (proc / str(pid) / "cgroup").read_text().splitlines():
+            hierarchy, controllers, path = line.split(":", 2)
             if "freezer" in controllers.split(","):
-                state = Path("/sys/fs/cgroup/freezer") / path.lstrip("/") / "freezer.state"
+                state = cgroup_root / "freezer" / path.lstrip("/") / "freezer.state"
                 return state.read_text().strip() == "THAWED"
+            if hierarchy == "0" and not controllers:
+                unified = path
+        if unified is None:
+            return False
+        folder = cgroup_root / unified.lstrip("/")
+        freeze = folder / "cgroup.freeze"
+        if freeze.exists():
+            return freeze.read_text().strip() == "0"
+        for event in (folder / "cgroup.events").read_text().splitlines():
+            key, _, value = event.partition(" ")
+            if key == "frozen":
+                return value.strip() == "0"
     except (OSError, ValueError):
         return False
     return False
@@ -448,7 +467,7 @@ def still_running(sandbox: Sandbox) -> bool:
     """The sandbox's status is "running" without asking the engine, when that is certain.
 
     True only when the engine said "running" before (`sandbox_status`) and the same init (pid and
-    start time) is still alive, not a zombie, in a THAWED freezer cgroup: a stop, kill, restart,
+    start time) is still alive, not a zombie, in a cgroup not frozen (v1 freezer or v2): a stop, kill, restart,
     removal or pause each breaks one of these, and then the engine is asked (`sandbox_status`).
     An engine round trip is most of a reference checkpoint's hold (tens of milliseconds loaded).
     """
