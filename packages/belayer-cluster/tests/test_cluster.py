@@ -24,6 +24,7 @@ from cluster_helpers import Rollout as Streams
 
 from belayer_cluster import (
     DriverRouter,
+    IsolatedRayCluster,
     LocalRayCluster,
     RemoteSandbox,
     RolloutCluster,
@@ -60,6 +61,13 @@ def _pids(slots: RolloutCluster, slot: str) -> dict[str, int]:
     return pids
 
 
+def _host_pids(local_ray: Any, node_id: str, pids: dict[str, int]) -> dict[str, int]:
+    """The host's pids of a node's processes (an isolated node's own pids are its PID namespace's)."""
+    found = {role: local_ray.host_pid(node_id, pid) for role, pid in pids.items()}
+    assert all(found.values()), (pids, found)
+    return found
+
+
 def test_status_lists_every_node_alive(local_ray: LocalRayCluster) -> None:
     code, report = _status(local_ray)
     removed = set(local_ray.removed_node_ids)  # by a module before, if any (the cluster is shared)
@@ -81,14 +89,15 @@ def test_each_slot_lands_on_one_node_named_in_its_sockets(
         assert f"n-{info.node_id[:12]}" in info.run_dir.parts
         assert (info.run_dir / "mem" / "weights.sock").exists()
         assert (info.run_dir / "mem" / "kv.sock").exists()
-        pids = _pids(slots, slot)
+        pids = _host_pids(local_ray, info.node_id, _pids(slots, slot))
         assert set(pids) == {"main", "shadow", "weights", "kv"}
         raylet = local_ray.raylet_pid(info.node_id)
         others = {local_ray.raylet_pid(n) for n in local_ray.node_ids if n != info.node_id}
+        supervisor = local_ray.host_pid(info.node_id, info.pid)
         for role, pid in pids.items():
             chain = ancestors(pid)
             # Every process is the supervisor's child (the memory servers never the main worker's).
-            assert chain[0] == info.pid, (slot, role, chain)
+            assert chain[0] == supervisor, (slot, role, chain)
             assert raylet in chain, (slot, role)
             assert not others & set(chain), (slot, role)
 
@@ -112,7 +121,7 @@ def test_a_killed_main_is_replaced_by_the_shadow_on_the_same_node(
     assert after["main"] == before["shadow"]  # the shadow took over in place
     assert after["weights"] == before["weights"]
     assert after["kv"] == before["kv"]
-    assert local_ray.raylet_pid(info.node_id) in ancestors(after["main"])
+    assert local_ray.raylet_pid(info.node_id) in ancestors(local_ray.host_pid(info.node_id, after["main"]))
     # The router counted a's streams that broke (a handover); the watcher saw the count rise and
     # pinged a's host, which answered: no node loss, no detection.
     wait_until(lambda: _stream_failures(router)["a"][0] > failures, 60, "the router to count a's breaks")
@@ -346,7 +355,7 @@ def test_a_node_removed_mid_rollout_resumes_on_another_node_exactly(
 ) -> None:
     lost = slots.infos["b"]
     wait_until(lambda: "shadow" in _pids(slots, "b"), 120, "slot b's shadow")
-    doomed = [*_pids(slots, "b").values(), lost.pid]
+    doomed = [*_host_pids(local_ray, lost.node_id, {**_pids(slots, "b"), "host": lost.pid}).values()]
     # A live sandbox on the doomed node: files and a process, checkpointed at prefix 2 and tied to
     # the LLM context "traj-b/turn-2"; one more action after the checkpoint is not in it.
     box = sandboxes.create("traj-b", lost.node_id)
@@ -405,6 +414,10 @@ def test_a_node_removed_mid_rollout_resumes_on_another_node_exactly(
     assert parked.container_id not in containers
     assert sandboxes.idle == []
     assert containers == [restore.container_id]
+    if isinstance(local_ray, IsolatedRayCluster):  # the node was killed whole, its containers with it
+        assert local_ray.node_processes(lost.node_id) == []
+        assert local_ray.containers(lost.node_id) == []
+        assert local_ray.containers(restore.to_node) == [restore.container_id]  # owned by its new node
     # The run after the loss is served by the slot that is left, still exactly.
     assert rollout(router.url, PROMPTS[:2], MAX_TOKENS).tokens == reference[:2]
 

@@ -141,10 +141,15 @@ def test_handover_needs_no_group_change(sync: WeightSync, slots: RolloutCluster)
 
 
 def test_a_lagging_node_is_held_out_until_it_rejoins_current(
-    sync: WeightSync, router: DriverRouter, slots: RolloutCluster, shared_dir: Path, spare: str
+    sync: WeightSync,
+    local_ray: LocalRayCluster,
+    router: DriverRouter,
+    slots: RolloutCluster,
+    shared_dir: Path,
+    spare: str,
 ) -> None:
     node_b = slots.infos["b"].node_id
-    agent_pid = ray.get(sync.members[node_b].agent.pid.remote(), timeout=60)
+    agent_pid = local_ray.host_pid(node_b, ray.get(sync.members[node_b].agent.pid.remote(), timeout=60))
     os.kill(agent_pid, signal.SIGSTOP)  # b's agent hangs; b's slot still serves version 2
     sync.timeout_s = 15.0
     try:
@@ -325,7 +330,7 @@ def test_a_node_that_cannot_join_or_answer_is_a_named_error_never_a_hang(
         other.add_node(spare, serve_dir=work / "spare-1")
         other.update(weights(other, 7))
         agent = ray.get(other.members[spare].agent.status.remote(), timeout=60)
-        agent_pid, server_pid = agent["pid"], agent["own_server_pid"]
+        agent_pid, server_pid = (local_ray.host_pid(spare, agent[key]) for key in ("pid", "own_server_pid"))
         assert not gone(server_pid)
         os.kill(agent_pid, signal.SIGSTOP)
         other.timeout_s = 5.0
@@ -345,7 +350,7 @@ def test_a_node_that_cannot_join_or_answer_is_a_named_error_never_a_hang(
         other.add_node(spare, serve_dir=work / "spare-2")
         assert other.members[spare].version == 2
         agent = ray.get(other.members[spare].agent.status.remote(), timeout=60)
-        agent_pid, server_pid = agent["pid"], agent["own_server_pid"]
+        agent_pid, server_pid = (local_ray.host_pid(spare, agent[key]) for key in ("pid", "own_server_pid"))
         os.kill(agent_pid, signal.SIGSTOP)
         host = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
         with pytest.raises(

@@ -1,6 +1,7 @@
 """belayer-cluster: Belayer's rollout slots on Ray, one placement-group bundle per slot.
 
-`LocalRayCluster` starts simulated nodes on this machine; `RolloutCluster` places one `SlotHost`
+`LocalRayCluster` starts simulated nodes on this machine, `IsolatedRayCluster` nodes that share
+nothing but the network and one folder (namespaces of their own; root); `RolloutCluster` places one `SlotHost`
 actor per slot (a belayer-shadow `SlotSupervisor` with its memory servers, main and shadow, all on
 the actor's node) and reports a lost node's slots to the driver's router, which resumes their
 requests token-exact on the other slots. Only this package imports ray.
@@ -31,6 +32,7 @@ from belayer_cluster._errors import (
 
 if TYPE_CHECKING:
     from belayer_cluster._cluster import NodeLoss, RolloutCluster
+    from belayer_cluster._isolated import IsolatedNode, IsolatedRayCluster
     from belayer_cluster._local import LocalRayCluster
     from belayer_cluster._remote_sandbox import RemoteSandbox, RemoteSandboxError
     from belayer_cluster._replacement import start_replacement_slot
@@ -45,6 +47,8 @@ __version__ = _version("belayer-cluster")
 
 _LAZY = {
     "DriverRouter": "_router",
+    "IsolatedNode": "_isolated",
+    "IsolatedRayCluster": "_isolated",
     "LocalRayCluster": "_local",
     "NodeLoss": "_cluster",
     "RemoteSandbox": "_remote_sandbox",
@@ -85,6 +89,8 @@ __all__ = [
     "ClusterStartError",
     "DriverRouter",
     "ExitCode",
+    "IsolatedNode",
+    "IsolatedRayCluster",
     "LocalClusterConfig",
     "LocalRayCluster",
     "NodeLoss",

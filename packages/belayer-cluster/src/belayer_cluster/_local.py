@@ -103,6 +103,11 @@ class LocalRayCluster:
         node = self._nodes[node_id]
         return int(node.all_processes["raylet"][0].process.pid)
 
+    def host_pid(self, node_id: str, pid: int) -> int:
+        """`pid` itself: a simulated node's processes are the host's (`IsolatedRayCluster.host_pid`
+        translates a node's own pids)."""
+        return pid
+
     def remove_node(self, node_id: str) -> None:
         """Lose a node as a machine is lost: its Ray worker processes and its raylet are SIGKILLed.
 

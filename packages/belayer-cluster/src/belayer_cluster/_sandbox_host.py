@@ -12,6 +12,7 @@ node, not a Docker engine of its own.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,9 +26,14 @@ from belayer_cluster._errors import SandboxHostError
 if TYPE_CHECKING:
     from belayer_envckpt import Checkpoint, ExecResult
 
-__all__ = ["CLUSTER_LABEL", "SandboxHost", "SandboxInfo"]
+__all__ = ["CLUSTER_LABEL", "NODE_ENV", "NODE_LABEL", "SandboxHost", "SandboxInfo"]
 
 CLUSTER_LABEL = "belayer.cluster"  # every container a sandbox host creates carries it
+# A node of an `IsolatedRayCluster` has its name in the environment: its sandbox host labels every
+# container with it, so that the node owns them (the Docker daemon is the host's, shared) and they
+# are removed when the node ends.
+NODE_ENV = "BELAYER_NODE"
+NODE_LABEL = "belayer.node"
 
 
 @attrs.frozen
@@ -79,6 +85,8 @@ class SandboxHost:
 
         self.node_id = ray.get_runtime_context().get_node_id()
         self.cluster_id = cluster_id
+        node_name = os.environ.get(NODE_ENV, "")
+        self.node_labels = {NODE_LABEL: node_name} if node_name else {}
         self.engine = Engine.connect()
         self.store = CheckpointStore(Path(store_dir))
         self.sandboxes: dict[str, Any] = {}  # trajectory -> belayer_envckpt.Sandbox
@@ -110,7 +118,7 @@ class SandboxHost:
             config = SandboxConfig(
                 image=image,
                 working_dir=working_dir or "/",
-                labels={**(labels or {}), CLUSTER_LABEL: self.cluster_id},
+                labels={**(labels or {}), **self.node_labels, CLUSTER_LABEL: self.cluster_id},
                 limits=SandboxLimits(**limits) if limits else SandboxLimits(),
             )
             sandbox = Sandbox.create(self.engine, config, trajectory=trajectory)
@@ -234,7 +242,7 @@ class SandboxHost:
                 "from its base image"
             )
         try:
-            sandbox = full_restore(ckpt, engine=self.engine)
+            sandbox = full_restore(ckpt, engine=self.engine, labels=self.node_labels)
         except BelayerEnvckptError as exc:
             raise SandboxHostError(
                 f"restore of {trajectory!r} on node {self.node_id[:12]} failed: {exc}"

@@ -54,6 +54,9 @@ class SlotHost:
         self.slot, self.router_url, self.admin_token = slot, router_url, admin_token
         self.shared_dir = Path(shared_dir)
         self.options = dict(options)
+        # The main worker listens on the node's address: the router (on the driver's machine)
+        # reaches it over the network, as it must when nodes share nothing (IsolatedRayCluster).
+        self.options.setdefault("host", str(ray.util.get_node_ip_address()))  # type: ignore[no-untyped-call]
         self._supervisor: Any = None
 
     def start(self) -> SlotInfo:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
+
+import attrs
 
 from ._criu import describe_inet_socket, first_error_line, log_named_in, unrestorable_connection
 from ._docker import Engine
@@ -209,8 +212,12 @@ def full_restore(
     *,
     engine: Engine | None = None,
     remove_failed: bool = True,
+    labels: Mapping[str, str] | None = None,
 ) -> Sandbox:
     """Verify ``checkpoint``, replace the failed container with a fresh one restored from it.
+
+    ``labels`` go on the new container over the checkpoint's own (same keys: the new values), e.g.
+    the label of the node that owns the container now (belayer-cluster's isolated nodes).
 
     Nothing is touched before the manifest, every checksum and the layer archive's members have
     been checked.  The failed instance is never reused: a new container is created from the
@@ -231,6 +238,8 @@ def full_restore(
     engine = engine or Engine.connect()
     engine.require_checkpoint_support()
     config = SandboxConfig.from_dict(checkpoint.config)
+    if labels:
+        config = attrs.evolve(config, labels={**config.labels, **labels})
     if remove_failed:
         step = time.perf_counter()
         engine.remove(checkpoint.container_id)

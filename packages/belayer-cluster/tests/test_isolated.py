@@ -1,0 +1,148 @@
+"""Nodes that share nothing (`IsolatedRayCluster`): what a node sees of the others and of the host,
+and a network partition: the cut node's slot is fenced and never serves again, its sandbox is
+restored elsewhere and its old container is never used again, the node ends when it comes back.
+
+The module shares the session's cluster (conftest) with test_weightsync.py (same Ray settings).
+The kill of a whole node is test_cluster.py's node-removal test (on this cluster too).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import ray
+from cluster_helpers import PROMPTS, TOKEN, Rollout, rollout, wait_until
+from conftest import ISOLATED
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from belayer_cluster import DriverRouter, IsolatedRayCluster, RolloutCluster, SandboxCluster
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not ISOLATED, reason="needs root and iproute2 (network and mount namespaces)"),
+]
+MAX_TOKENS = 160
+SLOT_OPTIONS = {"num_kv_blocks": 256, "stale_s": 5.0}
+WITH_SANDBOXES = True
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@ray.remote(num_cpus=0)
+def _look_around(shared: str, mark: str) -> dict[str, Any]:
+    """What a process of a node sees: its name, address, pid, /tmp and /dev/shm, the shared folder."""
+    Path("/tmp", mark).write_text(mark)
+    Path("/dev/shm", mark).write_text(mark)
+    Path(shared, mark).write_text(mark)
+    try:
+        Path(sys.prefix, mark).write_text(mark)
+        env_error = 0
+    except OSError as exc:
+        env_error = exc.errno or 0
+    return {
+        "hostname": socket.gethostname(),
+        "ip": ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
+        "pid": os.getpid(),
+        "tmp": sorted(os.listdir("/tmp")),
+        "shm": sorted(os.listdir("/dev/shm")),
+        "shared": sorted(os.listdir(shared)),
+        "env_error": env_error,
+    }
+
+
+def _on(node_id: str) -> NodeAffinitySchedulingStrategy:
+    return NodeAffinitySchedulingStrategy(node_id, soft=False)
+
+
+def test_nodes_share_only_the_network_and_the_shared_folder(
+    local_ray: IsolatedRayCluster, shared_dir: Path
+) -> None:
+    first, second = local_ray.node_ids[:2]
+    seen = {
+        node: ray.get(
+            _look_around.options(scheduling_strategy=_on(node)).remote(str(shared_dir), f"mark-{i}")
+        )
+        for i, node in enumerate((first, second))
+    }
+    for i, node in enumerate((first, second)):
+        view, info = seen[node], local_ray.node(node)
+        assert (view["hostname"], view["ip"]) == (info.name, info.ip)  # its own name and address
+        mark, other = f"mark-{i}", f"mark-{1 - i}"
+        assert mark in view["tmp"]
+        assert other not in view["tmp"]
+        assert mark in view["shm"]
+        assert other not in view["shm"]
+        assert not Path("/tmp", mark).exists()
+        assert not Path("/dev/shm", mark).exists()
+        assert view["env_error"] == errno.EROFS  # the Python environment is read-only
+        # Its own PID namespace: its pid means another process on the host.
+        host = local_ray.host_pid(node, view["pid"])
+        assert host not in (0, view["pid"])
+        assert host in local_ray.node_processes(node)
+        other_node = second if node == first else first
+        assert not set(local_ray.node_processes(node)) & set(local_ray.node_processes(other_node))
+    # The shared folder is one: the host sees both marks, the second node saw the first's.
+    assert {"mark-0", "mark-1"} <= set(os.listdir(shared_dir))
+    assert "mark-0" in seen[second]["shared"]
+    assert seen[first]["ip"] != seen[second]["ip"]
+    assert local_ray.node(first).name != local_ray.node(second).name
+
+
+def test_a_partitioned_node_is_fenced_and_never_serves_again(
+    local_ray: IsolatedRayCluster,
+    slots: RolloutCluster,
+    router: DriverRouter,
+    sandboxes: SandboxCluster,
+) -> None:
+    reference = rollout(router.url, PROMPTS, MAX_TOKENS).tokens
+    victim = slots.infos["b"]
+    box = sandboxes.create("traj-p", victim.node_id)
+    sandboxes.exec("traj-p", "echo kept > /kept.txt")
+    assert sandboxes.checkpoint("traj-p", "traj-p/turn-1").prefix == 1
+    assert local_ray.containers(victim.node_id) == [box.container_id]  # labelled with its node
+    streams = Rollout(router.url, PROMPTS, MAX_TOKENS).start()
+    streams.wait_tokens(4)
+    cut_at = local_ray.cut(victim.node_id)
+    (loss,) = slots.wait_node_loss(1, timeout_s=120)
+    detected = loss.detected_at - cut_at
+    streams.join(240)
+    healed_at = local_ray.heal(victim.node_id)
+    # The healthy side did not wait on the cut node beyond its detection: every stream finished,
+    # exactly the failure-free output, the ones on b resumed on a after the loss was handled.
+    assert streams.tokens == reference
+    assert loss.node_id == victim.node_id
+    assert loss.slots == ("b",)
+    assert detected >= 0
+    assert loss.slots_left == ("a",)
+    # Fenced: b is out at the router for good; no epoch brings it back, not even a newer one.
+    for epoch in (1, 10**6):
+        refused = httpx.post(
+            f"{router.url}/workers/register",
+            json={"slot": "b", "url": victim.main_url, "epoch": epoch},
+            headers=ADMIN,
+            timeout=30,
+        )
+        assert refused.status_code == 409, refused.text
+        assert "unhealthy" in refused.text
+    # The node comes back, hears from Ray that it was declared dead, and ends: every process of
+    # it, and the containers it owned.
+    wait_until(lambda: not local_ray.node_running(victim.node_id), 120, "the fenced node to end")
+    assert local_ray.node_processes(victim.node_id) == []
+    wait_until(lambda: local_ray.containers(victim.node_id) == [], 60, "the node's containers removed")
+    local_ray.forget(victim.node_id)
+    # Its sandbox lives on elsewhere from the checkpoint; the old container is never used again.
+    (restore,) = loss.sandboxes
+    assert restore.to_node != victim.node_id
+    assert restore.container_id != box.container_id
+    assert sandboxes.exec("traj-p", "cat /kept.txt").stdout == "kept\n"
+    assert box.container_id not in sandboxes.containers()
+    workers = httpx.get(f"{router.url}/workers", headers=ADMIN, timeout=30).json()["slots"]
+    assert {w["slot"]: w["healthy"] for w in workers} == {"a": True, "b": False}
+    assert rollout(router.url, PROMPTS[:2], MAX_TOKENS).tokens == reference[:2]
+    print(f"partition: detected {detected:.1f} s after the cut, healed {healed_at - cut_at:.1f} s after it")
