@@ -11,6 +11,11 @@ Each node is a set of Linux namespaces of its own (needs root):
   folders) and the project's Python environment read-only;
 - its own raylet: `ray start --address HEAD --node-ip-address IP --block` inside it.
 
+One view of the host stays: its /proc, read-only at `HOST_PROC` inside the node, where the node's
+sandbox host reads the processes of the containers it owns (the Docker daemon and its containers
+are the host's; `BELAYER_ENVCKPT_HOST_PROC`). Signals cannot cross PID namespaces by pid: a node
+cannot kill a container's process by its host pid (belayer-envckpt then sends nothing).
+
 The head (GCS, no CPUs) runs on the host, on the bridge's address. The Docker daemon is the host's,
 shared: a node owns the containers labelled `belayer.node=<its name>` (its sandbox host puts the
 label on every sandbox, read from `BELAYER_NODE` in the node's environment); when the node ends
@@ -50,6 +55,9 @@ from belayer_cluster._sandbox_host import NODE_ENV, NODE_LABEL
 
 __all__ = ["IsolatedNode", "IsolatedRayCluster"]
 
+# The host's /proc inside a node (read-only; in the node's private /tmp): where the node's sandbox
+# host reads the processes of the containers it owns (belayer-envckpt's BELAYER_ENVCKPT_HOST_PROC).
+HOST_PROC = "/tmp/belayer-host-proc"
 _STATE_DIR = Path("/run/belayer-isolated")  # one JSON per running cluster: what to clean if its owner died
 
 
@@ -188,7 +196,7 @@ class IsolatedRayCluster:
     ) -> None:
         if os.geteuid() != 0:
             raise ClusterConfigError("IsolatedRayCluster needs root (network and mount namespaces)")
-        for tool in ("ip", "unshare"):
+        for tool in ("ip", "unshare", "nsenter"):
             if shutil.which(tool) is None:
                 raise ClusterConfigError(f"IsolatedRayCluster needs `{tool}` on PATH (iproute2, util-linux)")
         self.config = config or LocalClusterConfig()
@@ -536,10 +544,14 @@ class IsolatedRayCluster:
         init += ["--shared", str(self.shared_dir)]
         for path in self.read_only:
             init += ["--ro", path]
-        argv = ["ip", "netns", "exec", netns, "unshare", "--pid", "--ipc", "--mount", "--uts", "--fork"]
-        argv += ["--kill-child", "--mount-proc", *init, "--", *ray_start]
+        init += ["--host-proc", HOST_PROC]
+        # nsenter, not `ip netns exec`: that one mounts a sysfs of its own over /sys, hiding the
+        # host's cgroups (a container's limits and processes are read there).
+        argv = ["nsenter", f"--net=/run/netns/{netns}", "unshare", "--pid", "--ipc", "--mount", "--uts"]
+        argv += ["--fork", "--kill-child", *init, "--", *ray_start]
         env = {k: v for k, v in os.environ.items() if k not in ("TMPDIR", "RAY_ADDRESS")}
         env[NODE_ENV] = name
+        env["BELAYER_ENVCKPT_HOST_PROC"] = HOST_PROC
         self.shared_dir.mkdir(parents=True, exist_ok=True)
         node.log = self._temp / f"{name}.log"
         with open(node.log, "wb") as log:

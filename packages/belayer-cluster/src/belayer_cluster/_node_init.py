@@ -1,11 +1,15 @@
 """PID 1 of an isolated node (`IsolatedRayCluster`): its mounts, then its command, then reaping.
 
 Run as `python -m belayer_cluster._node_init --shared DIR --ro PATH ... --hostname NAME -- CMD ...`
-inside fresh network, PID, IPC, UTS and mount namespaces (`ip netns exec` + `unshare`). It
+inside fresh network, PID, IPC, UTS and mount namespaces (`nsenter --net` + `unshare`). It
 
 - mounts a private tmpfs on /tmp and on /dev/shm (nothing of the host's, nothing of another node's);
 - binds the one shared folder back in at its own path (checkpoints, the router journal, run folders)
   and the project's Python environment read-only (every path given with `--ro`);
+- mounts the node's own /proc (its PID namespace) and, with `--host-proc PATH`, the host's /proc
+  read-only at PATH: the one view of the host a node has, for the processes of the Docker
+  containers it owns (the daemon is the host's; belayer-envckpt reads them there,
+  `BELAYER_ENVCKPT_HOST_PROC`);
 - names the node (`hostname`), starts `CMD` (the node's `ray start --block`) and reaps every
   orphan of the namespace until `CMD` exits; then it ends every process left in the namespace
   and exits with `CMD`'s code. A SIGTERM is passed on to `CMD` (a graceful stop); a SIGKILL of
@@ -30,6 +34,7 @@ import sys
 _MS_RDONLY = 1
 _MS_NOSUID = 2
 _MS_NODEV = 4
+_MS_NOEXEC = 8
 _MS_REMOUNT = 32
 _MS_BIND = 4096
 _MS_REC = 16384
@@ -70,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shared", action="append", default=[])
     parser.add_argument("--ro", action="append", default=[])
     parser.add_argument("--hostname", default="")
+    parser.add_argument("--host-proc", default="", help="where to bind the host's /proc read-only")
     options = parser.parse_args(args[:cut])
     command = args[cut + 1 :]
     if os.getpid() != 1:
@@ -78,11 +84,16 @@ def main(argv: list[str] | None = None) -> int:
     _mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing of this node's mounts reaches the host
     opened = [(os.open(p, os.O_PATH | os.O_DIRECTORY), p, False) for p in options.shared]
     opened += [(os.open(p, os.O_PATH | os.O_DIRECTORY), p, True) for p in options.ro if os.path.isdir(p)]
+    host_proc = os.open("/proc", os.O_PATH | os.O_DIRECTORY)  # the host's, before this node's own
+    _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)  # the node's PID namespace
     _mount("tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=1777")
     _mount("tmpfs", "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=1777")
     for fd, path, read_only in sorted(opened, key=lambda item: item[1]):
         _bind(fd, path, read_only)
         os.close(fd)
+    if options.host_proc:
+        _bind(host_proc, options.host_proc, read_only=True)
+    os.close(host_proc)
     if options.hostname:
         socket.sethostname(options.hostname)
     os.chdir("/")

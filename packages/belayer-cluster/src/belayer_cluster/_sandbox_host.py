@@ -87,7 +87,9 @@ class SandboxHost:
         self.cluster_id = cluster_id
         node_name = os.environ.get(NODE_ENV, "")
         self.node_labels = {NODE_LABEL: node_name} if node_name else {}
-        self.engine = Engine.connect()
+        # On an isolated node runc and CRIU cannot run here (the containers are in the host's PID
+        # namespace, not the node's): the daemon takes the dump (its checkpoint API).
+        self.engine = Engine.connect(dump_method="engine" if node_name else "runc")
         self.store = CheckpointStore(Path(store_dir))
         self.sandboxes: dict[str, Any] = {}  # trajectory -> belayer_envckpt.Sandbox
         self.idle: dict[str, Any] = {}  # container id -> a parked belayer_envckpt.Sandbox (reuse)

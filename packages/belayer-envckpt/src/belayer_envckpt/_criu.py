@@ -11,6 +11,7 @@ from typing import Any
 from ._boundary import SETUP_HINT
 from ._errors import CriuUnavailableError
 from ._host_commands import run_command
+from ._procfs import host_proc
 
 # runc hands this file to CRIU on every dump and restore (Docker passes no CRIU options itself).
 RUNC_CONF = Path("/etc/criu/runc.conf")
@@ -154,7 +155,7 @@ def describe_inet_socket(pid: int, inode: int) -> str:
     states = {"01": "ESTABLISHED", "02": "SYN_SENT", "03": "SYN_RECV", "0A": "LISTEN"}
     for proto in ("tcp", "tcp6"):
         try:
-            lines = Path(f"/proc/{pid}/net/{proto}").read_text().splitlines()[1:]
+            lines = Path(f"{host_proc()}/{pid}/net/{proto}").read_text().splitlines()[1:]
         except OSError:
             continue
         for line in lines:

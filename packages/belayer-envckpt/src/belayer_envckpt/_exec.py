@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import threading
 import time
@@ -16,6 +15,7 @@ import docker.transport
 
 from ._boundary import engine_errors
 from ._exec_stream import read_exec_output
+from ._procfs import host_proc, kill_host_process
 
 
 @attrs.frozen
@@ -37,7 +37,7 @@ class ExecResult:
 def kill_tree(pid: int) -> None:
     """SIGKILL ``pid`` and every descendant (an exec's children keep its output pipe open)."""
     children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
+    for entry in Path(host_proc()).iterdir():
         if entry.name.isdigit():
             try:
                 stat = (entry / "stat").read_text()
@@ -50,7 +50,7 @@ def kill_tree(pid: int) -> None:
         current = todo.pop()
         todo.extend(children.get(current, []))
         with contextlib.suppress(ProcessLookupError):
-            os.kill(current, signal.SIGKILL)
+            kill_host_process(current, signal.SIGKILL)
 
 
 def kill_exec(api: Any, exec_id: str, what: str, container_id: str, *, pid_wait_s: float = 30.0) -> None:

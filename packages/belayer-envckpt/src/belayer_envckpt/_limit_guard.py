@@ -22,6 +22,7 @@ import attrs
 
 from ._errors import CheckpointFailedError, CheckpointTooLargeError, SandboxLimitError
 from ._limits import MIB, LimitCause, SandboxLimits, host_has_cap_sys_resource, is_root_user
+from ._procfs import host_proc, kill_host_process
 
 POLL_COST_RATIO = 9.0
 
@@ -106,7 +107,7 @@ class CgroupFiles:
         """Locate the cgroups of host process ``pid`` (the container's init)."""
         found: dict[str, str] = {}
         with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+            for line in Path(f"{host_proc()}/{pid}/cgroup").read_text().splitlines():
                 _, controllers, path = line.split(":", 2)
                 for name in controllers.split(",") if controllers else ["unified"]:
                     found[name] = path.lstrip("/")
@@ -219,7 +220,7 @@ class LimitGuard:
         assert self._files is not None
         for pid in self._files.procs() - self._procs_before - {self.init_pid}:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
+                kill_host_process(pid, signal.SIGKILL)
 
     def check(self, result: object = None) -> None:
         """Raise `SandboxLimitError` if the action hit a limit (its processes are killed first)."""

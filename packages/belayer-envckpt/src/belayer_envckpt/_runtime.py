@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from ._errors import RuntimeUnreadableError, UncapturedProcessError
+from ._procfs import host_proc
 
 if TYPE_CHECKING:
     from ._sandbox import Sandbox
@@ -109,8 +110,8 @@ class RuntimeView:
 def _read_process(pid: int) -> Process:
     """A host process from /proc; `_Gone` when it exited meanwhile, `_Unreadable` for other errors."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        stat = Path(f"{host_proc()}/{pid}/stat").read_text()
+        raw = Path(f"{host_proc()}/{pid}/cmdline").read_bytes()
     except _GONE as exc:
         raise _Gone(pid) from exc
     except OSError as exc:
@@ -126,7 +127,7 @@ def _read_process(pid: int) -> Process:
     argv = tuple(part.decode(errors="replace") for part in raw.split(b"\0")[:-1])
     exe: tuple[int, int] | None = None
     try:
-        info = os.stat(f"/proc/{pid}/exe")
+        info = os.stat(f"{host_proc()}/{pid}/exe")
         exe = (info.st_dev, info.st_ino)
     except FileNotFoundError:
         exe = None  # a zombie (or gone: the next read of its stat says which)
@@ -143,22 +144,22 @@ def _pids_of(init_pid: int) -> list[int]:
     `_Gone` when the init itself exited; `_Unreadable` when /proc refused a read.
     """
     with contextlib.suppress(OSError, ValueError):
-        for line in Path(f"/proc/{init_pid}/cgroup").read_text().splitlines():
+        for line in Path(f"{host_proc()}/{init_pid}/cgroup").read_text().splitlines():
             _, controllers, path = line.split(":", 2)
             if "pids" in controllers.split(","):
                 procs = Path("/sys/fs/cgroup/pids") / path.lstrip("/") / "cgroup.procs"
                 return [int(p) for p in procs.read_text().split()]
     try:
-        namespace = os.readlink(f"/proc/{init_pid}/ns/pid")
+        namespace = os.readlink(f"{host_proc()}/{init_pid}/ns/pid")
     except _GONE as exc:
         raise _Gone(init_pid) from exc
     except OSError as exc:
         raise _Unreadable(f"reading the PID namespace of {init_pid}: {exc}") from exc
     found = []
-    for entry in os.scandir("/proc"):
+    for entry in os.scandir(host_proc()):
         if entry.name.isdigit():
             try:
-                if os.readlink(f"/proc/{entry.name}/ns/pid") == namespace:
+                if os.readlink(f"{host_proc()}/{entry.name}/ns/pid") == namespace:
                     found.append(int(entry.name))
             except _GONE:
                 continue  # exited since the listing: not a process of anyone any more
@@ -290,7 +291,7 @@ def _stateless_shape(
 
 def _state_beyond_processes(init_pid: int) -> str:
     """What the container holds outside its processes and its layer ("" for nothing)."""
-    root = Path(f"/proc/{init_pid}/root")
+    root = Path(f"{host_proc()}/{init_pid}/root")
     dev = root / "dev"
     added = sorted(set(os.listdir(dev)) - _FRESH_DEV)
     if added:
@@ -327,7 +328,7 @@ def _sysv_ipc_objects(init_pid: int) -> int:
     def read_inside() -> None:
         try:
             libc = _libc()
-            fd = os.open(f"/proc/{init_pid}/ns/ipc", os.O_RDONLY)
+            fd = os.open(f"{host_proc()}/{init_pid}/ns/ipc", os.O_RDONLY)
             try:
                 if libc.setns(fd, _CLONE_NEWIPC) != 0:
                     raise OSError(ctypes.get_errno(), "setns into the sandbox's IPC namespace failed")
@@ -394,7 +395,7 @@ def read_runtime(
                 break
             cursor = parent
     others = [p for p in processes if p.pid != init_pid]
-    executables = Executables(f"/proc/{init_pid}/root", tuple(path), upper)
+    executables = Executables(f"{host_proc()}/{init_pid}/root", tuple(path), upper)
     why = _stateless_shape(init, others, command, keepalive, executables)
     if not why:
         try:
@@ -417,7 +418,7 @@ def _container_path(attrs_: dict[str, object]) -> tuple[str, ...]:
 def _init_start(pid: int) -> int | None:
     """The start time (ticks) of host process ``pid`` when it is alive and not a zombie, else None."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        stat = Path(f"{host_proc()}/{pid}/stat").read_text()
         fields = stat[stat.rindex(")") + 2 :].split()
     except (OSError, ValueError):
         return None
@@ -472,7 +473,7 @@ def still_running(sandbox: Sandbox) -> bool:
     An engine round trip is most of a reference checkpoint's hold (tens of milliseconds loaded).
     """
     seen = _SEEN_RUNNING.get(sandbox.id)
-    return seen is not None and _init_start(seen[0]) == seen[1] and _thawed(seen[0])
+    return seen is not None and _init_start(seen[0]) == seen[1] and _thawed(seen[0], proc=Path(host_proc()))
 
 
 def sandbox_status(sandbox: Sandbox) -> str:
