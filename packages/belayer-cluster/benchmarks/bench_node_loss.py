@@ -15,9 +15,12 @@ Ray's node table or the router's broken streams).
   fenced at the router, its requests resume token-exact on the slot left, the sandbox is restored
   on another node; recovered when every affected request streams again and the sandbox is back.
 
-Times are from the node's removal. Writes `benchmarks/results/bench_node_loss.json`.
+Times are from the node's removal. Writes `benchmarks/results/bench_node_loss.json`; with
+`--nodes isolated` (root) the nodes share nothing (`IsolatedRayCluster`: the lost node is killed
+whole) and the results go to `benchmarks/results/bench_node_loss_isolated.json`.
 
     python benchmarks/bench_node_loss.py --reps 3 --tokens 200
+    python benchmarks/bench_node_loss.py --reps 2 --tokens 200 --nodes isolated
 """
 
 from __future__ import annotations
@@ -37,12 +40,21 @@ from typing import Any
 
 import anyio
 
-from belayer_cluster import DriverRouter, LocalClusterConfig, LocalRayCluster, RolloutCluster, SandboxCluster
+from belayer_cluster import (
+    DriverRouter,
+    IsolatedRayCluster,
+    LocalClusterConfig,
+    LocalRayCluster,
+    RolloutCluster,
+    SandboxCluster,
+)
 from belayer_router import RouterClient, TokenEvent
 
 TOKEN = "bench-node-loss-admin-token"
 PROMPTS = [[10 + i, 20 + 3 * i, 30, 40 + i, 50] for i in range(6)]
 RESULTS = Path(__file__).parent / "results" / "bench_node_loss.json"
+RESULTS_ISOLATED = RESULTS.with_name("bench_node_loss_isolated.json")
+ROUTER_HOST = ["127.0.0.1"]  # the router's address: the bridge's on isolated nodes (set per cluster)
 SLOT_OPTIONS: dict[str, Any] = {"num_kv_blocks": 256, "stale_s": 5.0}
 
 
@@ -116,12 +128,12 @@ def _sandbox_on(sandboxes: SandboxCluster, trajectory: str, node_id: str) -> Non
 
 
 def _arm_restart(
-    ray_cluster: LocalRayCluster, shared: Path, tokens: int, reference: list[list[int]]
+    ray_cluster: LocalRayCluster | IsolatedRayCluster, shared: Path, tokens: int, reference: list[list[int]]
 ) -> dict[str, Any]:
     """The baseline: the job torn down and restarted from the last trainer checkpoint."""
     sandboxes = SandboxCluster(shared)
     sandboxes.start()
-    router = DriverRouter(shared / "restart-router-1.jsonl", admin_token=TOKEN).start()
+    router = DriverRouter(shared / "restart-router-1.jsonl", admin_token=TOKEN, host=ROUTER_HOST[0]).start()
     slots = _start_slots(router, shared, None)
     checkpoint = shared / "trainer-checkpoint.safetensors"
     shutil.copyfile(slots.infos["a"].run_dir / "init.safetensors", checkpoint)
@@ -138,7 +150,7 @@ def _arm_restart(
     router.kill()
     streams.join()
     slots.stop()
-    router = DriverRouter(shared / "restart-router-2.jsonl", admin_token=TOKEN).start()
+    router = DriverRouter(shared / "restart-router-2.jsonl", admin_token=TOKEN, host=ROUTER_HOST[0]).start()
     restores = sandboxes.recover_node(victim)
     slots = _start_slots(router, shared, None, weights=checkpoint)
     up = time.monotonic()
@@ -160,12 +172,12 @@ def _arm_restart(
 
 
 def _arm_belayer(
-    ray_cluster: LocalRayCluster, shared: Path, tokens: int, reference: list[list[int]]
+    ray_cluster: LocalRayCluster | IsolatedRayCluster, shared: Path, tokens: int, reference: list[list[int]]
 ) -> dict[str, Any]:
     """Belayer: fence the lost node's slot, resume its requests elsewhere, restore its sandbox."""
     sandboxes = SandboxCluster(shared)
     sandboxes.start()
-    router = DriverRouter(shared / "belayer-router.jsonl", admin_token=TOKEN).start()
+    router = DriverRouter(shared / "belayer-router.jsonl", admin_token=TOKEN, host=ROUTER_HOST[0]).start()
     slots = _start_slots(router, shared, sandboxes)
     victim = slots.infos["b"].node_id
     _sandbox_on(sandboxes, "traj-belayer", victim)
@@ -201,7 +213,7 @@ def _arm_belayer(
 
 
 def _reference(shared: Path, tokens: int) -> list[list[int]]:
-    router = DriverRouter(shared / "reference-router.jsonl", admin_token=TOKEN).start()
+    router = DriverRouter(shared / "reference-router.jsonl", admin_token=TOKEN, host=ROUTER_HOST[0]).start()
     slots = _start_slots(router, shared, None)
     streams = Streams(router.url, tokens).start()
     streams.join()
@@ -214,15 +226,31 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=200)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--nodes",
+        choices=("isolated", "processes"),
+        default="processes",
+        help="isolated: nodes that share nothing (IsolatedRayCluster, root); processes: simulated nodes",
+    )
     args = parser.parse_args()
+    if args.out is None:
+        args.out = RESULTS_ISOLATED if args.nodes == "isolated" else RESULTS
+    startups: list[dict[str, float]] = []
     reps: list[dict[str, Any]] = []
     load_before = os.getloadavg()
     for rep in range(args.reps):
         with tempfile.TemporaryDirectory(prefix="bnl-") as tmp:
             shared = Path(tmp)
             config = LocalClusterConfig(num_nodes=4, cpus_per_node=1)
-            with LocalRayCluster(config) as ray_cluster:
+            ray_cluster: LocalRayCluster | IsolatedRayCluster = (
+                IsolatedRayCluster(config, shared_dir=shared)
+                if args.nodes == "isolated"
+                else LocalRayCluster(config)
+            )
+            with ray_cluster:
+                ROUTER_HOST[0] = getattr(ray_cluster, "head_ip", "") or "127.0.0.1"
+                startups.append(getattr(ray_cluster, "startup_s", {}))
                 reference = _reference(shared, args.tokens)
                 restart = _arm_restart(ray_cluster, shared, args.tokens, reference)
                 belayer = _arm_belayer(ray_cluster, shared, args.tokens, reference)
@@ -258,8 +286,12 @@ def main() -> int:
     }
     document = {
         "benchmark": "bench_node_loss",
-        "command": f"python benchmarks/bench_node_loss.py --reps {args.reps} --tokens {args.tokens}",
-        "setup": "local Ray cluster, 4 simulated nodes x 1 CPU on one 2-core machine; 2 slots "
+        "command": f"python benchmarks/bench_node_loss.py --reps {args.reps} --tokens {args.tokens}"
+        + (" --nodes isolated" if args.nodes == "isolated" else ""),
+        "nodes": args.nodes,
+        "cluster_startup_s": startups,
+        "setup": f"local Ray cluster, 4 {'isolated' if args.nodes == 'isolated' else 'simulated'} nodes "
+        "x 1 CPU on one 2-core machine; 2 slots "
         "(belayer-shadow built-in model, seed 0, CPU); 6 greedy streams; one sandbox (belayer/busybox) "
         "on the lost node; medians over reps",
         "load_average_before": list(load_before),

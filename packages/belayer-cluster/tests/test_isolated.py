@@ -12,6 +12,7 @@ import errno
 import os
 import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,25 @@ def _look_around(shared: str, mark: str) -> dict[str, Any]:
     }
 
 
+@pytest.fixture(scope="module")
+def router(local_ray: IsolatedRayCluster, shared_dir: Path) -> Iterator[DriverRouter]:
+    """This module's router is a process of a node (nsenter into its namespaces), listening on a
+    service address of the cluster's subnet that moves with it; its journal is on the shared folder."""
+    address, home = local_ray.free_address(), local_ray.node_ids[-1]
+    local_ray.move_address(address, home)
+    with DriverRouter(
+        shared_dir / "router.jsonl", admin_token=TOKEN, host=address, launcher=local_ray.launcher(home)
+    ) as driver_router:
+        yield driver_router
+
+
+def _runs_router(pid: int) -> bool:
+    try:
+        return b"belayer_router" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def _on(node_id: str) -> NodeAffinitySchedulingStrategy:
     return NodeAffinitySchedulingStrategy(node_id, soft=False)
 
@@ -92,6 +112,38 @@ def test_nodes_share_only_the_network_and_the_shared_folder(
     assert "mark-0" in seen[second]["shared"]
     assert seen[first]["ip"] != seen[second]["ip"]
     assert local_ray.node(first).name != local_ray.node(second).name
+
+
+def test_the_router_lost_with_its_node_restarts_on_its_journal_on_another_node(
+    local_ray: IsolatedRayCluster, slots: RolloutCluster, router: DriverRouter
+) -> None:
+    reference = rollout(router.url, PROMPTS[:3], MAX_TOKENS).tokens
+    address = router.url.rsplit(":", 1)[0].removeprefix("http://")
+    slot_nodes = {info.node_id for info in slots.infos.values()}
+    spare = next(node for node in local_ray.node_ids if node not in slot_nodes)
+    # First to the node without slots: killed there as a process, started there on its journal.
+    router.kill()
+    local_ray.move_address(address, spare)
+    router.launcher = local_ray.launcher(spare)
+    router.start()
+    url = router.url
+    streams = Rollout(router.url, PROMPTS[:3], MAX_TOKENS).start()
+    streams.wait_tokens(4)
+    # Its machine is lost whole (the router and everything else of the node at once); it starts on
+    # slot a's node on the same journal, at the same service address.
+    local_ray.kill_node(spare)
+    router.kill()  # already gone with its node: only the handle is let go
+    local_ray.move_address(address, slots.infos["a"].node_id)
+    router.launcher = local_ray.launcher(slots.infos["a"].node_id)
+    router.start()
+    assert router.url == url
+    streams.join(240)
+    assert streams.tokens == reference  # every stream completes exactly, as without the loss
+    assert all(indices == list(range(MAX_TOKENS)) for indices in streams.indices)
+    # The router is a process of slot a's node now (its PID namespace), not of the host's.
+    assert any(_runs_router(pid) for pid in local_ray.node_processes(slots.infos["a"].node_id))
+    workers = httpx.get(f"{router.url}/workers", headers=ADMIN, timeout=30).json()["slots"]
+    assert {w["slot"]: w["healthy"] for w in workers} == {"a": True, "b": True}
 
 
 def test_a_partitioned_node_is_fenced_and_never_serves_again(

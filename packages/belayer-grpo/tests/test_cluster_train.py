@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -23,6 +25,8 @@ from belayer_grpo._errors import GrpoConfigError, SystemStartError
 from belayer_grpo._run import run_training
 
 pytestmark = pytest.mark.e2e
+# Nodes in namespaces of their own (belayer-cluster's IsolatedRayCluster) need root and iproute2.
+ISOLATED = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("unshare") is not None
 
 
 def _math_config(tmp_path: Path, *overrides: str) -> list[str]:
@@ -97,6 +101,7 @@ def test_an_agentic_run_on_two_nodes_restores_the_lost_nodes_sandboxes_elsewhere
         [
             f"system.run_dir={str(run_dir)!r}",  # the default workload: tooluse, in real sandboxes
             "cluster.nodes=2",
+            f"cluster.isolated={str(ISOLATED).lower()}",  # the node is killed whole: every process
             "system.num_slots=2",
             "algorithm.steps=1",  # 4 x 4 trajectories: the node goes with several sandboxes in use
             "chaos.kill_node_at_step=1",  # once a sandbox on the node has a ready checkpoint
@@ -257,6 +262,58 @@ def test_an_address_where_no_cluster_answers_fails_the_start_and_names_it(tmp_pa
     config = load_config(None, _math_config(tmp_path, "algorithm.steps=1", f"cluster.address={address!r}"))
     with pytest.raises(SystemStartError, match=f"no Ray cluster answers at {address}"):
         anyio.run(lambda: run_training(config, stream=io.StringIO()))
+
+
+@pytest.mark.skipif(not ISOLATED, reason="needs root and iproute2 (nodes in namespaces of their own)")
+def test_a_math_run_on_isolated_nodes_survives_a_partition_and_the_node_never_serves_again(
+    tmp_path: Path,
+) -> None:
+    """Issue 33: `chaos.partition_node_at_step` cuts slot1's node (a network namespace of its own)
+    off for `chaos.partition_s`; Ray declares it dead meanwhile, its slot is fenced, the run goes on
+    on slot0; back on the network the node hears it was declared dead and ends."""
+    config = load_config(
+        None,
+        _math_config(
+            tmp_path,
+            "algorithm.steps=3",
+            "cluster.nodes=2",
+            "cluster.isolated=true",
+            "chaos.partition_node_at_step=2",
+            "chaos.partition_s=40",  # longer than the detection (~15 s of health checks here)
+        ),
+    )
+    out = io.StringIO()
+    summary = anyio.run(lambda: run_training(config, stream=out))
+    assert summary["status"] == "completed", out.getvalue()
+    (loss,) = summary["node_losses"]
+    assert (loss["fault"], loss["step"], loss["partition_s"]) == ("partition", 2, 40.0)
+    assert (loss["slots"], loss["slots_left"]) == (["slot1"], ["slot0"])
+    assert loss["detected_by"] in ("ray", "router broken streams")
+    assert 0 <= loss["detect_s"] < 40.0  # fenced while cut off, not after the heal
+    assert loss["tokens_lost"] == 0
+    assert loss["node_ended_after_heal"] is True
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["healthy_slots"] for m in metrics] == [2, 1, 1]  # never serves again
+    assert [len(m["weights_nodes"]) for m in metrics] == [2, 1, 1]
+    assert max(m["logprob_gap"] for m in metrics) < 1e-3
+
+
+def test_partition_needs_isolated_nodes() -> None:
+    with pytest.raises(GrpoConfigError, match=r"chaos\.partition_node_at_step"):
+        load_config(None, ["chaos.partition_node_at_step=2", "cluster.nodes=2", "system.num_slots=2"])
+    with pytest.raises(GrpoConfigError, match=r"cluster\.isolated"):
+        load_config(None, ["cluster.isolated=true"])
+    with pytest.raises(GrpoConfigError, match=r"one node fault per step"):
+        load_config(
+            None,
+            [
+                "cluster.nodes=2",
+                "cluster.isolated=true",
+                "system.num_slots=2",
+                "chaos.kill_node_at_step=2",
+                "chaos.partition_node_at_step=2",
+            ],
+        )
 
 
 def test_kill_node_needs_a_local_cluster_of_two_nodes() -> None:

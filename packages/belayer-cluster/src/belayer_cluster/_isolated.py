@@ -131,13 +131,29 @@ def clean_stale() -> list[str]:
         if _alive(int(state.get("owner", 0))):
             continue
         for pid in state.get("pids", []):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(int(pid), signal.SIGKILL)
+            if _ours(int(pid), str(state["id"]), state.get("netns", [])):  # never a reused pid
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(int(pid), signal.SIGKILL)
         _teardown_network(state["id"], state.get("netns", []), state.get("bridge", ""))
         with contextlib.suppress(OSError):
             state_file.unlink()
         cleaned.append(str(state["id"]))
     return cleaned
+
+
+def _ours(pid: int, cluster_id: str, netns: Sequence[str]) -> bool:
+    """True when `pid` is still a process of that cluster: in one of its nodes' network namespaces,
+    or its head (`ray start` with the cluster's temp folder on its command line)."""
+    try:
+        own = os.stat(f"/proc/{pid}/ns/net").st_ino
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    for name in netns:
+        with contextlib.suppress(OSError):
+            if os.stat(f"/run/netns/{name}").st_ino == own:
+                return True
+    return f"/bli{cluster_id}-".encode() in cmdline
 
 
 def _forward_rule(bridge: str) -> list[str]:
@@ -214,6 +230,7 @@ class IsolatedRayCluster:
         self._nodes: dict[str, _Node] = {}  # node id -> node, in start order
         self._gone: dict[str, _Node] = {}  # removed or ended nodes
         self._removed: list[str] = []
+        self._moved: dict[str, str] = {}  # a moving service address -> the node that has it
         self._next_index = 2
         self._lock = threading.RLock()
         self._started = False
@@ -285,6 +302,40 @@ class IsolatedRayCluster:
                 if Path(f"/proc/{host}/comm").read_text().strip() == "raylet":
                     return host
         raise ClusterConfigError(f"node {node_id[:12]} runs no raylet")
+
+    def launcher(self, node_id: str) -> list[str]:
+        """The command prefix that runs a command as a process of the node: in its network, PID,
+        IPC, UTS and mount namespaces (`nsenter`; e.g. `DriverRouter(launcher=...)`). Such a
+        process ends with the node (`kill_node`)."""
+        node = self._running(node_id)
+        return ["nsenter", "-t", str(node.pid), "--net", "--pid", "--ipc", "--uts", "--mount", "--"]
+
+    def free_address(self) -> str:
+        """An address of the cluster's subnet that no node has (for a service that moves between
+        nodes, `move_address`), from the top of the range down."""
+        assert self._network is not None
+        taken = {n.ip for n in [*self._nodes.values(), *self._gone.values()]} | set(self._moved)
+        for offset in range(250, 1, -1):
+            candidate = str(self._network.network_address + offset)
+            if candidate not in taken:
+                return candidate
+        raise ClusterStartError("no free address left in the cluster's subnet")
+
+    def move_address(self, address: str, node_id: str) -> None:
+        """Give `address` to the node (a second address on its link), taken from the node that had
+        it if it still runs; the host's and every node's neighbour entry for it are flushed, so the
+        next packet finds its new owner (as a floating service address fails over)."""
+        node = self._running(node_id)
+        old = self._moved.get(address)
+        if old is not None and old in self._nodes:
+            _run(
+                "ip", "-n", self._nodes[old].netns, "addr", "del", f"{address}/24", "dev", "eth0", check=False
+            )
+        _run("ip", "-n", node.netns, "addr", "add", f"{address}/24", "dev", "eth0")
+        self._moved[address] = node_id
+        _run("ip", "neigh", "flush", "to", address, check=False)
+        for other in self._nodes.values():
+            _run("ip", "-n", other.netns, "neigh", "flush", "to", address, check=False)
 
     def containers(self, node_id: str) -> list[str]:
         """The Docker containers the node owns (label `belayer.node=<its name>`)."""

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 from belayer_cluster._errors import ClusterStartError
@@ -32,12 +34,18 @@ class DriverRouter:
         host: str = "127.0.0.1",
         port: int = 0,
         start_timeout_s: float = 60.0,
+        launcher: Sequence[str] = (),
     ) -> None:
         self.journal_path, self.admin_token = Path(journal_path), admin_token
         self.resume_wait_s, self.host, self.start_timeout_s = resume_wait_s, host, start_timeout_s
         self.port = port  # 0: any free port at the first start, then kept for restarts
         self._process: subprocess.Popen[str] | None = None
         self.url = ""
+        # A command the router runs under, e.g. `IsolatedRayCluster.launcher(node)` (nsenter into a
+        # node: the router is then that node's process and is lost with it). Change it between a
+        # kill and a start to restart the router elsewhere on the same journal. With a launcher the
+        # router has a session of its own and is signalled as a group (the launcher and the router).
+        self.launcher: list[str] = list(launcher)
 
     def start(self) -> DriverRouter:
         """Start the router and wait until it listens (`url` is then its base URL).
@@ -61,7 +69,13 @@ class DriverRouter:
         env = dict(os.environ)
         if self.admin_token is not None:
             env["BELAYER_ROUTER_ADMIN_TOKEN"] = self.admin_token
-        process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
+        process = subprocess.Popen(
+            [*self.launcher, *argv],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=bool(self.launcher),
+        )
         self._process = process
         line: list[str] = []
         reader = threading.Thread(
@@ -88,7 +102,7 @@ class DriverRouter:
         process, self._process = self._process, None
         if process is None:
             return
-        process.kill()
+        self._signal(process, signal.SIGKILL)
         process.wait()
         if process.stdout is not None:
             process.stdout.close()
@@ -99,14 +113,21 @@ class DriverRouter:
         if process is None:
             return
         if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
+            self._signal(process, signal.SIGTERM)
             try:
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                process.kill()
+                self._signal(process, signal.SIGKILL)
                 process.wait()
         if process.stdout is not None:
             process.stdout.close()
+
+    def _signal(self, process: subprocess.Popen[str], signum: int) -> None:
+        if self.launcher:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signum)  # the launcher does not pass signals on
+        else:
+            process.send_signal(signum)
 
     def __enter__(self) -> DriverRouter:
         return self.start()

@@ -21,7 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from belayer_cluster._errors import WeightSyncError
-from belayer_cluster._weightsync_pack import checksum, pack, unpack
+from belayer_cluster._weightsync_pack import checksum, gloo_group, pack, unpack
 from belayer_gpumem import BelayerGpumemError, ServerConfig, ServerProcess, WeightClient, WeightLayout
 
 __all__ = ["WeightAgent"]
@@ -138,7 +138,10 @@ class WeightAgent:
         self._group = None
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore(host, port, 2, False, timeout=timeout)  # type: ignore[attr-defined]
-        self._group = dist.ProcessGroupGloo(store, 1, 2, timeout)
+        import ray
+
+        address = str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+        self._group = gloo_group(store, 1, timeout, address)
         self.generation = generation
         return generation
 

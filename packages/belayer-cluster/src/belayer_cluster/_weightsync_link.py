@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ray.exceptions import GetTimeoutError, RayError
 
 from belayer_cluster._errors import WeightSyncError, WeightSyncTimeoutError
+from belayer_cluster._weightsync_pack import gloo_group
 from belayer_router import RouterAdmin, RouterClientError, RouterUnreachableError
 
 __all__ = [
@@ -116,7 +117,7 @@ def connect(link: NodeLink, generation: int, host: str, timeout_s: float) -> Non
         ) from exc
     ref = link.agent.connect.remote(generation, host, int(store.port), timeout_s)
     try:
-        link.group = dist.ProcessGroupGloo(store, 0, 2, timeout)
+        link.group = gloo_group(store, 0, timeout, host)
     except RuntimeError as exc:
         raise WeightSyncTimeoutError(
             f"node {link.node_id[:12]} did not join the rendezvous at {host}:{store.port} within "

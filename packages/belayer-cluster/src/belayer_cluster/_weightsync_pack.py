@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -74,3 +76,15 @@ def unpack(flat: torch.Tensor, layout: WeightLayout) -> dict[str, torch.Tensor]:
         spec.name: flat[spec.offset : spec.offset + spec.nbytes].view(_dtype(spec.dtype)).view(spec.shape)
         for spec in layout.tensors
     }
+
+
+def gloo_group(store: Any, rank: int, timeout: timedelta, address: str) -> Any:
+    """A two-member gloo group whose member listens on `address` (an address of its machine that
+    the other reaches). Gloo's default is the address the hostname resolves to, which a node that
+    shares nothing with this machine need not reach (nor resolve: an isolated node's name)."""
+    import torch.distributed as dist
+
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]  # type: ignore[attr-defined]
+    return dist.ProcessGroupGloo(store, rank, 2, options)  # type: ignore[attr-defined]

@@ -178,6 +178,10 @@ class ChaosConfig:
     sandbox_kill_at_actions: tuple[int, ...] = attrs.field(default=(), validator=v.deep_iterable(v.gt(0)))
     seed: int = 0
     kill_node_at_step: int = attrs.field(default=0, validator=_non_negative)  # 0: never
+    # cluster.isolated: cut the last slot's node off the network mid-rollout of this step (0: never),
+    # for partition_s seconds, then restore its link
+    partition_node_at_step: int = attrs.field(default=0, validator=_non_negative)
+    partition_s: float = attrs.field(default=20.0, validator=_non_negative_float)
 
 
 @attrs.frozen
@@ -189,6 +193,9 @@ class ClusterConfig:
     address: str = ""  # join an existing Ray cluster (its GCS address, HOST:PORT)
     shared_dir: str = ""  # a folder every node reads (router journal, slot folders); "" = a temp folder
     replace_lost_nodes: bool = False  # cluster.nodes: a new node and slot for each lost one
+    # cluster.nodes: nodes that share nothing but the network and shared_dir (namespaces of their
+    # own, belayer-cluster's IsolatedRayCluster; needs root), not processes of this machine
+    isolated: bool = False
 
 
 @attrs.frozen
@@ -432,5 +439,21 @@ def _check_cross_section(config: Config) -> None:
             )
         if config.system.num_slots < 2:
             raise GrpoConfigError("chaos.kill_node_at_step", "needs system.num_slots >= 2 (one must be left)")
+    if config.cluster.isolated and not config.cluster.nodes:
+        raise GrpoConfigError("cluster.isolated", "needs cluster.nodes (a local cluster of isolated nodes)")
+    if config.chaos.partition_node_at_step:
+        if not config.cluster.isolated or config.cluster.nodes < 2:
+            raise GrpoConfigError(
+                "chaos.partition_node_at_step",
+                "needs cluster.isolated = true and cluster.nodes >= 2 (a node with a network of its own)",
+            )
+        if config.system.num_slots < 2:
+            raise GrpoConfigError(
+                "chaos.partition_node_at_step", "needs system.num_slots >= 2 (one must be left)"
+            )
+        if config.chaos.partition_node_at_step == config.chaos.kill_node_at_step:
+            raise GrpoConfigError(
+                "chaos.partition_node_at_step", "kill_node_at_step is the same step: one node fault per step"
+            )
     if config.model.num_attention_heads % config.model.num_key_value_heads:
         raise GrpoConfigError("model.num_key_value_heads", "must divide model.num_attention_heads")

@@ -1,10 +1,18 @@
 """`chaos.kill_node_at_step`: the node of the last slot removed mid-rollout, and what it cost.
+`chaos.partition_node_at_step` (isolated nodes): that node cut off the network for
+`chaos.partition_s` seconds instead, then its link restored.
 
 Its requests resume token-exact on the slots left, its sandboxes are restored on another node
 from their latest ready checkpoint, and `NodeLossChaos.reports` says, per lost node, the requests
 resumed, the sandboxes restored, the tokens lost, each detector's first word and the time to
 recover. Every wait here ends by the step's rollout's end at the latest: nothing waits on an
 event that may not come.
+
+A partitioned node that Ray declares dead while cut off is handled as a lost node (its slots
+fenced at the router, which refuses them for good, its sandboxes restored elsewhere); when its link
+comes back its raylet hears it was declared dead and the node ends, its containers with it. A
+partition shorter than the detection is no loss: the node serves on, and the report says so
+(`detected_by` "").
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from belayer_grpo._errors import SystemStartError
 from belayer_router import RouterAdmin, RouterClientError, RouterCounters, RouterUnreachableError
 
 if TYPE_CHECKING:
-    from belayer_cluster import LocalRayCluster, RolloutCluster, SandboxCluster
+    from belayer_cluster import IsolatedRayCluster, LocalRayCluster, RolloutCluster, SandboxCluster
 
 __all__ = ["KILL_AFTER_TOKENS", "NodeLossChaos", "NodeLossHold"]
 
@@ -28,6 +36,9 @@ KILL_AFTER_TOKENS = 24  # the node is removed once this many tokens of the step 
 # ... and, with sandboxes, once one of its sandboxes has a ready checkpoint (or it is too late)
 KILL_WAIT_CHECKPOINT_S = 300.0
 KILL_HOLD_S = 300.0  # the held trajectory goes on after this long even if the loss is not handled
+# After a partition heals with no loss seen, the loss is waited for this much longer (a detection
+# under way); a fenced node is waited for this long to end once its link is back.
+PARTITION_GRACE_S = 30.0
 
 
 @attrs.define
@@ -80,9 +91,11 @@ class NodeLossChaos:
     router_url: str
     admin_token: str
     rollout: RolloutCluster
-    local: LocalRayCluster | None
+    local: LocalRayCluster | IsolatedRayCluster | None
     sockets: LiveSockets  # a push waits for the removal under way
     sandboxes: SandboxCluster | None = None
+    partition_node_at_step: int = 0
+    partition_s: float = 20.0
     losses: list[dict[str, Any]] = attrs.field(factory=list)  # a replacement adds `replaced_by`
     _killer: threading.Thread | None = None
     _hold: NodeLossHold | None = None
@@ -100,7 +113,7 @@ class NodeLossChaos:
     def before_rollout(self, step: int, victim_slot: str, num_trajectories: int = 0) -> None:
         """Arm the node loss for `step`: `victim_slot`'s node goes once the rollout is under way.
         `after_rollout` must follow, whatever the rollout's outcome."""
-        if step != self.kill_node_at_step or self._killer is not None:
+        if step not in (self.kill_node_at_step, self.partition_node_at_step) or self._killer is not None:
             return
         if self.local is None:
             raise SystemStartError("chaos.kill_node_at_step needs cluster.nodes (a local cluster)")
@@ -122,7 +135,7 @@ class NodeLossChaos:
     def after_rollout(self, step: int) -> None:
         """The step's rollout is over: a node loss armed for it waits for nothing more of it (a
         checkpoint that never came, tokens that never streamed) and goes now, before the push."""
-        if self._hold is not None and step == self.kill_node_at_step:
+        if self._hold is not None and step in (self.kill_node_at_step, self.partition_node_at_step):
             self._hold.rollout_over()
 
     def reports(self) -> list[dict[str, Any]]:
@@ -163,7 +176,10 @@ class NodeLossChaos:
                         break
                 if hold.wants_checkpoint:
                     hold.checkpoint_or_late.wait(KILL_WAIT_CHECKPOINT_S)
-                self._remove_node(admin, step, victim_slot, hold.node_id)
+                if step == self.partition_node_at_step:
+                    self._partition_node(admin, step, victim_slot, hold.node_id)
+                else:
+                    self._remove_node(admin, step, victim_slot, hold.node_id)
         finally:
             hold.released.set()
 
@@ -172,7 +188,7 @@ class NodeLossChaos:
         in_flight = _outstanding(admin, victim_slot)
         before = _counters(admin)
         removed, removed_wall = time.monotonic(), time.time()
-        self.local.remove_node(victim)
+        self.local.remove_node(victim)  # an isolated node: killed whole (every process at once)
         (loss,) = [
             x for x in self.rollout.wait_node_loss(len(self.rollout.losses) + 1, 180) if x.node_id == victim
         ]
@@ -188,6 +204,7 @@ class NodeLossChaos:
             {
                 "node_id": victim,
                 "step": step,
+                "fault": "kill",
                 "slots": list(loss.slots),
                 "requests_in_flight": in_flight,
                 "detected_by": loss.detected_by,
@@ -196,6 +213,69 @@ class NodeLossChaos:
                 "slots_left": list(loss.slots_left),
                 "time_to_recover_s": max(handled, (resumed_at or removed) - removed),
                 "removed_before": removed_wall,
+                "resumes_before": before.resumes_total,
+                "failed_before": before.requests_failed_total,
+            }
+        )
+
+    def _partition_node(self, admin: RouterAdmin, step: int, victim_slot: str, victim: str) -> None:
+        """Cut the victim's link for `partition_s`, then restore it. A loss Ray or the router saw
+        meanwhile is handled as a lost node's (and the node ends once back, its containers with it);
+        none within the grace after the heal: the node served on."""
+        from belayer_cluster import IsolatedRayCluster
+
+        local = self.local
+        if not isinstance(local, IsolatedRayCluster):
+            raise SystemStartError(
+                "chaos.partition_node_at_step needs cluster.isolated (nodes with a network)"
+            )
+        cut_node, heal_node = local.cut, local.heal
+        in_flight = _outstanding(admin, victim_slot)
+        before = _counters(admin)
+        cut_at, cut_wall = time.monotonic(), time.time()
+        cut_node(victim)
+        healer = threading.Timer(self.partition_s, heal_node, args=(victim,))
+        healer.daemon = True
+        healer.start()
+        deadline = cut_at + self.partition_s + PARTITION_GRACE_S
+        loss = None
+        while loss is None and time.monotonic() < deadline:
+            loss = next((x for x in self.rollout.losses if x.node_id == victim), None)
+            time.sleep(0.05)
+        resumed_at = None
+        if loss is not None:
+            wait_until = time.monotonic() + 30.0
+            while in_flight and time.monotonic() < wait_until:
+                if _counters(admin).resumes_total > before.resumes_total:
+                    resumed_at = time.monotonic()
+                    break
+                time.sleep(0.02)
+        healer.join()
+        ended = False
+        if loss is not None:  # fenced: back on the network, it hears it was declared dead and ends
+            end_by = time.monotonic() + PARTITION_GRACE_S
+            while local.node_running(victim) and time.monotonic() < end_by:
+                time.sleep(0.1)
+            ended = not local.node_running(victim)
+            local.forget(victim)  # ended, or killed now: counted as removed either way
+        handled = (loss.detected_at + loss.recover_s - cut_wall) if loss is not None else 0.0
+        self.losses.append(
+            {
+                "node_id": victim,
+                "step": step,
+                "fault": "partition",
+                "partition_s": self.partition_s,
+                "slots": list(loss.slots) if loss is not None else [],
+                "requests_in_flight": in_flight,
+                "detected_by": loss.detected_by if loss is not None else "",
+                "detect_s": (loss.detected_at - cut_wall) if loss is not None else None,
+                "sandboxes_restored": len(loss.sandboxes) if loss is not None else 0,
+                "slots_left": list(loss.slots_left) if loss is not None else list(self.rollout.healthy_slots),
+                "time_to_recover_s": max(handled, (resumed_at or cut_at) - cut_at)
+                if loss is not None
+                else 0.0,
+                "node_ended_after_heal": ended,
+                "removed_before": cut_wall,
                 "resumes_before": before.resumes_total,
                 "failed_before": before.requests_failed_total,
             }

@@ -18,6 +18,7 @@ from belayer_grpo._config import Config
 if TYPE_CHECKING:
     from belayer_cluster import (
         DriverRouter,
+        IsolatedRayCluster,
         LocalRayCluster,
         NodeLoss,
         RolloutCluster,
@@ -36,24 +37,27 @@ class Parts:
     sockets: LiveSockets = attrs.field(factory=LiveSockets)  # the live slots' weight sockets
     slot_options: dict[str, Any] = attrs.field(factory=dict)
     router: DriverRouter | None = None
-    local: LocalRayCluster | None = None
+    local: LocalRayCluster | IsolatedRayCluster | None = None
     rollout: RolloutCluster | None = None
     sync: WeightSync | None = None
     sandboxes: SandboxCluster | None = None
     replacements: list[RolloutCluster] = attrs.field(factory=list)
 
 
-def start_ray(config: Config, parts: Parts) -> None:
-    """Join `cluster.address`, or start a local cluster of `cluster.nodes` simulated nodes."""
-    from belayer_cluster import LocalClusterConfig, LocalRayCluster, connect
+def start_ray(config: Config, parts: Parts, shared: Path) -> None:
+    """Join `cluster.address`, or start a local cluster of `cluster.nodes` nodes: simulated ones,
+    or with `cluster.isolated` nodes that share nothing but the network and `shared`."""
+    from belayer_cluster import IsolatedRayCluster, LocalClusterConfig, LocalRayCluster, connect
 
     if config.cluster.address:
         connect(config.cluster.address)  # a ClusterStartError names the address
     else:
         per_node = max(1, math.ceil(config.system.num_slots / config.cluster.nodes))
-        parts.local = LocalRayCluster(
-            LocalClusterConfig(num_nodes=config.cluster.nodes, cpus_per_node=per_node)
-        )
+        local_config = LocalClusterConfig(num_nodes=config.cluster.nodes, cpus_per_node=per_node)
+        if config.cluster.isolated:
+            parts.local = IsolatedRayCluster(local_config, shared_dir=shared)
+        else:
+            parts.local = LocalRayCluster(local_config)
         parts.local.start()
 
 
@@ -62,8 +66,10 @@ def start_services(config: Config, shared: Path, model_file: Path, weights_file:
     slots and one weight-sync agent per node beside its slots' weight servers."""
     from belayer_cluster import DriverRouter, RolloutCluster, SandboxCluster, WeightSync
 
+    # On isolated nodes the router listens on the cluster's bridge: the nodes' way to this machine.
+    host = getattr(parts.local, "head_ip", "") or "127.0.0.1"
     parts.router = router = DriverRouter(
-        shared / "router.jsonl", admin_token=parts.admin_token, resume_wait_s=30.0
+        shared / "router.jsonl", admin_token=parts.admin_token, resume_wait_s=30.0, host=host
     )
     router.start()
     names = [f"slot{index}" for index in range(config.system.num_slots)]

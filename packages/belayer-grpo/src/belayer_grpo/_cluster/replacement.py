@@ -11,7 +11,7 @@ import anyio
 import attrs
 
 if TYPE_CHECKING:
-    from belayer_cluster import LocalRayCluster, RolloutCluster, WeightSync
+    from belayer_cluster import IsolatedRayCluster, LocalRayCluster, RolloutCluster, WeightSync
 
 __all__ = ["NodeReplacer"]
 
@@ -21,7 +21,7 @@ class NodeReplacer:
     """Starts, for each slot of a lost node, a replacement slot (`<slot>-r`) on a new simulated node
     that joins the weight sync with the current version and only then serves."""
 
-    local: LocalRayCluster
+    local: LocalRayCluster | IsolatedRayCluster
     sync: WeightSync
     router_url: str
     shared_dir: Path

@@ -29,7 +29,13 @@ from belayer_grpo._system import RolloutSystem
 from belayer_router import RouterClient
 
 if TYPE_CHECKING:
-    from belayer_cluster import DriverRouter, LocalRayCluster, RolloutCluster, SandboxCluster
+    from belayer_cluster import (
+        DriverRouter,
+        IsolatedRayCluster,
+        LocalRayCluster,
+        RolloutCluster,
+        SandboxCluster,
+    )
     from belayer_grpo._agentic.pool import SandboxPool
     from belayer_shadow import ModelConfig
 
@@ -77,7 +83,7 @@ class ClusterSystem:
     run_dir: Path
     rollout: RolloutCluster
     router: DriverRouter
-    local: LocalRayCluster | None
+    local: LocalRayCluster | IsolatedRayCluster | None
     weight_sockets: LiveSockets  # a lost node's sockets leave it, so pushes skip them
     weights: ClusterWeights  # every push through belayer-cluster's WeightSync
     chaos: NodeLossChaos  # chaos.kill_node_at_step
@@ -96,14 +102,20 @@ class ClusterSystem:
 
         from belayer_cluster import BelayerClusterError
 
-        model_file = run_dir / "model.json"
-        model_file.write_text(json.dumps(model_config.to_dict(), indent=2))
+        (run_dir / "model.json").write_text(json.dumps(model_config.to_dict(), indent=2))
         # Unix socket paths are short (107 bytes): the shared folder is short too.
         own_shared = not config.cluster.shared_dir
         shared = Path(config.cluster.shared_dir or tempfile.mkdtemp(prefix="belayer-grpo-cluster-"))
+        # What the slots read goes to the shared folder: a node does not see the trainer's run
+        # folder (isolated nodes, real machines).
+        inputs = shared / "inputs"
+        inputs.mkdir(parents=True, exist_ok=True)
+        model_file = inputs / "model.json"
+        shutil.copyfile(run_dir / "model.json", model_file)
+        weights_file = Path(shutil.copyfile(weights_file, inputs / weights_file.name))
         parts = Parts()
         try:
-            start_ray(config, parts)  # Ray sets signal handlers: only from the main thread
+            start_ray(config, parts, shared)  # Ray sets signal handlers: only from the main thread
             await anyio.to_thread.run_sync(start_services, config, shared, model_file, weights_file, parts)
             system = _assemble(config, run_dir, shared, parts)
         except BaseException as exc:
@@ -194,6 +206,7 @@ def _assemble(config: Config, run_dir: Path, shared: Path, parts: Parts) -> Clus
     chaos = NodeLossChaos(
         config.chaos.kill_node_at_step, router.url, parts.admin_token, rollout, parts.local,
         sockets, sandboxes=parts.sandboxes,
+        partition_node_at_step=config.chaos.partition_node_at_step, partition_s=config.chaos.partition_s,
     )  # fmt: skip
     replacer = None
     if config.cluster.replace_lost_nodes and parts.local is not None:
