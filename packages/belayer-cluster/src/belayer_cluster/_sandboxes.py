@@ -283,7 +283,10 @@ class SandboxCluster:
             if lost_host is not None:
                 with contextlib.suppress(RayError):
                     ray.kill(lost_host)
-            survivors = list(self.hosts)
+            # Only hosts on nodes Ray lists alive: a node lost without slots (nothing reported its
+            # loss) must not be picked to restore on.
+            alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}  # type: ignore[no-untyped-call]
+            survivors = [node for node in self.hosts if node in alive]
             idle = [i for i in self.idle if i.node_id == node_id]  # parked there: fenced, not restored
             self.idle = [i for i in self.idle if i.node_id != node_id]
             for parked in idle if survivors else []:  # on the shared daemon here: fence them
