@@ -59,6 +59,11 @@ async def test_idle_shadow_uses_about_no_cpu_and_stop_leaves_nothing(tmp_path: P
             used = _cpu_seconds(shadow_pid) - before
             # A 50 ms poll loop of two stat calls costs well under 1% of a core; allow 5%.
             assert used < 0.15, f"idle shadow used {used:.3f} s of CPU in 3 s"
+            # Each worker checked its own weights against its mapping of the weight server: every
+            # one a view (docs/architecture.md: weights live once, in the weight server).
+            checks = {e["source"].split(":")[0]: e for e in slot.events() if e["event"] == "weights.private"}
+            assert sorted(checks) == ["shadow", "worker"]
+            assert [checks[role]["count"] for role in ("worker", "shadow")] == [0, 0], checks
             pids = [slot.main.pid, shadow_pid, slot.weights_server.pid, slot.kv_server.pid]
             main_url = slot.main_url
             sockets = [slot.weights_socket, slot.kv_socket]

@@ -32,6 +32,7 @@ from belayer_shadow import (
 )
 from belayer_shadow._errors import ModelConfigError
 from belayer_shadow._vllm import VllmEngine, model_folder
+from belayer_shadow._vllm._loader import point_params, server_tensors
 
 CONFIG = ModelConfig.default()
 PROMPTS = [[(7 * i + 3 * j) % 256 for j in range(5 + i)] for i in range(8)]
@@ -302,6 +303,39 @@ def test_weight_update_repoints_parameters_and_logprobs_match(
     # Back to seed 0 for the other tests.
     fill_weight_server(weights_socket, init_weights(CONFIG, seed=0))
     assert engine.refresh_weights() is True
+    assert run(engine, greedy(8)) == before
+
+
+def test_no_parameter_is_a_private_copy_and_a_planted_one_is_caught(engine: VllmEngine) -> None:
+    assert engine.weight_client is not None
+    assert engine.private_weights() == []
+    # vLLM's merged parameters are the weight server's merged regions (weight_layout), not copies.
+    merged = engine.weight_client.fused_tensors()
+    assert len(merged) == 2 * CONFIG.num_hidden_layers
+    (ptrs,) = engine._engine.apply_model(lambda model: {n: p.data_ptr() for n, p in model.named_parameters()})
+    assert {name: ptrs[name] for name in merged} == {name: view.data_ptr() for name, view in merged.items()}
+    tensors = server_tensors(engine.weight_client)
+    name = "model.layers.1.mlp.gate_up_proj.weight"
+    planted = {**tensors, name: tensors[name].clone()}
+    try:
+        engine._engine.apply_model(lambda model: point_params(model, planted, packed=engine.packed))
+        assert engine.private_weights() == [name]
+    finally:
+        engine._engine.apply_model(lambda model: point_params(model, tensors, packed=engine.packed))
+    assert engine.private_weights() == []
+
+
+def test_standby_drops_the_packed_copies_and_the_handover_packs_them_again(engine: VllmEngine) -> None:
+    before = run(engine, greedy(8))
+    packed = sorted(engine.packed_layers())
+    assert packed  # on the CPU, the default: every linear layer on a packed copy of its view
+    engine.release_weights()  # what a shadow does when it stands by
+    assert engine.standby_unpacked
+    assert engine.packed_layers() == []
+    assert engine.private_weights() == []
+    assert engine.refresh_weights() is False  # what the handover does: same version, packed again
+    assert not engine.standby_unpacked
+    assert sorted(engine.packed_layers()) == packed
     assert run(engine, greedy(8)) == before
 
 

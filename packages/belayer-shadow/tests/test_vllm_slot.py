@@ -68,6 +68,11 @@ async def test_sigkill_of_the_vllm_main_mid_generation_shadow_resumes_every_requ
         events = [e["event"] for e in slot.events()]
         for step in ("handover.detect", "handover.health_check", "handover.flush", "handover.register"):
             assert step in events
+        # Every vLLM worker checked its parameters against its mapping of the weight server: no
+        # private copy of a weight in the main, nor in the shadow (merged projections included).
+        checks = [e for e in slot.events() if e["event"] == "weights.private"]
+        assert {e["source"].split(":")[0] for e in checks} >= {"worker", "shadow"}
+        assert [e["count"] for e in checks] == [0] * len(checks), checks
         # Nothing of the old worker is left: vLLM ran inside it (no engine-core process).
         assert gone(old_main.pid)
         assert app.registry.slots["s0"].max_epoch == 2

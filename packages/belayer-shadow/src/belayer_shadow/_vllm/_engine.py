@@ -21,6 +21,7 @@ import torch
 
 from belayer_gpumem import KVClient, WeightClient
 from belayer_shadow._engine._config import ModelConfig
+from belayer_shadow._engine._model import outside_region
 from belayer_shadow._engine._sequence import SamplingParams, StepOutput
 from belayer_shadow._errors import LLMEngineError, ModelConfigError, RequestError, WeightsError
 from belayer_shadow._vllm._kv import VLLM_CPU_BLOCK_SIZE, arena_bytes, bind_arena, max_tokens_in
@@ -32,6 +33,7 @@ from belayer_shadow._vllm._loader import (
     packed_layers,
     point_params,
     register_loader,
+    server_tensors,
 )
 from belayer_shadow._vllm._logprobs import install as install_sampled_logprobs
 from belayer_shadow._vllm._media import set_aside_unloadable_media
@@ -131,6 +133,8 @@ class VllmEngine:
         self._requests: dict[str, int] = {}  # request id -> completion tokens emitted so far
         self._num_threads = num_threads
         self._threads = threading.local()
+        # True while a standby shadow's layers compute on the views without their packed copies.
+        self.standby_unpacked = False
         self._engine = _start_engine(
             folder,
             self._socket,
@@ -266,23 +270,50 @@ class VllmEngine:
 
     def refresh_weights(self) -> bool:
         """After a weight update at the server: point vLLM's parameters at the new version and drop
-        the prefix cache (its K/V came from the old weights); True if the version changed."""
+        the prefix cache (its K/V came from the old weights); True if the version changed.
+
+        After `release_weights` (a standby shadow) it also packs the linear layers again (on the
+        CPU with `packed`): the shadow's handover pays for that here, in its flush step."""
         if self.weight_client is None:
             return False
         changed = self.weight_client.refresh()
-        if changed:
-            tensors = self.weight_client.tensors()
+        if changed or self.standby_unpacked:
+            tensors = server_tensors(self.weight_client)
             self._engine.apply_model(lambda model: point_params(model, tensors, packed=self.packed))
+            self.standby_unpacked = False
+        if changed:
             self._engine.reset_prefix_cache()
         return changed
 
     def release_weights(self) -> None:
-        """Unpin the weight version while idle (a standby shadow); `refresh_weights()` pins again.
+        """Stand by: unpin the weight version while idle (a standby shadow); `refresh_weights()`
+        pins again.
 
-        A standby shadow also moves its KV cache onto the arena here (its own buffer is freed)."""
-        if self.weight_client is not None:
-            self.weight_client.release()
+        What a standby shadow needs no longer goes too: its KV cache moves onto the arena (its own
+        buffer is freed), and on the CPU its linear layers drop their packed copies (the CPU twin
+        of releasing graph buffers while idle: until `refresh_weights`, the layers compute on the
+        views, zero copy)."""
         self.bind_kv()
+        if self.weight_client is not None:
+            if self.packed and self.packed_layers():
+                tensors = server_tensors(self.weight_client)
+                self._engine.apply_model(lambda model: point_params(model, tensors, packed=False))
+                self.standby_unpacked = True
+            self.weight_client.release()
+
+    def private_weights(self) -> list[str]:
+        """vLLM's parameters whose bytes are not all inside the weight server's region (private
+        copies of a weight); every one when the engine is detached."""
+        if self.weight_client is None:
+            (names,) = self._engine.apply_model(lambda model: sorted(n for n, _ in model.named_parameters()))
+            return list(names)
+        region = self.weight_client.region
+
+        def outside(model: torch.nn.Module) -> list[str]:
+            return outside_region(dict(model.named_parameters(remove_duplicate=False)), region)
+
+        (names,) = self._engine.apply_model(outside)
+        return list(names)
 
     def bind_kv(self) -> None:
         """Move vLLM's KV cache onto the KV server's arena (once; nothing without a KV socket).

@@ -2,8 +2,11 @@
 
 Registered with vLLM's loader registry as `load_format="belayer"`; the weight server's socket
 comes in `model_loader_extra_config={"weights_socket": PATH}`. vLLM fuses q/k/v into `qkv_proj`
-and gate/up into `gate_up_proj`: the weight server's table packs those parts back to back (see
-`weight_layout`), so the fused parameter is one strided view over them, zero copy.
+and gate/up into `gate_up_proj`: the weight server holds those as merged regions of its layout
+(`weight_layout`'s `fused_projections`: the parts back to back, read as one tensor), so each fused
+parameter is the server's view of its merged region, zero copy. A table without merged regions
+(e.g. read from a safetensors file) falls back to a view over parts that happen to lie back to
+back, else to a private copy, which `copied_params` reports.
 
 On the CPU, vLLM computes every linear layer (qkv, o, gate_up, down, LM head) with a packed copy
 of its weight (oneDNN's blocked layout, `dispatch_cpu_unquantized_gemm`): a plain row-major
@@ -45,6 +48,7 @@ __all__ = [
     "param_views",
     "point_params",
     "register_loader",
+    "server_tensors",
 ]
 
 LOAD_FORMAT = "belayer"
@@ -78,6 +82,11 @@ def attached_client(weights_socket: str) -> WeightClient:
     return client
 
 
+def server_tensors(client: WeightClient) -> dict[str, torch.Tensor]:
+    """The weight server's views of the pinned version: its table and its merged regions."""
+    return {**client.tensors(), **client.fused_tensors()}
+
+
 def copied_params() -> list[str]:
     """The parameters the last load in this process could not make views of the server (copies)."""
     return list(_COPIED)
@@ -88,6 +97,8 @@ def _source(name: str, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
     prefix, _, leaf = name.rpartition(".")  # e.g. model.layers.0.self_attn.qkv_proj / weight
     module_prefix, _, module = prefix.rpartition(".")
     parts = _FUSED.get(module)
+    if parts is not None and name in tensors:
+        return tensors[name]  # the server's merged region
     if parts is None:
         if name == "lm_head.weight" and name not in tensors:
             name = "model.embed_tokens.weight"  # tied embeddings
@@ -270,7 +281,7 @@ def _register() -> type[Any]:
                 )
             check_table(model_config.hf_config, client)
             # Plain copies for vLLM's own processing; `load_model` points them at the server after.
-            for name, view in param_views(model, client.tensors()).items():
+            for name, view in param_views(model, server_tensors(client)).items():
                 param = model.get_parameter(name)
                 with torch.no_grad():
                     param.copy_(view)
@@ -279,7 +290,7 @@ def _register() -> type[Any]:
             model: nn.Module = super().load_model(vllm_config, model_config, prefix)
             extra = self.load_config.model_loader_extra_config or {}
             packed = bool(extra.get("packed", True))
-            _COPIED[:] = point_params(model, _CLIENTS[self._socket()].tensors(), packed=packed)
+            _COPIED[:] = point_params(model, server_tensors(_CLIENTS[self._socket()]), packed=packed)
             return model
 
     register_model_loader(LOAD_FORMAT)(BelayerWeightLoader)

@@ -31,7 +31,14 @@ from belayer_shadow._errors import HandoverError, MemoryServerLostError
 from belayer_shadow._workers._events import EventLog, write_state
 from belayer_shadow._workers._heartbeat import HandoverFlag, HangDetector, Heartbeat
 from belayer_shadow._workers._service import Engine, EngineService
-from belayer_shadow._workers._worker import NUM_WARMUPS, WorkerConfig, build_engine, serve_service
+from belayer_shadow._workers._worker import (
+    NUM_WARMUPS,
+    WorkerConfig,
+    build_engine,
+    check_weights_shared,
+    serve_service,
+    trim_heap,
+)
 
 __all__ = ["EXIT_MEMORY_LOST", "EXIT_UNHEALTHY", "ShadowConfig", "check_device_health", "run_shadow"]
 
@@ -84,16 +91,20 @@ def _fence(pid: int | None) -> str:
 
 
 async def _stand_by(
-    config: ShadowConfig, engine: Engine, heartbeat: Heartbeat, flag: HandoverFlag
+    config: ShadowConfig, engine: Engine, heartbeat: Heartbeat, flag: HandoverFlag, log: EventLog
 ) -> dict[str, Any]:
     """Sleep-poll until the flag is raised or the heartbeat goes stale; returns what triggered it.
 
     The engine holds no weight pin meanwhile (the trainer's updates never wait for a standby
     shadow); the handover's flush step moves it to the latest version.
     """
-    engine.release_weights()
-    hangs = HangDetector(config.stale_s, config.poll_s)
     alive = None if config.alive_file is None else Heartbeat(config.alive_file)
+    if alive is not None:
+        alive.touch()
+    engine.release_weights()
+    trim_heap()  # what standing by released goes back to the system
+    check_weights_shared(engine, log)
+    hangs = HangDetector(config.stale_s, config.poll_s)
     while True:
         if alive is not None:
             alive.touch()
@@ -151,7 +162,7 @@ def run_shadow(config: ShadowConfig) -> int:
             nonlocal failed, memory_lost
             write_state(worker.state_file, "standby", url=url)
             log.emit("standby", url=url, scratch_bytes=scratch.nbytes)
-            trigger = await _stand_by(config, engine, heartbeat, flag)
+            trigger = await _stand_by(config, engine, heartbeat, flag, log)
             main_pid = heartbeat.writer_pid()
             write_state(worker.state_file, "handover", **trigger)
             log.emit("handover.detect", **trigger)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 from collections.abc import Awaitable, Callable
@@ -25,9 +26,51 @@ from belayer_shadow._workers._events import EventLog, write_state
 from belayer_shadow._workers._heartbeat import Heartbeat
 from belayer_shadow._workers._service import Engine, EngineService, ResumeMode
 
-__all__ = ["NUM_WARMUPS", "WorkerConfig", "build_engine", "register_worker", "run_worker", "serve_service"]
+__all__ = [
+    "NUM_WARMUPS",
+    "WorkerConfig",
+    "build_engine",
+    "check_weights_shared",
+    "register_worker",
+    "run_worker",
+    "serve_service",
+    "trim_heap",
+]
 
 NUM_WARMUPS = 3
+
+
+def trim_heap() -> bool:
+    """Give the C heap's free pages back to the system (glibc `malloc_trim`): a process that
+    freed much at start (vLLM's load, a standby shadow's dropped buffers) keeps them private
+    otherwise. False where the C library has no `malloc_trim`."""
+    try:
+        libc = ctypes.CDLL(None)
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
+def check_weights_shared(engine: Engine, log: EventLog) -> list[str]:
+    """Log (`weights.private`) which weights the engine holds as private copies instead of views
+    of the weight server (the design wants none) and how much the process holds; returns them."""
+    private = engine.private_weights()
+    log.emit("weights.private", names=private[:20], count=len(private), **_memory())
+    return private
+
+
+def _memory() -> dict[str, int]:
+    """This process's PSS and private bytes (Linux smaps_rollup), {} elsewhere."""
+    try:
+        text = Path("/proc/self/smaps_rollup").read_text()
+    except OSError:
+        return {}
+    fields = dict(line.split(":", 1) for line in text.splitlines()[1:] if ":" in line)
+    kib = {key.strip(): int(value.split()[0]) for key, value in fields.items() if value.split()}
+    return {
+        "pss_bytes": kib.get("Pss", 0) * 1024,
+        "private_bytes": (kib.get("Private_Clean", 0) + kib.get("Private_Dirty", 0)) * 1024,
+    }
 
 
 def _optional_path(value: str | Path | None) -> Path | None:
@@ -177,6 +220,9 @@ def run_worker(config: WorkerConfig) -> None:
         with log.step("worker.warmup"):
             for _ in range(NUM_WARMUPS):  # the first runs of each shape are slow; pay for them now
                 engine.warmup()
+            engine.bind_kv()  # vLLM: onto the arena now, its own warm-up buffer freed
+            trim_heap()
+        check_weights_shared(engine, log)
         service = EngineService(
             engine,
             Heartbeat(config.heartbeat),
