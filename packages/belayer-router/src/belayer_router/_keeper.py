@@ -9,7 +9,8 @@ process for `belayer-router serve --keep-running` (and belayer-shadow's `slot --
   it starts it again, up to `max_restarts` times within `window_s`; then it gives up and returns
   the child's code (a child that cannot start is not restarted forever);
 - SIGTERM and SIGINT are passed on to the child and end the keeping: the child's exit code is
-  returned;
+  returned; one that arrives while a child is being started reaches that new child; a child that
+  has not ended `stop_grace_s` after the signal (it ignores it, it is stopped or hung) is SIGKILLed;
 - `pass_fds` go to every child: a listening socket the keeper bound once stays open across
   restarts, so a client that connects while no child runs waits in its backlog instead of being
   refused;
@@ -39,6 +40,7 @@ _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True)
 # 0 OK, 2 USAGE (bad arguments: the same again), 3 UNHEALTHY (a failed device), 130 INTERRUPTED.
 _FINAL_CODES = frozenset({0, 2, 3, 130})
+_POLL_S = 0.5
 
 
 def _die_with(parent_pid: int) -> Callable[[], None]:
@@ -63,14 +65,16 @@ def keep_running(
     check_interval_s: float = 5.0,
     check_misses: int = 3,
     start_timeout_s: float = 120.0,
+    stop_grace_s: float = 30.0,
 ) -> int:
     """Run `argv` and start it again each time it dies (see the module); returns its last exit
     code (a signal N as 128 + N). `name` prefixes the one line written to stderr per restart;
     `before_restart` runs before each restart (e.g. to wait for the dead child's leftovers)."""
-    if max_restarts < 0 or window_s <= 0 or check_interval_s <= 0 or check_misses < 1:
+    if max_restarts < 0 or window_s <= 0 or check_interval_s <= 0 or check_misses < 1 or stop_grace_s < 0:
         raise ValueError(
-            "max_restarts must be >= 0, window_s and check_interval_s > 0, check_misses >= 1; got "
-            f"{max_restarts}, {window_s}, {check_interval_s}, {check_misses}"
+            "max_restarts must be >= 0, window_s and check_interval_s > 0, check_misses >= 1, "
+            f"stop_grace_s >= 0; got {max_restarts}, {window_s}, {check_interval_s}, {check_misses}, "
+            f"{stop_grace_s}"
         )
     stopping: list[int] = []
     child: subprocess.Popen[bytes] | None = None
@@ -86,7 +90,12 @@ def keep_running(
     try:
         while True:
             child = subprocess.Popen(list(argv), pass_fds=tuple(pass_fds), preexec_fn=_die_with(os.getpid()))
-            code = _wait(child, name, check, check_interval_s, check_misses, start_timeout_s, stopping)
+            if stopping:  # a signal while it started went to the old child (or none): pass it on
+                with contextlib.suppress(ProcessLookupError):
+                    child.send_signal(stopping[-1])
+            code = _wait(
+                child, name, check, check_interval_s, check_misses, start_timeout_s, stopping, stop_grace_s
+            )
             code = 128 - code if code < 0 else code
             if stopping or code in final_codes:
                 return code
@@ -125,18 +134,36 @@ def _wait(
     misses: int,
     start_timeout_s: float,
     stopping: list[int],
+    grace_s: float,
 ) -> int:
-    """Wait for `child` to end; SIGKILL it first if `check` fails `misses` times in a row."""
-    if check is None:
-        return child.wait()
+    """Wait for `child` to end; SIGKILL it first if `check` fails `misses` times in a row, or
+    when it has not ended `grace_s` after `stopping` got a signal (checks stop then)."""
     started, passed, missed = time.monotonic(), False, 0
+    deadline: float | None = None
     while True:
+        if stopping and deadline is None:
+            deadline = time.monotonic() + grace_s
+        # without a check, poll anyway: a signal's handler runs between waits, not inside one
+        timeout = interval_s if check is not None else _POLL_S
+        if deadline is not None:
+            timeout = min(timeout, max(0.0, deadline - time.monotonic()))
         try:
-            return child.wait(timeout=interval_s)
+            return child.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             pass
-        if stopping:
-            continue  # SIGTERM passed on: it is shutting down, not hung
+        if deadline is not None:
+            if time.monotonic() < deadline:
+                continue  # the signal passed on: it is shutting down, not hung
+            print(
+                f"{name}: the server (pid {child.pid}) did not end {grace_s:g} s after "
+                f"{signal.Signals(stopping[-1]).name}; killing it",
+                file=sys.stderr,
+                flush=True,
+            )
+            child.kill()
+            return child.wait()
+        if check is None:
+            continue
         try:
             ok = check()
         except Exception:  # the check's own failure (a timeout, a refused connection) is a miss
