@@ -213,6 +213,15 @@ class RouterClient:
                     if isinstance(event, FinishEvent):
                         return
                 raise httpx.RemoteProtocolError("router stream ended without a finish event")
+            except RouterClientError as error:
+                # A reconnect can find the request still in flight (409) on a connection of ours that
+                # the router took from its backlog after a restart and we had already given up on:
+                # it ends when the router finds that connection closed, then the resume goes on.
+                if error.status != 409 or broken_since is None:
+                    raise
+                if anyio.current_time() - broken_since >= self.reconnect_timeout_s:
+                    raise
+                await anyio.sleep(0.05)
             except (httpx.TransportError, OSError):
                 now = anyio.current_time()
                 if broken_since is None:
