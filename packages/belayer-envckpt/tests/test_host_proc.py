@@ -4,16 +4,20 @@ host's /proc where the caller's own /proc is another PID namespace's (`BELAYER_E
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from belayer_envckpt import CheckpointStore, full_checkpoint, full_restore
 from belayer_envckpt._procfs import HOST_PROC_ENV, host_proc, kill_host_process
-from belayer_envckpt._runtime import sandbox_runtime
+from belayer_envckpt._runtime import _container_path, sandbox_runtime
+from belayer_envckpt._sandbox import KEEPALIVE
 
 
 def test_a_restore_carries_the_labels_it_is_given_over_the_checkpoints(make_sandbox, track, engine, tmp_path):
@@ -53,3 +57,70 @@ def test_the_runtime_is_read_through_the_host_proc_it_is_told(make_sandbox, tmp_
     monkeypatch.delenv(HOST_PROC_ENV)
     assert host_proc() == "/proc"
     assert Path(host_proc(), str(os.getpid())).is_dir()
+
+
+_READ_IN_CHILD_NAMESPACE = """
+import json, sys
+from belayer_envckpt._runtime import read_runtime
+view = read_runtime(int(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3]), path=json.loads(sys.argv[4]))
+print(json.dumps({"fresh": view.fresh, "pids": sorted(p.pid for p in view.processes),
+                  "outside": [p.pid for p in view.outside_init], "unreadable": view.unreadable}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="PID and mount namespaces need root")
+def test_the_runtime_is_read_whole_from_a_pid_namespace_of_its_own(make_sandbox, engine, tmp_path):
+    # As on a node of belayer-cluster's IsolatedRayCluster: this process's /proc is its own PID
+    # namespace's, the host's is bound elsewhere. The kernel lists a cgroup's processes in the
+    # reader's namespace (none of the container's there) and refuses the `ns` links of processes
+    # outside it, yet the view must hold every process of the sandbox, a detached one included.
+    sandbox = make_sandbox(trajectory="pidns")
+    sandbox.status()
+    attrs_ = sandbox._container.attrs
+    init = int(attrs_["State"]["Pid"])
+    bound = tmp_path / "host-proc"
+
+    def read_from_child_namespace() -> dict[str, Any]:
+        script = f'mount --bind -o ro /proc {bound} && mount -t proc proc /proc && exec "$0" -c "$1" "$2" "$3" "$4" "$5"'
+        argv = [json.dumps(list(sandbox.config.command)), json.dumps(list(KEEPALIVE))]
+        argv.append(json.dumps(list(_container_path(attrs_))))
+        bound.mkdir(exist_ok=True)
+        done = subprocess.run(
+            [
+                "unshare",
+                "--pid",
+                "--fork",
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                script,
+                sys.executable,
+                _READ_IN_CHILD_NAMESPACE,
+                str(init),
+                *argv,
+            ],
+            env={**os.environ, HOST_PROC_ENV: str(bound)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        read: dict[str, Any] = json.loads(done.stdout)
+        return read
+
+    here = sorted(p.pid for p in sandbox_runtime(sandbox).processes)  # read in this PID namespace
+    assert init in here
+    seen = read_from_child_namespace()
+    assert seen == {"fresh": True, "pids": here, "outside": [], "unreadable": ""}
+    engine._client.api.exec_start(engine._client.api.exec_create(sandbox.id, ["sleep", "77"]), detach=True)
+    for _ in range(100):  # a detached exec returns before runc has started the command
+        seen = read_from_child_namespace()
+        if seen["outside"]:
+            break
+    assert seen["fresh"] is False
+    assert seen["unreadable"] == ""
+    assert len(seen["outside"]) == 1
+    assert seen["pids"] == sorted([*here, *seen["outside"]])

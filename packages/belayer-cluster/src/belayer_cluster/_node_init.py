@@ -56,9 +56,9 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
         raise OSError(errno, f"mount {source!r} on {target!r}: {os.strerror(errno)}")
 
 
-def _bind(fd: int, target: str, read_only: bool) -> None:
+def _bind(fd: int, target: str, read_only: bool, recursive: bool = True) -> None:
     os.makedirs(target, exist_ok=True)
-    _mount(f"/proc/self/fd/{fd}", target, None, _MS_BIND | _MS_REC)
+    _mount(f"/proc/self/fd/{fd}", target, None, _MS_BIND | (_MS_REC if recursive else 0))
     if read_only:
         _mount(None, target, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
 
@@ -92,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         _bind(fd, path, read_only)
         os.close(fd)
     if options.host_proc:
-        _bind(host_proc, options.host_proc, read_only=True)
+        # Not recursive: the node's own procfs, mounted on the host's /proc just above, is a submount
+        # of it and a recursive bind would carry it along, hiding the host's processes.
+        _bind(host_proc, options.host_proc, read_only=True, recursive=False)
     os.close(host_proc)
     if options.hostname:
         socket.sethostname(options.hostname)

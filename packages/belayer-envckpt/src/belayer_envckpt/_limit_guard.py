@@ -23,6 +23,7 @@ import attrs
 from ._errors import CheckpointFailedError, CheckpointTooLargeError, SandboxLimitError
 from ._limits import MIB, LimitCause, SandboxLimits, host_has_cap_sys_resource, is_root_user
 from ._procfs import host_proc, kill_host_process
+from ._runtime import container_pids
 
 POLL_COST_RATIO = 9.0
 
@@ -130,14 +131,6 @@ class CgroupFiles:
         """Forks the pids limit refused so far."""
         return _counter(self.pids, ("pids.events",), "max")
 
-    def procs(self) -> set[int]:
-        """Host pids of every process in the container."""
-        if self.pids is None:
-            return set()
-        with contextlib.suppress(OSError):
-            return {int(p) for p in (self.pids / "cgroup.procs").read_text().split()}
-        return set()
-
 
 def _counter(directory: Path | None, files: tuple[str, ...], key: str) -> int:
     for name in files:
@@ -183,7 +176,7 @@ class LimitGuard:
         """Run the action inside this block; `check` afterwards."""
         self._files = CgroupFiles.of_pid(self.init_pid) if self.init_pid else CgroupFiles(None, None)
         self._before = self.seen if self.seen is not None else self._counters()
-        self._procs_before = self._files.procs()
+        self._procs_before = container_pids(self.init_pid) if self.init_pid else set()
         poller = None
         if self.limits.disk_mb and self.upper is not None:
             poller = threading.Thread(target=self._poll_disk, daemon=True)
@@ -218,7 +211,7 @@ class LimitGuard:
 
     def _kill_action(self) -> None:
         assert self._files is not None
-        for pid in self._files.procs() - self._procs_before - {self.init_pid}:
+        for pid in container_pids(self.init_pid) - self._procs_before - {self.init_pid}:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 kill_host_process(pid, signal.SIGKILL)
 

@@ -141,14 +141,22 @@ def _read_process(pid: int) -> Process:
 def _pids_of(init_pid: int) -> list[int]:
     """Host pids of every process of the container: its pids cgroup, else its PID namespace.
 
-    `_Gone` when the init itself exited; `_Unreadable` when /proc refused a read.
+    `_Gone` when the init itself exited; `_Unreadable` when /proc refused a read.  The kernel
+    writes ``cgroup.procs`` in the reader's PID namespace and leaves out the processes it cannot
+    see there (a reader inside a node of belayer-cluster's `IsolatedRayCluster` sees none of the
+    host's).  Such a reader finds them in the host's /proc instead: every process whose pids
+    cgroup is the init's (``/proc/PID/cgroup`` is readable where the ``ns`` links of processes
+    outside the reader's PID namespace are not).
     """
     with contextlib.suppress(OSError, ValueError):
         for line in Path(f"{host_proc()}/{init_pid}/cgroup").read_text().splitlines():
             _, controllers, path = line.split(":", 2)
             if "pids" in controllers.split(","):
                 procs = Path("/sys/fs/cgroup/pids") / path.lstrip("/") / "cgroup.procs"
-                return [int(p) for p in procs.read_text().split()]
+                listed = [int(p) for p in procs.read_text().split()]
+                if init_pid in listed:
+                    return listed
+                return _pids_in_cgroup(line)
     try:
         namespace = os.readlink(f"{host_proc()}/{init_pid}/ns/pid")
     except _GONE as exc:
@@ -166,6 +174,31 @@ def _pids_of(init_pid: int) -> list[int]:
             except OSError as exc:
                 raise _Unreadable(f"reading the PID namespace of {entry.name}: {exc}") from exc
     return found
+
+
+def _pids_in_cgroup(line: str) -> list[int]:
+    """Host pids whose /proc/PID/cgroup holds ``line`` (a hierarchy's line of the container's init)."""
+    found = []
+    for entry in os.scandir(host_proc()):
+        if entry.name.isdigit():
+            try:
+                lines = Path(f"{host_proc()}/{entry.name}/cgroup").read_text().splitlines()
+            except _GONE:
+                continue  # exited since the listing
+            except OSError as exc:
+                raise _Unreadable(f"reading the cgroups of {entry.name}: {exc}") from exc
+            if line in lines:
+                found.append(int(entry.name))
+    return found
+
+
+def container_pids(init_pid: int) -> set[int]:
+    """Host pids of every process of the container whose init is ``init_pid`` (empty when they
+    cannot be read)."""
+    try:
+        return set(_pids_of(init_pid))
+    except (_Gone, _Unreadable):
+        return set()
 
 
 def _scan(init_pid: int) -> list[Process]:
