@@ -198,3 +198,36 @@ def test_a_partitioned_node_is_fenced_and_never_serves_again(
     assert {w["slot"]: w["healthy"] for w in workers} == {"a": True, "b": False}
     assert rollout(router.url, PROMPTS[:2], MAX_TOKENS).tokens == reference[:2]
     print(f"partition: detected {detected:.1f} s after the cut, healed {healed_at - cut_at:.1f} s after it")
+
+
+def test_a_node_whose_raylet_was_too_slow_to_register_is_started_again(
+    local_ray: IsolatedRayCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `ray start` gives its raylet a fixed 30 s to register; on a loaded machine it can give up
+    # ("The current node timed out during startup"). The cluster starts such a node again instead
+    # of failing: here the first try of a new node says so and exits at once.
+    real_spawn = local_ray._spawn
+    tries: list[int] = []
+
+    def spawn(node: Any) -> None:
+        tries.append(node.index)
+        if len(tries) == 1:
+            real = node.argv
+            said = "echo 'Exception: The current node timed out during startup.'; sleep 1; exit 1"
+            node.argv = [*real[: real.index("--") + 1], "sh", "-c", said]  # in the node's init as ever
+            try:
+                real_spawn(node)
+            finally:
+                node.argv = real
+        else:
+            real_spawn(node)
+
+    monkeypatch.setattr(local_ray, "_spawn", spawn)
+    node_id = local_ray.add_node()
+    try:
+        assert len(tries) == 2
+        assert tries[0] == tries[1]  # the same node (address, namespace) started again
+        assert local_ray.node_running(node_id)
+        assert any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
+    finally:
+        local_ray.kill_node(node_id)

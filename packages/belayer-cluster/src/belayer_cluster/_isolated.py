@@ -58,6 +58,10 @@ __all__ = ["IsolatedNode", "IsolatedRayCluster"]
 # The host's /proc inside a node (read-only; in the node's private /tmp): where the node's sandbox
 # host reads the processes of the containers it owns (belayer-envckpt's BELAYER_ENVCKPT_HOST_PROC).
 HOST_PROC = "/tmp/belayer-host-proc"
+# What `ray start` says when its raylet did not register within its fixed 30 s (a loaded machine):
+# such a node is started again, up to _NODE_STARTS times in all, within start_timeout_s.
+_RAYLET_SLOW = "The current node timed out during startup"
+_NODE_STARTS = 3
 _STATE_DIR = Path("/run/belayer-isolated")  # one JSON per running cluster: what to clean if its owner died
 
 
@@ -186,6 +190,10 @@ class _Node:
         self.node_id = ""
         self.started_s = 0.0
         self.log = Path()
+        self.argv: list[str] = []
+        self.env: dict[str, str] = {}
+        self.starts = 0
+        self.stale_ids: set[str] = set()  # Ray node ids of this address's earlier, failed starts
 
     def public(self) -> IsolatedNode:
         return IsolatedNode(self.name, self.node_id, self.ip, self.netns, self.veth, self.pid, self.started_s)
@@ -605,22 +613,28 @@ class IsolatedRayCluster:
         env["BELAYER_ENVCKPT_HOST_PROC"] = HOST_PROC
         self.shared_dir.mkdir(parents=True, exist_ok=True)
         node.log = self._temp / f"{name}.log"
-        with open(node.log, "wb") as log:
+        node.argv, node.env = argv, env
+        node.started_s = time.monotonic()
+        self._spawn(node)
+        return node
+
+    def _spawn(self, node: _Node) -> None:
+        """Start (or start again) the node's init and its `ray start` in the node's namespaces."""
+        node.starts += 1
+        with open(node.log, "ab") as log:
             node.process = subprocess.Popen(
-                argv,
+                node.argv,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=env,
+                env=node.env,
                 start_new_session=True,
             )
         node.pid = _child_of(node.process.pid, 30.0)
         # The node's containers die with it, however it ends (killed, fenced, stopped).
-        threading.Thread(target=self._watch, args=(node,), name=f"watch-{name}", daemon=True).start()
-        node.started_s = time.monotonic()
+        threading.Thread(target=self._watch, args=(node,), name=f"watch-{node.name}", daemon=True).start()
         with self._lock:
             self._save_state_with(node)
-        return node
 
     def _save_state_with(self, node: _Node) -> None:
         state = json.loads((_STATE_DIR / f"{self.id}.json").read_text())
@@ -632,16 +646,33 @@ class IsolatedRayCluster:
         began, deadline = node.started_s, node.started_s + self.start_timeout_s
         while True:
             for entry in ray.nodes():  # type: ignore[no-untyped-call]
-                if entry.get("Alive") and entry.get("NodeManagerAddress") == node.ip:
+                if (
+                    entry.get("Alive")
+                    and entry.get("NodeManagerAddress") == node.ip
+                    and str(entry["NodeID"]) not in node.stale_ids
+                ):
                     node.node_id = str(entry["NodeID"])
                     node.started_s = round(time.monotonic() - began, 2)
                     with self._lock:
                         self._gone.pop(f"starting-{node.index}", None)
                         self._nodes[node.node_id] = node
                     return node.node_id
-            if (node.process is not None and node.process.poll() is not None) or time.monotonic() > deadline:
+            exited = node.process is not None and node.process.poll() is not None
+            if exited or time.monotonic() > deadline:
                 tail = node.log.read_text(errors="replace")[-1500:] if node.log.exists() else ""
-                raise ClusterStartError(f"node {node.name} ({node.ip}) did not join the cluster: {tail}")
+                if exited and _RAYLET_SLOW in tail and node.starts < _NODE_STARTS and time.monotonic() < deadline:
+                    # `ray start` gives its raylet a fixed 30 s to register with the GCS; on a loaded
+                    # machine that can pass. The node's init ended every process of that try with it.
+                    node.stale_ids |= {
+                        str(e["NodeID"])
+                        for e in ray.nodes()  # type: ignore[no-untyped-call]
+                        if e.get("NodeManagerAddress") == node.ip
+                    }
+                    self._spawn(node)
+                    continue
+                raise ClusterStartError(
+                    f"node {node.name} ({node.ip}) did not join the cluster ({node.starts} starts): {tail}"
+                )
             time.sleep(0.1)
 
     def _watch(self, node: _Node) -> None:
