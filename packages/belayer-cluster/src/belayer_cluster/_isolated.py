@@ -660,7 +660,12 @@ class IsolatedRayCluster:
             exited = node.process is not None and node.process.poll() is not None
             if exited or time.monotonic() > deadline:
                 tail = node.log.read_text(errors="replace")[-1500:] if node.log.exists() else ""
-                if exited and _RAYLET_SLOW in tail and node.starts < _NODE_STARTS and time.monotonic() < deadline:
+                if (
+                    exited
+                    and _RAYLET_SLOW in tail
+                    and node.starts < _NODE_STARTS
+                    and time.monotonic() < deadline
+                ):
                     # `ray start` gives its raylet a fixed 30 s to register with the GCS; on a loaded
                     # machine that can pass. The node's init ended every process of that try with it.
                     node.stale_ids |= {
