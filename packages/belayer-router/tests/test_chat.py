@@ -112,6 +112,20 @@ async def test_chat_renders_the_template_and_returns_exact_tokens(
     assert reply.model == "qwen3-test"
 
 
+async def test_a_chat_answer_carries_its_prompt_token_ids_at_the_top_where_verifiers_reads_them(
+    router: str, tokenizer: ChatTemplateTokenizer
+) -> None:
+    # vLLM's `return_token_ids` answer; verifiers' chat client takes the prompt's ids from there
+    # (`response.prompt_token_ids`) and gives the step no tokens without them.
+    client = oai(router)
+    reply = await client.chat.completions.create(model="m", messages=user("hi"), max_tokens=200, n=2)
+    await client.close()
+    rendered = list(tokenizer.render_chat(user("hi"), None))
+    assert reply.model_extra is not None
+    assert reply.model_extra["prompt_token_ids"] == rendered
+    assert [c.prompt_token_ids for c in reply.choices] == [rendered, rendered]  # type: ignore[attr-defined]
+
+
 async def test_streaming_chat_holds_nothing_back_that_it_later_takes_back(
     router: str, tokenizer: ChatTemplateTokenizer
 ) -> None:

@@ -286,7 +286,10 @@ class ChatRenderer:
                     "prompt_token_ids": list(self.requests[index].prompt_token_ids),
                 }
             )
-        return self._object("chat.completion", choices, self._usage())
+        body = self._object("chat.completion", choices, self._usage())
+        # vLLM's place for it (`return_token_ids`), where verifiers reads it: one chat, one prompt.
+        body["prompt_token_ids"] = list(self.requests[0].prompt_token_ids)
+        return body
 
     def _chunk(self, index: int, start: int) -> dict[str, Any]:
         choice = self.choices[index]
