@@ -28,6 +28,17 @@ def write_model_folder(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
+def policy_logprobs(model: Any, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+    """The policy's log-probability of each completion token (temperature 1), with transformers."""
+    import torch
+
+    ids = torch.tensor([prompt_ids + completion_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
+    picked = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(completion_ids)[:, None])
+    return [float(x) for x in picked[:, 0]]
+
+
 @contextmanager
 def belayer_serve(model: Path, run_dir: Path, *flags: str) -> Iterator[dict[str, Any]]:
     """`belayer-shadow serve MODEL --json` until the block ends (SIGTERM, then SIGKILL)."""

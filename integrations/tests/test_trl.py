@@ -24,20 +24,11 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from serving import belayer_serve, kill, main_worker_pids, write_model_folder
+from serving import belayer_serve, kill, main_worker_pids, policy_logprobs, write_model_folder
 
 pytestmark = [pytest.mark.timeout(900)]
 
 MAX_TOKENS = 96
-
-
-def _policy_logprobs(model: Any, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
-    """The policy's log-probability of each completion token (temperature 1), with transformers."""
-    ids = torch.tensor([prompt_ids + completion_ids])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
-    picked = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(completion_ids)[:, None])
-    return [float(x) for x in picked[:, 0]]
 
 
 def test_grpo_trainer_trains_through_belayer_with_a_worker_killed_mid_rollout(tmp_path: Path) -> None:
@@ -155,8 +146,8 @@ def test_grpo_trainer_trains_through_belayer_with_a_worker_killed_mid_rollout(tm
         prompt = tokenizer("add 1 and 2", add_special_tokens=False)["input_ids"]
         choice = complete(prompt, "after-training")
         served = choice["logprobs"]["token_logprobs"]
-        trained = _policy_logprobs(model, prompt, choice["token_ids"])
-        initial = _policy_logprobs(Qwen3ForCausalLM.from_pretrained(folder), prompt, choice["token_ids"])
+        trained = policy_logprobs(model, prompt, choice["token_ids"])
+        initial = policy_logprobs(Qwen3ForCausalLM.from_pretrained(folder), prompt, choice["token_ids"])
         trained_gap = max(abs(a - b) for a, b in zip(trained, served, strict=True))
         initial_gap = max(abs(a - b) for a, b in zip(initial, served, strict=True))
         print(f"served vs trained policy: {trained_gap:.2e}; vs the initial weights: {initial_gap:.2e}")
