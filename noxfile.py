@@ -252,9 +252,10 @@ def cli_contract(session: nox.Session) -> None:
 
 @nox.session(tags=["integrations"])
 def integrations(session: nox.Session) -> None:
-    """RL frameworks' own code, pinned in integrations/requirements.txt (TRL's GRPOTrainer), against
-    a real `belayer-shadow serve` on the CPU; the frameworks are installed here only, never as a
-    dependency of a package. Then ruff over the folder."""
+    """RL frameworks' own code, pinned in integrations/requirements.txt (TRL's GRPOTrainer, a
+    verifiers multi-turn environment with its chat client), against a real `belayer-shadow serve`
+    on the CPU; the frameworks are installed here only, never as a dependency of a package. Then
+    ruff over the folder."""
     try:
         requirements = str(ROOT / "integrations" / "requirements.txt")
         _install(session, "belayer-shadow", "pytest-timeout", "ruff", "-r", requirements)
