@@ -12,14 +12,17 @@ function of its seed and ``i``, as in the engines).
 
 from __future__ import annotations
 
+import json
+import sys
 from typing import Any
 
+import anyio
 import httpx
 import openai
 import pytest
 from router_helpers import ADMIN_TOKEN
 
-from belayer_router import RouterClient, RouterClientError, RouterConfig, running_router
+from belayer_router import RouterClient, RouterClientError, RouterConfig, api_keys_from, running_router
 from belayer_router._core._seeds import SeedSource
 from belayer_router.testing import expected_tokens, running_worker
 
@@ -185,3 +188,46 @@ async def test_the_multiplexed_client_sends_its_token_on_the_client_link() -> No
         with pytest.raises(RouterClientError) as refused:
             await stranger.generate([1, 2, 3], 6, seed=5)
         assert refused.value.status == 401
+
+
+def test_the_flag_wins_over_vllm_api_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert api_keys_from(None) == ()
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert api_keys_from(None) == ("from-env",)
+    assert api_keys_from([]) == ("from-env",)
+    assert api_keys_from(["a", "b"]) == ("a", "b")
+
+
+async def test_serve_takes_api_key_and_seed_as_vllm_serve_does() -> None:
+    # `belayer-router serve --api-key K --seed 7`, a real process: 401 without the key, /health
+    # open, the slots' admin token accepted, and unseeded requests draw from seed 7 (the tokens an
+    # in-process router with seed 7 gives, not those of seed 8).
+    body = {"prompt_token_ids": [1, 2, 3], "max_tokens": 8, "stream": False}
+    argv = [sys.executable, "-m", "belayer_router", "serve", "--port", "0", "--json"]
+    argv += ["--admin-token", ADMIN_TOKEN, "--api-key", KEY, "--seed", "7"]
+    process = await anyio.open_process(argv)
+    try:
+        assert process.stdout is not None
+        line = b""
+        with anyio.fail_after(60):
+            while not line.endswith(b"\n"):
+                line += await process.stdout.receive(1)
+        url = json.loads(line)["url"]
+        async with (
+            running_worker(1) as (worker_url, _worker),
+            RouterClient(url, admin_token=ADMIN_TOKEN) as admin,
+            httpx.AsyncClient(base_url=url) as http,
+        ):
+            await admin.register("a", worker_url, 1)
+            assert (await http.get("/health")).status_code == 200
+            assert (await http.get("/v1/models")).status_code == 401
+            assert (await http.post("/generate", json=body)).status_code == 401
+            keyed = await http.post("/generate", json=body, headers={"Authorization": f"Bearer {KEY}"})
+            assert keyed.status_code == 200, keyed.text
+            served = list(keyed.json()["token_ids"])
+    finally:
+        process.kill()
+        await process.wait()
+    assert served == (await _run(7, [body]))[0][0]
+    assert served != (await _run(8, [body]))[0][0]

@@ -17,6 +17,7 @@ from belayer_router._cli import ExitCode
 from belayer_router._client._admin import RouterAdmin, RouterCounters, RouterWorkers, SlotState
 from belayer_router._client._client import Completion, RouterClient
 from belayer_router._client._fleet import RouterFleet, owner_index
+from belayer_router._core._config import api_keys_from
 from belayer_router._core._journal import Journal, RequestRecord
 from belayer_router._core._journal_file import JournalStore
 from belayer_router._core._registry import Registry, Slot, Worker
@@ -118,6 +119,7 @@ __all__ = [
     "WorkerStreamError",
     "WorkerToken",
     "__version__",
+    "api_keys_from",
     "bind_socket",
     "keep_running",
     "load_tokenizer",

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import anyio
 
+from belayer_router._core._config import api_keys_from
 from belayer_router._core._tokenizer import load_tokenizer
 from belayer_router._errors import BelayerRouterError
 from belayer_router._keeper import keep_running
@@ -81,6 +82,15 @@ def _parser() -> argparse.ArgumentParser:
         help="'bytes', a tokenizer.json, or a tokenizer folder (with a chat template: chat API)",
     )
     serve.add_argument("--model-name", default="belayer", help="the model id /v1/models lists")
+    serve.add_argument(
+        "--api-key",
+        nargs="+",
+        help="require 'Authorization: Bearer KEY' on every route but /health (default: $VLLM_API_KEY); "
+        "the slots' admin token is accepted too",
+    )
+    serve.add_argument(
+        "--seed", type=int, help="seed of requests that name none: same seed + same request, same tokens"
+    )
     serve.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="413 past this")
     serve.add_argument("--max-prompt-tokens", type=int, default=131_072, help="400 past this")
     serve.add_argument("--log-level", default="warning")
@@ -204,6 +214,8 @@ def _serve(args: argparse.Namespace) -> ExitCode:
             model_name=args.model_name,
             max_body_bytes=args.max_body_bytes,
             max_prompt_tokens=args.max_prompt_tokens,
+            api_keys=api_keys_from(args.api_key),
+            seed=args.seed,
         )
     except ValueError as error:  # attrs validators: a flag out of range
         raise _UsageError(str(error)) from error

@@ -165,6 +165,7 @@ def _serve_parser(commands: Any) -> None:
 def _run_serve(args: argparse.Namespace) -> int:
     import anyio
 
+    from belayer_router import api_keys_from
     from belayer_shadow._serve._config import ServeConfig
 
     config = ServeConfig(
@@ -184,16 +185,10 @@ def _run_serve(args: argparse.Namespace) -> int:
         resume_wait_s=args.resume_wait_s,
         hang_threshold_s=args.hang_threshold_s,
         router_server=args.router_server,
-        api_keys=_api_keys(args.api_key),
+        api_keys=api_keys_from(args.api_key),
         seed=args.seed,
     )
     return anyio.run(_serve, args, config)
-
-
-def _api_keys(flag: list[str] | None) -> tuple[str, ...]:
-    """`--api-key`, else `$VLLM_API_KEY` (as `vllm serve`: the flag wins)."""
-    keys = flag or [os.environ.get("VLLM_API_KEY", "")]
-    return tuple(key for key in keys if key)
 
 
 async def _serve(args: argparse.Namespace, config: object) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import attrs
 from belayer_router._core._journal_file import DURABILITY_MODES, Durability
 from belayer_router._core._tokenizer import Tokenizer
 
-__all__ = ["RouterConfig"]
+__all__ = ["RouterConfig", "api_keys_from"]
 
 
 def _config_alias(config: RouterConfig, old: str, new: str) -> None:
@@ -21,6 +22,13 @@ def _config_alias(config: RouterConfig, old: str, new: str) -> None:
 
 def _key_tuple(keys: Iterable[str]) -> tuple[str, ...]:
     return tuple(keys)
+
+
+def api_keys_from(flag: Iterable[str] | None) -> tuple[str, ...]:
+    """The API keys of an ``--api-key`` flag, else of ``$VLLM_API_KEY`` (as ``vllm serve``: the flag
+    wins); empty when neither names one (no key needed)."""
+    keys = list(flag or []) or [os.environ.get("VLLM_API_KEY", "")]
+    return tuple(key for key in keys if key)
 
 
 def _api_keys(_inst: object, _attr: object, value: tuple[str, ...]) -> None:
