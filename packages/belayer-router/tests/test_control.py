@@ -25,6 +25,7 @@ from belayer_router import (
     TokenEvent,
     WeightLoader,
     WeightLoadError,
+    WeightTransferLoader,
     running_router,
 )
 from belayer_router.testing import expected_tokens, running_worker, wait_until
@@ -402,3 +403,155 @@ async def test_without_weight_servers_the_update_routes_answer_404() -> None:
 
 def test_the_fake_loader_is_a_weight_loader() -> None:
     assert isinstance(FakeWeightLoader(), WeightLoader)
+
+
+@attrs.define
+class FakeTransferLoader(FakeWeightLoader):
+    """A `WeightTransferLoader`: fetching version N stages it (refuses N ending in 9, a corrupt
+    delta); loading N commits it if it was staged. Records how many streams ran at each call."""
+
+    inits: list[dict[str, Any]] = attrs.field(factory=list)
+    fetches: list[tuple[int, str | None, str | None, int]] = attrs.field(factory=list)
+    staged: int | None = None
+
+    def init_weight_transfer(self, init_info: dict[str, Any]) -> dict[str, Any]:
+        if "base_model_path" not in init_info:
+            raise WeightLoadError("init_info needs 'base_model_path'")
+        self.inits.append(init_info)
+        return {"base_model_path": init_info["base_model_path"], "version": 0}
+
+    def fetch_weights(self, target_version: int, sync_dir: str | None, uri: str | None) -> dict[str, Any]:
+        if target_version % 10 == 9:
+            raise WeightLoadError(
+                f"delta {target_version} not fetched (corrupt: checksum); the previous ones stay"
+            )
+        self.fetches.append((target_version, sync_dir, uri, self.app.registry.num_running()))
+        self.staged = target_version
+        return {"target_version": target_version}
+
+    def load_fetched(self, target_version: int) -> int:
+        if self.staged != target_version:
+            raise WeightLoadError(f"version {target_version} was not fetched (staged: {self.staged})")
+        return self.load_weights(f"delta-{target_version}")
+
+
+async def test_skyrl_delta_sync_fetches_while_generating_and_commits_while_a_kept_request_waits() -> None:
+    loader = FakeTransferLoader()
+    async with (
+        running_router(RouterConfig(admin_token=TOKEN, resume_wait_s=1), weight_loader=loader) as (url, app),
+        running_worker(1, pause_at=5) as (w_url, worker),
+        RouterClient(url, admin_token=TOKEN) as client,
+        httpx.AsyncClient(base_url=url) as http,
+    ):
+        loader.app = app
+        await client.register("s", w_url, 1)
+        init = await http.post("/init_weight_transfer_engine", json={"init_info": {"base_model_path": "/m"}})
+        assert init.status_code == 200
+        assert init.json()["message"] == "Weight transfer initialized"
+        out: dict[str, Any] = {}
+        async with anyio.create_task_group() as group:
+            group.start_soon(_collect, client, out, 7, 20, "kept")
+            await wait_until(lambda: worker.num_paused == 1)
+            # SkyRL's order (DeltaTrainerWeightTransferEngine._apply_receiver_update): fetch while
+            # generating, then pause (keep), start, update, finish, resume.
+            fetched = await http.post("/fetch_weights", json={"target_version": 1, "sync_dir": "/sync"})
+            assert fetched.json() == {"status": "ok", "target_version": 1, "result": {"target_version": 1}}
+            assert loader.fetches == [(1, "/sync", None, 1)]  # the request was running meanwhile
+            assert (
+                await http.post("/pause", params={"mode": "keep", "clear_cache": "false"})
+            ).status_code == 200
+            worker.resume()
+            await wait_until(lambda: app.registry.num_running() == 0)
+            assert (await http.post("/start_weight_update")).json() == {"message": "Weight update started"}
+            update = await http.post(
+                "/update_weights", json={"update_info": {"target_version": 1, "sync_dir": "/sync"}}
+            )
+            assert update.status_code == 200
+            assert update.json() == {
+                "message": "Weights updated",
+                "status": "ok",
+                "target_version": 1,
+                "version": 1,
+            }
+            finish = await http.post("/finish_weight_update")
+            assert finish.json() == {"message": "Weight update finished", "version": 1}
+            assert "finish" not in out  # still held
+            assert (await http.post("/resume")).json() == {"status": "resumed"}
+        assert out["tokens"] == expected_tokens(7, 20)  # one stream: nothing lost or repeated
+        assert out["finish"].num_resumes == 1
+        assert loader.loads == [("delta-1", 0)]  # committed with nothing running
+        assert app.registry.required_version == 1
+        assert {w["weight_version"] for w in await client.workers()} == {1}
+        # A second round without a pause: the update waits for what runs, then commits.
+        assert (await http.post("/fetch_weights", json={"target_version": "2"})).status_code == 200
+        update = await http.post("/update_weights", json={"update_info": {"version": 2}})
+        assert update.json()["version"] == 2
+        assert (await http.post("/finish_weight_update", json={"weight_version": "2"})).status_code == 200
+        assert (await http.get("/is_paused")).json() == {"is_paused": False}
+
+
+async def test_refused_delta_calls_change_nothing_and_say_why() -> None:
+    loader = FakeTransferLoader()
+    async with (
+        running_router(RouterConfig(admin_token=TOKEN), weight_loader=loader) as (url, app),
+        running_worker(1) as (w_url, _worker),
+        RouterClient(url, admin_token=TOKEN) as client,
+        httpx.AsyncClient(base_url=url) as http,
+    ):
+        loader.app = app
+        await client.register("s", w_url, 1)
+        for body in ({}, {"init_info": "x"}):
+            answer = await http.post("/init_weight_transfer_engine", json=body)
+            assert answer.status_code == 400
+            assert "init_info" in answer.json()["error"]["message"]
+        refused_init = await http.post(
+            "/init_weight_transfer_engine", json={"init_info": {"backend": "nccl"}}
+        )
+        assert refused_init.status_code == 400
+        assert "base_model_path" in refused_init.json()["error"]["message"]
+        for body in ({}, {"target_version": -1}, {"target_version": "x"}, {"target_version": True}):
+            answer = await http.post("/fetch_weights", json=body)
+            assert answer.status_code == 400
+            assert "target_version" in answer.json()["error"]["message"]
+        bad_dir = await http.post("/fetch_weights", json={"target_version": 1, "sync_dir": 3})
+        assert bad_dir.status_code == 400
+        assert (await http.post("/fetch_weights", json={"target_version": 1})).status_code == 200
+        corrupt = await http.post("/fetch_weights", json={"target_version": 9})
+        assert corrupt.status_code == 400
+        assert "checksum" in corrupt.json()["error"]["message"]
+        assert loader.staged == 1  # still what was fetched before
+        not_fetched = await http.post("/update_weights", json={"update_info": {"target_version": 2}})
+        assert not_fetched.status_code == 400
+        assert "not fetched" in not_fetched.json()["error"]["message"]
+        no_version = await http.post("/update_weights", json={"update_info": {"sync_dir": "/s"}})
+        assert no_version.status_code == 400
+        assert "target_version" in no_version.json()["error"]["message"]
+        assert app.registry.required_version is None  # nothing moved
+        assert loader.loads == []
+        assert (await http.get("/is_paused")).json() == {"is_paused": False}
+        assert (await client.generate([3], 4, seed=1)).token_ids == expected_tokens(1, 4)
+
+
+async def test_delta_routes_answer_404_without_a_transfer_loader() -> None:
+    async with (
+        running_router(RouterConfig(), weight_loader=FakeWeightLoader()) as (url, _app),
+        httpx.AsyncClient(base_url=url) as http,
+    ):
+        for route, body in (
+            ("/init_weight_transfer_engine", {"init_info": {"base_model_path": "/m"}}),
+            ("/fetch_weights", {"target_version": 1}),
+            ("/start_weight_update", None),
+            ("/update_weights", {"update_info": {"target_version": 1}}),
+            ("/finish_weight_update", None),
+        ):
+            answer = await http.post(route, json=body)
+            assert answer.status_code == 404, route
+            assert "belayer-shadow serve" in answer.json()["error"]["message"]
+    async with running_router(RouterConfig()) as (url, _app), httpx.AsyncClient(base_url=url) as http:
+        answer = await http.post("/fetch_weights", json={"target_version": 1})
+        assert answer.status_code == 404
+
+
+def test_the_fake_transfer_loader_is_a_weight_transfer_loader() -> None:
+    assert isinstance(FakeTransferLoader(), WeightTransferLoader)
+    assert not isinstance(FakeWeightLoader(), WeightTransferLoader)

@@ -53,7 +53,7 @@ from belayer_router._errors import (
 from belayer_router._keeper import keep_running
 from belayer_router._server._app import RouterApp, RouterConfig
 from belayer_router._server._asgi import read_json
-from belayer_router._server._control import PAUSE_MODES, WeightLoader
+from belayer_router._server._control import PAUSE_MODES, WeightLoader, WeightTransferLoader
 from belayer_router._server._serve import bind_socket, running_router, serve_asgi, serving
 from belayer_router._wire._protocol import (
     FinishEvent,
@@ -113,6 +113,7 @@ __all__ = [
     "UnauthorizedError",
     "WeightLoadError",
     "WeightLoader",
+    "WeightTransferLoader",
     "WeightVersionError",
     "Worker",
     "WorkerFinish",

@@ -317,7 +317,11 @@ class RouterApp(OpenAIRoutes, ControlRoutes, TokenRoutes):
                 | "flush_cache"
                 | "areal_pause_generation"
                 | "areal_continue_generation"
-                | "areal_update_weights" as route
+                | "areal_update_weights"
+                | "init_weight_transfer_engine"
+                | "fetch_weights"
+                | "start_weight_update"
+                | "finish_weight_update" as route
             ]:
                 await self._control(method, route, scope, receive, send)
             case _:

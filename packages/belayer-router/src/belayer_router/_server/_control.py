@@ -12,6 +12,15 @@ vLLM's ``POST /pause?mode=`` / ``POST /resume`` / ``GET /is_paused`` / ``GET /ge
 servers through a `WeightLoader` that whoever assembles the service passes in (belayer-shadow's
 ``serve``), so the router imports no sibling.
 
+SkyRL's checkpoint-delta weight sync (``weight_sync_backend="delta"``) calls vLLM's weight-transfer
+routes, served here when the loader is a `WeightTransferLoader`: ``POST
+/init_weight_transfer_engine {"init_info": {"base_model_path", ...}}`` (the chain of deltas starts
+at that checkpoint), ``POST /fetch_weights {"target_version", "sync_dir", "uri"}`` (reads, decodes
+and checks the published deltas up to that version and stages the result; generation goes on
+meanwhile, the served weights are not touched), ``POST /start_weight_update``, ``POST
+/update_weights {"update_info": {"target_version"}}`` (commits the staged version on every slot,
+as a folder update: with no request running, one new version), ``POST /finish_weight_update``.
+
 Pause modes (vLLM's): ``wait`` (no new request starts; the call returns once the running ones
 have finished), ``keep`` (the running requests are cut at once and held with every token so far
 journaled; after ``/resume`` they continue from prompt + those tokens, the KV recomputed on the
@@ -29,7 +38,7 @@ the weight version every slot reports and the router requires (`Registry.require
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import parse_qs
 
@@ -46,7 +55,7 @@ from belayer_router._errors import (
 )
 from belayer_router._server._asgi import Receive, Send, read_json, send_json, send_text
 
-__all__ = ["PAUSE_MODES", "SGLANG_PAUSE_MODES", "ControlRoutes", "WeightLoader"]
+__all__ = ["PAUSE_MODES", "SGLANG_PAUSE_MODES", "ControlRoutes", "WeightLoader", "WeightTransferLoader"]
 
 PAUSE_MODES = ("abort", "wait", "keep")
 
@@ -72,6 +81,34 @@ class WeightLoader(Protocol):
         ...
 
 
+@runtime_checkable
+class WeightTransferLoader(WeightLoader, Protocol):
+    """A `WeightLoader` that also takes SkyRL's checkpoint-delta weight sync (belayer-shadow's
+    `SlotWeights`). Each method raises `WeightLoadError` (a 400) changing nothing when refused;
+    the router calls them in a worker thread.
+
+    - ``init_weight_transfer(init_info)``: vLLM's ``init_info`` dict (SkyRL's delta backend:
+      ``base_model_path``, the checkpoint its deltas start from, at version 0).
+    - ``fetch_weights(target_version, sync_dir, uri)``: read, decode and check the deltas after
+      the last one fetched up to ``target_version`` and stage the weights they make; the served
+      weights are not touched (generation goes on). Returns what to answer (JSON).
+    - ``load_fetched(target_version)``: commit the staged ``target_version`` on every slot, as
+      ``load_weights`` does with a folder (the router calls it with no request running).
+    """
+
+    def init_weight_transfer(self, init_info: dict[str, Any]) -> Any:
+        """Start a delta chain at ``init_info["base_model_path"]`` (version 0)."""
+        ...
+
+    def fetch_weights(self, target_version: int, sync_dir: str | None, uri: str | None) -> Any:
+        """Stage ``target_version``: decoded and checked whole, nothing served changes."""
+        ...
+
+    def load_fetched(self, target_version: int) -> Any:
+        """Commit the staged ``target_version`` on every slot, or raise changing nothing."""
+        ...
+
+
 def _query(scope: dict[str, Any]) -> dict[str, str]:
     parsed = parse_qs(scope.get("query_string", b"").decode(errors="replace"))
     return {key: values[-1] for key, values in parsed.items()}
@@ -81,6 +118,25 @@ def _string_field(body: Any, name: str) -> str:
     value = body.get(name) if isinstance(body, dict) else None
     if not isinstance(value, str) or not value:
         raise InvalidRequestError(f"field {name!r} must be a folder path (a non-empty string), got {value!r}")
+    return value
+
+
+def _target_version(info: Any, where: str) -> int:
+    """vLLM's (SkyRL's) ``target_version`` (or ``version``): a non-negative integer."""
+    value = info.get("target_version", info.get("version")) if isinstance(info, dict) else None
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidRequestError(f"{where} needs 'target_version', a non-negative integer, got {value!r}")
+    return value
+
+
+def _optional_path(body: dict[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(f"field {name!r} must be a path (a non-empty string), got {value!r}")
     return value
 
 
@@ -147,9 +203,57 @@ class ControlRoutes:
                 # (the built-in engine keeps none between requests): nothing stale can be served.
                 await send_json(send, 200, {"status": "ok"})
             case "POST", "update_weights":
-                weight_dir = _string_field(await self._body(receive), "weight_dir")
+                body = await self._body(receive)
+                if isinstance(body, dict) and "update_info" in body and "weight_dir" not in body:
+                    # vLLM's weight-transfer shape (SkyRL's delta backend): commit what was fetched.
+                    target = _target_version(body["update_info"], "update_info")
+                    transfer = self._transfer_loader()
+                    version = await self._update(lambda: transfer.load_fetched(target))
+                    await send_json(
+                        send,
+                        200,
+                        {
+                            "message": "Weights updated",
+                            "status": "ok",
+                            "target_version": target,
+                            "version": version,
+                        },
+                    )
+                    return
+                weight_dir = _string_field(body, "weight_dir")
                 version = await self.update_weights(weight_dir)
                 await send_json(send, 200, {"status": "ok", "weight_dir": weight_dir, "version": version})
+            case "POST", "init_weight_transfer_engine":
+                body = await self._body(receive)
+                init_info = body.get("init_info") if isinstance(body, dict) else None
+                if not isinstance(init_info, dict):
+                    raise InvalidRequestError(f"body needs 'init_info', an object, got {init_info!r}")
+                transfer = self._transfer_loader()
+                result = await anyio.to_thread.run_sync(transfer.init_weight_transfer, init_info)
+                await send_json(send, 200, {"message": "Weight transfer initialized", "result": result})
+            case "POST", "fetch_weights":
+                body = await self._body(receive)
+                if not isinstance(body, dict):
+                    raise InvalidRequestError("body must be an object with 'target_version'")
+                target = _target_version(body, "fetch_weights")
+                sync_dir, uri = _optional_path(body, "sync_dir"), _optional_path(body, "uri")
+                transfer = self._transfer_loader()
+                # Not under the update lock: the fetch overlaps generation (SkyRL fetches before
+                # it pauses); the loader serializes fetches and loads itself.
+                result = await anyio.to_thread.run_sync(transfer.fetch_weights, target, sync_dir, uri)
+                await send_json(send, 200, {"status": "ok", "target_version": target, "result": result})
+            case "POST", "start_weight_update":
+                await self._optional_body(receive)
+                self._transfer_loader()
+                await send_json(send, 200, {"message": "Weight update started"})
+            case "POST", "finish_weight_update":
+                await self._optional_body(receive)  # vLLM's optional {"weight_version"}: not kept
+                self._transfer_loader()
+                await send_json(
+                    send,
+                    200,
+                    {"message": "Weight update finished", "version": self.registry.required_version or 0},
+                )
             case "POST", "update_weights_from_disk" | "areal_update_weights":  # SGLang's; AReaL's alias
                 model_path = _string_field(await self._body(receive), "model_path")
                 try:
@@ -178,14 +282,31 @@ class ControlRoutes:
         async with self._weights_lock:  # never resume in the middle of a weight load
             self.registry.resume()
 
-    async def update_weights(self, weight_dir: str) -> int:
-        """Load ``weight_dir`` into every slot (no request running meanwhile); the new version."""
+    def _loader(self) -> WeightLoader:
         loader = self.weight_loader
         if loader is None:
             raise NotFoundError(
                 "this router has no weight servers behind it; weight updates need a service "
                 "started with `belayer-shadow serve` (RouterApp(weight_loader=...))"
             )
+        return loader
+
+    def _transfer_loader(self) -> WeightTransferLoader:
+        loader = self._loader()
+        if not isinstance(loader, WeightTransferLoader):
+            raise NotFoundError(
+                'this router\'s weight loader takes folders only (POST /update_weights {"weight_dir"}); '
+                "SkyRL's delta weight sync needs a service started with `belayer-shadow serve`"
+            )
+        return loader
+
+    async def update_weights(self, weight_dir: str) -> int:
+        """Load ``weight_dir`` into every slot (no request running meanwhile); the new version."""
+        loader = self._loader()
+        return await self._update(lambda: loader.load_weights(weight_dir))
+
+    async def _update(self, load: Callable[[], Any]) -> int:
+        """Run ``load`` (in a thread) with no request running, then bump the version."""
         async with self._weights_lock:
             pause_here = self.registry.paused is None
             if pause_here:
@@ -193,7 +314,7 @@ class ControlRoutes:
             try:
                 await self.registry.wait_idle()
                 try:
-                    await anyio.to_thread.run_sync(loader.load_weights, weight_dir)
+                    await anyio.to_thread.run_sync(load)
                 except PartialWeightCommitError as error:
                     # Some slots flipped to the new weights, others not: a new version that only
                     # the committed slots report, so the version gate holds the others out.
