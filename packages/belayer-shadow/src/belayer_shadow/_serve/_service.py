@@ -81,7 +81,7 @@ class RolloutService:
         assert run_dir is not None
         run_dir.mkdir(parents=True, exist_ok=True)
         guardian = ServeGuardian.start(run_dir, remove=temporary)
-        weights = SlotWeights([])
+        weights = SlotWeights([], scratch_dir=run_dir / "weight-transfer")
         try:
             async with AsyncExitStack() as stack:
                 url, app = await stack.enter_async_context(

@@ -17,13 +17,20 @@ so it comes back on the current version; one that came back during the update is
 
 The router's control plane makes that strict: it loads only when no request is running (after
 `/pause`, or by waiting for the running ones), so the next request starts on the new version.
+
+SkyRL's checkpoint-delta weight sync (belayer-router's `WeightTransferLoader`): `init_weight_transfer`
+starts a chain of deltas at a base checkpoint, `fetch_weights` decodes and checks the published
+deltas up to a version and stages its weights as a folder (`DeltaChain`; nothing served changes),
+`load_fetched` loads that folder as `load_weights` loads any.
 """
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
@@ -32,6 +39,7 @@ from belayer_gpumem import BelayerGpumemError, WeightClient, WeightUpdate
 from belayer_router import PartialWeightCommitError, WeightLoadError
 from belayer_shadow._engine._loader import load_safetensors
 from belayer_shadow._errors import WeightsError
+from belayer_shadow._serve._delta import DeltaChain
 
 __all__ = ["SlotWeights", "check_weights"]
 
@@ -79,6 +87,78 @@ class SlotWeights:
     accepts: Sequence[Callable[[], bool]] = ()
     keep_if_out: Sequence[Callable[[Path], bool]] = ()
     skipped: list[str] = attrs.field(factory=list)  # the slots the last update skipped (out)
+    # Where SkyRL delta versions fetched are written (the service's run folder); a temporary
+    # folder when not given.
+    scratch_dir: Path | None = None
+    delta: DeltaChain | None = None  # the delta chain, from `init_weight_transfer` on
+
+    def init_weight_transfer(self, init_info: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's ``/init_weight_transfer_engine`` for SkyRL's delta backend: a chain of deltas
+        starts at ``init_info["base_model_path"]`` (a folder of safetensors on this machine, the
+        served model's tensors), version 0. Other fields (``local_checkpoint_dir``, load formats,
+        worker counts) concern vLLM's own receiver and are ignored."""
+        base = init_info.get("base_model_path")
+        if not isinstance(base, str) or not base:
+            raise WeightLoadError(
+                f"init_info needs 'base_model_path' (a checkpoint folder on this machine), got {base!r}: "
+                "this service takes SkyRL's checkpoint-delta weight sync (weight_sync_backend='delta'), "
+                "not NCCL or CUDA IPC"
+            )
+        folder = Path(base)
+        try:
+            if not folder.is_dir():
+                raise WeightsError(f"base_model_path {base!r} is not a folder on this machine")
+            self._check(load_safetensors(folder), base)
+            if self.delta is None:
+                scratch = self.scratch_dir or Path(tempfile.mkdtemp(prefix="belayer-delta-"))
+                self.delta = DeltaChain(scratch)
+            self.delta.init(folder)
+        except (WeightsError, BelayerGpumemError, OSError) as error:
+            raise WeightLoadError(
+                f"weight transfer not initialized ({type(error).__name__}: {error})"
+            ) from error
+        return {"base_model_path": base, "version": 0}
+
+    def fetch_weights(self, target_version: int, sync_dir: str | None, uri: str | None) -> dict[str, Any]:
+        """SkyRL's ``/fetch_weights``: decode and check the deltas up to ``target_version`` and
+        stage its weights; the weight servers are not touched (requests go on)."""
+        chain = self._chain()
+        try:
+            return chain.fetch(target_version, sync_dir, uri, self._check)
+        except (WeightsError, BelayerGpumemError, OSError) as error:
+            raise WeightLoadError(
+                f"delta weights up to version {target_version} not fetched ({type(error).__name__}: "
+                f"{error}); the served weights are unchanged, the last version fetched is {chain.version}"
+            ) from error
+
+    def load_fetched(self, target_version: int) -> int:
+        """vLLM's ``/update_weights {"update_info": {"target_version"}}``: load the version fetched
+        last into every slot and commit, as `load_weights` does with a folder."""
+        chain = self._chain()
+        with chain.lock:
+            try:
+                folder = chain.ready(target_version)
+            except WeightsError as error:
+                raise WeightLoadError(f"{error}; the served weights are unchanged") from error
+            return self.load_weights(str(folder))
+
+    def _chain(self) -> DeltaChain:
+        if self.delta is None:
+            raise WeightLoadError("no delta chain: call POST /init_weight_transfer_engine first")
+        return self.delta
+
+    def _check(self, tensors: Mapping[str, torch.Tensor], source: str) -> None:
+        """`check_weights` against the table of the first slot that takes weights now."""
+        for index, socket in enumerate(self.sockets):
+            if index < len(self.accepts) and not self.accepts[index]():
+                continue
+            client = WeightClient.attach(socket, timeout_s=self.attach_timeout_s)
+            try:
+                check_weights(tensors, client.layout.by_name, source)
+            finally:
+                client.detach()
+            return
+        raise WeightsError(f"{source}: every slot is out (restarting or unhealthy), none can check it")
 
     def load_weights(self, weight_dir: str) -> int:
         """Load `weight_dir` (a folder of `*.safetensors`) into every server and commit; returns
