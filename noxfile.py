@@ -269,6 +269,9 @@ def integrations(session: nox.Session) -> None:
 
 
 SKYRL = "skyrl==0.4.0"  # requires Python >= 3.12; the client runs in a venv of its own
+# skyrl 0.4.0's pin. Its delta weight sync's trainer side imports vLLM's weight-transfer base classes
+# and trainer factory (pure Python); installed without its dependencies (CUDA kernels, torch 2.13).
+SKYRL_VLLM = "vllm==0.30.0"
 
 
 def _python_at_least_3_12() -> str | None:
@@ -295,9 +298,9 @@ def _python_at_least_3_12() -> str | None:
 # only its CUDA build (5.5 GB with its libraries, ~10 min to install on a loaded machine).
 @nox.session(default=False, tags=["integrations"])
 def integrations_skyrl(session: nox.Session) -> None:
-    """SkyRL's own RemoteInferenceClient (skyrl 0.4.0, which needs Python >= 3.12) against a real
-    `belayer-shadow serve` (this session's 3.11 venv); the client gets a venv of its own: skyrl with
-    --no-deps plus integrations/requirements-skyrl.txt."""
+    """SkyRL's own RemoteInferenceClient and delta weight sync (skyrl 0.4.0, which needs Python >=
+    3.12) against a real `belayer-shadow serve` (this session's 3.11 venv); the client gets a venv
+    of its own: skyrl and vllm with --no-deps plus integrations/requirements-skyrl.txt."""
     try:
         _install(session, "belayer-shadow", "pytest-timeout", "transformers")
         python = _python_at_least_3_12()
@@ -311,7 +314,9 @@ def integrations_skyrl(session: nox.Session) -> None:
         client_python = str(client_venv / "bin" / "python")
         requirements = str(ROOT / "integrations" / "requirements-skyrl.txt")
         session.run(client_python, "-m", "pip", "install", "-q", "-r", requirements, external=True)
-        session.run(client_python, "-m", "pip", "install", "-q", "--no-deps", SKYRL, external=True)
+        session.run(
+            client_python, "-m", "pip", "install", "-q", "--no-deps", SKYRL, SKYRL_VLLM, external=True
+        )
         session.chdir(ROOT / "integrations")
         env = {"BELAYER_SKYRL_PYTHON": client_python}
         session.run(
