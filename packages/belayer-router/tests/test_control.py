@@ -509,8 +509,9 @@ async def test_refused_delta_calls_change_nothing_and_say_why() -> None:
         )
         assert refused_init.status_code == 400
         assert "base_model_path" in refused_init.json()["error"]["message"]
-        for body in ({}, {"target_version": -1}, {"target_version": "x"}, {"target_version": True}):
-            answer = await http.post("/fetch_weights", json=body)
+        bad_fetches: list[dict[str, Any]] = [{}, {"target_version": -1}, {"target_version": "x"}]
+        for fetch in [*bad_fetches, {"target_version": True}]:
+            answer = await http.post("/fetch_weights", json=fetch)
             assert answer.status_code == 400
             assert "target_version" in answer.json()["error"]["message"]
         bad_dir = await http.post("/fetch_weights", json={"target_version": 1, "sync_dir": 3})
