@@ -113,7 +113,7 @@ class SlotWeights:
                 scratch = self.scratch_dir or Path(tempfile.mkdtemp(prefix="belayer-delta-"))
                 self.delta = DeltaChain(scratch)
             self.delta.init(folder)
-        except (WeightsError, BelayerGpumemError, OSError) as error:
+        except (WeightsError, BelayerGpumemError, OSError, RuntimeError, ValueError) as error:
             raise WeightLoadError(
                 f"weight transfer not initialized ({type(error).__name__}: {error})"
             ) from error
@@ -125,7 +125,7 @@ class SlotWeights:
         chain = self._chain()
         try:
             return chain.fetch(target_version, sync_dir, uri, self._check)
-        except (WeightsError, BelayerGpumemError, OSError) as error:
+        except (WeightsError, BelayerGpumemError, OSError, RuntimeError, ValueError) as error:
             raise WeightLoadError(
                 f"delta weights up to version {target_version} not fetched ({type(error).__name__}: "
                 f"{error}); the served weights are unchanged, the last version fetched is {chain.version}"
