@@ -43,7 +43,7 @@ def publish_delta(
             continue
         compressed = zstandard.ZstdCompressor(level=1).compress(patch.numpy().tobytes())
         payloads[name] = torch.frombuffer(bytearray(compressed), dtype=torch.uint8)
-        data = memoryview(_bytes(tensor).numpy())
+        data = _bytes(tensor).numpy().data
         checksum = (
             xxhash.xxh3_128(data).hexdigest()
             if checksum_algorithm == "xxh3-128"

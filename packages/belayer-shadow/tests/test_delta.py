@@ -122,7 +122,7 @@ def _set(field: str, value: Any, index: int = 0) -> Callable[[Path], None]:
     return change
 
 
-BROKEN: dict[str, tuple[Callable[[Path], None], str]] = {
+BROKEN: dict[str, tuple[Callable[[Path], object], str]] = {
     "flipped payload byte": (_flip_payload_byte, "zstd|checksum"),
     "truncated payload file": (_truncate_payload, "payload"),
     "no manifest": (lambda f: (f / "manifest.json").unlink(), "no delta published for version 1"),

@@ -129,7 +129,7 @@ def _read_manifest(folder: Path, version: int) -> tuple[list[_Record], set[str]]
 
 
 def _checksum(data: torch.Tensor, algorithm: str) -> str:
-    buffer = memoryview(data.numpy())
+    buffer = data.numpy().data
     if algorithm == "sha256":
         return hashlib.sha256(buffer).hexdigest()
     import xxhash
@@ -161,7 +161,7 @@ def apply_delta(tensors: Mapping[str, torch.Tensor], folder: Path, version: int)
     try:
         for file in sorted(files):
             try:
-                handle = safe_open(str(folder / file), framework="pt", device="cpu")
+                handle: Any = safe_open(str(folder / file), framework="pt", device="cpu")
             except (SafetensorError, OSError) as error:
                 raise WeightsError(f"cannot read payload file {str(folder / file)!r}: {error}") from error
             handles[file], keys[file] = handle, set(handle.keys())
