@@ -18,7 +18,7 @@ process for `belayer-router serve --keep-running` (and belayer-shadow's `slot --
   reveals: it is called every `check_interval_s` and should return False (or raise) when the child
   does not answer in time; after `check_misses` such calls in a row the child is SIGKILLed and
   started again like any dead one. A child counts misses only once a check has passed (it may be
-  starting) or after `start_timeout_s`.
+  starting) or after `start_timeout_s`; until its first pass it is checked every 0.2 s.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True)
 # 0 OK, 2 USAGE (bad arguments: the same again), 3 UNHEALTHY (a failed device), 130 INTERRUPTED.
 _FINAL_CODES = frozenset({0, 2, 3, 130})
+_FIRST_CHECK_S = 0.2  # how often a child is checked until it first answers
 _POLL_S = 0.5
 
 
@@ -145,6 +146,11 @@ def _wait(
             deadline = time.monotonic() + grace_s
         # without a check, poll anyway: a signal's handler runs between waits, not inside one
         timeout = interval_s if check is not None else _POLL_S
+        if check is not None and not passed:
+            # Until a first check passes, misses do not count (the child may be starting): check
+            # often then, so that a child which hangs soon after its start (on a loaded machine,
+            # before a check every interval_s would have seen it answer) is not given start_timeout_s.
+            timeout = min(timeout, _FIRST_CHECK_S)
         if deadline is not None:
             timeout = min(timeout, max(0.0, deadline - time.monotonic()))
         try:

@@ -202,11 +202,17 @@ class RouterClient:
         body["frames"] = True  # several tokens per line when the worker sends frames
         num_received = 0
         broken_since: float | None = None  # the reconnect window starts at a break, not at the start
+        attempts = 0  # reconnects since the last event: each waits twice as long (up to 16 x timeout_s)
         while True:
             body["num_received_tokens"] = num_received
             try:
-                async for event in self._stream_once(body):
+                # A router that has just restarted on a loaded machine may need longer than
+                # timeout_s to answer a resume; an attempt given up on stays in its backlog and
+                # is answered (409 to the next) meanwhile, so waiting longer each time ends that.
+                timeout = self.timeout_s * 2 ** min(attempts, 4)
+                async for event in self._stream_once(body, timeout):
                     broken_since = None
+                    attempts = 0
                     if isinstance(event, TokenEvent):
                         num_received += 1
                     yield event
@@ -228,10 +234,13 @@ class RouterClient:
                     broken_since = now
                 if now - broken_since >= self.reconnect_timeout_s:
                     raise
+                attempts += 1
                 await anyio.sleep(0.05)
 
-    async def _stream_once(self, body: dict[str, Any]) -> AsyncIterator[TokenEvent | FinishEvent]:
-        async with self._http.stream("POST", "/generate", json=body) as response:
+    async def _stream_once(
+        self, body: dict[str, Any], timeout_s: float
+    ) -> AsyncIterator[TokenEvent | FinishEvent]:
+        async with self._http.stream("POST", "/generate", json=body, timeout=timeout_s) as response:
             if response.status_code >= 400:
                 await response.aread()
                 _raise_for_status(response)
