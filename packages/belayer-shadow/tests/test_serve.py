@@ -27,7 +27,6 @@ from serve_helpers import (
 from belayer_shadow import ModelConfigError, UnsupportedModelError, WeightsError
 from belayer_shadow._serve._config import ServeConfig
 from belayer_shadow._serve._model_folder import ModelFolder
-from belayer_shadow._serve._service import _max_model_len
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -76,12 +75,12 @@ def test_missing_config_weights_or_folder_say_what_to_do(tmp_path: Path, model_d
 
 def test_max_model_len_must_fit_the_model_and_the_kv_pool(model_dir: Path) -> None:
     folder = ModelFolder.inspect(model_dir)  # max_position_embeddings 4096
-    assert _max_model_len(ServeConfig(model_dir, num_kv_blocks=64), folder) == 1024  # the pool's
-    assert _max_model_len(ServeConfig(model_dir, max_model_len=300), folder) == 300
+    assert ServeConfig(model_dir, num_kv_blocks=64).prompt_limit(folder) == 1024  # the pool's
+    assert ServeConfig(model_dir, max_model_len=300).prompt_limit(folder) == 300
     with pytest.raises(ModelConfigError, match="max_position_embeddings"):
-        _max_model_len(ServeConfig(model_dir, max_model_len=5000, num_kv_blocks=1024), folder)
+        ServeConfig(model_dir, max_model_len=5000, num_kv_blocks=1024).prompt_limit(folder)
     with pytest.raises(ModelConfigError, match="--num-kv-blocks to at least 32"):
-        _max_model_len(ServeConfig(model_dir, max_model_len=512, num_kv_blocks=16), folder)
+        ServeConfig(model_dir, max_model_len=512, num_kv_blocks=16).prompt_limit(folder)
 
 
 def test_unsupported_architecture_command_exits_2_before_starting_anything(

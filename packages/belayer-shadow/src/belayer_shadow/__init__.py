@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from belayer_shadow._serve._config import ServeConfig
     from belayer_shadow._serve._model_folder import ModelFolder
     from belayer_shadow._serve._service import RolloutService
+    from belayer_shadow._serve._weights import PreparedWeights, SlotWeights
     from belayer_shadow._vllm._media import set_aside_unloadable_media
     from belayer_shadow._workers._events import EventLog, read_events
     from belayer_shadow._workers._heartbeat import HandoverFlag, Heartbeat
@@ -98,6 +99,8 @@ _EXPORTS = {
     "ModelFolder": "belayer_shadow._serve._model_folder",
     "RolloutService": "belayer_shadow._serve._service",
     "ServeConfig": "belayer_shadow._serve._config",
+    "PreparedWeights": "belayer_shadow._serve._weights",
+    "SlotWeights": "belayer_shadow._serve._weights",
     # vLLM's CPU build beside CUDA builds of torchvision & co. (`_vllm/_media.py`).
     "set_aside_unloadable_media": "belayer_shadow._vllm._media",
 }
@@ -117,6 +120,7 @@ __all__ = [
     "ModelConfig",
     "ModelConfigError",
     "ModelFolder",
+    "PreparedWeights",
     "RequestError",
     "RolloutService",
     "SamplingParams",
@@ -124,6 +128,7 @@ __all__ = [
     "ShadowConfig",
     "SlotConfig",
     "SlotSupervisor",
+    "SlotWeights",
     "StepOutput",
     "SupervisorError",
     "UnsupportedModelError",

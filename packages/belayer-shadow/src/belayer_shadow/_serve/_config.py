@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
+
+if TYPE_CHECKING:
+    from belayer_router import RouterConfig
+    from belayer_shadow._serve._model_folder import ModelFolder
 
 __all__ = ["ServeConfig"]
 
@@ -71,3 +75,58 @@ class ServeConfig:
     def model_name(self) -> str:
         """The name `/v1/models` lists and requests name."""
         return self.served_model_name or str(self.model_dir)
+
+    def prompt_limit(self, model: ModelFolder) -> int:
+        """`max_model_len` checked against the model and one slot's KV pool (`ModelConfigError`);
+        without one, the model's length capped to one slot's KV pool."""
+        from belayer_shadow._errors import ModelConfigError
+
+        limit = model.config.max_position_embeddings
+        capacity = self.num_kv_blocks * self.block_size
+        if self.max_model_len is None:
+            return min(limit, capacity)
+        length = self.max_model_len
+        if length > limit:
+            raise ModelConfigError(
+                f"--max-model-len {length} is longer than the model's max_position_embeddings ({limit})"
+            )
+        if length > capacity:
+            raise ModelConfigError(
+                f"one slot's KV pool holds {capacity} positions ({self.num_kv_blocks} blocks of "
+                f"{self.block_size}), fewer than --max-model-len {length}: raise --num-kv-blocks to at "
+                f"least {-(-length // self.block_size)} or lower --max-model-len"
+            )
+        return length
+
+    def router_config(self, model: ModelFolder, admin_token: str) -> RouterConfig:
+        """The router's settings for this service: the folder's tokenizer (if it has one), the
+        served name, `prompt_limit`, `resume_wait_s`, `api_keys`, `seed` and the slots' token."""
+        from belayer_router import RouterConfig
+        from belayer_shadow._engine._loader import load_tokenizer
+
+        limit = self.prompt_limit(model)  # a ModelConfigError before the tokenizer is read
+        return RouterConfig(
+            admin_token=admin_token,
+            tokenizer=load_tokenizer(model.path) if model.has_tokenizer else None,
+            model_name=self.model_name,
+            max_prompt_tokens=limit,
+            resume_wait_s=self.resume_wait_s,
+            api_keys=self.api_keys,
+            seed=self.seed,
+        )
+
+    def slot_options(self) -> dict[str, Any]:
+        """The `SlotConfig` fields every slot of this service shares (all but `slot`,
+        `router_url`, `run_dir`, `admin_token` and `device`)."""
+        return {
+            "model": self.model_dir,
+            "weights": self.model_dir,
+            "recovery": self.recovery,
+            "backend": self.backend,
+            "engine": self.engine,
+            "num_kv_blocks": self.num_kv_blocks,
+            "block_size": self.block_size,
+            "max_num_seqs": self.max_num_seqs,
+            "start_timeout_s": self.start_timeout_s,
+            "stale_s": self.hang_threshold_s,
+        }

@@ -27,8 +27,7 @@ import anyio
 import attrs
 
 from belayer_gpumem import BelayerGpumemError
-from belayer_router import RouterApp, RouterConfig, running_router
-from belayer_shadow._engine._loader import load_tokenizer
+from belayer_router import RouterApp, running_router
 from belayer_shadow._errors import BelayerShadowError, ModelConfigError, SupervisorError, WeightsError
 from belayer_shadow._serve._config import ServeConfig
 from belayer_shadow._serve._guardian import ServeGuardian
@@ -64,18 +63,8 @@ class RolloutService:
     async def start(cls, config: ServeConfig) -> AsyncIterator[RolloutService]:
         """Start everything; yield once every slot serves (and its shadow stands by); stop at exit."""
         model = ModelFolder.inspect(config.model_dir)
-        max_model_len = _max_model_len(config, model)
-        tokenizer = load_tokenizer(model.path) if model.has_tokenizer else None
         admin_token = secrets.token_hex(16)
-        router_config = RouterConfig(
-            admin_token=admin_token,
-            tokenizer=tokenizer,
-            model_name=config.model_name,
-            max_prompt_tokens=max_model_len,
-            resume_wait_s=config.resume_wait_s,
-            api_keys=config.api_keys,
-            seed=config.seed,
-        )
+        router_config = config.router_config(model, admin_token)
         temporary = config.run_dir is None
         run_dir = Path(tempfile.mkdtemp(prefix="belayer-serve-")) if temporary else config.run_dir
         assert run_dir is not None
@@ -100,11 +89,9 @@ class RolloutService:
                     )
                     for index in range(config.num_slots)
                 ]
-                weights.sockets = [supervisor.weights_socket for supervisor in service.slots]
-                weights.keepers = [supervisor.keep_weights for supervisor in service.slots]
-                weights.names = [supervisor.config.slot for supervisor in service.slots]
-                weights.accepts = [supervisor.accepts_weights for supervisor in service.slots]
-                weights.keep_if_out = [supervisor.keep_weights_if_out for supervisor in service.slots]
+                wired = SlotWeights.for_slots(service.slots)  # the router holds `weights` already
+                weights.sockets, weights.keepers, weights.names = wired.sockets, wired.keepers, wired.names
+                weights.accepts, weights.keep_if_out = wired.accepts, wired.keep_if_out
                 stack.push_async_callback(service._stop_slots)
                 try:
                     async with anyio.create_task_group() as group:
@@ -129,26 +116,6 @@ class RolloutService:
                     group.start_soon(anyio.to_thread.run_sync, supervisor.stop)
 
 
-def _max_model_len(config: ServeConfig, model: ModelFolder) -> int:
-    """`--max-model-len`, checked; without it the model's length capped to one slot's KV pool."""
-    limit = model.config.max_position_embeddings
-    capacity = config.num_kv_blocks * config.block_size
-    if config.max_model_len is None:
-        return min(limit, capacity)
-    length = config.max_model_len
-    if length > limit:
-        raise ModelConfigError(
-            f"--max-model-len {length} is longer than the model's max_position_embeddings ({limit})"
-        )
-    if length > capacity:
-        raise ModelConfigError(
-            f"one slot's KV pool holds {capacity} positions ({config.num_kv_blocks} blocks of "
-            f"{config.block_size}), fewer than --max-model-len {length}: raise --num-kv-blocks to at "
-            f"least {-(-length // config.block_size)} or lower --max-model-len"
-        )
-    return length
-
-
 def _reachable(url: str, host: str) -> str:
     """The router's URL as the slots on this machine reach it (not a wildcard address)."""
     if host not in _WILDCARD_HOSTS:
@@ -165,17 +132,8 @@ def _slot_config(
         router_url=router_url,
         run_dir=run_dir / "slots" / f"slot{index}",
         admin_token=admin_token,
-        model=config.model_dir,
-        weights=config.model_dir,
-        recovery=config.recovery,
-        backend=config.backend,
         device=index if config.backend == "cuda" else 0,
-        engine=config.engine,
-        num_kv_blocks=config.num_kv_blocks,
-        block_size=config.block_size,
-        max_num_seqs=config.max_num_seqs,
-        start_timeout_s=config.start_timeout_s,
-        stale_s=config.hang_threshold_s,
+        **config.slot_options(),
     )
 
 

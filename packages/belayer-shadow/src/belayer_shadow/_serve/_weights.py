@@ -30,7 +30,7 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -41,7 +41,10 @@ from belayer_shadow._engine._loader import load_safetensors
 from belayer_shadow._errors import WeightsError
 from belayer_shadow._serve._delta import DeltaChain
 
-__all__ = ["SlotWeights", "check_weights"]
+if TYPE_CHECKING:
+    from belayer_shadow._workers._slot import SlotSupervisor
+
+__all__ = ["PreparedWeights", "SlotWeights", "check_weights"]
 
 
 def check_weights(tensors: Mapping[str, torch.Tensor], table: Mapping[str, object], source: str) -> None:
@@ -160,67 +163,63 @@ class SlotWeights:
             return
         raise WeightsError(f"{source}: every slot is out (restarting or unhealthy), none can check it")
 
+    @classmethod
+    def for_slots(cls, supervisors: Sequence[SlotSupervisor]) -> SlotWeights:
+        """The weight servers of these slots, each wired to its supervisor: its socket, its name,
+        `keep_weights` after a commit, `accepts_weights` and `keep_weights_if_out` for a slot that
+        is out (`belayer-shadow serve`'s slots; belayer-cluster's slot hosts, one slot each)."""
+        return cls(
+            [supervisor.weights_socket for supervisor in supervisors],
+            keepers=[supervisor.keep_weights for supervisor in supervisors],
+            names=[supervisor.config.slot for supervisor in supervisors],
+            accepts=[supervisor.accepts_weights for supervisor in supervisors],
+            keep_if_out=[supervisor.keep_weights_if_out for supervisor in supervisors],
+        )
+
     def load_weights(self, weight_dir: str) -> int:
         """Load `weight_dir` (a folder of `*.safetensors`) into every server and commit; returns
         the number of tensors written. Raises belayer-router's `WeightLoadError` (the router
         answers 400) when nothing was changed."""
-        folder = Path(weight_dir)
-        if not folder.is_dir():
-            raise WeightLoadError(
-                f"weight folder {weight_dir!r} does not exist or is not a folder (on this machine); "
-                "give a folder of *.safetensors written with save_pretrained"
-            )
-        committed: list[int] = []
-        skipped: list[int] = []
         out = [i for i in range(len(self.sockets)) if i < len(self.accepts) and not self.accepts[i]()]
         if out and len(out) == len(self.sockets):
             raise WeightLoadError(
                 f"weights from {weight_dir!r} not loaded: every slot is out (restarting or unhealthy), "
                 "so none can check them; the previous ones stay; retry once a slot serves"
             )
+        return self.prepare(weight_dir).commit()
+
+    def prepare(self, weight_dir: str) -> PreparedWeights:
+        """The first half of `load_weights`: read and check `weight_dir` whole, open an update on
+        every server that takes one now and write it there (the inactive half); nothing is
+        served from it until `PreparedWeights.commit`. `abort` (or any failure) leaves every server
+        as it was. Raises `WeightLoadError` when nothing was changed. A slot that is out is not
+        written here (`PreparedWeights.out`); the commit keeps the folder for it, or writes it if
+        it came back meanwhile. Several `SlotWeights` prepared first and committed after make one
+        update over weight servers that no single process reaches (belayer-cluster's nodes)."""
+        folder = Path(weight_dir)
+        if not folder.is_dir():
+            raise WeightLoadError(
+                f"weight folder {weight_dir!r} does not exist or is not a folder (on this machine); "
+                "give a folder of *.safetensors written with save_pretrained"
+            )
+        out = [i for i in range(len(self.sockets)) if i < len(self.accepts) and not self.accepts[i]()]
+        stack = ExitStack()
         try:
             tensors = load_safetensors(folder)
-            with ExitStack() as stack:
-                opened = [i for i in range(len(self.sockets)) if i not in out]
-                updates = [
-                    self._open(self.sockets[i], stack, tensors, weight_dir, self.attach_timeout_s)
-                    for i in opened
-                ]
-                for update in updates:
-                    for name, view in update.tensors().items():
-                        view.copy_(tensors[name])
-                for index, update in zip(opened, updates, strict=True):  # a commit may fail
-                    update.commit()
-                    committed.append(index)
-            # The slots that were out: each keeps the folder for its restart, or, back meanwhile,
-            # is written now (checked above against a slot that took it).
-            for index in out:
-                if self.keep_if_out[index](folder):
-                    skipped.append(index)
-                    continue
-                with ExitStack() as stack:
-                    late = self._open(self.sockets[index], stack, tensors, weight_dir, self.attach_timeout_s)
-                    for name, view in late.tensors().items():
-                        view.copy_(tensors[name])
-                    late.commit()
-                committed.append(index)
+            opened = [i for i in range(len(self.sockets)) if i not in out]
+            updates = [
+                self._open(self.sockets[i], stack, tensors, weight_dir, self.attach_timeout_s) for i in opened
+            ]
+            for update in updates:
+                for name, view in update.tensors().items():
+                    view.copy_(tensors[name])
         except (WeightsError, BelayerGpumemError, OSError, RuntimeError) as error:
-            if committed:
-                self._keep(folder, committed)
-                names = tuple(self._name(index) for index in committed)
-                raise PartialWeightCommitError(
-                    f"weights from {weight_dir!r} committed on {list(names)} only, then failed "
-                    f"({type(error).__name__}: {error}); the other slots still hold the previous weights",
-                    names,
-                ) from error
+            _close_aborting(stack, error)  # the servers keep the previous weights
             raise WeightLoadError(
                 f"weights from {weight_dir!r} not loaded ({type(error).__name__}: {error}); "
                 "the previous ones stay"
             ) from error
-        self.num_loads += 1
-        self.skipped = [self._name(index) for index in skipped]
-        self._keep(folder, committed)
-        return len(tensors)
+        return PreparedWeights(self, weight_dir, tensors, opened, updates, out, stack)
 
     def _name(self, index: int) -> str:
         return self.names[index] if index < len(self.names) else f"slot{index}"
@@ -244,3 +243,75 @@ class SlotWeights:
         update = client.update()
         stack.enter_context(update)  # leaving with an error aborts it; after commit, a no-op
         return update
+
+
+@attrs.define(eq=False)
+class PreparedWeights:
+    """An update `SlotWeights.prepare` wrote into the inactive half of its servers, not committed."""
+
+    owner: SlotWeights
+    weight_dir: str
+    tensors: Mapping[str, torch.Tensor]
+    opened: list[int]  # the servers written, by index into the owner's sockets
+    updates: list[WeightUpdate]
+    out_indices: list[int]  # the slots that were out (not written)
+    _stack: ExitStack
+
+    @property
+    def out(self) -> list[str]:
+        """The names of the slots that were out when prepared (not written)."""
+        return [self.owner._name(index) for index in self.out_indices]
+
+    def abort(self) -> None:
+        """Abort every open update: every server keeps serving the previous weights."""
+        _close_aborting(self._stack, WeightLoadError(f"the update from {self.weight_dir!r} was aborted"))
+
+    def commit(self) -> int:
+        """Commit on every server written, one after the other, then keep the folder for (or
+        write) the slots that were out; returns the number of tensors. `WeightLoadError` when no
+        server committed, `PartialWeightCommitError` naming those that did when a later one failed."""
+        owner, folder, weight_dir = self.owner, Path(self.weight_dir), self.weight_dir
+        committed: list[int] = []
+        skipped: list[int] = []
+        try:
+            with self._stack:  # leaving it aborts what was not committed and detaches
+                for index, update in zip(self.opened, self.updates, strict=True):  # a commit may fail
+                    update.commit()
+                    committed.append(index)
+            # The slots that were out: each keeps the folder for its restart, or, back meanwhile,
+            # is written now (checked against the servers' table as it is opened).
+            for index in self.out_indices:
+                if owner.keep_if_out[index](folder):
+                    skipped.append(index)
+                    continue
+                with ExitStack() as stack:
+                    late = owner._open(
+                        owner.sockets[index], stack, self.tensors, weight_dir, owner.attach_timeout_s
+                    )
+                    for name, view in late.tensors().items():
+                        view.copy_(self.tensors[name])
+                    late.commit()
+                committed.append(index)
+        except (WeightsError, BelayerGpumemError, OSError, RuntimeError) as error:
+            if committed:
+                owner._keep(folder, committed)
+                names = tuple(owner._name(index) for index in committed)
+                raise PartialWeightCommitError(
+                    f"weights from {weight_dir!r} committed on {list(names)} only, then failed "
+                    f"({type(error).__name__}: {error}); the other slots still hold the previous weights",
+                    names,
+                ) from error
+            raise WeightLoadError(
+                f"weights from {weight_dir!r} not loaded ({type(error).__name__}: {error}); "
+                "the previous ones stay"
+            ) from error
+        owner.num_loads += 1
+        owner.skipped = [owner._name(index) for index in skipped]
+        owner._keep(folder, committed)
+        return len(self.tensors)
+
+
+def _close_aborting(stack: ExitStack, error: BaseException) -> None:
+    """Close `stack` as if `error` were raised in it: an open `WeightUpdate` aborts (leaving one
+    without an error would commit it)."""
+    stack.__exit__(type(error), error, error.__traceback__)
