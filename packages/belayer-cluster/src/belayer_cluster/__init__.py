@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from belayer_cluster._router import DriverRouter
     from belayer_cluster._sandbox_host import SandboxHost, SandboxInfo
     from belayer_cluster._sandboxes import SandboxCluster, SandboxRestore
+    from belayer_cluster._serve import ClusterService, RemoteSlotWeights
     from belayer_cluster._slot_host import SlotHost, SlotInfo, node_run_dir
     from belayer_cluster._weightsync import WeightReport, WeightSync, WeightUpdateResult
     from belayer_cluster._weightsync_agent import WeightAgent
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 __version__ = _version("belayer-cluster")
 
 _LAZY = {
+    "ClusterService": "_serve",
     "DriverRouter": "_router",
     "IsolatedNode": "_isolated",
     "IsolatedRayCluster": "_isolated",
@@ -53,6 +55,7 @@ _LAZY = {
     "NodeLoss": "_cluster",
     "RemoteSandbox": "_remote_sandbox",
     "RemoteSandboxError": "_remote_sandbox",
+    "RemoteSlotWeights": "_serve",
     "RolloutCluster": "_cluster",
     "SandboxCluster": "_sandboxes",
     "SandboxHost": "_sandbox_host",
@@ -86,6 +89,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "BelayerClusterError",
     "ClusterConfigError",
+    "ClusterService",
     "ClusterStartError",
     "DriverRouter",
     "ExitCode",
@@ -96,6 +100,7 @@ __all__ = [
     "NodeLoss",
     "RemoteSandbox",
     "RemoteSandboxError",
+    "RemoteSlotWeights",
     "RolloutCluster",
     "RouterAccessError",
     "SandboxCluster",

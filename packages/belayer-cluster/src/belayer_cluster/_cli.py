@@ -1,4 +1,5 @@
-"""`belayer-cluster status`: the nodes of a Ray cluster, alive or lost; `scale`: the scale simulation.
+"""`belayer-cluster status`: the nodes of a Ray cluster, alive or lost; `serve`: a rollout service
+with its slots on the cluster's nodes (`_serve_cli.py`); `scale`: the scale simulation.
 
 `belayer-cluster simulate`, the former name of `scale`, still works and says it is deprecated.
 
@@ -21,6 +22,7 @@ from typing import Any
 
 from belayer_cluster._connect import check_address
 from belayer_cluster._errors import BelayerClusterError, ClusterConfigError, ClusterStartError
+from belayer_cluster._serve_cli import add_serve_parser, run_serve
 from belayer_cluster._simulate_cli import add_simulate_parser, run_simulate
 
 __all__ = ["ExitCode", "main"]
@@ -51,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--address", required=True, help="the Ray GCS address, HOST:PORT")
     status.add_argument("--connect-timeout-s", type=float, default=10.0)
     status.add_argument("--json", action="store_true", help="print one JSON document")
+    add_serve_parser(commands)
     add_simulate_parser(commands)
     return parser
 
@@ -95,20 +98,27 @@ def _renamed_command(argv: Sequence[str], old: str, new: str, prog: str) -> list
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `belayer-cluster`; returns the exit code."""
+    from belayer_shadow import BelayerShadowError, ModelConfigError, WeightsError
+
     debug = os.environ.get("BELAYER_DEBUG") == "1" or "--debug" in (sys.argv[1:] if argv is None else argv)
     try:
         argv = _renamed_command(sys.argv[1:] if argv is None else argv, "simulate", "scale", PROG)
         args = _parser().parse_args(argv)
         if args.command == "scale":
             return run_simulate(args)
+        if args.command == "serve":
+            return run_serve(args)
         nodes = status(args.address, args.connect_timeout_s)
     except KeyboardInterrupt:
         return ExitCode.INTERRUPTED
-    except BelayerClusterError as exc:
+    except (BelayerClusterError, BelayerShadowError) as exc:
         if debug:
             traceback.print_exc()
         print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return ExitCode.USAGE if isinstance(exc, ClusterConfigError) else ExitCode.FAILED
+        # serve: a model folder that cannot be served (UnsupportedModelError is a ModelConfigError)
+        # is bad input found before anything started, as a bad flag or address
+        usage = isinstance(exc, ClusterConfigError | ModelConfigError | WeightsError)
+        return ExitCode.USAGE if usage else ExitCode.FAILED
     dead = [n for n in nodes if not n["alive"]]
     if args.json:
         print(json.dumps({"address": args.address, "nodes": nodes, "num_dead": len(dead)}))

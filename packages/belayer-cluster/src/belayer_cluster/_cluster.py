@@ -113,6 +113,7 @@ class RolloutCluster:
         self.hosts: dict[str, Any] = {}  # slot -> the SlotHost actor handle
         self.losses: list[NodeLoss] = []
         self._group: PlacementGroup | None = None
+        self._bundles = {slot: index for index, slot in enumerate(self.slots)}  # slot -> its bundle
         self._stop = threading.Event()
         self._lost = threading.Condition()
         self._refused: str | None = None  # why the router refused a node loss (a 4xx), if it did
@@ -139,12 +140,8 @@ class RolloutCluster:
                 f"{len(self.slots)} bundles of {self.cpus_per_slot} CPU could not be placed within "
                 f"{self.start_timeout_s} s; add nodes or lower cpus_per_slot"
             ) from exc
-        actor = ray.remote(SlotHost)
         for index, slot in enumerate(self.slots):
-            strategy = PlacementGroupSchedulingStrategy(self._group, placement_group_bundle_index=index)
-            self.hosts[slot] = actor.options(  # type: ignore[attr-defined]
-                num_cpus=self.cpus_per_slot, max_concurrency=8, scheduling_strategy=strategy, max_restarts=0
-            ).remote(slot, self.router_url, str(self.shared_dir), self.admin_token, self.slot_options)
+            self.hosts[slot] = self._host(slot, index, self.slot_options)
         pending = {slot: host.start.remote() for slot, host in self.hosts.items()}
         try:
             for slot, ref in pending.items():
@@ -155,6 +152,71 @@ class RolloutCluster:
         self._watcher = threading.Thread(target=self._watch, name="belayer-cluster-watcher", daemon=True)
         self._watcher.start()
         return dict(self.infos)
+
+    def replace(
+        self,
+        lost: str,
+        slot: str,
+        *,
+        slot_options: Mapping[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> SlotInfo:
+        """Start slot `slot` in the placement-group bundle of `lost`, a slot of a lost node.
+
+        Ray places a lost node's bundles again on live nodes with room, so the new slot lands on
+        a live node and the watcher watches it like the others (its node lost: fenced, and it can
+        be replaced in turn). `slot_options` replace this cluster's for it (weights kept since the
+        start, say). Raises `ClusterStartError` when it does not serve within `timeout_s`
+        (`start_timeout_s`): no room on the live nodes, or a slot that failed; it is then removed.
+        """
+        if self._group is None:
+            raise ClusterStartError("start() the cluster before replacing a slot")
+        if lost not in self._bundles or slot in self._bundles:
+            raise ClusterConfigError(
+                f"replace a slot of this cluster ({lost!r}) with a new name (got {slot!r})"
+            )
+        index = self._bundles[lost]
+        options = self.slot_options if slot_options is None else dict(slot_options)
+        deadline = time.monotonic() + (timeout_s or self.start_timeout_s)
+        # The router's broken streams name a lost node before Ray does; until Ray has declared it
+        # dead, the bundle stays there and a new actor in it would wait on a raylet that is gone.
+        lost_node = self.infos[lost].node_id if lost in self.infos else ""
+        while lost_node and _alive(lost_node):
+            if time.monotonic() > deadline:
+                raise ClusterStartError(
+                    f"replacement slot {slot!r} not started: Ray still counts node {lost_node[:12]} of "
+                    f"slot {lost!r} alive after {timeout_s or self.start_timeout_s} s"
+                )
+            time.sleep(self.poll_s)
+        host = self._host(slot, index, options)
+        try:
+            info: SlotInfo = ray.get(host.start.remote(), timeout=max(1.0, deadline - time.monotonic()))
+        except (RayError, SlotHostError) as exc:
+            with contextlib.suppress(RayError):
+                ray.get(host.stop.remote(), timeout=60)
+            ray.kill(host)
+            raise ClusterStartError(
+                f"replacement slot {slot!r} did not start: {exc!r}; no live node may have room for it"
+            ) from exc
+        # New dicts, not changed ones: the watcher thread iterates over them meanwhile.
+        self._bundles = {**self._bundles, slot: index}
+        self.hosts = {**self.hosts, slot: host}
+        self.infos = {**self.infos, slot: info}
+        self.slots = (*self.slots, slot)
+        return info
+
+    def _host(self, slot: str, index: int, options: Mapping[str, Any]) -> Any:
+        """A `SlotHost` actor for `slot` in bundle `index` (not started)."""
+        if self._group is None:
+            raise ClusterStartError("the cluster's placement group is gone (stopped)")
+        strategy = PlacementGroupSchedulingStrategy(self._group, placement_group_bundle_index=index)
+        return (
+            ray.remote(SlotHost)
+            .options(  # type: ignore[attr-defined]
+                num_cpus=self.cpus_per_slot, max_concurrency=8, scheduling_strategy=strategy, max_restarts=0
+            )
+            .remote(slot, self.router_url, str(self.shared_dir), self.admin_token, dict(options))
+        )
 
     def wait_node_loss(self, count: int = 1, timeout_s: float = 60.0) -> list[NodeLoss]:
         """Block until `count` node losses have been handled (slots marked unhealthy)."""
@@ -336,3 +398,11 @@ class RolloutCluster:
             for slot in slots:
                 if not admin.mark_unhealthy(slot):
                     raise RouterClientError(404, f"the router does not know slot {slot!r}")
+
+
+def _alive(node_id: str) -> bool:
+    """Whether Ray's node table counts the node alive (a node it no longer lists is not)."""
+    try:
+        return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())  # type: ignore[no-untyped-call]
+    except RayError:
+        return True

@@ -58,6 +58,7 @@ class SlotHost:
         # reaches it over the network, as it must when nodes share nothing (IsolatedRayCluster).
         self.options.setdefault("host", str(ray.util.get_node_ip_address()))  # type: ignore[no-untyped-call]
         self._supervisor: Any = None
+        self._prepared: Any = None  # belayer-shadow PreparedWeights, between prepare and commit
 
     def start(self) -> SlotInfo:
         """Start the slot's processes and wait until its shadow stands by."""
@@ -112,8 +113,45 @@ class SlotHost:
         """The slot's event log, oldest first."""
         return list(self._require().events())
 
+    def prepare_weights(self, weight_dir: str) -> dict[str, Any]:
+        """Read `weight_dir` (on storage this node reads), check it whole against the slot's weight
+        server and write it into the server's inactive half (belayer-shadow's
+        `SlotWeights.prepare`); nothing is served from it before `commit_weights`. Returns
+        `{"error": why nothing was written, or "", "out": the slot is out (restarting or unhealthy:
+        not written; the commit keeps the folder for its restart)}`."""
+        from belayer_router import WeightLoadError
+        from belayer_shadow import SlotWeights
+
+        self.abort_weights()
+        try:
+            self._prepared = SlotWeights.for_slots([self._require()]).prepare(weight_dir)
+        except (WeightLoadError, SlotHostError) as exc:
+            return {"error": str(exc), "out": False}
+        return {"error": "", "out": bool(self._prepared.out)}
+
+    def commit_weights(self) -> dict[str, Any]:
+        """Commit what `prepare_weights` wrote (or keep the folder for a slot that is out):
+        `{"error": why it did not commit, or "", "tensors": how many, "skipped": kept for a restart}`."""
+        from belayer_router import PartialWeightCommitError, WeightLoadError
+
+        prepared, self._prepared = self._prepared, None
+        if prepared is None:
+            return {"error": f"slot {self.slot!r}: no weights prepared", "tensors": 0, "skipped": False}
+        try:
+            tensors = int(prepared.commit())
+        except (WeightLoadError, PartialWeightCommitError) as exc:
+            return {"error": str(exc), "tensors": 0, "skipped": False}
+        return {"error": "", "tensors": tensors, "skipped": bool(prepared.owner.skipped)}
+
+    def abort_weights(self) -> None:
+        """Abort what `prepare_weights` wrote: the weight server keeps serving what it served."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None:
+            prepared.abort()
+
     def stop(self) -> None:
         """Stop every process of the slot (nothing is left: belayer-shadow's guarantee)."""
+        self.abort_weights()
         if self._supervisor is not None:
             self._supervisor.stop()
             self._supervisor = None

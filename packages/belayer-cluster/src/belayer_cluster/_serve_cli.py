@@ -1,0 +1,146 @@
+"""`belayer-cluster serve MODEL_DIR`: `belayer-shadow serve` with its slots on a Ray cluster.
+
+Same flags and meaning as `belayer-shadow serve` where they are shared (`--slots`, `--engine`,
+`--host`, `--port`, `--served-model-name`, `--max-model-len`, `--seed`, `--api-key`, `--json`),
+plus `--address` (join that Ray cluster; without it a local one is started, and the command says
+which on stderr) and `--shared-dir` (a folder every node reads at the same path: the slots' run
+folders and the weights kept for replacements; default: a temporary folder, enough on one machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from belayer_cluster._errors import ClusterConfigError
+
+__all__ = ["add_serve_parser", "run_serve"]
+
+INTERRUPTED = 130
+
+
+def add_serve_parser(commands: Any) -> None:
+    """The `serve` subcommand's flags."""
+    serve = commands.add_parser(
+        "serve",
+        help="serve a model folder with its slots on a Ray cluster's nodes, until Ctrl-C / SIGTERM",
+    )
+    serve.add_argument(
+        "model_dir", type=Path, help="a local Hugging Face model folder (Qwen3), on every node"
+    )
+    serve.add_argument("--slots", type=int, default=1, help="engine slots (each: main worker + shadow)")
+    serve.add_argument("--address", help="the Ray GCS address, HOST:PORT (default: start a local cluster)")
+    serve.add_argument(
+        "--engine",
+        choices=("belayer", "builtin", "vllm"),
+        default="belayer",
+        help="belayer (= builtin): the built-in engine; vllm: needs belayer-shadow[vllm] on every node",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="the router's address (0.0.0.0: all)")
+    serve.add_argument("--port", type=int, default=8000, help="the router's port (0 picks a free one)")
+    serve.add_argument("--served-model-name", help="the model name of /v1/models (default: MODEL_DIR)")
+    serve.add_argument("--max-model-len", type=int, help="longest prompt (default: the model's)")
+    serve.add_argument(
+        "--api-key",
+        nargs="+",
+        help="require 'Authorization: Bearer KEY' on every route but /health (default: $VLLM_API_KEY)",
+    )
+    serve.add_argument(
+        "--seed", type=int, help="seed of requests that name none: same seed + same request, same tokens"
+    )
+    serve.add_argument("--num-kv-blocks", type=int, default=512, help="KV blocks per slot")
+    serve.add_argument("--shared-dir", type=Path, help="a folder every node reads (default: a temporary one)")
+    serve.add_argument("--connect-timeout-s", type=float, default=10.0)
+    serve.add_argument("--json", action="store_true", help="print one JSON line when ready")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Check the folder, join (or start) Ray, serve until SIGINT / SIGTERM; exit 130."""
+    import anyio
+
+    from belayer_shadow import ModelFolder, ServeConfig
+
+    try:
+        config = ServeConfig(
+            model_dir=args.model_dir,
+            num_slots=args.slots,
+            engine="belayer" if args.engine == "builtin" else args.engine,
+            host=args.host,
+            port=args.port,
+            served_model_name=args.served_model_name,
+            max_model_len=args.max_model_len,
+            num_kv_blocks=args.num_kv_blocks,
+            api_keys=tuple(key for key in (args.api_key or [os.environ.get("VLLM_API_KEY", "")]) if key),
+            seed=args.seed,
+        )
+    except (TypeError, ValueError) as exc:
+        raise ClusterConfigError(str(exc)) from exc
+    config.prompt_limit(ModelFolder.inspect(config.model_dir))  # a bad folder: nothing starts
+    own_shared = args.shared_dir is None
+    # Unix socket paths are short (107 bytes): so is the default shared folder.
+    shared = Path(tempfile.mkdtemp(prefix="bcs-", dir="/tmp")) if own_shared else args.shared_dir
+    local = None
+    try:
+        local = _join_or_start(args, config.num_slots)
+        return int(anyio.run(_serve, args, config, shared, local))
+    finally:
+        if local is not None:
+            local.shutdown()
+        else:
+            from belayer_cluster._connect import disconnect
+
+            disconnect()
+        if own_shared:
+            shutil.rmtree(shared, ignore_errors=True)
+
+
+def _join_or_start(args: argparse.Namespace, num_slots: int) -> Any:
+    """Join `--address` (None returned) or start a local cluster of one 1-CPU node per slot."""
+    if args.address:
+        from belayer_cluster._connect import connect
+
+        connect(args.address, args.connect_timeout_s)
+        print(f"belayer-cluster: joined the Ray cluster at {args.address}", file=sys.stderr, flush=True)
+        return None
+    from belayer_cluster._config import LocalClusterConfig
+    from belayer_cluster._local import LocalRayCluster
+
+    local = LocalRayCluster(LocalClusterConfig(num_nodes=num_slots, cpus_per_node=1)).start()
+    print(
+        f"belayer-cluster: no --address: started a local Ray cluster of {num_slots} simulated nodes "
+        f"at {local.address} (stopped at exit)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return local
+
+
+async def _serve(args: argparse.Namespace, config: Any, shared: Path, local: Any) -> int:
+    import anyio
+
+    from belayer_cluster._serve import ClusterService
+
+    # A signal during the start is taken once the slots have started (or failed), then stops them.
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with ClusterService.start(config, shared) as service:
+            document = {
+                "url": service.url,
+                "openai_base_url": service.openai_base_url,
+                "model": config.model_name,
+                "slots": {slot: info.to_dict() for slot, info in service.slots.items()},
+                "ray_address": local.address if local is not None else args.address,
+                "local_cluster": local is not None,
+                "shared_dir": str(shared),
+            }
+            line = f"belayer-cluster serving {config.model_name} at {service.url}"
+            print(json.dumps(document) if args.json else line, flush=True)
+            async for _ in signals:
+                break
+    return INTERRUPTED
