@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 import ray
-from cluster_helpers import PROMPTS, Rollout, rollout, wait_until
+from cluster_helpers import PROMPTS, Rollout, gone, rollout, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 MAX_TOKENS = 96
@@ -184,10 +184,14 @@ def test_a_node_killed_mid_stream_resumes_exactly_and_its_slot_is_replaced(
         assert client.get("/health").json()["num_active_workers"] == 2
 
 
-def test_sigterm_stops_every_slot_and_actor(served: Served, shared_dir: Path) -> None:
+def test_sigterm_stops_every_slot_and_actor(served: Served, shared_dir: Path, local_ray: Any) -> None:
     total = ray.cluster_resources()["CPU"]
+    kept = served.ready["slots"]["slot0"]  # its node lives on: its SlotHost actor must end
+    host = local_ray.host_pid(kept["node_id"], kept["pid"])
+    assert host and not gone(host)
     served.process.send_signal(signal.SIGTERM)
     assert served.process.wait(timeout=180) == 130
+    wait_until(lambda: gone(host), 60, "slot0's SlotHost actor to exit")
     wait_until(lambda: ray.available_resources().get("CPU", 0.0) == total, 120, "the slots' CPUs to be free")
     wait_until(lambda: not _processes_mentioning(str(shared_dir / "s")), 60, "every slot process to exit")
 
