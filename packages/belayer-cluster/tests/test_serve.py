@@ -188,7 +188,8 @@ def test_sigterm_stops_every_slot_and_actor(served: Served, shared_dir: Path, lo
     total = ray.cluster_resources()["CPU"]
     kept = served.ready["slots"]["slot0"]  # its node lives on: its SlotHost actor must end
     host = local_ray.host_pid(kept["node_id"], kept["pid"])
-    assert host and not gone(host)
+    assert host
+    assert not gone(host)
     served.process.send_signal(signal.SIGTERM)
     assert served.process.wait(timeout=180) == 130
     wait_until(lambda: gone(host), 60, "slot0's SlotHost actor to exit")
