@@ -178,7 +178,10 @@ def test_a_node_killed_mid_stream_resumes_exactly_and_its_slot_is_replaced(
         raise AssertionError(f"{exc}; the command said: {''.join(served.stderr)[-4000:]}") from None
     assert served.healthy()["slot1"] == 0.0
     wait_until(lambda: served.versions().get("slot1-r1") == version, 60, "the replacement's version")
-    assert any("replaced by slot1-r1" in line for line in served.stderr), served.stderr
+    # The command says so right after the replacement reports its version: wait for the line.
+    wait_until(
+        lambda: any("replaced by slot1-r1" in line for line in served.stderr), 30, "the replacement's line"
+    )
     assert rollout(served.url, PROMPTS, MAX_TOKENS).tokens == reference
     with httpx.Client(base_url=served.url, timeout=300) as client:
         assert client.get("/health").json()["num_active_workers"] == 2
