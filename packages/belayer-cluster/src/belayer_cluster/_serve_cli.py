@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import signal
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from belayer_cluster._errors import ClusterConfigError
+from belayer_router import api_keys_from
 
 __all__ = ["add_serve_parser", "run_serve"]
 
@@ -77,7 +77,7 @@ def run_serve(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name,
             max_model_len=args.max_model_len,
             num_kv_blocks=args.num_kv_blocks,
-            api_keys=tuple(key for key in (args.api_key or [os.environ.get("VLLM_API_KEY", "")]) if key),
+            api_keys=api_keys_from(args.api_key),
             seed=args.seed,
         )
     except (TypeError, ValueError) as exc:
