@@ -193,3 +193,38 @@ def test_a_bad_folder_is_not_kept_for_a_slot_that_is_out(
     with pytest.raises(WeightLoadError, match="every slot is out"):
         everyone_out.load_weights(str(folders["second"]))
     assert _same_as(sockets[1], folders["first"])
+
+
+def test_a_slot_killed_just_before_the_update_is_skipped_once_its_supervisor_sees_it(
+    servers: list[ServerProcess], folders: dict[str, Path]
+) -> None:
+    """The race a served update met: slot1's weight server is SIGKILLed and the update opens at
+    once, while the supervisor still says the slot takes weights. Its connection is refused; the
+    update waits (briefly) for the supervisor to see it out, then skips it and keeps the folder for
+    its restart, instead of failing the whole update with a 400."""
+    sockets = [server.config.socket for server in servers]
+    servers[1].kill()
+    kept_out: list[Path] = []
+    asked = {"n": 0}
+
+    def slot1_accepts() -> bool:  # the supervisor notices the dead process on its third look
+        asked["n"] += 1
+        return asked["n"] <= 2
+
+    weights = SlotWeights(
+        sockets=sockets,
+        names=["slot0", "slot1"],
+        accepts=[lambda: True, slot1_accepts],
+        keep_if_out=[lambda p: False, lambda p: _record(kept_out, p)],
+    )
+    assert weights.load_weights(str(folders["second"])) > 0
+    assert weights.skipped == ["slot1"]
+    assert kept_out == [folders["second"]]
+    assert _same_as(sockets[0], folders["second"])
+    # A slot whose supervisor goes on saying it takes weights is a real failure: nothing changes.
+    stubborn = SlotWeights(
+        sockets=sockets, names=["slot0", "slot1"], accepts=[lambda: True, lambda: True]
+    )
+    with pytest.raises(WeightLoadError, match="previous ones stay"):
+        stubborn.load_weights(str(folders["first"]))
+    assert _same_as(sockets[0], folders["second"])

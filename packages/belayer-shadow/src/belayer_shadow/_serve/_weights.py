@@ -11,7 +11,8 @@ slots that committed, and the router requires the new version, holding the other
 
 What engines see: a worker re-reads its weight views only when it has nothing running (its
 stepping thread), so a request is computed with one version from its first token to its last.
-A slot that is out (unhealthy, or its memory restarting from scratch: `accepts`) is not waited
+A slot that is out (unhealthy, or its memory restarting from scratch: `accepts`; or its server
+refused the connection and its supervisor calls it out within 2 s) is not waited
 for: the update skips it and keeps the folder for it (`keep_if_out`), which its restart loads,
 so it comes back on the current version; one that came back during the update is written last.
 
@@ -27,6 +28,7 @@ deltas up to a version and stages its weights as a folder (`DeltaChain`; nothing
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -35,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from belayer_gpumem import BelayerGpumemError, WeightClient, WeightUpdate
+from belayer_gpumem import BelayerGpumemError, ServerGoneError, WeightClient, WeightUpdate
 from belayer_router import PartialWeightCommitError, WeightLoadError
 from belayer_shadow._engine._loader import load_safetensors
 from belayer_shadow._errors import WeightsError
@@ -206,10 +208,19 @@ class SlotWeights:
         stack = ExitStack()
         try:
             tensors = load_safetensors(folder)
-            opened = [i for i in range(len(self.sockets)) if i not in out]
-            updates = [
-                self._open(self.sockets[i], stack, tensors, weight_dir, self.attach_timeout_s) for i in opened
-            ]
+            opened: list[int] = []
+            updates: list[WeightUpdate] = []
+            for i in range(len(self.sockets)):
+                if i in out:
+                    continue
+                try:
+                    updates.append(self._open(self.sockets[i], stack, tensors, weight_dir, self.attach_timeout_s))
+                except ServerGoneError:
+                    if not self._went_out(i):
+                        raise
+                    out.append(i)  # killed just now: its restart loads the folder kept at commit
+                    continue
+                opened.append(i)
             for update in updates:
                 for name, view in update.tensors().items():
                     view.copy_(tensors[name])
@@ -220,6 +231,20 @@ class SlotWeights:
                 "the previous ones stay"
             ) from error
         return PreparedWeights(self, weight_dir, tensors, opened, updates, out, stack)
+
+    def _went_out(self, index: int, grace_s: float = 2.0) -> bool:
+        """Whether slot `index`, whose weight server just refused a connection, is out now: a
+        server killed a moment ago refuses before its supervisor sees the process gone, so this
+        polls `accepts` for `grace_s`. False when the slot still claims to take weights (a real
+        failure, the update fails) or has no such check."""
+        if index >= len(self.accepts):
+            return False
+        deadline = time.monotonic() + grace_s
+        while self.accepts[index]():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     def _name(self, index: int) -> str:
         return self.names[index] if index < len(self.names) else f"slot{index}"
