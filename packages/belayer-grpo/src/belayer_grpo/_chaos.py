@@ -32,6 +32,10 @@ class FailureRecord:
     trigger: str  # "step", "time" or "rate"
     recovered_at: float | None = None
     recovery: str | None = None  # "shadow" / "restart" / "conventional"
+    # A kill aimed at a slot with responses in flight (the agentic rollouts'): how many it had,
+    # and how many interrupted streams the router resumed from the kill to the step's end.
+    requests_in_flight: int | None = None
+    requests_resumed: int | None = None
 
     @property
     def recovery_s(self) -> float | None:
@@ -54,6 +58,7 @@ class WorkerChaos:
     kill: KillFunction
     num_slots: int
     failures: list[FailureRecord] = attrs.field(factory=list)
+    names: Sequence[str] = ()  # the slots' names, by index (`index_of`)
     current_step: int = 0
     _rng: random.Random = attrs.field(init=False)
 
@@ -64,13 +69,19 @@ class WorkerChaos:
         """Whether a worker is to be killed during the rollout of ``step``."""
         return step in self.config.kill_worker_at_steps
 
-    def kill_now(self, trigger: str) -> FailureRecord:
-        """Kill the main worker of a randomly chosen slot (blocking; call from a thread)."""
-        slot_index = self._rng.randrange(self.num_slots)
+    def kill_now(self, trigger: str, slot_index: int | None = None) -> FailureRecord:
+        """Kill the main worker of slot ``slot_index`` (default: a randomly chosen one; blocking,
+        call from a thread)."""
+        if slot_index is None:
+            slot_index = self._rng.randrange(self.num_slots)
         slot, killed_at = self.kill(slot_index)
         record = FailureRecord(slot=slot, step=self.current_step, killed_at=killed_at, trigger=trigger)
         self.failures.append(record)
         return record
+
+    def index_of(self, slot: str) -> int | None:
+        """The index of the slot named ``slot``; None when unknown (`kill_now` then picks one)."""
+        return list(self.names).index(slot) if slot in self.names else None
 
     def timed_kills(self, started_at: float, horizon_s: float) -> list[float]:
         """Offsets (seconds after ``started_at``) of the time- and rate-triggered kills up to ``horizon_s``."""

@@ -136,6 +136,11 @@ class Reporter:
                 if recovery is None
                 else f"recovered by {failure['recovery']} in {recovery:.2f}s"
             )
+            if failure.get("requests_in_flight") is not None:
+                done += (
+                    f"; {failure['requests_in_flight']} stream(s) in flight on it,"
+                    f" {failure.get('requests_resumed') or 0} resumed by the router"
+                )
             lines.append(
                 f"{'':>22}  {failure['slot']} killed at step {failure['step']} ({failure['trigger']}): {done}"
             )

@@ -48,7 +48,7 @@ from belayer_grpo._guardian import RUN_LABEL, run_marker
 from belayer_grpo._model import completion_logprobs, pack
 from belayer_grpo._rollout_math import Sample
 from belayer_policy import SharedEstimators
-from belayer_router import RouterClient
+from belayer_router import RouterClient, RouterCounters
 
 __all__ = [
     "WARMUP_COMMANDS",
@@ -400,10 +400,21 @@ def format_env(metrics: dict[str, Any]) -> str:
 
 
 async def _kill_while_generating(router: RouterClient, chaos: WorkerChaos) -> None:
-    """Kill a main worker as soon as it has responses in flight."""
-    while not any(slot.get("num_outstanding") for slot in await router.workers()):  # noqa: ASYNC110
+    """Kill the main worker of a slot as soon as it has responses in flight (that slot's, not a
+    random one: the point is to interrupt them), and note on the failure how many it had."""
+    while True:
+        busy = [slot for slot in await router.workers() if slot.get("num_outstanding")]
+        if busy:
+            break
         await anyio.sleep(0.005)
-    await anyio.to_thread.run_sync(chaos.kill_now, "step")
+    victim = busy[0]
+    record = await anyio.to_thread.run_sync(chaos.kill_now, "step", chaos.index_of(str(victim["slot"])))
+    record.requests_in_flight = int(victim["num_outstanding"])
+
+
+async def _resumes(router: RouterClient) -> int:
+    """The router's count of interrupted streams resumed so far."""
+    return int(RouterCounters.parse(await router.metrics()).resumes_total)
 
 
 async def run_swe_rollout(
@@ -432,9 +443,11 @@ async def run_swe_rollout(
     rollout fails; the metrics hold this step's counts only.
     """
     step_stats = RolloutStats()  # this step's: metrics.jsonl is per step, the report has totals
+    resumes_before = 0
     try:
         async with anyio.create_task_group() as group:
             if chaos is not None:
+                resumes_before = await _resumes(router)
                 group.start_soon(_kill_while_generating, router, chaos)
             trajectories = await run_agentic_rollouts(
                 tasks, router, config, num_samples=num_samples, tokenizer=tokenizer, run_id=run_id,
@@ -446,6 +459,11 @@ async def run_swe_rollout(
         if stats is not None:
             stats.add(step_stats)
     stats = step_stats
+    if chaos is not None:  # the streams the router resumed after this step's kill
+        resumed = await _resumes(router) - resumes_before
+        for record in chaos.failures:
+            if record.step == step and record.requests_in_flight is not None:
+                record.requests_resumed = resumed
     with trajectories_file.open("a") as out:
         for trajectory in trajectories:
             out.write(json.dumps({"step": step, **trajectory.summary()}) + "\n")

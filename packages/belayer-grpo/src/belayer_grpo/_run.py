@@ -202,7 +202,7 @@ async def _math_rollout(
             run.reporter.advance()
             if kill_pending and finished >= max(1, total // 4):
                 kill_pending = False  # mid-rollout: the rest of the batch is in flight on that worker
-                group.start_soon(anyio.to_thread.run_sync, chaos.kill_now, "step")
+                group.start_soon(lambda: anyio.to_thread.run_sync(chaos.kill_now, "step"))
 
         samples = await run_math_rollouts(
             problems, router, run.tokenizer, config.rollout, seed=step, on_sample=on_sample
@@ -371,6 +371,7 @@ async def _train(config: Config, stream: TextIO, run_dir: Path) -> dict[str, Any
                 config.chaos,
                 kill=lambda i: (system.slots[i].config.slot, system.slots[i].kill_main()),
                 num_slots=len(system.slots),
+                names=[slot.config.slot for slot in system.slots],
             )
             sync = (
                 system.weights
