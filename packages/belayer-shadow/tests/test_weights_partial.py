@@ -222,9 +222,7 @@ def test_a_slot_killed_just_before_the_update_is_skipped_once_its_supervisor_see
     assert kept_out == [folders["second"]]
     assert _same_as(sockets[0], folders["second"])
     # A slot whose supervisor goes on saying it takes weights is a real failure: nothing changes.
-    stubborn = SlotWeights(
-        sockets=sockets, names=["slot0", "slot1"], accepts=[lambda: True, lambda: True]
-    )
+    stubborn = SlotWeights(sockets=sockets, names=["slot0", "slot1"], accepts=[lambda: True, lambda: True])
     with pytest.raises(WeightLoadError, match="previous ones stay"):
         stubborn.load_weights(str(folders["first"]))
     assert _same_as(sockets[0], folders["second"])

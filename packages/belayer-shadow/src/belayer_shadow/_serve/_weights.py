@@ -214,7 +214,9 @@ class SlotWeights:
                 if i in out:
                     continue
                 try:
-                    updates.append(self._open(self.sockets[i], stack, tensors, weight_dir, self.attach_timeout_s))
+                    updates.append(
+                        self._open(self.sockets[i], stack, tensors, weight_dir, self.attach_timeout_s)
+                    )
                 except ServerGoneError:
                     if not self._went_out(i):
                         raise
