@@ -1,10 +1,13 @@
 """`belayer-cluster serve MODEL_DIR`: `belayer-shadow serve` with its slots on a Ray cluster.
 
-Same flags and meaning as `belayer-shadow serve` where they are shared (`--slots`, `--engine`,
-`--host`, `--port`, `--served-model-name`, `--max-model-len`, `--seed`, `--api-key`, `--json`),
+The flags of `belayer-shadow serve` but `--run-dir` and `--backend` (belayer-shadow's
+`add_serve_flags`: `--slots`, `--engine`, `--host`, `--port`, `--served-model-name`,
+`--max-model-len`, `--recovery`, `--num-kv-blocks`, `--block-size`, `--max-num-seqs`,
+`--resume-wait-s`, `--hang-threshold-s`, `--router-server`, `--seed`, `--api-key`, `--json`),
 plus `--address` (join that Ray cluster; without it a local one is started, and the command says
 which on stderr) and `--shared-dir` (a folder every node reads at the same path: the slots' run
 folders and the weights kept for replacements; default: a temporary folder, enough on one machine).
+GPUs are not asked of Ray for slots (`--backend cuda` is belayer-shadow's, on one machine).
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from belayer_cluster._errors import ClusterConfigError
-from belayer_router import api_keys_from
 
 __all__ = ["add_serve_parser", "run_serve"]
 
@@ -27,59 +29,27 @@ INTERRUPTED = 130
 
 
 def add_serve_parser(commands: Any) -> None:
-    """The `serve` subcommand's flags."""
+    """The `serve` subcommand's flags: belayer-shadow's shared serving flags and the cluster's."""
+    from belayer_shadow import add_serve_flags
+
     serve = commands.add_parser(
         "serve",
         help="serve a model folder with its slots on a Ray cluster's nodes, until Ctrl-C / SIGTERM",
     )
-    serve.add_argument(
-        "model_dir", type=Path, help="a local Hugging Face model folder (Qwen3), on every node"
-    )
-    serve.add_argument("--slots", type=int, default=1, help="engine slots (each: main worker + shadow)")
+    add_serve_flags(serve, where=" on every node")
     serve.add_argument("--address", help="the Ray GCS address, HOST:PORT (default: start a local cluster)")
-    serve.add_argument(
-        "--engine",
-        choices=("belayer", "builtin", "vllm"),
-        default="belayer",
-        help="belayer (= builtin): the built-in engine; vllm: needs belayer-shadow[vllm] on every node",
-    )
-    serve.add_argument("--host", default="127.0.0.1", help="the router's address (0.0.0.0: all)")
-    serve.add_argument("--port", type=int, default=8000, help="the router's port (0 picks a free one)")
-    serve.add_argument("--served-model-name", help="the model name of /v1/models (default: MODEL_DIR)")
-    serve.add_argument("--max-model-len", type=int, help="longest prompt (default: the model's)")
-    serve.add_argument(
-        "--api-key",
-        nargs="+",
-        help="require 'Authorization: Bearer KEY' on every route but /health (default: $VLLM_API_KEY)",
-    )
-    serve.add_argument(
-        "--seed", type=int, help="seed of requests that name none: same seed + same request, same tokens"
-    )
-    serve.add_argument("--num-kv-blocks", type=int, default=512, help="KV blocks per slot")
     serve.add_argument("--shared-dir", type=Path, help="a folder every node reads (default: a temporary one)")
     serve.add_argument("--connect-timeout-s", type=float, default=10.0)
-    serve.add_argument("--json", action="store_true", help="print one JSON line when ready")
 
 
 def run_serve(args: argparse.Namespace) -> int:
     """Check the folder, join (or start) Ray, serve until SIGINT / SIGTERM; exit 130."""
     import anyio
 
-    from belayer_shadow import ModelFolder, ServeConfig
+    from belayer_shadow import ModelFolder, serve_config_from_flags
 
     try:
-        config = ServeConfig(
-            model_dir=args.model_dir,
-            num_slots=args.slots,
-            engine="belayer" if args.engine == "builtin" else args.engine,
-            host=args.host,
-            port=args.port,
-            served_model_name=args.served_model_name,
-            max_model_len=args.max_model_len,
-            num_kv_blocks=args.num_kv_blocks,
-            api_keys=api_keys_from(args.api_key),
-            seed=args.seed,
-        )
+        config = serve_config_from_flags(args)
     except (TypeError, ValueError) as exc:
         raise ClusterConfigError(str(exc)) from exc
     config.prompt_limit(ModelFolder.inspect(config.model_dir))  # a bad folder: nothing starts

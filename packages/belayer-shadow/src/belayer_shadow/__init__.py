@@ -39,6 +39,7 @@ if TYPE_CHECKING:
         WorkerError,
     )
     from belayer_shadow._serve._config import ServeConfig
+    from belayer_shadow._serve._flags import add_serve_flags, serve_config_from_flags
     from belayer_shadow._serve._model_folder import ModelFolder
     from belayer_shadow._serve._service import RolloutService
     from belayer_shadow._serve._weights import PreparedWeights, SlotWeights
@@ -99,6 +100,8 @@ _EXPORTS = {
     "ModelFolder": "belayer_shadow._serve._model_folder",
     "RolloutService": "belayer_shadow._serve._service",
     "ServeConfig": "belayer_shadow._serve._config",
+    "add_serve_flags": "belayer_shadow._serve._flags",
+    "serve_config_from_flags": "belayer_shadow._serve._flags",
     "PreparedWeights": "belayer_shadow._serve._weights",
     "SlotWeights": "belayer_shadow._serve._weights",
     # vLLM's CPU build beside CUDA builds of torchvision & co. (`_vllm/_media.py`).
@@ -136,6 +139,7 @@ __all__ = [
     "WorkerConfig",
     "WorkerError",
     "__version__",
+    "add_serve_flags",
     "allocate_kv_arena",
     "check_device_health",
     "fill_weight_server",
@@ -148,6 +152,7 @@ __all__ = [
     "run_shadow",
     "run_worker",
     "save_safetensors",
+    "serve_config_from_flags",
     "set_aside_unloadable_media",
     "weight_layout",
 ]

@@ -124,70 +124,23 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve_parser(commands: Any) -> None:
+    from belayer_shadow._serve._flags import add_serve_flags
+
     serve = commands.add_parser(
         "serve",
         help="serve a model folder on this machine: the router and N slots, until Ctrl-C / SIGTERM",
     )
-    serve.add_argument("model_dir", type=Path, help="a local Hugging Face model folder (Qwen3)")
-    serve.add_argument("--slots", type=int, default=1, help="engine slots (each: main worker + shadow)")
-    serve.add_argument(
-        "--engine",
-        choices=("belayer", "builtin", "vllm"),
-        default="belayer",
-        help="belayer (= builtin): the built-in engine; vllm: needs belayer-shadow[vllm]",
-    )
-    serve.add_argument("--host", default="127.0.0.1", help="the router's address (0.0.0.0: all)")
-    serve.add_argument("--port", type=int, default=8000, help="the router's port (0 picks a free one)")
-    serve.add_argument("--served-model-name", help="the model name of /v1/models (default: MODEL_DIR)")
-    serve.add_argument("--max-model-len", type=int, help="longest prompt (default: the model's)")
+    add_serve_flags(serve)
     serve.add_argument("--run-dir", type=Path, help="sockets, logs and events (default: a temporary one)")
-    serve.add_argument("--recovery", choices=("shadow", "conventional", "restart"), default="shadow")
     serve.add_argument("--backend", choices=("host", "cuda"), default="host", help="cuda: slot i on GPU i")
-    serve.add_argument("--num-kv-blocks", type=int, default=512, help="KV blocks per slot")
-    serve.add_argument("--block-size", type=int, default=16)
-    serve.add_argument("--max-num-seqs", type=int, default=64, help="running requests per slot")
-    serve.add_argument("--resume-wait-s", type=float, default=30.0, help="how long a cut request waits")
-    serve.add_argument(
-        "--hang-threshold-s", type=float, default=3.0, help="heartbeat age that counts as a hang"
-    )
-    serve.add_argument("--router-server", choices=("uvicorn", "belayer"), help="the router's HTTP server")
-    serve.add_argument(
-        "--api-key",
-        nargs="+",
-        help="require 'Authorization: Bearer KEY' on every route but /health (default: $VLLM_API_KEY)",
-    )
-    serve.add_argument(
-        "--seed", type=int, help="seed of requests that name none: same seed + same request, same tokens"
-    )
-    serve.add_argument("--json", action="store_true", help="print one JSON line when ready")
 
 
 def _run_serve(args: argparse.Namespace) -> int:
     import anyio
 
-    from belayer_router import api_keys_from
-    from belayer_shadow._serve._config import ServeConfig
+    from belayer_shadow._serve._flags import serve_config_from_flags
 
-    config = ServeConfig(
-        model_dir=args.model_dir,
-        num_slots=args.slots,
-        engine="belayer" if args.engine == "builtin" else args.engine,
-        host=args.host,
-        port=args.port,
-        served_model_name=args.served_model_name,
-        max_model_len=args.max_model_len,
-        run_dir=args.run_dir,
-        recovery=args.recovery,
-        backend=args.backend,
-        num_kv_blocks=args.num_kv_blocks,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        resume_wait_s=args.resume_wait_s,
-        hang_threshold_s=args.hang_threshold_s,
-        router_server=args.router_server,
-        api_keys=api_keys_from(args.api_key),
-        seed=args.seed,
-    )
+    config = serve_config_from_flags(args, run_dir=args.run_dir, backend=args.backend)
     return anyio.run(_serve, args, config)
 
 
