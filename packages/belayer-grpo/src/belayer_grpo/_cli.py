@@ -1,6 +1,7 @@
 """``belayer-grpo``: train with GRPO on the Belayer system, or print the effective configuration.
 
     belayer-grpo [--debug] train [--json] [--config FILE] [section.key=value ...]
+    belayer-grpo [--debug] train [--json] --resume RUN_DIR [section.key=value ...]
     belayer-grpo [--debug] config [--json] [--config FILE] [section.key=value ...]
     belayer-grpo [--debug] bench [--json] [--config FILE] [--scale small|full] [--experiment NAME]
                                  [--quick] [--out DIR]
@@ -8,6 +9,8 @@
 The root README's CLI contract: errors are one line, ``belayer-grpo: error: ...`` (a traceback
 only with ``--debug`` or ``BELAYER_DEBUG=1``), exit codes are `ExitCode`'s, and ``--json`` prints
 exactly one JSON document on stdout (the run's report, the configuration, the bench results).
+``--resume RUN_DIR`` continues a run that died (even by SIGKILL) with its saved ``config.json``,
+from its latest checkpoint and the samples its interrupted step had already finished.
 Ctrl-C (SIGINT) or SIGTERM stops training cleanly: every worker, memory server and socket of the
 run is removed before the command exits (`ExitCode.INTERRUPTED`).
 """
@@ -27,8 +30,8 @@ from typing import Any
 
 import anyio
 
-from belayer_grpo._config import Config, load_config
-from belayer_grpo._errors import BelayerGrpoError, ExitCode
+from belayer_grpo._config import Config, load_config, load_run_config
+from belayer_grpo._errors import BelayerGrpoError, ExitCode, GrpoConfigError
 
 __all__ = ["main"]
 
@@ -46,6 +49,11 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--json", action="store_true", help="print one JSON document on stdout")
         command.add_argument("--config", help="a TOML or YAML file with sections (default: the embedded one)")
         command.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. algorithm.steps=10")
+        if name == "train":
+            command.add_argument(
+                "--resume", metavar="RUN_DIR",
+                help="continue the run in RUN_DIR with its config.json (overrides still apply)",
+            )  # fmt: skip
     bench = commands.add_parser("bench", help="run the benchmark experiments and write a report")
     bench.add_argument("--config", help="a benchmark TOML layered over the scale's configuration")
     bench.add_argument("--scale", choices=("small", "full"), default=None, help="default: small (CPU)")
@@ -68,7 +76,6 @@ def _error(error: BaseException, debug: bool) -> None:
 
 def _bench(args: argparse.Namespace, argv: list[str], debug: bool) -> int:
     from belayer_grpo._bench import EXPERIMENTS, load_bench_config, quick_config, run_bench
-    from belayer_grpo._errors import GrpoConfigError
 
     try:
         bench = load_bench_config(args.config, scale=args.scale)
@@ -146,7 +153,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         return _bench(args, sys.argv[1:] if argv is None else argv, debug)
     try:
-        config = load_config(args.config, args.overrides)
+        if getattr(args, "resume", None):
+            if args.config:
+                raise GrpoConfigError(
+                    "--config", "--resume uses the run's config.json; pass key=value instead"
+                )
+            config = load_run_config(args.resume, args.overrides)
+        else:
+            config = load_config(args.config, args.overrides)
     except BelayerGrpoError as error:
         _error(error, debug)
         return ExitCode.USAGE

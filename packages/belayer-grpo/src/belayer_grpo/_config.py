@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import importlib
 import importlib.resources
+import json
 import tomllib
 import types
 import typing
@@ -33,6 +34,7 @@ __all__ = [
     "SystemConfig",
     "default_config_text",
     "load_config",
+    "load_run_config",
     "merge_tables",
     "parse_override",
 ]
@@ -368,10 +370,12 @@ def _failing_attribute(error: Exception, fields: set[str]) -> str | None:
     return None
 
 
-def _layer(base: dict[str, Any], path: str | Path | None, overrides: Sequence[str]) -> dict[str, Any]:
+def _layer(
+    base: dict[str, Any], file_data: Mapping[str, Any] | None, overrides: Sequence[str]
+) -> dict[str, Any]:
     data = copy.deepcopy(base)
-    if path is not None:
-        merge_tables(data, _read_file(Path(path)))
+    if file_data is not None:
+        merge_tables(data, file_data)
     for override in overrides:
         _set_dotted(data, *parse_override(override))
     return data
@@ -384,13 +388,48 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     ``swe``, the embedded ``default-math.toml`` or ``default-swe.toml`` (that workload's own
     defaults) goes between the default and the file, so the file and the overrides still win.
     """
+    return _load(None if path is None else _read_file(Path(path)), overrides)
+
+
+def load_run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """The configuration that resumes the run in ``run_dir`` (``belayer-grpo train --resume``).
+
+    The run's saved ``config.json`` (written at every start), then ``key=value`` overrides, then
+    ``system.run_dir = run_dir`` and ``system.resume = "latest"``, which always win.  A folder
+    without ``config.json`` or without a checkpoint raises `GrpoConfigError` on ``--resume``.
+    """
+    from belayer_grpo._checkpointing import find_latest
+
+    folder = Path(run_dir).resolve()
+    saved = folder / "config.json"
+    if not saved.is_file():
+        raise GrpoConfigError(
+            "--resume", f"{folder} has no config.json: give the run folder a run printed "
+            "('belayer-grpo: run folder ...'), or start a new run without --resume",
+        )  # fmt: skip
+    try:
+        data = json.loads(saved.read_text())
+    except (OSError, ValueError) as error:
+        raise GrpoConfigError("--resume", f"cannot read {saved}: {error}") from error
+    if not isinstance(data, dict):
+        raise GrpoConfigError("--resume", f"{saved} must hold a table of sections")
+    if find_latest(folder / "checkpoints") is None:
+        raise GrpoConfigError(
+            "--resume", f"{folder / 'checkpoints'} holds no step_*.pt: the run died before its first "
+            "checkpoint; start it again without --resume (same folder: system.run_dir)",
+        )  # fmt: skip
+    forced = [f"system.run_dir={json.dumps(str(folder))}", 'system.resume="latest"']
+    return _load(data, [*overrides, *forced])
+
+
+def _load(file_data: Mapping[str, Any] | None, overrides: Sequence[str]) -> Config:
     default = tomllib.loads(default_config_text())
-    data = _layer(default, path, overrides)
+    data = _layer(default, file_data, overrides)
     workload = data.get("data", {}).get("workload")
     if workload in ("math", "swe"):
         text = importlib.resources.files("belayer_grpo").joinpath(f"default-{workload}.toml").read_text()
         merge_tables(default, tomllib.loads(text))
-        data = _layer(default, path, overrides)
+        data = _layer(default, file_data, overrides)
     config = _build(Config, copy.deepcopy(data), "")
     _check_cross_section(config)
     return config
