@@ -145,6 +145,13 @@ class Reporter:
                 f"{'':>22}  {failure['slot']} killed at step {failure['step']} ({failure['trigger']}): {done}"
             )
         lines.append(f"{'resumed requests':>22}: {summary.get('num_resumed', 0)}")
+        if "resumed_at_step" in summary:  # belayer-grpo train --resume
+            lines.append(
+                f"{'resumed run':>22}: step {summary['resumed_at_step']}, "
+                f"{summary['trajectories_reused']} trajectories reused, "
+                f"{summary['trajectories_regenerated']} regenerated, "
+                f"{summary['steps_replayed']} step(s) trained again from their logs"
+            )
         for loss in summary.get("node_losses", []):
             seen = sorted((loss.get("detections_s") or {}).items(), key=lambda item: item[1])
             when = ", ".join(f"{name} {at:.2f}s" for name, at in seen)  # after the node was removed

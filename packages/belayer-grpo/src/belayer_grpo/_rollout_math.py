@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import anyio
 import attrs
@@ -42,15 +42,20 @@ async def run_math_rollouts(
     rollout: RolloutConfig,
     *,
     seed: int,
-    on_sample: Callable[[Sample], None] | None = None,
+    on_sample: Callable[[int, Sample], None] | None = None,
+    done: Mapping[int, Sample] | None = None,
 ) -> list[Sample]:
     """``rollout.samples_per_prompt`` completions per problem, concurrently; groups in problem order.
 
-    Each request gets its own seed (derived from ``seed``), so a request the router resumes on
-    another worker continues exactly as it would have. ``on_sample`` runs as each one finishes.
+    Each request gets its own seed (derived from ``seed`` and its index ``group * n + sample``),
+    so a request the router resumes on another worker continues exactly as it would have.
+    ``on_sample(index, sample)`` runs as each one finishes.  ``done`` (index -> sample, those a
+    killed run had finished: `belayer_grpo._rollout_log`) are taken as they are, not generated.
     """
     n = rollout.samples_per_prompt
     results: list[Sample | None] = [None] * (len(problems) * n)
+    for index, sample in (done or {}).items():
+        results[index] = sample
     limiter = anyio.CapacityLimiter(rollout.concurrency)
     stop = [tokenizer.eos_token_id]
 
@@ -85,11 +90,12 @@ async def run_math_rollouts(
         )
         results[index] = sample
         if on_sample is not None:
-            on_sample(sample)
+            on_sample(index, sample)
 
     async with anyio.create_task_group() as group:
         for index in range(len(results)):
-            group.start_soon(one, index)
+            if results[index] is None:
+                group.start_soon(one, index)
     return [sample for sample in results if sample is not None]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import platform
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -43,6 +44,14 @@ from belayer_grpo._rollout_agentic import (
     run_swe_rollout,
     run_tag,
     tooluse_warmup,
+)
+from belayer_grpo._rollout_log import (
+    LoggedStep,
+    StepLog,
+    prune_logs,
+    read_step_log,
+    replay_ended_steps,
+    step_log_path,
 )
 from belayer_grpo._rollout_math import Sample, greedy_accuracy, run_math_rollouts
 from belayer_grpo._system import RolloutSystem
@@ -97,6 +106,12 @@ class RunState:
     env: EnvTotals = attrs.field(factory=EnvTotals)
     estimators: Any = None  # the agentic checkpoint policy's estimators, learning over the whole run
     pool: Any = None  # the agentic workloads' sandbox pool (a SandboxPool), kept over the whole run
+    resume_step: int = 0  # the step a resumed run continues from its rollout log (0: none)
+    num_replayed: int = 0  # ended steps after the checkpoint trained again from their logs
+    num_reused: int = 0  # samples of the resumed step taken from its log
+    num_regenerated: int = 0  # samples of the resumed step that the killed run had not finished
+    checkpoint_step: int = 0
+    step_log: StepLog | None = None  # the current step's rollout log (math), ended after its metrics
 
     async def sandbox_pool(self) -> Any:
         """The run's sandbox pool, opened at first use."""
@@ -157,9 +172,26 @@ def _prepare(config: Config, run_dir: Path, stream: TextIO) -> tuple[RunState, A
         trainer.load_state_dict(state)
         sampler.load_state_dict(state["sampler"])
         start_step = int(state["step"])
+        if not swe:  # train again on the ended steps the rollout log holds (`belayer_grpo._rollout_log`)
+            n, size = config.rollout.samples_per_prompt, config.rollout.batch_size
+            start_step = replay_ended_steps(
+                run_dir,
+                start_step,
+                lambda: _prompt_ids(tokenizer, sampler.next_batch(size), n),
+                trainer.update,
+            )
     reporter = Reporter(run_dir, config.logging, config.algorithm.steps, stream=stream)
     run = RunState(config, run_dir, tokenizer, problems, sampler, trainer, reporter, start_step, warmup_s)
+    if state is not None:
+        run.checkpoint_step = int(state["step"])
+        run.num_replayed = start_step - run.checkpoint_step
+        run.resume_step = start_step + 1
     return run, model_config
+
+
+def _prompt_ids(tokenizer: PolicyTokenizer, problems: Sequence[Problem], n: int) -> list[list[int]]:
+    """The prompt of every sample index of a step (``group * n + sample``)."""
+    return [tokenizer.encode_prompt(problem.prompt) for problem in problems for _ in range(n)]
 
 
 def _save_weights(model: torch.nn.Module, model_config: Any, path: Path) -> None:
@@ -192,12 +224,20 @@ async def _math_rollout(
     config = run.config
     problems = run.sampler.next_batch(config.rollout.batch_size)
     total = len(problems) * config.rollout.samples_per_prompt
+    path = step_log_path(run.run_dir, step)
+    logged = LoggedStep({}, False, 0)
+    if step == run.resume_step:  # what the killed run had finished is taken, not generated again
+        prompts = _prompt_ids(run.tokenizer, problems, config.rollout.samples_per_prompt)
+        logged = await anyio.to_thread.run_sync(read_step_log, path, prompts)
+        run.num_reused, run.num_regenerated = len(logged.samples), total - len(logged.samples)
+    log = run.step_log = StepLog.open(path, logged.num_bytes)
     kill_pending = chaos.wants_kill_at_step(step)
     finished = 0
     async with anyio.create_task_group() as group:
 
-        def on_sample(_sample: Sample) -> None:
+        def on_sample(index: int, sample: Sample) -> None:
             nonlocal finished, kill_pending
+            log.append(index, sample)  # a few hundred bytes and an fsync: before anything else
             finished += 1
             run.reporter.advance()
             if kill_pending and finished >= max(1, total // 4):
@@ -205,9 +245,19 @@ async def _math_rollout(
                 group.start_soon(lambda: anyio.to_thread.run_sync(chaos.kill_now, "step"))
 
         samples = await run_math_rollouts(
-            problems, router, run.tokenizer, config.rollout, seed=step, on_sample=on_sample
+            problems,
+            router,
+            run.tokenizer,
+            config.rollout,
+            seed=step,
+            on_sample=on_sample,
+            done=logged.samples,
         )
-    return samples, {}
+    resumed = step == run.resume_step
+    return samples, {
+        "trajectories_reused": run.num_reused if resumed else 0,
+        "trajectories_regenerated": run.num_regenerated if resumed else 0,
+    }
 
 
 async def _swe_rollout(
@@ -319,9 +369,19 @@ async def _step(
 
 
 def _checkpoint(run: RunState, step: int) -> Path:
-    return save_checkpoint(
+    path = save_checkpoint(
         run.run_dir / "checkpoints", step, {**run.trainer.state_dict(), "sampler": run.sampler.state_dict()}
     )
+    run.checkpoint_step = step
+    return path
+
+
+def _end_step_log(run: RunState) -> None:
+    """Mark the step's rollout log ended (its metrics are recorded); drop the logs a checkpoint covers."""
+    if run.step_log is not None:
+        run.step_log.end()
+        run.step_log = None
+    prune_logs(run.run_dir, run.checkpoint_step)
 
 
 def _new_failures(run: RunState, failures: Sequence[FailureRecord]) -> list[FailureRecord]:
@@ -354,6 +414,16 @@ async def _train(config: Config, stream: TextIO, run_dir: Path) -> dict[str, Any
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     run, model_config = await anyio.to_thread.run_sync(_prepare, config, run_dir, stream)
     run.reporter.message(f"belayer-grpo: run folder {run_dir}")
+    if not config.system.resume:
+        # A new run: no rollout log of an earlier one is ever taken, and a checkpoint of the
+        # starting policy makes a kill before the first periodic checkpoint resumable too.
+        shutil.rmtree(run_dir / "rollouts", ignore_errors=True)
+        await anyio.to_thread.run_sync(_checkpoint, run, 0)
+    elif run.num_replayed:
+        run.reporter.message(
+            f"belayer-grpo: resumed from the step {run.checkpoint_step} checkpoint; steps "
+            f"{run.checkpoint_step + 1}-{run.start_step} trained again from their rollout logs"
+        )
     if run.warmup_s:
         run.reporter.message(f"belayer-grpo: supervised warm-up done in {run.warmup_s:.1f}s")
     weights_file = run_dir / "policy_init.safetensors"
@@ -401,6 +471,7 @@ async def _train(config: Config, stream: TextIO, run_dir: Path) -> dict[str, Any
                     metrics["reward_avg10"] = sum(recent) / len(recent)
                     match_recoveries(chaos.failures, system.events())
                     run.reporter.end_step(step, metrics, _new_failures(run, chaos.failures))
+                    await anyio.to_thread.run_sync(_end_step_log, run)
                     summary["steps"] = step
                 background.cancel_scope.cancel()
             if config.data.workload == "math":
@@ -416,6 +487,8 @@ async def _train(config: Config, stream: TextIO, run_dir: Path) -> dict[str, Any
         if config.system.checkpoint_every == 0 or summary.get("steps", 0) % config.system.checkpoint_every:
             await anyio.to_thread.run_sync(_checkpoint, run, summary.get("steps", run.start_step))
     finally:
+        if run.step_log is not None:
+            run.step_log.close()
         if run.pool is not None:
             with anyio.CancelScope(shield=True):
                 await close_pool(run.pool)
@@ -430,6 +503,11 @@ async def _train(config: Config, stream: TextIO, run_dir: Path) -> dict[str, Any
             "wall_s": time.monotonic() - wall_start, "num_samples": run.num_samples, "num_resumed": run.num_resumed,
             "tokens_per_s": run.num_tokens / max(run.rollout_s, 1e-9), "workload": config.data.workload,
         }  # fmt: skip
+        if run.resume_step:
+            summary |= {
+                "resumed_at_step": run.resume_step, "steps_replayed": run.num_replayed,
+                "trajectories_reused": run.num_reused, "trajectories_regenerated": run.num_regenerated,
+            }  # fmt: skip
         if config.data.workload != "math":
             summary["env"] = run.env.to_dict()
         if history:
