@@ -127,7 +127,7 @@ async def _rollout(
         if kill is not None:
             group.start_soon(_kill, kill, kill_after_s, killed_at)
 
-        def on_sample(sample: Sample) -> None:
+        def on_sample(_index: int, sample: Sample) -> None:
             done_at[id(sample)] = time.monotonic() - started
 
         samples = await run_math_rollouts(batch, router, tokenizer, rollout, seed=seed, on_sample=on_sample)

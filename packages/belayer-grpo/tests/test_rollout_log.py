@@ -1,0 +1,97 @@
+"""The rollout log that ``--resume`` reads, and the ``--resume`` configuration and its errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from belayer_grpo import ExitCode, GrpoConfigError
+from belayer_grpo._checkpointing import save_checkpoint
+from belayer_grpo._cli import main
+from belayer_grpo._config import load_config, load_run_config
+from belayer_grpo._errors import CheckpointError
+from belayer_grpo._rollout_log import StepLog, prune_logs, read_step_log, replay_ended_steps, step_log_path
+from belayer_grpo._rollout_math import Sample
+
+_PROMPTS = [[1, 2], [1, 2], [3, 4], [3, 4]]  # 2 groups of 2
+
+
+def _sample(index: int) -> Sample:
+    return Sample(
+        group=index // 2, prompt_ids=_PROMPTS[index], completion_ids=[5, index], logprobs=[-0.1 * index, -1 / 3],
+        loss_mask=[1, 1], reward=float(index % 2), finish_reason="stop", num_resumes=0, text=str(index),
+    )  # fmt: skip
+
+
+def test_samples_come_back_exactly_and_a_torn_last_line_is_cut_off(tmp_path: Path) -> None:
+    path = step_log_path(tmp_path, 3)
+    log = StepLog.open(path)
+    log.append(2, _sample(2))
+    log.append(0, _sample(0))
+    log.close()
+    whole = path.stat().st_size
+    with path.open("ab") as file:
+        file.write(b'{"index": 1, "group": 0, "prompt_ids": [1,')  # the kill came mid-write
+    logged = read_step_log(path, _PROMPTS)
+    assert logged.samples == {2: _sample(2), 0: _sample(0)} and not logged.ended
+    assert logged.num_bytes == whole
+    # The resumed step appends after the whole lines: the torn one is gone.
+    log = StepLog.open(path, logged.num_bytes)
+    log.append(1, _sample(1))
+    log.end()
+    again = read_step_log(path, _PROMPTS)
+    assert sorted(again.samples) == [0, 1, 2] and again.ended
+    assert json.loads(path.read_text().splitlines()[-1]) == {"ended": True}
+
+
+def test_a_log_for_other_prompts_or_broken_inside_is_refused(tmp_path: Path) -> None:
+    path = step_log_path(tmp_path, 1)
+    log = StepLog.open(path)
+    log.append(1, _sample(1))
+    log.close()
+    with pytest.raises(CheckpointError, match="another prompt"):
+        read_step_log(path, [[9], [9], [9], [9]])
+    path.write_text("not json\n" + path.read_text())
+    with pytest.raises(CheckpointError, match="remove the file"):
+        read_step_log(path)
+    assert read_step_log(tmp_path / "missing.jsonl").samples == {}
+
+
+def test_replay_trains_on_the_ended_steps_in_index_order_and_stops_at_the_interrupted_one(
+    tmp_path: Path,
+) -> None:
+    for step in (1, 2, 3):
+        log = StepLog.open(step_log_path(tmp_path, step))
+        for index in (3, 1, 0, 2):
+            if step < 3 or index < 2:
+                log.append(index, _sample(index))
+        log.end() if step < 3 else log.close()
+    batches: list[list[Sample]] = []
+    drawn: list[int] = []
+
+    def draw() -> list[list[int]]:
+        drawn.append(len(drawn))
+        return _PROMPTS
+
+    last = replay_ended_steps(tmp_path, 0, draw, batches.append)
+    assert last == 2 and drawn == [0, 1]  # step 3 did not end: it is the one to resume
+    assert batches == [[_sample(i) for i in range(4)]] * 2
+    prune_logs(tmp_path, 2)
+    assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == ["step_000003.jsonl"]
+
+
+def test_resume_takes_the_saved_config_and_refuses_a_folder_it_cannot_resume(tmp_path: Path) -> None:
+    with pytest.raises(GrpoConfigError, match="no config.json"):
+        load_run_config(tmp_path)
+    saved = load_config(None, ["data.workload=math", "algorithm.steps=7"])
+    (tmp_path / "config.json").write_text(json.dumps(saved.to_dict()))
+    with pytest.raises(GrpoConfigError, match="first checkpoint"):
+        load_run_config(tmp_path)
+    assert main(["train", "--resume", str(tmp_path)]) == ExitCode.USAGE
+    save_checkpoint(tmp_path / "checkpoints", 0, {"model": {}, "optimizer": {}, "sampler": {}})
+    config = load_run_config(tmp_path, ["algorithm.steps=9", "system.run_dir=elsewhere"])
+    assert (config.data.workload, config.algorithm.steps) == ("math", 9)
+    assert (config.system.run_dir, config.system.resume) == (str(tmp_path.resolve()), "latest")
+    assert config.chaos == saved.chaos and config.rollout == saved.rollout
