@@ -81,7 +81,8 @@ def test_a_run_killed_mid_rollout_resumes_to_the_uninterrupted_model(tmp_path: P
                 train.kill()
                 train.wait()
     lines = _logged_lines(log)
-    assert 20 <= len(lines) < _SAMPLES and '"ended"' not in lines[-1]  # killed mid-rollout
+    assert 20 <= len(lines) < _SAMPLES  # killed mid-rollout
+    assert '"ended"' not in lines[-1]
     # The guardian reaped everything of the killed run: no process, socket or memory folder left.
     deadline = time.monotonic() + 30
     while _tagged_pids(tag) or any(run_b.rglob("*.sock")) or (run_b / "slots" / "slot0" / "mem").exists():
@@ -91,14 +92,16 @@ def test_a_run_killed_mid_rollout_resumes_to_the_uninterrupted_model(tmp_path: P
     resumed = _train("--resume", str(run_b), env=env)
     assert resumed.returncode == 0, resumed.stderr
     report = json.loads(resumed.stdout)
-    assert report["status"] == "completed" and report["steps"] == _STEPS
+    assert report["status"] == "completed"
+    assert report["steps"] == _STEPS
     assert (report["resumed_at_step"], report["steps_replayed"]) == (2, 1)  # step 1 from its log
     assert report["trajectories_reused"] >= 20  # at least what was durable before the kill
     assert report["trajectories_reused"] + report["trajectories_regenerated"] == _SAMPLES
     assert "trajectories reused" in resumed.stderr
     step2 = [json.loads(line) for line in (run_b / "metrics.jsonl").read_text().splitlines()]
     step2 = [record for record in step2 if record["step"] == 2]
-    assert len(step2) == 1 and step2[0]["trajectories_reused"] == report["trajectories_reused"]
+    assert len(step2) == 1
+    assert step2[0]["trajectories_reused"] == report["trajectories_reused"]
 
     model_a, model_b = _model(run_a), _model(run_b)
     assert model_a.keys() == model_b.keys()

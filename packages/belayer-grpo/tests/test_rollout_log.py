@@ -35,14 +35,16 @@ def test_samples_come_back_exactly_and_a_torn_last_line_is_cut_off(tmp_path: Pat
     with path.open("ab") as file:
         file.write(b'{"index": 1, "group": 0, "prompt_ids": [1,')  # the kill came mid-write
     logged = read_step_log(path, _PROMPTS)
-    assert logged.samples == {2: _sample(2), 0: _sample(0)} and not logged.ended
+    assert logged.samples == {2: _sample(2), 0: _sample(0)}
+    assert not logged.ended
     assert logged.num_bytes == whole
     # The resumed step appends after the whole lines: the torn one is gone.
     log = StepLog.open(path, logged.num_bytes)
     log.append(1, _sample(1))
     log.end()
     again = read_step_log(path, _PROMPTS)
-    assert sorted(again.samples) == [0, 1, 2] and again.ended
+    assert sorted(again.samples) == [0, 1, 2]
+    assert again.ended
     assert json.loads(path.read_text().splitlines()[-1]) == {"ended": True}
 
 
@@ -76,14 +78,15 @@ def test_replay_trains_on_the_ended_steps_in_index_order_and_stops_at_the_interr
         return _PROMPTS
 
     last = replay_ended_steps(tmp_path, 0, draw, batches.append)
-    assert last == 2 and drawn == [0, 1]  # step 3 did not end: it is the one to resume
+    assert last == 2  # step 3 did not end: it is the one to resume
+    assert drawn == [0, 1]
     assert batches == [[_sample(i) for i in range(4)]] * 2
     prune_logs(tmp_path, 2)
     assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == ["step_000003.jsonl"]
 
 
 def test_resume_takes_the_saved_config_and_refuses_a_folder_it_cannot_resume(tmp_path: Path) -> None:
-    with pytest.raises(GrpoConfigError, match="no config.json"):
+    with pytest.raises(GrpoConfigError, match=r"no config\.json"):
         load_run_config(tmp_path)
     saved = load_config(None, ["data.workload=math", "algorithm.steps=7"])
     (tmp_path / "config.json").write_text(json.dumps(saved.to_dict()))
@@ -94,4 +97,5 @@ def test_resume_takes_the_saved_config_and_refuses_a_folder_it_cannot_resume(tmp
     config = load_run_config(tmp_path, ["algorithm.steps=9", "system.run_dir=elsewhere"])
     assert (config.data.workload, config.algorithm.steps) == ("math", 9)
     assert (config.system.run_dir, config.system.resume) == (str(tmp_path.resolve()), "latest")
-    assert config.chaos == saved.chaos and config.rollout == saved.rollout
+    assert config.chaos == saved.chaos
+    assert config.rollout == saved.rollout
