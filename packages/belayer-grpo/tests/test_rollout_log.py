@@ -8,11 +8,19 @@ from pathlib import Path
 import pytest
 
 from belayer_grpo import ExitCode, GrpoConfigError
+from belayer_grpo._agentic import AgenticTrajectory, CheckpointRecord, RecoveryRecord
 from belayer_grpo._checkpointing import save_checkpoint
 from belayer_grpo._cli import main
 from belayer_grpo._config import load_config, load_run_config
 from belayer_grpo._errors import CheckpointError
-from belayer_grpo._rollout_log import StepLog, prune_logs, read_step_log, replay_ended_steps, step_log_path
+from belayer_grpo._rollout_log import (
+    StepLog,
+    kept_trajectories,
+    prune_logs,
+    read_step_log,
+    replay_ended_steps,
+    step_log_path,
+)
 from belayer_grpo._rollout_math import Sample
 
 _PROMPTS = [[1, 2], [1, 2], [3, 4], [3, 4]]  # 2 groups of 2
@@ -28,22 +36,22 @@ def _sample(index: int) -> Sample:
 def test_samples_come_back_exactly_and_a_torn_last_line_is_cut_off(tmp_path: Path) -> None:
     path = step_log_path(tmp_path, 3)
     log = StepLog.open(path)
-    log.append(2, _sample(2))
-    log.append(0, _sample(0))
+    log.append_sample(2, _sample(2))
+    log.append_sample(0, _sample(0))
     log.close()
     whole = path.stat().st_size
     with path.open("ab") as file:
         file.write(b'{"index": 1, "group": 0, "prompt_ids": [1,')  # the kill came mid-write
-    logged = read_step_log(path, _PROMPTS)
-    assert logged.samples == {2: _sample(2), 0: _sample(0)}
+    logged = read_step_log(path)
+    assert logged.samples(_PROMPTS) == {2: _sample(2), 0: _sample(0)}
     assert not logged.ended
     assert logged.num_bytes == whole
     # The resumed step appends after the whole lines: the torn one is gone.
     log = StepLog.open(path, logged.num_bytes)
-    log.append(1, _sample(1))
+    log.append_sample(1, _sample(1))
     log.end()
-    again = read_step_log(path, _PROMPTS)
-    assert sorted(again.samples) == [0, 1, 2]
+    again = read_step_log(path)
+    assert sorted(again.samples(_PROMPTS)) == [0, 1, 2]
     assert again.ended
     assert json.loads(path.read_text().splitlines()[-1]) == {"ended": True}
 
@@ -51,14 +59,14 @@ def test_samples_come_back_exactly_and_a_torn_last_line_is_cut_off(tmp_path: Pat
 def test_a_log_for_other_prompts_or_broken_inside_is_refused(tmp_path: Path) -> None:
     path = step_log_path(tmp_path, 1)
     log = StepLog.open(path)
-    log.append(1, _sample(1))
+    log.append_sample(1, _sample(1))
     log.close()
     with pytest.raises(CheckpointError, match="another prompt"):
-        read_step_log(path, [[9], [9], [9], [9]])
+        read_step_log(path).samples([[9], [9], [9], [9]])
     path.write_text("not json\n" + path.read_text())
     with pytest.raises(CheckpointError, match="remove the file"):
         read_step_log(path)
-    assert read_step_log(tmp_path / "missing.jsonl").samples == {}
+    assert read_step_log(tmp_path / "missing.jsonl").records == []
 
 
 def test_replay_trains_on_the_ended_steps_in_index_order_and_stops_at_the_interrupted_one(
@@ -68,19 +76,14 @@ def test_replay_trains_on_the_ended_steps_in_index_order_and_stops_at_the_interr
         log = StepLog.open(step_log_path(tmp_path, step))
         for index in (3, 1, 0, 2):
             if step < 3 or index < 2:
-                log.append(index, _sample(index))
+                log.append_sample(index, _sample(index))
         log.end() if step < 3 else log.close()
-    batches: list[list[Sample]] = []
-    drawn: list[int] = []
-
-    def draw() -> list[list[int]]:
-        drawn.append(len(drawn))
-        return _PROMPTS
-
-    last = replay_ended_steps(tmp_path, 0, draw, batches.append)
+    batches: list[tuple[int, dict[int, Sample]]] = []
+    last = replay_ended_steps(
+        tmp_path, 0, lambda step, logged: batches.append((step, logged.samples(_PROMPTS)))
+    )
     assert last == 2  # step 3 did not end: it is the one to resume
-    assert drawn == [0, 1]
-    assert batches == [[_sample(i) for i in range(4)]] * 2
+    assert batches == [(1, {i: _sample(i) for i in range(4)}), (2, {i: _sample(i) for i in range(4)})]
     prune_logs(tmp_path, 2)
     assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == ["step_000003.jsonl"]
 
@@ -99,3 +102,38 @@ def test_resume_takes_the_saved_config_and_refuses_a_folder_it_cannot_resume(tmp
     assert (config.system.run_dir, config.system.resume) == (str(tmp_path.resolve()), "latest")
     assert config.chaos == saved.chaos
     assert config.rollout == saved.rollout
+
+
+def _trajectory(group: int, sample: int, attempt: int) -> AgenticTrajectory:
+    again = f"-r{attempt}" if attempt else ""
+    checkpoint = CheckpointRecord(1, 1, "router:contexts/t/1", "h", "r", 0.5, 0.1, kind="full")
+    recovery = RecoveryRecord(
+        failed_prefix=2, failed_turn=2, reason="killed", restored_prefix=1, restored_turn=1, from_checkpoint=True,
+        restore_s=0.3, tokens_regenerated=4, rounds_regenerated=1, expected_repo_hash="a", actual_repo_hash="a",
+        context_matches=True, prefix_matches=True, restore_timings_ms={"restore": 1.5},
+    )  # fmt: skip
+    return AgenticTrajectory(
+        f"run-step4-g{group}{again}-s{sample}", f"task{group}", group, sample, [9, 9, 5, group], [0, 0, 1, 1],
+        [0.0, 0.0, -0.5, -1 / 3], 2, float(sample), "submit", 1, 1, 1, 0, "ok", "adaptive", 1.0,
+        [checkpoint], [recovery], step_checkpoint_s=[None], failed_steps=[2],
+    )  # fmt: skip
+
+
+def test_agentic_trajectories_come_back_whole_and_only_complete_groups_are_kept(tmp_path: Path) -> None:
+    path = step_log_path(tmp_path, 4)
+    log = StepLog.open(path)
+    # Group 0 lost a trajectory in its first sampling and was sampled again; group 1 kept its
+    # first; group 2 has one of two finished (the kill came): it enters no batch.
+    for group, sample, attempt in [(0, 0, 0), (1, 1, 0), (0, 1, 1), (1, 0, 0), (0, 0, 1), (2, 0, 0)]:
+        log.append_trajectory(group * 2 + sample, attempt, _trajectory(group, sample, attempt))
+    log.end()
+    found = read_step_log(path).trajectories(["task0", "task1", "task2"], "run-step4")
+    assert found[(0, 1, 1)] == _trajectory(0, 1, 1)  # every field, records included
+    kept = kept_trajectories(found, 2)
+    assert [(t.group_index, t.sample_index, t.trajectory_id) for t in kept] == [
+        (0, 0, "run-step4-g0-r1-s0"), (0, 1, "run-step4-g0-r1-s1"), (1, 0, "run-step4-g1-s0"), (1, 1, "run-step4-g1-s1"),
+    ]  # fmt: skip
+    with pytest.raises(CheckpointError, match="another prompt"):
+        read_step_log(path).trajectories(["task0", "other", "task2"], "run-step4")
+    with pytest.raises(CheckpointError, match="another prompt"):
+        read_step_log(path).trajectories(["task0", "task1", "task2"], "run-step5")

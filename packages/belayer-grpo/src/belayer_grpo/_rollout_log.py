@@ -1,9 +1,11 @@
 """The rollout log: each finished sample of a step made durable as it finishes, for ``--resume``.
 
-``RUN_DIR/rollouts/step_<N>.jsonl`` holds one JSON line per finished sample (its index
-``group * samples_per_prompt + sample`` and every field of `Sample` the trainer reads), each
-written, flushed and fsynced before the next, then one ``{"ended": true}`` line once the step's
-metrics are recorded.  A run resumed from the checkpoint of step K (`replay_ended_steps`) trains
+``RUN_DIR/rollouts/step_<N>.jsonl`` holds one JSON line per finished sample, its index
+``group * samples_per_prompt + sample`` and, for math, every field of `Sample` the trainer reads;
+for the agentic workloads the whole `AgenticTrajectory` (tokens, logprobs, loss mask, reward,
+indices, checkpoints and recoveries) and the group's ``attempt`` (a group sampled again after an
+unrecoverable trajectory).  Each line is written, flushed and fsynced before the next; one
+``{"ended": true}`` line follows once the step's metrics are recorded.  A run resumed from the checkpoint of step K (`replay_ended_steps`) trains
 again on the samples of the ended steps after K (nothing generated; the same update, as training
 is deterministic given its samples), and the step the kill interrupted takes the samples it had
 finished (`read_step_log`) and generates only the others, with the same per-request seeds.  So a
@@ -22,10 +24,19 @@ from typing import IO, Any
 
 import attrs
 
+from belayer_grpo._agentic import AgenticTrajectory
 from belayer_grpo._errors import CheckpointError
 from belayer_grpo._rollout_math import Sample
 
-__all__ = ["LoggedStep", "StepLog", "prune_logs", "read_step_log", "replay_ended_steps", "step_log_path"]
+__all__ = [
+    "LoggedStep",
+    "StepLog",
+    "kept_trajectories",
+    "prune_logs",
+    "read_step_log",
+    "replay_ended_steps",
+    "step_log_path",
+]
 
 _NAME = re.compile(r"step_(\d+)\.jsonl$")
 _FIELDS = [field.name for field in attrs.fields(Sample)]
@@ -38,25 +49,74 @@ def step_log_path(run_dir: Path, step: int) -> Path:
 
 @attrs.frozen
 class LoggedStep:
-    """What a step log holds: the finished samples by index, whether the step ended, and the
-    length of its whole lines (a torn last line, cut by a kill mid-write, is not counted)."""
+    """What a step log holds: its records in order, whether the step ended, and the length of its
+    whole lines (a torn last line, cut by a kill mid-write, is not counted)."""
 
-    samples: dict[int, Sample]
+    path: Path
+    records: list[dict[str, Any]]
     ended: bool
     num_bytes: int
 
+    def samples(self, prompts: Sequence[Sequence[int]]) -> dict[int, Sample]:
+        """The math samples by index, each checked against ``prompts`` (the prompt token ids of
+        every index of the step): a log written for other prompts raises `CheckpointError`."""
+        out = {}
+        for record in self.records:
+            index = int(record["index"])
+            sample = Sample(**{name: record[name] for name in _FIELDS})
+            if index >= len(prompts) or list(prompts[index]) != sample.prompt_ids:
+                raise self._mismatch(f"sample {index}")
+            out[index] = sample
+        return out
 
-def read_step_log(path: Path, prompts: Sequence[Sequence[int]] | None = None) -> LoggedStep:
-    """The samples of ``path`` (an empty `LoggedStep` when it does not exist).
+    def trajectories(
+        self, task_ids: Sequence[str], run_id: str
+    ) -> dict[tuple[int, int, int], AgenticTrajectory]:
+        """The agentic trajectories by ``(group_index, sample_index, attempt)``, each checked
+        against the step's tasks (``task_ids`` by group) and its ``run_id``."""
+        out = {}
+        for record in self.records:
+            trajectory = AgenticTrajectory.from_record(record["trajectory"])
+            group = trajectory.group_index
+            if (
+                group >= len(task_ids) or trajectory.task_id != task_ids[group]
+                or not trajectory.trajectory_id.startswith(f"{run_id}-")
+            ):  # fmt: skip
+                raise self._mismatch(f"trajectory {trajectory.trajectory_id}")
+            out[(group, trajectory.sample_index, int(record["attempt"]))] = trajectory
+        return out
 
-    ``prompts`` (the prompt token ids of every index of the step) checks each sample against the
-    step being resumed: a log written for other prompts raises `CheckpointError`, as does a
-    broken line that is not the last.
-    """
+    def _mismatch(self, what: str) -> CheckpointError:
+        return CheckpointError(
+            f"{self.path}: {what} was generated for another prompt than this step's (was the "
+            "configuration changed?); resume with the run's own config.json, or remove the file"
+        )
+
+
+def kept_trajectories(
+    trajectories: dict[tuple[int, int, int], AgenticTrajectory], num_samples: int
+) -> list[AgenticTrajectory]:
+    """The trajectories of an ended step that entered its batch, in group then sample order: per
+    group the one attempt with all ``num_samples`` samples finished (an attempt that lost one was
+    sampled again; a group with no complete attempt was dropped)."""
+    attempts: dict[tuple[int, int], list[AgenticTrajectory]] = {}
+    for (group, _sample, attempt), trajectory in trajectories.items():
+        attempts.setdefault((group, attempt), []).append(trajectory)
+    kept = [
+        sorted(found, key=lambda t: t.sample_index)
+        for found in attempts.values()
+        if len(found) == num_samples
+    ]
+    return [trajectory for group in sorted(kept, key=lambda g: g[0].group_index) for trajectory in group]
+
+
+def read_step_log(path: Path) -> LoggedStep:
+    """The records of ``path`` (none when it does not exist); a broken line that is not the last
+    raises `CheckpointError`."""
     if not path.is_file():
-        return LoggedStep({}, False, 0)
+        return LoggedStep(path, [], False, 0)
     data = path.read_bytes()
-    samples: dict[int, Sample] = {}
+    records: list[dict[str, Any]] = []
     ended = False
     offset = 0
     while offset < len(data):
@@ -72,16 +132,9 @@ def read_step_log(path: Path, prompts: Sequence[Sequence[int]] | None = None) ->
         offset = end + 1
         if record.get("ended"):
             ended = True
-            continue
-        index = int(record["index"])
-        sample = Sample(**{name: record[name] for name in _FIELDS})
-        if prompts is not None and (index >= len(prompts) or list(prompts[index]) != sample.prompt_ids):
-            raise CheckpointError(
-                f"{path}: sample {index} was generated for another prompt than this step's (was the "
-                "configuration changed?); resume with the run's own config.json, or remove the file"
-            )
-        samples[index] = sample
-    return LoggedStep(samples, ended, offset)
+        else:
+            records.append(record)
+    return LoggedStep(path, records, ended, offset)
 
 
 @attrs.define
@@ -101,9 +154,13 @@ class StepLog:
         file.seek(keep_bytes)
         return cls(path, file)
 
-    def append(self, index: int, sample: Sample) -> None:
-        """Write one sample durably (flush and fsync) before returning."""
+    def append_sample(self, index: int, sample: Sample) -> None:
+        """Write one math sample durably (flush and fsync) before returning."""
         self._write({"index": index, **attrs.asdict(sample)})
+
+    def append_trajectory(self, index: int, attempt: int, trajectory: AgenticTrajectory) -> None:
+        """Write one agentic trajectory (``attempt``: its group's sampling) durably."""
+        self._write({"index": index, "attempt": attempt, "trajectory": trajectory.to_record()})
 
     def end(self) -> None:
         """Mark the step as ended (its metrics are recorded) and close the file."""
@@ -120,35 +177,15 @@ class StepLog:
         os.fsync(self._file.fileno())
 
 
-def replay_ended_steps(
-    run_dir: Path,
-    after_step: int,
-    next_prompts: Callable[[], Sequence[Sequence[int]]],
-    update: Callable[[list[Sample]], object],
-) -> int:
-    """Train on the logged samples of every ended step after ``after_step``, in order, and return
-    the last such step (``after_step`` when there is none).
-
-    For each step, ``next_prompts()`` draws the step's prompts as the run did (one per index; it
-    advances the sampler) and ``update`` is the trainer's update on the samples in index order.
-    """
+def replay_ended_steps(run_dir: Path, after_step: int, train_on: Callable[[int, LoggedStep], object]) -> int:
+    """Call ``train_on(step, logged)`` for every ended step after ``after_step``, in order, and
+    return the last such step (``after_step`` when there is none).  ``train_on`` draws the step's
+    prompts as the run did (advancing the sampler), checks the log against them and trains."""
     step = after_step
-    while True:
-        path = step_log_path(run_dir, step + 1)
-        if not path.is_file():
-            return step
-        logged = read_step_log(path)
-        if not logged.ended:
-            return step
-        prompts = next_prompts()
-        checked = read_step_log(path, prompts)
-        if len(checked.samples) != len(prompts):
-            raise CheckpointError(
-                f"{path} ended with {len(checked.samples)} of {len(prompts)} samples; remove it and "
-                "the later step logs to generate them again"
-            )
-        update([checked.samples[index] for index in sorted(checked.samples)])
+    while (logged := read_step_log(step_log_path(run_dir, step + 1))).ended:
+        train_on(step + 1, logged)
         step += 1
+    return step
 
 
 def prune_logs(run_dir: Path, up_to_step: int) -> None:

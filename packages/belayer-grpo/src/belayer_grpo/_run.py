@@ -21,13 +21,13 @@ import anyio
 import attrs
 import torch
 
-from belayer_grpo._agentic import default_estimators
+from belayer_grpo._agentic import AgenticTrajectory, default_estimators, to_samples
 from belayer_grpo._chaos import FailureRecord, WorkerChaos, match_recoveries
 from belayer_grpo._checkpointing import find_latest, load_checkpoint, save_checkpoint
 from belayer_grpo._cluster import ClusterSystem, ClusterWeights, rollout_system
 from belayer_grpo._config import Config
 from belayer_grpo._data import PolicyTokenizer, Problem, PromptSampler, generate_arithmetic, load_math_file
-from belayer_grpo._errors import GrpoConfigError
+from belayer_grpo._errors import CheckpointError, GrpoConfigError
 from belayer_grpo._guardian import Guardian, reap_run, run_processes_marked
 from belayer_grpo._model import build_policy, build_tokenizer, engine_model_config, supervised_warmup
 from belayer_grpo._plot import write_training_plot
@@ -48,6 +48,7 @@ from belayer_grpo._rollout_agentic import (
 from belayer_grpo._rollout_log import (
     LoggedStep,
     StepLog,
+    kept_trajectories,
     prune_logs,
     read_step_log,
     replay_ended_steps,
@@ -172,14 +173,10 @@ def _prepare(config: Config, run_dir: Path, stream: TextIO) -> tuple[RunState, A
         trainer.load_state_dict(state)
         sampler.load_state_dict(state["sampler"])
         start_step = int(state["step"])
-        if not swe:  # train again on the ended steps the rollout log holds (`belayer_grpo._rollout_log`)
-            n, size = config.rollout.samples_per_prompt, config.rollout.batch_size
-            start_step = replay_ended_steps(
-                run_dir,
-                start_step,
-                lambda: _prompt_ids(tokenizer, sampler.next_batch(size), n),
-                trainer.update,
-            )
+        # Train again on the ended steps the rollout log holds (`belayer_grpo._rollout_log`).
+        start_step = replay_ended_steps(
+            run_dir, start_step, lambda step, logged: _train_on_log(config, run_dir, tokenizer, sampler, trainer, step, logged)
+        )  # fmt: skip
     reporter = Reporter(run_dir, config.logging, config.algorithm.steps, stream=stream)
     run = RunState(config, run_dir, tokenizer, problems, sampler, trainer, reporter, start_step, warmup_s)
     if state is not None:
@@ -187,6 +184,28 @@ def _prepare(config: Config, run_dir: Path, stream: TextIO) -> tuple[RunState, A
         run.num_replayed = start_step - run.checkpoint_step
         run.resume_step = start_step + 1
     return run, model_config
+
+
+def _train_on_log(
+    config: Config, run_dir: Path, tokenizer: PolicyTokenizer, sampler: PromptSampler[Any], trainer: GRPOTrainer,
+    step: int, logged: LoggedStep,
+) -> None:  # fmt: skip
+    """Step ``step`` of a resumed run again from its ended log: its prompts drawn, its update."""
+    batch = sampler.next_batch(config.rollout.batch_size)
+    n = config.rollout.samples_per_prompt
+    if config.data.workload == "math":
+        by_index = logged.samples(_prompt_ids(tokenizer, batch, n))
+        if len(by_index) != len(batch) * n:
+            raise CheckpointError(
+                f"{logged.path} ended with {len(by_index)} of {len(batch) * n} samples; remove it and "
+                "the later step logs to generate them again"
+            )
+        samples = [by_index[index] for index in sorted(by_index)]
+    else:
+        found = logged.trajectories([task.instance_id for task in batch], f"{run_tag(run_dir)}-step{step}")
+        samples = to_samples(kept_trajectories(found, n))
+    if samples:  # every group dropped: the step made no update
+        trainer.update(samples)
 
 
 def _prompt_ids(tokenizer: PolicyTokenizer, problems: Sequence[Problem], n: int) -> list[list[int]]:
@@ -225,11 +244,12 @@ async def _math_rollout(
     problems = run.sampler.next_batch(config.rollout.batch_size)
     total = len(problems) * config.rollout.samples_per_prompt
     path = step_log_path(run.run_dir, step)
-    logged = LoggedStep({}, False, 0)
+    done: dict[int, Sample] = {}
+    logged = LoggedStep(path, [], False, 0)
     if step == run.resume_step:  # what the killed run had finished is taken, not generated again
-        prompts = _prompt_ids(run.tokenizer, problems, config.rollout.samples_per_prompt)
-        logged = await anyio.to_thread.run_sync(read_step_log, path, prompts)
-        run.num_reused, run.num_regenerated = len(logged.samples), total - len(logged.samples)
+        logged = await anyio.to_thread.run_sync(read_step_log, path)
+        done = logged.samples(_prompt_ids(run.tokenizer, problems, config.rollout.samples_per_prompt))
+        run.num_reused, run.num_regenerated = len(done), total - len(done)
     log = run.step_log = StepLog.open(path, logged.num_bytes)
     kill_pending = chaos.wants_kill_at_step(step)
     finished = 0
@@ -237,7 +257,7 @@ async def _math_rollout(
 
         def on_sample(index: int, sample: Sample) -> None:
             nonlocal finished, kill_pending
-            log.append(index, sample)  # a few hundred bytes and an fsync: before anything else
+            log.append_sample(index, sample)  # a few hundred bytes and an fsync: before anything else
             finished += 1
             run.reporter.advance()
             if kill_pending and finished >= max(1, total // 4):
@@ -251,7 +271,7 @@ async def _math_rollout(
             config.rollout,
             seed=step,
             on_sample=on_sample,
-            done=logged.samples,
+            done=done,
         )
     resumed = step == run.resume_step
     return samples, {
@@ -280,13 +300,28 @@ async def _swe_rollout(
         run.estimators = default_estimators(
             settings, config.rollout.batch_size * config.rollout.samples_per_prompt
         )
+    tasks = run.sampler.next_batch(config.rollout.batch_size)
+    n, run_id = config.rollout.samples_per_prompt, f"{run_tag(run.run_dir)}-step{step}"
+    path = step_log_path(run.run_dir, step)
+    logged = LoggedStep(path, [], False, 0)
+    if step == run.resume_step:  # the trajectories the killed run had finished are taken as they are
+        logged = await anyio.to_thread.run_sync(read_step_log, path)
+    log = run.step_log = StepLog.open(path, logged.num_bytes)
+    generated = 0
+
+    def on_finished(trajectory: AgenticTrajectory, attempt: int) -> None:
+        nonlocal generated
+        generated += 1
+        log.append_trajectory(trajectory.group_index * n + trajectory.sample_index, attempt, trajectory)
+
+    reused_before = run.env.unrecoverable.num_reused
     samples, metrics, trajectories = await run_swe_rollout(
-        run.sampler.next_batch(config.rollout.batch_size),
+        tasks,
         settings,
         router,
         run.tokenizer,
-        num_samples=config.rollout.samples_per_prompt,
-        run_id=f"{run_tag(run.run_dir)}-step{step}",
+        num_samples=n,
+        run_id=run_id,
         chaos=chaos if chaos.wants_kill_at_step(step) else None,
         trajectories_file=run.run_dir / "trajectories.jsonl",
         step=step,
@@ -294,7 +329,16 @@ async def _swe_rollout(
         estimators=run.estimators,
         pool=await run.sandbox_pool(),
         stats=run.env.unrecoverable,
+        done=logged.trajectories([task.instance_id for task in tasks], run_id),
+        on_finished=on_finished,
     )
+    resumed = step == run.resume_step
+    if resumed:
+        run.num_reused, run.num_regenerated = run.env.unrecoverable.num_reused - reused_before, generated
+    metrics |= {
+        "trajectories_reused": run.num_reused if resumed else 0,
+        "trajectories_regenerated": run.num_regenerated if resumed else 0,
+    }
     run.env.add(trajectories, step)
     # The agentic trace in belayer-policy's format: what the simulator replays (issue 16).
     with (run.run_dir / "trace.jsonl").open("a") as trace:

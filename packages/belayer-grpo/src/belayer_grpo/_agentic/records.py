@@ -186,6 +186,25 @@ class AgenticTrajectory:
         """Response tokens that failures made the model generate again."""
         return sum(r.tokens_regenerated for r in self.recoveries)
 
+    def to_record(self) -> dict[str, Any]:
+        """Every field, JSON-ready (a rollout log's line; `from_record` reads it back).  The live
+        `Checkpoint` handles are left out: a finished trajectory's checkpoints are collected."""
+        out = attrs.asdict(self, recurse=False)
+        out["checkpoints"] = [
+            attrs.asdict(c, filter=lambda a, _v: a.name != "checkpoint") for c in self.checkpoints
+        ]
+        out["recoveries"] = [attrs.asdict(r) for r in self.recoveries]
+        return out
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> AgenticTrajectory:
+        """The trajectory `to_record` wrote (``checkpoint`` handles None)."""
+        return cls(**{
+            **record,
+            "checkpoints": [CheckpointRecord(**c) for c in record["checkpoints"]],
+            "recoveries": [RecoveryRecord(**r) for r in record["recoveries"]],
+        })  # fmt: skip
+
     def summary(self) -> dict[str, Any]:
         """Counters and the failure history, JSON-ready (no token lists)."""
         return {

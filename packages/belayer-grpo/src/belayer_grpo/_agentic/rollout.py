@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import anyio
 import attrs
@@ -44,6 +44,7 @@ class RolloutStats:
     num_resampled_groups: int = 0  # groups sampled again at least once
     num_resamples: int = 0  # group samplings beyond the first
     num_dropped_groups: int = 0  # groups left out of the batch
+    num_reused: int = 0  # trajectories taken from ``done`` (a resumed step's log), not generated
     errors: list[str] = attrs.field(factory=list)  # `describe_error` of each unrecoverable trajectory
 
     def add(self, other: RolloutStats) -> None:
@@ -52,6 +53,7 @@ class RolloutStats:
         self.num_resampled_groups += other.num_resampled_groups
         self.num_resamples += other.num_resamples
         self.num_dropped_groups += other.num_dropped_groups
+        self.num_reused += other.num_reused
         self.errors += other.errors
 
     def to_dict(self) -> dict[str, int]:
@@ -87,6 +89,8 @@ async def run_agentic_rollouts(
     run_id: str | None = None,
     on_trajectory: Callable[[AgenticTrajectory], None] | None = None,
     stats: RolloutStats | None = None,
+    done: Mapping[tuple[int, int, int], AgenticTrajectory] | None = None,
+    on_finished: Callable[[AgenticTrajectory, int], None] | None = None,
 ) -> list[AgenticTrajectory]:
     """Roll out ``num_samples`` trajectories per task (a GRPO group each), concurrently.
 
@@ -100,7 +104,10 @@ async def run_agentic_rollouts(
     ``engine`` and ``pool`` are created (and cleaned up) here when not given; ``tokenizer``
     defaults to bytes.  ``on_trajectory`` is called for each trajectory that enters the result,
     once its group is complete and kept (progress bars); never for a group that is sampled again
-    or dropped, nor for trajectories of a rollout that raises.
+    or dropped, nor for trajectories of a rollout that raises.  ``on_finished(trajectory,
+    attempt)`` is called as each generated trajectory finishes, before its group is decided (the
+    rollout log); ``done`` maps ``(group_index, sample_index, attempt)`` to a trajectory a killed
+    run had finished, taken instead of generating it (counted in ``stats.num_reused``).
     """
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
@@ -123,7 +130,7 @@ async def run_agentic_rollouts(
             return await _roll_out(
                 tasks, router, config, num_samples, tokenizer or ByteTokenizer(), pool,
                 estimators or default_estimators(config), run_id or uuid.uuid4().hex[:8], on_trajectory,
-                RolloutStats() if stats is None else stats,
+                RolloutStats() if stats is None else stats, done or {}, on_finished,
             )  # fmt: skip
         finally:
             if own_pool:
@@ -144,6 +151,8 @@ async def _roll_out(
     run_id: str,
     on_trajectory: Callable[[AgenticTrajectory], None] | None,
     stats: RolloutStats,
+    done: Mapping[tuple[int, int, int], AgenticTrajectory],
+    on_finished: Callable[[AgenticTrajectory, int], None] | None,
 ) -> list[AgenticTrajectory]:
     built = config.image
     if built is None and any(t.image is None for t in tasks):
@@ -162,6 +171,9 @@ async def _roll_out(
     async def sample(task: AgentTask, group_index: int, sample_index: int, attempt: int) -> AgenticTrajectory:
         # Keyed by the sample's place, not its id, so a batch sees the same faults in every run
         # (a group sampled again sees other faults).
+        if (reused := done.get((group_index, sample_index, attempt))) is not None:
+            stats.num_reused += 1
+            return reused
         again = f"-r{attempt}" if attempt else ""
         trajectory_id = f"{run_id}-g{group_index}{again}-s{sample_index}"
         injector = None
@@ -175,7 +187,10 @@ async def _roll_out(
                     task, trajectory_id, config, router, tokenizer, lease,
                     spec.build(estimators), chaos, group_index, sample_index,
                 )  # fmt: skip
-                return await loop.run()
+                trajectory = await loop.run()
+            if on_finished is not None:
+                on_finished(trajectory, attempt)
+            return trajectory
         except BaseException:
             # Best effort: what the router still holds of it (its own error is the one to raise).
             with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
