@@ -1,9 +1,11 @@
 """``belayer-grpo train --resume`` after a SIGKILL of the trainer mid-rollout ends like a run never killed.
 
-Run A trains 3 math steps uninterrupted.  Run B, same configuration and seed, is SIGKILLed while
-step 2's rollout is under way (20 of its 128 samples in its rollout log), then resumed with
-``--resume RUN_DIR``: from the step-0 checkpoint it trains step 1 again from its log (no
-generation), takes step 2's finished samples and generates only the others, then runs step 3.
+For each workload (math; the agentic tooluse ``store`` task, which needs Docker): run A trains 3
+steps uninterrupted, then its folder is renamed; run B, same configuration, seed and folder path
+(the agentic trajectory ids, and so their sampling seeds, start with the folder's tag), is
+SIGKILLed while step 2's rollout is under way (a quarter of its samples in its rollout log), then
+resumed with ``--resume RUN_DIR``: from the step-0 checkpoint it trains step 1 again from its log
+(no generation), takes step 2's finished samples and generates only the others, then runs step 3.
 
 Tolerance for the final weights: none (bit-equal).  On CPU with one intra-op thread the update is
 a deterministic function of the samples (measured: two uninterrupted runs end bit-equal), and
@@ -28,14 +30,19 @@ from test_sigint import _tagged_pids
 
 pytestmark = pytest.mark.e2e
 
-_STEPS, _SAMPLES = 3, 16 * 8  # rollout.batch_size * samples_per_prompt of default-math.toml
-_ARGS = [
-    "data.workload=math",
-    f"algorithm.steps={_STEPS}",
-    "chaos.kill_worker_at_steps=[]",
-    "logging.progress=false",
-    "logging.tensorboard=false",
-    "rollout.concurrency=4",  # a rollout of a few seconds, so the kill lands inside it
+_STEPS = 3
+_COMMON = [f"algorithm.steps={_STEPS}", "chaos.kill_worker_at_steps=[]", "logging.progress=false",
+           "logging.tensorboard=false"]  # fmt: skip
+_WORKLOADS = [
+    # 16 prompts x 8 samples; a rollout of a few seconds, so the kill lands inside it
+    pytest.param(["data.workload=math", "rollout.concurrency=4"], 128, id="math"),
+    # 4 tasks x 4 samples in real sandboxes, no sandbox kills
+    pytest.param(
+        ["data.workload=tooluse", "data.tool_task=store", "chaos.sandbox_kill_p=0.0", "data.held_out=4"],
+        16,
+        id="tooluse-store",
+        marks=pytest.mark.docker,
+    ),
 ]
 
 
@@ -55,22 +62,39 @@ def _model(run_dir: Path) -> dict[str, torch.Tensor]:
     return dict(state["model"])
 
 
-def test_a_run_killed_mid_rollout_resumes_to_the_uninterrupted_model(tmp_path: Path) -> None:
+def _sandboxes(run_dir: Path) -> list[str]:
+    from belayer_grpo._guardian import RUN_LABEL, run_marker
+
+    found = subprocess.run(
+        ["docker", "ps", "-aq", "--filter", f"label={RUN_LABEL}={run_marker(run_dir)}"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return found.stdout.split()
+
+
+@pytest.mark.parametrize(("workload", "num_samples"), _WORKLOADS)
+def test_a_run_killed_mid_rollout_resumes_to_the_uninterrupted_model(
+    tmp_path: Path, workload: list[str], num_samples: int
+) -> None:
     tag = uuid.uuid4().hex
     env = {**os.environ, "BELAYER_TEST_TAG": tag}
-    run_a, run_b = tmp_path / "a", tmp_path / "b"
-    done = _train(*_ARGS, f"system.run_dir={str(run_a)!r}", env=env)
+    run_dir, run_a = tmp_path / "run", tmp_path / "a"
+    args = [*_COMMON, *workload, f"system.run_dir={str(run_dir)!r}"]
+    done = _train(*args, env=env)
     assert done.returncode == 0, done.stderr
+    run_dir.rename(run_a)
 
-    log = run_b / "rollouts" / "step_000002.jsonl"
+    log = run_dir / "rollouts" / "step_000002.jsonl"
     with (tmp_path / "b.log").open("w") as output:
         train = subprocess.Popen(
-            [sys.executable, "-m", "belayer_grpo", "train", *_ARGS, f"system.run_dir={str(run_b)!r}"],
-            stdout=output, stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
+            [sys.executable, "-m", "belayer_grpo", "train", *args],
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         try:
             deadline = time.monotonic() + 300
-            while len(_logged_lines(log)) < 20:
+            while len(_logged_lines(log)) < num_samples // 4:
                 assert train.poll() is None, (tmp_path / "b.log").read_text()
                 assert time.monotonic() < deadline, (tmp_path / "b.log").read_text()
                 time.sleep(0.01)
@@ -81,29 +105,32 @@ def test_a_run_killed_mid_rollout_resumes_to_the_uninterrupted_model(tmp_path: P
                 train.kill()
                 train.wait()
     lines = _logged_lines(log)
-    assert 20 <= len(lines) < _SAMPLES  # killed mid-rollout
-    assert '"ended"' not in lines[-1]
-    # The guardian reaped everything of the killed run: no process, socket or memory folder left.
+    assert num_samples // 4 <= len(lines) < num_samples  # killed mid-rollout
+    assert '{"ended": true}' not in lines
+    # The guardian reaped everything of the killed run: no process, socket, memory folder or sandbox.
     deadline = time.monotonic() + 30
-    while _tagged_pids(tag) or any(run_b.rglob("*.sock")) or (run_b / "slots" / "slot0" / "mem").exists():
-        assert time.monotonic() < deadline, (run_b / "guardian.log").read_text()
+    while _tagged_pids(tag) or any(run_dir.rglob("*.sock")) or (run_dir / "slots" / "slot0" / "mem").exists():
+        assert time.monotonic() < deadline, (run_dir / "guardian.log").read_text()
         time.sleep(0.1)
+    if "data.workload=tooluse" in workload:
+        assert _sandboxes(run_dir) == []
 
-    resumed = _train("--resume", str(run_b), env=env)
+    resumed = _train("--resume", str(run_dir), env=env)
     assert resumed.returncode == 0, resumed.stderr
     report = json.loads(resumed.stdout)
     assert report["status"] == "completed"
     assert report["steps"] == _STEPS
     assert (report["resumed_at_step"], report["steps_replayed"]) == (2, 1)  # step 1 from its log
-    assert report["trajectories_reused"] >= 20  # at least what was durable before the kill
-    assert report["trajectories_reused"] + report["trajectories_regenerated"] == _SAMPLES
+    assert report["trajectories_reused"] >= num_samples // 4  # at least what was durable before the kill
+    assert report["trajectories_reused"] + report["trajectories_regenerated"] == num_samples
     assert "trajectories reused" in resumed.stderr
-    step2 = [json.loads(line) for line in (run_b / "metrics.jsonl").read_text().splitlines()]
+    print(f"reused {report['trajectories_reused']}, regenerated {report['trajectories_regenerated']}")
+    step2 = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     step2 = [record for record in step2 if record["step"] == 2]
     assert len(step2) == 1
     assert step2[0]["trajectories_reused"] == report["trajectories_reused"]
 
-    model_a, model_b = _model(run_a), _model(run_b)
+    model_a, model_b = _model(run_a), _model(run_dir)
     assert model_a.keys() == model_b.keys()
     for name, tensor in model_a.items():
         assert torch.equal(tensor, model_b[name]), (name, (tensor - model_b[name]).abs().max())
