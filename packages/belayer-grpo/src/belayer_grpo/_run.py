@@ -112,7 +112,7 @@ class RunState:
     num_reused: int = 0  # samples of the resumed step taken from its log
     num_regenerated: int = 0  # samples of the resumed step that the killed run had not finished
     checkpoint_step: int = 0
-    step_log: StepLog | None = None  # the current step's rollout log (math), ended after its metrics
+    step_log: StepLog | None = None  # the current step's rollout log, ended after its metrics
 
     async def sandbox_pool(self) -> Any:
         """The run's sandbox pool, opened at first use."""
@@ -250,6 +250,7 @@ async def _math_rollout(
         logged = await anyio.to_thread.run_sync(read_step_log, path)
         done = logged.samples(_prompt_ids(run.tokenizer, problems, config.rollout.samples_per_prompt))
         run.num_reused, run.num_regenerated = len(done), total - len(done)
+        run.reporter.advance(count=len(done))  # the bar counts them as finished
     log = run.step_log = StepLog.open(path, logged.num_bytes)
     kill_pending = chaos.wants_kill_at_step(step)
     finished = 0
