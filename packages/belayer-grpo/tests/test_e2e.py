@@ -45,7 +45,10 @@ def test_short_run_raises_accuracy_and_survives_a_worker_kill(tmp_path: Path) ->
     assert [m["step"] for m in metrics] == list(range(1, 13))
     assert [m["weight_version"] for m in metrics] == list(range(2, 14))
     assert max(m["logprob_gap"] for m in metrics) < 1e-3
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000006.pt", "step_000012.pt"]
+    # The step-0 checkpoint (the policy after the warm-up: a kill before step 6 is resumable), then
+    # every `checkpoint_every` steps.
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert checkpoints == ["step_000000.pt", "step_000006.pt", "step_000012.pt"]
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert json.loads((run_dir / "report.json").read_text())["status"] == "completed"
     # Nothing left running: no memory-server sockets remain.
