@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import anyio
 
@@ -40,6 +41,22 @@ def gone(pid: int) -> bool:
             return stat.read().rsplit(") ", 1)[1].startswith("Z")
     except FileNotFoundError:
         return True
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Live (not zombie) processes whose command line contains `text`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if text in cmdline and stat[stat.rindex(")") + 2 :].split()[0] != "Z":
+            found.append(int(entry.name))
+    return found
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 import ray
-from cluster_helpers import PROMPTS, Rollout, gone, rollout, wait_until
+from cluster_helpers import PROMPTS, Rollout, gone, processes_mentioning, rollout, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 MAX_TOKENS = 96
@@ -49,22 +49,6 @@ def _write_model(folder: Path, seed: int) -> Path:
 def models(shared_dir: Path) -> dict[str, Path]:
     """The served model (seed 0) and other weights of the same shapes (seed 1), on the shared folder."""
     return {"first": _write_model(shared_dir / "m0", 0), "second": _write_model(shared_dir / "m1", 1)}
-
-
-def _processes_mentioning(text: str) -> list[int]:
-    """Live (not zombie) processes whose command line contains `text`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        if text in cmdline and stat[stat.rindex(")") + 2 :].split()[0] != "Z":
-            found.append(int(entry.name))
-    return found
 
 
 class Served:
@@ -197,7 +181,7 @@ def test_sigterm_stops_every_slot_and_actor(served: Served, shared_dir: Path, lo
     assert served.process.wait(timeout=180) == 130
     wait_until(lambda: gone(host), 60, "slot0's SlotHost actor to exit")
     wait_until(lambda: ray.available_resources().get("CPU", 0.0) == total, 120, "the slots' CPUs to be free")
-    wait_until(lambda: not _processes_mentioning(str(shared_dir / "s")), 60, "every slot process to exit")
+    wait_until(lambda: not processes_mentioning(str(shared_dir / "s")), 60, "every slot process to exit")
 
 
 def test_an_unsupported_architecture_exits_2_before_anything_starts(

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from cluster_helpers import processes_mentioning
 
 pytest.importorskip("vllm")
 
@@ -48,21 +49,6 @@ def _model_folder(folder: Path) -> list[int]:
     while engine.has_unfinished():
         tokens.extend(out.token_id for out in engine.step())
     return tokens
-
-
-def _slot_processes(shared: Path) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        if str(shared) in cmdline and stat[stat.rindex(")") + 2 :].split()[0] != "Z":
-            found.append(int(entry.name))
-    return found
 
 
 def test_cluster_serve_on_vllm_slots_answers_as_the_builtin_engine_and_stops_clean(tmp_path: Path) -> None:
@@ -107,9 +93,9 @@ def test_cluster_serve_on_vllm_slots_answers_as_the_builtin_engine_and_stops_cle
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=180) == 130
         deadline = time.monotonic() + 30
-        while _slot_processes(shared) and time.monotonic() < deadline:
+        while processes_mentioning(str(shared)) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert _slot_processes(shared) == []
+        assert processes_mentioning(str(shared)) == []
     finally:
         if serve.poll() is None:
             serve.kill()
