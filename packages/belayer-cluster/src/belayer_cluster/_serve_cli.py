@@ -19,7 +19,7 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from belayer_cluster._errors import ClusterConfigError
 
@@ -57,9 +57,13 @@ def run_serve(args: argparse.Namespace) -> int:
     # Unix socket paths are short (107 bytes): so is the default shared folder.
     shared = Path(tempfile.mkdtemp(prefix="bcs-", dir="/tmp")) if own_shared else args.shared_dir
     local = None
+    # Standard output is the command's own (the ready line, `--json`'s document first). Ray
+    # forwards its raylets' and workers' lines to the driver's `sys.stdout` (a raylet marked dead
+    # on a loaded machine came out before the ready line, breaking `--json`): they go to stderr.
+    out, sys.stdout = sys.stdout, sys.stderr
     try:
         local = _join_or_start(args, config.num_slots)
-        return int(anyio.run(_serve, args, config, shared, local))
+        return int(anyio.run(_serve, args, config, shared, local, out))
     finally:
         if local is not None:
             local.shutdown()
@@ -69,6 +73,7 @@ def run_serve(args: argparse.Namespace) -> int:
             disconnect()
         if own_shared:
             shutil.rmtree(shared, ignore_errors=True)
+        sys.stdout = out  # after Ray is shut down (it may still print)
 
 
 def _join_or_start(args: argparse.Namespace, num_slots: int) -> Any:
@@ -92,7 +97,7 @@ def _join_or_start(args: argparse.Namespace, num_slots: int) -> Any:
     return local
 
 
-async def _serve(args: argparse.Namespace, config: Any, shared: Path, local: Any) -> int:
+async def _serve(args: argparse.Namespace, config: Any, shared: Path, local: Any, out: TextIO) -> int:
     import anyio
 
     from belayer_cluster._serve import ClusterService
@@ -110,7 +115,7 @@ async def _serve(args: argparse.Namespace, config: Any, shared: Path, local: Any
                 "shared_dir": str(shared),
             }
             line = f"belayer-cluster serving {config.model_name} at {service.url}"
-            print(json.dumps(document) if args.json else line, flush=True)
+            print(json.dumps(document) if args.json else line, file=out, flush=True)
             async for _ in signals:
                 break
     return INTERRUPTED
