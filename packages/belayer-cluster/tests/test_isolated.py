@@ -9,8 +9,11 @@ The kill of a whole node is test_cluster.py's node-removal test (on this cluster
 from __future__ import annotations
 
 import errno
+import json
 import os
+import secrets
 import socket
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +26,13 @@ from cluster_helpers import PROMPTS, TOKEN, Rollout, rollout, wait_until
 from conftest import ISOLATED
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from belayer_cluster import DriverRouter, IsolatedRayCluster, RolloutCluster, SandboxCluster
+from belayer_cluster import (
+    DriverRouter,
+    IsolatedRayCluster,
+    RolloutCluster,
+    SandboxCluster,
+    clean_stale_clusters,
+)
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -231,3 +240,34 @@ def test_a_node_whose_raylet_was_too_slow_to_register_is_started_again(
         assert any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
     finally:
         local_ray.kill_node(node_id)
+
+
+def test_what_a_dead_owners_cluster_left_is_cleaned_up() -> None:
+    """belayer-grpo's guardian calls `clean_stale_clusters` after a SIGKILL of its trainer (the
+    owner): the nodes' namespaces, veths, the bridge, the head's folder and the record all go."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid whose process is gone
+    cluster_id = secrets.token_hex(3)[:5]
+    netns, veth, bridge = f"bln{cluster_id}-2", f"blv{cluster_id}02", f"blb{cluster_id}"
+    for argv in (
+        ["ip", "netns", "add", netns],
+        ["ip", "link", "add", bridge, "type", "bridge"],
+        ["ip", "link", "add", veth, "type", "veth", "peer", "name", f"blp{cluster_id}02"],
+        ["ip", "link", "set", veth, "master", bridge],
+    ):
+        subprocess.run(argv, check=True)
+    head_folder = Path(f"/tmp/bli{cluster_id}-test")
+    head_folder.mkdir()
+    record = Path("/run/belayer-isolated", f"{cluster_id}.json")
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(
+        json.dumps({"id": cluster_id, "owner": dead.pid, "bridge": bridge, "netns": [netns], "pids": []})
+    )
+
+    assert cluster_id in clean_stale_clusters()
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+    assert cluster_id not in links
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert netns not in namespaces
+    assert not head_folder.exists()
+    assert not record.exists()

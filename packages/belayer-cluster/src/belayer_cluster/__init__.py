@@ -32,7 +32,7 @@ from belayer_cluster._errors import (
 
 if TYPE_CHECKING:
     from belayer_cluster._cluster import NodeLoss, RolloutCluster
-    from belayer_cluster._isolated import IsolatedNode, IsolatedRayCluster
+    from belayer_cluster._isolated import IsolatedNode, IsolatedRayCluster, clean_stale_clusters
     from belayer_cluster._local import LocalRayCluster
     from belayer_cluster._remote_sandbox import RemoteSandbox, RemoteSandboxError
     from belayer_cluster._replacement import start_replacement_slot
@@ -67,6 +67,7 @@ _LAZY = {
     "WeightReport": "_weightsync",
     "WeightSync": "_weightsync",
     "WeightUpdateResult": "_weightsync",
+    "clean_stale_clusters": "_isolated",
     "node_run_dir": "_slot_host",
     "start_replacement_slot": "_replacement",
 }
@@ -118,6 +119,7 @@ __all__ = [
     "WeightSyncTimeoutError",
     "WeightUpdateResult",
     "__version__",
+    "clean_stale_clusters",
     "connect",
     "disconnect",
     "node_run_dir",

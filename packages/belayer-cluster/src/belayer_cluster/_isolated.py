@@ -53,7 +53,7 @@ from belayer_cluster._config import LocalClusterConfig
 from belayer_cluster._errors import ClusterConfigError, ClusterStartError
 from belayer_cluster._sandbox_host import NODE_ENV, NODE_LABEL
 
-__all__ = ["IsolatedNode", "IsolatedRayCluster"]
+__all__ = ["IsolatedNode", "IsolatedRayCluster", "clean_stale_clusters"]
 
 # The host's /proc inside a node (read-only; in the node's private /tmp): where the node's sandbox
 # host reads the processes of the containers it owns (belayer-envckpt's BELAYER_ENVCKPT_HOST_PROC).
@@ -124,8 +124,12 @@ def _read_only_paths() -> list[str]:
     return sorted(p for p in paths if os.path.isdir(p) and p != "/")
 
 
-def clean_stale() -> list[str]:
-    """Remove what clusters whose owner process died left (namespaces, bridges, rules, inits)."""
+def clean_stale_clusters() -> list[str]:
+    """Remove what isolated clusters whose owner process died left (their nodes' inits and the
+    head, namespaces, veths, bridges, rules, the head's folder); the ids of those clusters.
+
+    A new cluster calls it before it starts; a guardian that outlives the owner (belayer-grpo's
+    after a SIGKILL of its trainer) calls it once the owner is dead."""
     cleaned = []
     for state_file in sorted(_STATE_DIR.glob("*.json")) if _STATE_DIR.is_dir() else []:
         try:
@@ -139,6 +143,8 @@ def clean_stale() -> list[str]:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(int(pid), signal.SIGKILL)
         _teardown_network(state["id"], state.get("netns", []), state.get("bridge", ""))
+        for temp in Path("/tmp").glob(f"bli{state['id']}-*"):  # the head's folder (`_start_head`)
+            shutil.rmtree(temp, ignore_errors=True)
         with contextlib.suppress(OSError):
             state_file.unlink()
         cleaned.append(str(state["id"]))
@@ -364,7 +370,7 @@ class IsolatedRayCluster:
         if ray.is_initialized():
             raise ClusterStartError("this process is already connected to Ray; call ray.shutdown() first")
         began = time.monotonic()
-        clean_stale()
+        clean_stale_clusters()
         self._started = True
         try:
             self._start_network()
