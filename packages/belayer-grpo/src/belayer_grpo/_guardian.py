@@ -5,7 +5,9 @@ trainer sets it before it starts anything, and every descendant inherits it), ev
 run creates carries the label ``belayer.grpo.run=<tag>``.  `reap_run` finds both without any
 record that the dead trainer would have had to write, kills and removes them, and removes the
 run's sockets, memory folders, sandbox checkpoints and torn training checkpoints (never a
-complete ``step_*.pt``: a resumed run needs them).
+complete ``step_*.pt``: a resumed run needs them).  The nodes of a ``cluster.isolated`` run (each a
+PID namespace whose processes carry the marker too) die with the rest; their network namespaces,
+veths and bridge, which no process holds, are torn down by belayer-cluster's `clean_stale_clusters`.
 
 belayer-shadow's `reap_stale_processes` runs first on every slot folder (what each slot
 supervisor recorded in its ``processes.json``; shadow's own per-slot guardian covers the slots
@@ -29,7 +31,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import attrs
 
@@ -65,17 +67,19 @@ class ReapReport:
     sockets: tuple[str, ...] = ()
     containers: tuple[str, ...] = ()
     paths: tuple[str, ...] = ()
+    clusters: tuple[str, ...] = ()  # isolated local clusters whose networks were torn down
 
     @property
     def empty(self) -> bool:
         """True when nothing was left behind."""
-        return not (self.pids or self.sockets or self.containers or self.paths)
+        return not (self.pids or self.sockets or self.containers or self.paths or self.clusters)
 
     def describe(self) -> str:
         """One line for the log."""
         return (
             f"{len(self.pids)} process(es), {len(self.sockets)} socket(s), "
-            f"{len(self.containers)} sandbox(es), {len(self.paths)} folder(s)/file(s)"
+            f"{len(self.containers)} sandbox(es), {len(self.paths)} folder(s)/file(s), "
+            f"{len(self.clusters)} isolated cluster(s)"
         )
 
 
@@ -111,11 +115,28 @@ def _kill_processes(marker: str, exclude: tuple[int, ...], timeout_s: float) -> 
     return killed
 
 
-def _remove_containers(run_dir: Path, marker: str) -> list[str]:
-    config = run_dir / "config.json"
+def _run_config(run_dir: Path) -> dict[str, Any]:
     try:
-        workload = json.loads(config.read_text())["data"]["workload"]
-    except (OSError, ValueError, KeyError, TypeError):
+        config = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _remove_isolated_clusters(run_dir: Path) -> list[str]:
+    cluster = _run_config(run_dir).get("cluster")
+    if not isinstance(cluster, dict) or not cluster.get("isolated"):
+        return []  # only `cluster.isolated` makes namespaces and links that outlive their processes
+    from belayer_cluster import clean_stale_clusters
+
+    # Every cluster whose owner is dead: the killed trainer's (its processes are gone by now).
+    return clean_stale_clusters()
+
+
+def _remove_containers(run_dir: Path, marker: str) -> list[str]:
+    try:
+        workload = _run_config(run_dir)["data"]["workload"]
+    except (KeyError, TypeError):
         return []
     if workload == "math":
         return []  # only the agentic workloads create sandboxes; a math run needs no container engine
@@ -169,6 +190,7 @@ def reap_run(
             socket.unlink()
             sockets.append(str(socket))
     containers = _remove_containers(run_dir, marker)
+    clusters = _remove_isolated_clusters(run_dir)
     paths = []
     # Memory-server folders, sandbox checkpoints of trajectories that will never resume, torn
     # training checkpoints (complete ones stay: `system.resume=latest` reads them).
@@ -183,7 +205,7 @@ def reap_run(
         elif path.exists():
             path.unlink(missing_ok=True)
             paths.append(str(path))
-    return ReapReport(tuple(pids), tuple(sockets), tuple(containers), tuple(paths))
+    return ReapReport(tuple(pids), tuple(sockets), tuple(containers), tuple(paths), tuple(clusters))
 
 
 @contextlib.contextmanager
