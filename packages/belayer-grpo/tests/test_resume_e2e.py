@@ -6,6 +6,9 @@ steps uninterrupted, then its folder is renamed; run B, same configuration, seed
 SIGKILLed while step 2's rollout is under way (a quarter of its samples in its rollout log), then
 resumed with ``--resume RUN_DIR``: from the step-0 checkpoint it trains step 1 again from its log
 (no generation), takes step 2's finished samples and generates only the others, then runs step 3.
+The math workload runs a third time with its rollout side on Ray: two nodes that share nothing
+(belayer-cluster's isolated nodes, each in namespaces of its own, a slot on each); after the kill
+neither the nodes' processes nor their namespaces, links or the head's folder may be left.
 
 Tolerance for the final weights: none (bit-equal).  On CPU with one intra-op thread the update is
 a deterministic function of the samples (measured: two uninterrupted runs end bit-equal), and
@@ -15,6 +18,7 @@ though it ran in other batches of the engine; so any difference is a bug, not ro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,6 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_cluster_train import ISOLATED
 from test_sigint import _tagged_pids
 
 pytestmark = pytest.mark.e2e
@@ -43,7 +48,46 @@ _WORKLOADS = [
         id="tooluse-store",
         marks=pytest.mark.docker,
     ),
+    # the rollout side on Ray: 2 nodes that share nothing (namespaces of their own), a slot each
+    pytest.param(
+        [
+            "data.workload=math",
+            "rollout.concurrency=4",
+            "cluster.nodes=2",
+            "cluster.isolated=true",
+            "system.num_slots=2",
+        ],
+        128,
+        id="math-isolated-cluster",
+        marks=pytest.mark.skipif(not ISOLATED, reason="needs root and iproute2 (isolated nodes)"),
+    ),
 ]
+_CLUSTER_STATE = Path("/run/belayer-isolated")  # belayer-cluster's record of each isolated cluster
+
+
+def _clusters_of(pid: int) -> list[dict[str, object]]:
+    """The isolated clusters (belayer-cluster's records) that process ``pid`` started."""
+    found = []
+    for record in _CLUSTER_STATE.glob("*.json") if _CLUSTER_STATE.is_dir() else []:
+        with contextlib.suppress(OSError, ValueError):
+            state = json.loads(record.read_text())
+            if state.get("owner") == pid:
+                found.append(state)
+    return found
+
+
+def _cluster_leftovers(state: dict[str, object]) -> list[str]:
+    """What of an isolated cluster is still on this machine: its record, network namespaces,
+    bridge, veths and the head's folder."""
+    cluster_id = str(state["id"])
+    left = [str(path) for path in _CLUSTER_STATE.glob(f"{cluster_id}.json")]
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    left += [name for name in netns if name.startswith(f"bln{cluster_id}-")]
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout.splitlines()
+    names = [line.split(":")[1].strip().split("@")[0] for line in links if ":" in line]
+    left += [name for name in names if name == f"blb{cluster_id}" or name.startswith(f"blv{cluster_id}")]
+    left += [str(path) for path in Path("/tmp").glob(f"bli{cluster_id}-*")]
+    return left
 
 
 def _train(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -98,6 +142,7 @@ def test_a_run_killed_mid_rollout_resumes_to_the_uninterrupted_model(
                 assert train.poll() is None, (tmp_path / "b.log").read_text()
                 assert time.monotonic() < deadline, (tmp_path / "b.log").read_text()
                 time.sleep(0.01)
+            clusters = _clusters_of(train.pid)
             train.send_signal(signal.SIGKILL)
             assert train.wait(timeout=60) == -signal.SIGKILL
         finally:
@@ -114,6 +159,17 @@ def test_a_run_killed_mid_rollout_resumes_to_the_uninterrupted_model(
         time.sleep(0.1)
     if "data.workload=tooluse" in workload:
         assert _sandboxes(run_dir) == []
+    if "cluster.isolated=true" in workload:
+        # Its nodes (every raylet, in a PID namespace of its own, and the head) went with the
+        # processes above; their namespaces, links and the head's folder go too.
+        assert len(clusters) == 1
+        deadline = time.monotonic() + 30
+        while _cluster_leftovers(clusters[0]):
+            assert time.monotonic() < deadline, (
+                _cluster_leftovers(clusters[0]),
+                (run_dir / "guardian.log").read_text(),
+            )
+            time.sleep(0.1)
 
     resumed = _train("--resume", str(run_dir), env=env)
     assert resumed.returncode == 0, resumed.stderr
