@@ -7,8 +7,9 @@ SIGKILLed while step 2's rollout is under way (a quarter of its samples in its r
 resumed with ``--resume RUN_DIR``: from the step-0 checkpoint it trains step 1 again from its log
 (no generation), takes step 2's finished samples and generates only the others, then runs step 3.
 The math workload runs a third time with its rollout side on Ray: two nodes that share nothing
-(belayer-cluster's isolated nodes, each in namespaces of its own, a slot on each); after the kill
-neither the nodes' processes nor their namespaces, links or the head's folder may be left.
+(belayer-cluster's isolated nodes, each in namespaces of its own, a slot on each; simulated nodes
+without root or with ``BELAYER_TEST_NODES=processes``); after the kill neither the nodes' processes
+nor (isolated) their namespaces, links or the head's folder may be left.
 
 Tolerance for the final weights: none (bit-equal).  On CPU with one intra-op thread the update is
 a deterministic function of the samples (measured: two uninterrupted runs end bit-equal), and
@@ -34,6 +35,8 @@ from test_cluster_train import ISOLATED
 from test_sigint import _tagged_pids
 
 pytestmark = pytest.mark.e2e
+# belayer-cluster's tests' switch: `BELAYER_TEST_NODES=processes` asks for simulated nodes.
+_ISOLATED_NODES = ISOLATED and os.environ.get("BELAYER_TEST_NODES", "isolated") != "processes"
 
 _STEPS = 3
 _COMMON = [f"algorithm.steps={_STEPS}", "chaos.kill_worker_at_steps=[]", "logging.progress=false",
@@ -48,18 +51,18 @@ _WORKLOADS = [
         id="tooluse-store",
         marks=pytest.mark.docker,
     ),
-    # the rollout side on Ray: 2 nodes that share nothing (namespaces of their own), a slot each
+    # the rollout side on Ray: 2 nodes that share nothing (namespaces of their own) where this
+    # process may make them, else simulated nodes (as belayer-cluster's tests); a slot each
     pytest.param(
         [
             "data.workload=math",
             "rollout.concurrency=4",
             "cluster.nodes=2",
-            "cluster.isolated=true",
+            f"cluster.isolated={str(_ISOLATED_NODES).lower()}",
             "system.num_slots=2",
         ],
         128,
-        id="math-isolated-cluster",
-        marks=pytest.mark.skipif(not ISOLATED, reason="needs root and iproute2 (isolated nodes)"),
+        id="math-isolated-cluster" if _ISOLATED_NODES else "math-cluster",
     ),
 ]
 _CLUSTER_STATE = Path("/run/belayer-isolated")  # belayer-cluster's record of each isolated cluster
@@ -88,6 +91,15 @@ def _cluster_leftovers(state: dict[str, object]) -> list[str]:
     left += [name for name in names if name == f"blb{cluster_id}" or name.startswith(f"blv{cluster_id}")]
     left += [str(path) for path in Path("/tmp").glob(f"bli{cluster_id}-*")]
     return left
+
+
+def _left_after_kill(run_dir: Path, tag: str) -> list[str]:
+    """What of the killed run is still there (for the failure message): processes, sockets, memory."""
+    left = []
+    for pid in _tagged_pids(tag):
+        with contextlib.suppress(OSError):
+            left.append(f"{pid}: {Path(f'/proc/{pid}/cmdline').read_bytes().replace(bytes(1), b' ')[:160]!r}")
+    return [*left, *map(str, run_dir.rglob("*.sock")), *map(str, run_dir.glob("slots/*/mem"))]
 
 
 def _train(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -155,7 +167,10 @@ def test_a_run_killed_mid_rollout_resumes_to_the_uninterrupted_model(
     # The guardian reaped everything of the killed run: no process, socket, memory folder or sandbox.
     deadline = time.monotonic() + 30
     while _tagged_pids(tag) or any(run_dir.rglob("*.sock")) or (run_dir / "slots" / "slot0" / "mem").exists():
-        assert time.monotonic() < deadline, (run_dir / "guardian.log").read_text()
+        assert time.monotonic() < deadline, (
+            _left_after_kill(run_dir, tag),
+            (run_dir / "guardian.log").read_text(),
+        )
         time.sleep(0.1)
     if "data.workload=tooluse" in workload:
         assert _sandboxes(run_dir) == []
