@@ -10,9 +10,11 @@ token; SIGTERM exits 130 with no slot process left.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,8 +56,7 @@ def _model_folder(folder: Path) -> list[int]:
 def test_cluster_serve_on_vllm_slots_answers_as_the_builtin_engine_and_stops_clean(tmp_path: Path) -> None:
     folder = tmp_path / "model"
     expected = _model_folder(folder)
-    shared = Path("/tmp") / f"bcv-{tmp_path.name[-12:]}"  # short: Unix socket paths under it
-    shared.mkdir()
+    shared = Path(tempfile.mkdtemp(prefix="bcv-", dir="/tmp"))  # short: Unix socket paths under it
     command = [
         sys.executable, "-m", "belayer_cluster", "serve", str(folder), "--engine", "vllm", "--slots", "2",
         "--port", "0", "--json", "--num-kv-blocks", "256", "--max-num-seqs", "4", "--max-model-len", "512",
@@ -100,3 +101,4 @@ def test_cluster_serve_on_vllm_slots_answers_as_the_builtin_engine_and_stops_cle
         if serve.poll() is None:
             serve.kill()
             serve.wait()
+        shutil.rmtree(shared, ignore_errors=True)
