@@ -69,6 +69,22 @@ def test_a_log_for_other_prompts_or_broken_inside_is_refused(tmp_path: Path) -> 
     assert read_step_log(tmp_path / "missing.jsonl").records == []
 
 
+def test_well_formed_json_that_is_not_a_logged_sample_is_a_checkpoint_error(tmp_path: Path) -> None:
+    """JSON of the wrong shape (not an object, a sample without its fields, a trajectory record
+    without one) is refused with what to do, not a KeyError or AttributeError."""
+    path = step_log_path(tmp_path, 1)
+    path.parent.mkdir(parents=True)
+    path.write_text("[1, 2]\n")
+    with pytest.raises(CheckpointError, match="not a JSON object"):
+        read_step_log(path)
+    path.write_text(json.dumps({"index": 0, "group": 0}) + "\n")
+    with pytest.raises(CheckpointError, match="not a logged sample.*remove the file"):
+        read_step_log(path).samples(_PROMPTS)
+    path.write_text(json.dumps({"index": 0, "attempt": 0, "trajectory": {"task_id": "t"}}) + "\n")
+    with pytest.raises(CheckpointError, match="not a logged sample"):
+        read_step_log(path).trajectories(["t"], "run")
+
+
 def test_replay_trains_on_the_ended_steps_in_index_order_and_stops_at_the_interrupted_one(
     tmp_path: Path,
 ) -> None:

@@ -62,8 +62,11 @@ class LoggedStep:
         every index of the step): a log written for other prompts raises `CheckpointError`."""
         out = {}
         for record in self.records:
-            index = int(record["index"])
-            sample = Sample(**{name: record[name] for name in _FIELDS})
+            try:
+                index = int(record["index"])
+                sample = Sample(**{name: record[name] for name in _FIELDS})
+            except (KeyError, TypeError, ValueError) as error:
+                raise self._malformed(record, error) from error
             if index >= len(prompts) or list(prompts[index]) != sample.prompt_ids:
                 raise self._mismatch(f"sample {index}")
             out[index] = sample
@@ -76,15 +79,25 @@ class LoggedStep:
         against the step's tasks (``task_ids`` by group) and its ``run_id``."""
         out = {}
         for record in self.records:
-            trajectory = AgenticTrajectory.from_record(record["trajectory"])
+            try:
+                trajectory = AgenticTrajectory.from_record(record["trajectory"])
+                attempt = int(record["attempt"])
+            except (KeyError, TypeError, ValueError, AttributeError) as error:
+                raise self._malformed(record, error) from error
             group = trajectory.group_index
             if (
                 group >= len(task_ids) or trajectory.task_id != task_ids[group]
                 or not trajectory.trajectory_id.startswith(f"{run_id}-")
             ):  # fmt: skip
                 raise self._mismatch(f"trajectory {trajectory.trajectory_id}")
-            out[(group, trajectory.sample_index, int(record["attempt"]))] = trajectory
+            out[(group, trajectory.sample_index, attempt)] = trajectory
         return out
+
+    def _malformed(self, record: dict[str, Any], error: Exception) -> CheckpointError:
+        return CheckpointError(
+            f"{self.path}: a record is not a logged sample ({type(error).__name__}: {error}; keys "
+            f"{sorted(record)[:8]}); remove the file to generate the step again"
+        )
 
     def _mismatch(self, what: str) -> CheckpointError:
         return CheckpointError(
@@ -129,6 +142,10 @@ def read_step_log(path: Path) -> LoggedStep:
             raise CheckpointError(
                 f"{path}: line at byte {offset} is not JSON ({error}); remove the file to generate the step again"
             ) from error
+        if not isinstance(record, dict):
+            raise CheckpointError(
+                f"{path}: line at byte {offset} is not a JSON object; remove the file to generate the step again"
+            )
         offset = end + 1
         if record.get("ended"):
             ended = True
