@@ -78,7 +78,7 @@ def test_well_formed_json_that_is_not_a_logged_sample_is_a_checkpoint_error(tmp_
     with pytest.raises(CheckpointError, match="not a JSON object"):
         read_step_log(path)
     path.write_text(json.dumps({"index": 0, "group": 0}) + "\n")
-    with pytest.raises(CheckpointError, match="not a logged sample.*remove the file"):
+    with pytest.raises(CheckpointError, match=r"not a logged sample.*remove the file"):
         read_step_log(path).samples(_PROMPTS)
     path.write_text(json.dumps({"index": 0, "attempt": 0, "trajectory": {"task_id": "t"}}) + "\n")
     with pytest.raises(CheckpointError, match="not a logged sample"):
