@@ -9,6 +9,7 @@ import contextlib
 import json
 import re
 import signal
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import httpx
 import pytest
 from router_helpers import ADMIN_TOKEN, StartRouter, exchange, read_stderr
 
-from belayer_router import ExitCode, RouterClient, RouterConfig, running_router, serving
+from belayer_router import ExitCode, RouterClient, RouterConfig, bind_socket, running_router, serving
 from belayer_router.asgi import Receive, Send
 from belayer_router.testing import expected_tokens, running_worker, wait_until
 
@@ -317,3 +318,23 @@ async def test_sigterm_with_open_worker_links_logs_no_traceback(
                 process.send_signal(signal.SIGTERM)
                 assert await process.wait() == ExitCode.INTERRUPTED
     await _assert_no_traceback(process)
+
+
+@pytest.mark.parametrize("server", ["belayer", "uvicorn"])
+async def test_a_router_serves_on_a_socket_bound_before_it_and_leaves_it_to_its_owner(server: str) -> None:
+    # A keeper binds once and hands the socket to each router it starts: the router must serve on
+    # exactly that socket (not bind another) and close only its own descriptor.
+    kept = bind_socket("127.0.0.1", 0)
+    port = kept.getsockname()[1]
+    own = kept.dup()  # what a child gets: its own descriptor of the same socket
+    try:
+        async with running_router(RouterConfig(), sock=own, server=server) as (url, _app):
+            assert url == f"http://127.0.0.1:{port}"
+            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                assert (await client.get("/health")).status_code == 200
+        assert own.fileno() == -1  # closed by the router at its end
+        assert kept.fileno() >= 0  # the keeper's descriptor still listens: connections wait in the backlog
+        with contextlib.closing(socket.create_connection(("127.0.0.1", port), timeout=5)):
+            pass
+    finally:
+        kept.close()

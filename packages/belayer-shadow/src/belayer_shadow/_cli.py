@@ -13,6 +13,7 @@ import enum
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -133,14 +134,45 @@ def _serve_parser(commands: Any) -> None:
     add_serve_flags(serve)
     serve.add_argument("--run-dir", type=Path, help="sockets, logs and events (default: a temporary one)")
     serve.add_argument("--backend", choices=("host", "cuda"), default="host", help="cuda: slot i on GPU i")
+    serve.add_argument(
+        "--journal", type=Path, help="the router's journal: a router started again on it resumes cut requests"
+    )
+    serve.add_argument(
+        "--keep-running",
+        action="store_true",
+        help="start the service again when it dies or hangs (a keeper holds the socket; needs no flag else)",
+    )
+    serve.add_argument("--max-restarts", type=int, default=5, help="--keep-running: restarts per 300 s")
+    serve.add_argument(
+        "--hang-check-s",
+        type=float,
+        default=5.0,
+        help="--keep-running: GET /health this often, each waiting as long (0: no check)",
+    )
+    serve.add_argument(
+        "--hang-misses", type=int, default=3, help="--keep-running: unanswered checks that mean a hang"
+    )
+    # Set by the keeper for its children: its socket, and the weights the previous child kept.
+    serve.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
+    serve.add_argument("--adopt-kept-weights", action="store_true", help=argparse.SUPPRESS)
 
 
-def _run_serve(args: argparse.Namespace) -> int:
+def _run_serve(args: argparse.Namespace, raw: list[str]) -> int:
     import anyio
 
     from belayer_shadow._serve._flags import serve_config_from_flags
 
-    config = serve_config_from_flags(args, run_dir=args.run_dir, backend=args.backend)
+    if args.keep_running:
+        from belayer_shadow._serve._keep import keep_serve
+
+        return keep_serve(args, raw)
+    config = serve_config_from_flags(
+        args,
+        run_dir=args.run_dir,
+        backend=args.backend,
+        journal=args.journal,
+        adopt_kept_weights=args.adopt_kept_weights,
+    )
     return anyio.run(_serve, args, config)
 
 
@@ -173,13 +205,16 @@ async def _serve_until_signal(args: argparse.Namespace, config: Any, signals: An
     async with anyio.create_task_group() as group:
         group.start_soon(stop_on_signal, group.cancel_scope)
         # Cancelled at a signal (also while starting); the service stops every slot shielded.
-        async with RolloutService.start(config) as service:
+        # A child of `serve --keep-running`: the router serves on the keeper's socket.
+        sock = None if args.listen_fd is None else socket.socket(fileno=args.listen_fd)
+        async with RolloutService.start(config, sock=sock) as service:
             document = {
                 "url": service.url,
                 "openai_base_url": service.openai_base_url,
                 "model": config.model_name,
                 "slots": [s.config.slot for s in service.slots],
                 "run_dir": str(service.run_dir),
+                "pid": os.getpid(),
             }
             _report(args, document, f"belayer-shadow serving {config.model_name} at {service.url}")
             await anyio.sleep_forever()
@@ -294,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "slot":
             return _run_slot(args)
         if args.command == "serve":
-            return _run_serve(args)
+            return _run_serve(args, raw)
         if args.command == "reap":
             return _run_reap(args)
         if getattr(args, "engine", None) == "vllm":  # before transformers is imported (`_media`)

@@ -180,16 +180,20 @@ async def serving(
     log_level: str = "warning",
     server: str | None = None,
     keep_alive_s: float = KEEP_ALIVE_S,
+    sock: socket.socket | None = None,
 ) -> AsyncIterator[str]:
     """Serve ``app`` in the background for the block; yields its base URL.
 
-    ``server`` and ``keep_alive_s`` as in `serve_asgi`.  Without ASGI lifespan events: the block ends with a forced
+    ``server`` and ``keep_alive_s`` as in `serve_asgi`; ``sock``: a listening socket bound
+    already (a keeper's, which outlives this server), used instead of binding ``host:port``; it
+    is closed at the end like one bound here (the keeper holds its own descriptor).  Without ASGI lifespan events: the block ends with a forced
     exit (open streams must not hold it back); under uvicorn the lifespan shutdown is skipped
     then, leaving its task pending ("Task was destroyed but it is pending!" at exit). Whoever
     owns the app releases its resources (`running_router` closes the router).
     """
     choice = choose_server(server)
-    sock = bind_socket(host, port)
+    if sock is None:
+        sock = bind_socket(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     if choice == "belayer":
         http_server = HttpServer(app, keep_alive_s)
@@ -222,12 +226,14 @@ async def running_router(
     port: int = 0,
     server: str | None = None,
     weight_loader: WeightLoader | None = None,
+    sock: socket.socket | None = None,
 ) -> AsyncIterator[tuple[str, RouterApp]]:
     """A router served in this process for the block: ``(base_url, app)``; ``server`` as in
-    `serve_asgi`; ``weight_loader`` as in `RouterApp` (the control plane's weight updates)."""
+    `serve_asgi`; ``weight_loader`` as in `RouterApp` (the control plane's weight updates);
+    ``sock`` as in `serving` (a socket bound already, instead of ``host:port``)."""
     app = RouterApp(config or RouterConfig(), weight_loader=weight_loader)
     try:
-        async with app.serving_links(), serving(app, host, port, server=server) as url:
+        async with app.serving_links(), serving(app, host, port, server=server, sock=sock) as url:
             yield url, app
     finally:
         with anyio.CancelScope(shield=True):

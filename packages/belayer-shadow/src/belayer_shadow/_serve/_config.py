@@ -70,6 +70,13 @@ class ServeConfig:
     # `vllm serve --seed`: the seed of requests that name none, derived from it and the request
     # (belayer-router's `RouterConfig.seed`); None: a random seed each.
     seed: int | None = None
+    # The router's journal (`RouterConfig.journal_path`): a router started again on it knows the
+    # workers, epochs and the tokens already streamed, and resumes the requests cut by its death.
+    journal: Path | None = attrs.field(default=None, converter=_optional_path)
+    # Start each slot on the weights an earlier start of this service kept in its slot folder
+    # (`SlotSupervisor.adopt_kept_weights`), at their version: set by `serve --keep-running` for
+    # the service it starts again, so a restart does not go back to MODEL_DIR's weights.
+    adopt_kept_weights: bool = False
 
     @property
     def model_name(self) -> str:
@@ -113,6 +120,7 @@ class ServeConfig:
             resume_wait_s=self.resume_wait_s,
             api_keys=self.api_keys,
             seed=self.seed,
+            journal_path=self.journal,
         )
 
     def slot_options(self) -> dict[str, Any]:

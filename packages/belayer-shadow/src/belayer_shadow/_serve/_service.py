@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
+import socket
 import tempfile
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -60,8 +61,12 @@ class RolloutService:
 
     @classmethod
     @asynccontextmanager
-    async def start(cls, config: ServeConfig) -> AsyncIterator[RolloutService]:
-        """Start everything; yield once every slot serves (and its shadow stands by); stop at exit."""
+    async def start(
+        cls, config: ServeConfig, sock: socket.socket | None = None
+    ) -> AsyncIterator[RolloutService]:
+        """Start everything; yield once every slot serves (and its shadow stands by); stop at exit.
+        `sock`: the router's listening socket, bound already (by `serve --keep-running`'s keeper,
+        which keeps it across restarts), instead of `config.host:config.port`."""
         model = ModelFolder.inspect(config.model_dir)
         admin_token = secrets.token_hex(16)
         router_config = config.router_config(model, admin_token)
@@ -80,6 +85,7 @@ class RolloutService:
                         config.port,
                         server=config.router_server,
                         weight_loader=weights,
+                        sock=sock,
                     )
                 )
                 service = cls(config=config, model=model, url=url, run_dir=run_dir, app=app, weights=weights)
@@ -89,6 +95,9 @@ class RolloutService:
                     )
                     for index in range(config.num_slots)
                 ]
+                if config.adopt_kept_weights:
+                    for supervisor in service.slots:
+                        supervisor.adopt_kept_weights()
                 wired = SlotWeights.for_slots(service.slots)  # the router holds `weights` already
                 weights.sockets, weights.keepers, weights.names = wired.sockets, wired.keepers, wired.names
                 weights.accepts, weights.keep_if_out = wired.accepts, wired.keep_if_out

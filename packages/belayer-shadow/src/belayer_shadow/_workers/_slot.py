@@ -157,6 +157,24 @@ class SlotSupervisor:
             self._kept_generation += 1
         self.log.emit("weights.kept", source=str(source), num_files=len(files), version=version)
 
+    def adopt_kept_weights(self) -> int | None:
+        """Take the weights an earlier supervisor of this run folder kept (`keep_weights`), as a
+        supervisor started again after its predecessor died does: the start then loads them, at
+        their version. Returns that version (None if it was not recorded); without kept weights
+        (none, or a copy left half-written) nothing changes and None is returned. Call before
+        `start`."""
+        kept = self.config.run_dir / "kept-weights"
+        previous = self.config.run_dir / "kept-weights.old"
+        if not kept.is_dir() and previous.is_dir():  # it died between `keep_weights`' two renames
+            previous.rename(kept)
+        if not kept.is_dir() or not any(kept.glob("*.safetensors")):
+            return None
+        with self._lock:
+            self._kept_weights = kept
+        version = self.kept_version
+        self.log.emit("weights.adopted", path=str(kept), version=version)
+        return version
+
     @property
     def kept_version(self) -> int | None:
         """The weight server's version of the weights last kept, if `keep_weights` was told it."""
