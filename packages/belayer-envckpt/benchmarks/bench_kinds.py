@@ -33,6 +33,7 @@ from belayer_envckpt import (
     Engine,
     Sandbox,
     SandboxConfig,
+    SparePool,
     checkpoint,
     full_checkpoint,
     full_restore,
@@ -72,15 +73,22 @@ def _timed(take: Callable[[], Checkpoint]) -> tuple[Checkpoint, float]:
     return ckpt, _ms(start)
 
 
-def _restore_ms(engine: Engine, ckpt: Checkpoint) -> float:
+def _restore_ms(engine: Engine, ckpt: Checkpoint, spares: SparePool | None = None) -> float:
+    if spares is not None:  # a spare ready, and no refill running: as between two rare restores
+        spares.warm(SandboxConfig.from_dict(ckpt.config), ckpt.trajectory)
     start = time.perf_counter()
-    restored = full_restore(ckpt, engine=engine, remove_failed=False)
+    restored = full_restore(ckpt, engine=engine, remove_failed=False, spares=spares)
     took = _ms(start)
+    assert ("spare_ms" in restored.restore_timings_ms) == (spares is not None), restored.restore_timings_ms
     restored.remove()
+    if spares is not None:
+        spares.wait_idle()
     return took
 
 
-def measure_kinds(engine: Engine, layer_mb: int, reps: int, store: CheckpointStore) -> dict[str, object]:
+def measure_kinds(
+    engine: Engine, layer_mb: int, reps: int, store: CheckpointStore, spares: SparePool
+) -> dict[str, object]:
     config = SandboxConfig(image="belayer/busybox:latest", labels=LABEL)
     sandbox = Sandbox.create(engine, config, trajectory="bench")
     samples: dict[str, list[float]] = collections.defaultdict(list)
@@ -99,6 +107,8 @@ def measure_kinds(engine: Engine, layer_mb: int, reps: int, store: CheckpointSto
                 samples[f"{kind}_hold_ms"].append(hold)
                 samples[f"{kind}_checkpoint_ms"].append(wall_ms)
                 samples[f"{kind}_restore_ms"].append(_restore_ms(engine, ckpt))
+                if kind != "full":  # the same checkpoint through a started spare (`SparePool`)
+                    samples[f"{kind}_restore_spare_ms"].append(_restore_ms(engine, ckpt, spares))
                 samples[f"{kind}_mb"].append(ckpt.total_bytes / 1e6)
             store.gc("bench")
     finally:
@@ -145,9 +155,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="belayer-bench-") as tmp:
         store = CheckpointStore(tmp)
         rows = []
-        for layer_mb in [int(x) for x in args.layers.split(",")]:
-            rows.append(measure_kinds(engine, layer_mb, args.reps, store))
-            print(json.dumps(rows[-1]), flush=True)
+        with SparePool(engine) as spares:
+            for layer_mb in [int(x) for x in args.layers.split(",")]:
+                rows.append(measure_kinds(engine, layer_mb, args.reps, store, spares))
+                print(json.dumps(rows[-1]), flush=True)
         traces = {"full": [], "kinds": []}  # type: dict[str, list[dict[str, object]]]
         for _ in range(args.trace_reps):  # interleaved, so load drifts hit both alike
             traces["full"].append(replay_trace(engine, False, store))
@@ -177,14 +188,16 @@ def main() -> None:
 def table(result: dict[str, object]) -> str:
     """The README's tables."""
     lines = [
-        "| layer MB | kind | held (freeze for full) ms | checkpoint ms | restore ms | stored MB |",
-        "|---|---|---|---|---|---|",
+        "| layer MB | kind | held (freeze for full) ms | checkpoint ms | restore ms | restore into a spare ms "
+        "| stored MB |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in result["kinds"]:  # type: ignore[attr-defined]
         for kind in ("full", "fresh-runtime", "reference"):
+            spare = f"{row[f'{kind}_restore_spare_ms']:.0f}" if f"{kind}_restore_spare_ms" in row else "-"
             lines.append(
                 f"| {row['layer_mb']} | {kind} | {row[f'{kind}_hold_ms']:.1f} | {row[f'{kind}_checkpoint_ms']:.1f} "
-                f"| {row[f'{kind}_restore_ms']:.0f} | {row[f'{kind}_mb']:.1f} |"
+                f"| {row[f'{kind}_restore_ms']:.0f} | {spare} | {row[f'{kind}_mb']:.1f} |"
             )
     trace = result["swe_trace"]
     lines += [

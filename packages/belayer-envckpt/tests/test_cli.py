@@ -5,12 +5,14 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 from conftest import TEST_LABEL, TEST_SESSION
 
 from belayer_envckpt import ExitCode, __version__
+from belayer_envckpt._restore_engine import restore_engine_line
 
 
 def cli(
@@ -142,3 +144,19 @@ def test_demo_runs_end_to_end(tmp_path):
     assert out["state_matches_prefix"] is True
     assert out["process_resumed"] is True
     assert list(temp.iterdir()) == []  # its temporary store is gone
+
+
+def test_doctor_names_the_restore_engine_and_why():
+    detail = json.loads(cli("doctor", "--json").stdout)["checks"]["restore engine"]["detail"]
+    assert detail.startswith("docker ")
+    assert ("podman is not installed" in detail) == (shutil.which("podman") is None)
+
+
+def test_restore_engine_line_names_a_podman_it_does_not_use(tmp_path, monkeypatch):
+    podman = tmp_path / "podman"  # only its presence on PATH is looked at, it never runs
+    podman.write_text("#!/bin/sh\nexit 1\n")
+    podman.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    line = restore_engine_line("20.10.24")
+    assert line.startswith("docker 20.10.24")
+    assert f"podman at {podman} is present but not used" in line

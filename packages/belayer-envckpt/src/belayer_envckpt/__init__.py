@@ -49,6 +49,7 @@ from ._limits import LimitCause, SandboxLimits
 from ._probe_checkpoint import probe_then_checkpoint
 from ._sandbox import Sandbox, SandboxConfig
 from ._sandbox_like import SandboxLike
+from ._spares import SparePool
 from ._store import Checkpoint, CheckpointKind, CheckpointStore
 
 __version__ = version("belayer-envckpt")
@@ -92,6 +93,7 @@ __all__ = [
     "SandboxLimitError",
     "SandboxLimits",
     "SandboxStillPausedError",
+    "SparePool",
     "UncapturedProcessError",
     "UnknownManifestFormatError",
     "UnrestorableConnectionError",

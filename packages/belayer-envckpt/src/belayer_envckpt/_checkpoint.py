@@ -25,11 +25,12 @@ from ._errors import (
 )
 from ._faults import CheckpointFault, CrashPoint, apply_fault
 from ._ids import validate_id
-from ._layer import capture_layer, check_layer_archive, install_layer
+from ._layer import capture_layer, checked_members, install_layer
 from ._limit_guard import check_checkpoint_size, check_checkpointable, layer_size_bytes
 from ._manifest import RUNTIME_FRESH
 from ._runtime import refuse_uncaptured, sandbox_runtime
 from ._sandbox import Sandbox, SandboxConfig, check_guarantee
+from ._spares import SparePool, restore_into_spare
 from ._store import CRIU_DIR, LAYER, PARTIAL, Checkpoint, CheckpointStore, record_files, verify_checkpoint
 
 
@@ -213,8 +214,13 @@ def full_restore(
     engine: Engine | None = None,
     remove_failed: bool = True,
     labels: Mapping[str, str] | None = None,
+    spares: SparePool | None = None,
 ) -> Sandbox:
     """Verify ``checkpoint``, replace the failed container with a fresh one restored from it.
+
+    ``spares``: a `SparePool` whose started spare of the same configuration takes a
+    ``fresh-runtime`` checkpoint's layer (through its merged root) instead of a container being
+    created and started; with no spare, or a layer it cannot replay exactly, the normal path.
 
     ``labels`` go on the new container over the checkpoint's own (same keys: the new values), e.g.
     the label of the node that owns the container now (belayer-cluster's isolated nodes).
@@ -232,10 +238,10 @@ def full_restore(
     timings: dict[str, float] = {}
     started = time.perf_counter()
     checkpoint = verify_checkpoint(checkpoint.path)
-    check_layer_archive(checkpoint.path / LAYER)
+    members = checked_members(checkpoint.path / LAYER)
     timings["verify_ms"] = _ms(started)
-    own_engine = engine is None
-    engine = engine or Engine.connect()
+    own_engine = engine is None and spares is None
+    engine = engine or (spares.engine if spares is not None else Engine.connect())
     engine.require_checkpoint_support()
     config = SandboxConfig.from_dict(checkpoint.config)
     if labels:
@@ -244,6 +250,12 @@ def full_restore(
         step = time.perf_counter()
         engine.remove(checkpoint.container_id)
         timings["remove_ms"] = _ms(step)
+    if spares is not None and checkpoint.runtime == RUNTIME_FRESH:
+        spare = restore_into_spare(
+            spares, checkpoint.path / LAYER, members, config, checkpoint.trajectory, timings
+        )
+        if spare is not None:
+            return _restored(spare, checkpoint, timings, started)
     step = time.perf_counter()
     sandbox = Sandbox.create(engine, config, trajectory=checkpoint.trajectory, start=False)
     timings["create_ms"] = _ms(step)
@@ -268,6 +280,10 @@ def full_restore(
             f"restoring checkpoint {checkpoint.checkpoint_id} failed ({exc}); the new container was "
             "removed and the checkpoint is untouched. Check `belayer-envckpt doctor`"
         ) from exc
+    return _restored(sandbox, checkpoint, timings, started)
+
+
+def _restored(sandbox: Sandbox, checkpoint: Checkpoint, timings: dict[str, float], started: float) -> Sandbox:
     timings["total_ms"] = _ms(started)
     sandbox.prefix = checkpoint.prefix
     sandbox.context_ref = checkpoint.context_ref

@@ -24,6 +24,7 @@ from ._errors import (
 )
 from ._kinds import checkpoint
 from ._limits import SandboxLimits, engine_warnings
+from ._restore_engine import restore_engine_line
 from ._sandbox import Sandbox, SandboxConfig
 from ._store import Checkpoint, CheckpointStore
 
@@ -83,6 +84,8 @@ def _doctor(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     except BelayerEnvckptError as exc:
         checks["criu"] = {"ok": False, "detail": str(exc)}
     checks |= doctor_checks()
+    if engine is not None:
+        checks["restore engine"] = {"ok": True, "detail": restore_engine_line(engine.version())}
     for image in args.image or DEFAULT_IMAGES:
         present = engine is not None and engine.has_image(image)
         checks[f"image {image}"] = {

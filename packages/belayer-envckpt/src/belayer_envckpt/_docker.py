@@ -8,6 +8,7 @@ translated there into a belayer-envckpt error.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -288,7 +289,7 @@ class Engine:
         name = f"{name}-r{restore_id}"
         target = self.root_dir() / "containers" / container.id / "checkpoints" / name
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(images, target)
+        shutil.copytree(images, target, copy_function=_link_or_copy)
         # containerd names the upload by the digest of the images' contents, and an engine-API
         # dump already left that very content behind: a file unique to this restore (CRIU reads
         # only the images it knows) keeps the digests apart.
@@ -348,6 +349,15 @@ class Engine:
             except ContainerNotFoundError:
                 return waited  # gone: it existed if another removal was under way
             return True
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """Hard-link an image file into the engine's folder (nothing reads it but the engine's tar);
+    copy it where the store lies on another mount than the engine's data root (EXDEV)."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def _removal_in_progress(exc: docker.errors.APIError) -> bool:

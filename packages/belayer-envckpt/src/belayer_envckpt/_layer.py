@@ -68,7 +68,12 @@ def _inside(path: str) -> bool:
 
 
 def check_layer_archive(archive: Path) -> int:
-    """Refuse members that would escape the root on extraction; return the member count.
+    """Refuse members that would escape the root on extraction; return the member count."""
+    return len(checked_members(archive))
+
+
+def checked_members(archive: Path) -> list[tarfile.TarInfo]:
+    """The archive's members, once `check_layer_archive`'s rules hold for every one.
 
     Refused: absolute names, ``..`` components, hard links to outside the archive root, symlinks
     whose relative target climbs above the root, members written through a symlink of the same
@@ -109,7 +114,7 @@ def check_layer_archive(archive: Path) -> int:
             raise UnsafeArchiveError(
                 f"device node {name!r} ({member.devmajor}:{member.devminor}) is not an overlay whiteout"
             )
-    return len(members)
+    return members
 
 
 def install_layer(archive: Path, upper_dir: Path) -> None:

@@ -1,0 +1,209 @@
+"""`SparePool`: started containers kept ready, so a fresh-runtime restore skips create and start.
+
+The runtime of a ``fresh-runtime`` checkpoint is by definition the image's stateless init started
+anew.  A spare created and started ahead of time from the same image and configuration holds just
+that; a restore takes it, replays the checkpoint's layer through its merged root
+(`_layer_apply`) and hands it over, and a new spare is made in the background.  A spare is used
+only when it is still exactly as it started (running, same init, same image, writable layer
+unchanged) and the layer can be replayed exactly; otherwise the restore takes the normal path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tarfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from ._docker import Engine
+from ._errors import BelayerEnvckptError
+from ._layer import layer_digest
+from ._layer_apply import apply_layer, plan_apply
+from ._sandbox import Sandbox, SandboxConfig
+
+
+def _key(config: SandboxConfig, trajectory: str) -> str:
+    return json.dumps([config.to_dict(), trajectory], sort_keys=True)
+
+
+@attrs.define
+class _Spare:
+    sandbox: Sandbox
+    image_id: str
+    init_pid: int
+    upper_digest: str
+
+
+@attrs.define(eq=False)
+class SparePool:
+    """Up to ``size`` started spares per (configuration, trajectory), for `full_restore(spares=)`.
+
+    ``warm(config, trajectory)`` fills the pool now; a restore that takes a spare (or finds none)
+    asks for a new one in a background thread, off the restore's path.  ``close()`` waits for
+    those threads and removes every spare.  Thread-safe.
+    """
+
+    engine: Engine
+    size: int = 1
+    _spares: dict[str, list[_Spare]] = attrs.field(factory=dict, init=False)
+    _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
+    _threads: list[threading.Thread] = attrs.field(factory=list, init=False)
+    _pending: dict[str, int] = attrs.field(factory=dict, init=False)
+    _closed: bool = attrs.field(default=False, init=False)
+
+    def warm(self, config: SandboxConfig, trajectory: str = "") -> None:
+        """Create and start spares for ``config`` until the pool holds ``size`` of them."""
+        key = _key(config, trajectory)
+        while True:
+            with self._lock:
+                if self._closed or len(self._spares.get(key, [])) + self._pending.get(key, 0) >= self.size:
+                    return
+                self._pending[key] = self._pending.get(key, 0) + 1
+            try:
+                spare = self._make(config, trajectory)
+            finally:
+                with self._lock:
+                    self._pending[key] -= 1
+            with self._lock:
+                if not self._closed:
+                    self._spares.setdefault(key, []).append(spare)
+                    continue
+            spare.sandbox.remove()
+            return
+
+    def refill_later(self, config: SandboxConfig, trajectory: str = "") -> None:
+        """Start a background thread that `warm`s the pool (its errors are dropped)."""
+
+        def run() -> None:
+            # A failed refill only means the next restore finds no spare and takes the normal path.
+            with contextlib.suppress(BelayerEnvckptError):
+                self.warm(config, trajectory)
+
+        thread = threading.Thread(target=run, name="belayer-spare-refill", daemon=True)
+        with self._lock:
+            if self._closed:
+                return
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+
+    def wait_idle(self, timeout_s: float = 120.0) -> None:
+        """Wait for the background refills started so far (benchmarks, tests)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def take(self, config: SandboxConfig, trajectory: str = "") -> Sandbox | None:
+        """A spare exactly as it started (removed from the pool), or None; stale ones are removed."""
+        key = _key(config, trajectory)
+        while True:
+            with self._lock:
+                spares = self._spares.get(key, [])
+                if not spares:
+                    return None
+                spare = spares.pop(0)
+            if self._unchanged(spare, config):
+                return spare.sandbox
+            spare.sandbox.remove()
+
+    def count(self, config: SandboxConfig, trajectory: str = "") -> int:
+        """How many spares are ready for ``config`` now."""
+        with self._lock:
+            return len(self._spares.get(_key(config, trajectory), []))
+
+    def close(self) -> None:
+        """Wait for the background refills, then remove every spare."""
+        with self._lock:
+            self._closed = True
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(120.0)
+        with self._lock:
+            spares = [s for group in self._spares.values() for s in group]
+            self._spares.clear()
+        for spare in spares:
+            spare.sandbox.remove()
+
+    def __enter__(self) -> SparePool:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def _make(self, config: SandboxConfig, trajectory: str) -> _Spare:
+        sandbox = Sandbox.create(self.engine, config, trajectory=trajectory)
+        try:
+            attrs_ = sandbox.inspect()
+            upper = self.engine.upper_dir(sandbox._container)
+            return _Spare(sandbox, str(attrs_["Image"]), int(attrs_["State"]["Pid"]), layer_digest(upper))
+        except (BelayerEnvckptError, OSError, KeyError, ValueError):
+            sandbox.remove()
+            raise
+
+    def _unchanged(self, spare: _Spare, config: SandboxConfig) -> bool:
+        try:
+            attrs_: dict[str, Any] = spare.sandbox.inspect()
+            state = attrs_.get("State", {})
+            return (
+                state.get("Status") == "running"
+                and int(state.get("Pid") or 0) == spare.init_pid
+                and str(attrs_.get("Image")) == self.engine.image_id(config.image)
+                and layer_digest(self.engine.upper_dir(spare.sandbox._container)) == spare.upper_digest
+            )
+        except (BelayerEnvckptError, OSError, ValueError):
+            return False
+
+
+def merged_dir(sandbox: Sandbox) -> Path:
+    """The running container's merged overlay root on the host."""
+    data = sandbox._container.attrs.get("GraphDriver", {}).get("Data", {})
+    return Path(data["MergedDir"])
+
+
+def restore_into_spare(
+    pool: SparePool,
+    archive: Path,
+    members: Sequence[tarfile.TarInfo],
+    config: SandboxConfig,
+    trajectory: str,
+    timings: dict[str, float],
+) -> Sandbox | None:
+    """A spare of ``pool`` holding ``archive``'s layer, or None (nothing touched) for the normal path.
+
+    The pool is asked for a new spare in the background whatever happens.
+    """
+    started = time.perf_counter()
+    plan = plan_apply(
+        members, command=config.command, working_dir=config.working_dir, path_env=config.env.get("PATH", "")
+    )
+    if plan is None:
+        return None
+    sandbox = pool.take(config, trajectory)
+    pool.refill_later(config, trajectory)
+    if sandbox is None:
+        return None
+    env = sandbox._container.attrs.get("Config", {}).get("Env") or []
+    path_env = next((e[5:] for e in env if e.startswith("PATH=")), "")
+    if (
+        path_env
+        and plan_apply(members, command=config.command, working_dir=config.working_dir, path_env=path_env)
+        is None
+    ):
+        sandbox.remove()
+        return None
+    timings["spare_ms"] = round((time.perf_counter() - started) * 1000.0, 3)
+    step = time.perf_counter()
+    try:
+        apply_layer(archive, merged_dir(sandbox), plan)
+    except (BelayerEnvckptError, OSError, KeyError):
+        sandbox.remove()  # half applied: no one may use it
+        return None
+    timings["layer_ms"] = round((time.perf_counter() - step) * 1000.0, 3)
+    return sandbox
