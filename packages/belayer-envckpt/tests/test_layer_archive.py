@@ -49,6 +49,14 @@ def _dev(name, major, minor, kind=tarfile.CHRTYPE):
         ([_link("./hard", "../outside", tarfile.LNKTYPE)], "points outside the layer"),
         ([_link("./hard", "/etc/shadow", tarfile.LNKTYPE)], "points outside the layer"),
         ([_link("./etc", "/etc"), _file("./etc/cron.d/job")], "through the symlink"),
+        (
+            [
+                _link("./x/y/d", "../../a"),
+                _link("./x/y/u", "d/../.."),
+                _link("./hard", "x/y/u/etc/shadow", tarfile.LNKTYPE),
+            ],
+            "goes through a symlink",
+        ),
         ([_dev("./sda", 8, 0, tarfile.BLKTYPE)], "not an overlay whiteout"),
         ([_dev("./mem", 1, 1)], "not an overlay whiteout"),
     ],
@@ -70,8 +78,9 @@ def test_safe_members_pass(tmp_path):
         _link("./work/rel", "a.txt"),
         _link("./work/hard", "work/a.txt", tarfile.LNKTYPE),
         _dev("./etc/deleted", 0, 0),  # an overlay whiteout
+        _link("./work/hard-abs", "work/abs", tarfile.LNKTYPE),  # a hard link to the symlink itself
     )
-    assert check_layer_archive(archive) == 5
+    assert check_layer_archive(archive) == 6
 
 
 def test_garbage_archive_is_corrupt(tmp_path):

@@ -28,6 +28,7 @@ from belayer_envckpt import (
     SandboxConfig,
     SparePool,
     checkpoint,
+    full_checkpoint,
     full_restore,
 )
 
@@ -45,7 +46,11 @@ CHANGES = {
     "xattr and an old mtime": "mkdir /work && echo v > /work/x && touch -d 2001-01-01 /work/x && "
     "python3 -c \"import os; os.setxattr('/work/x', 'user.k', b'v')\"",
     "file created then deleted": "echo t > /tmp/t && rm /tmp/t",
+    # The image's /etc/localtime is a symlink to an absolute path that exists on the host too.
+    "image's absolute symlink replaced by a file": "rm /etc/localtime && echo local > /etc/localtime",
+    "image's absolute symlink replaced by a directory": "rm /etc/localtime && mkdir /etc/localtime && echo d > /etc/localtime/d",
 }
+HOST_FILE = Path("/usr/share/zoneinfo/Etc/UTC")
 PROCESSES = "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done"
 
 
@@ -132,6 +137,7 @@ def test_spare_restore_equals_normal_restore(
 ) -> None:
     sandbox = make_sandbox(DEBIAN, trajectory="spare")
     pool.warm(_config(), "spare")
+    host_before = HOST_FILE.read_bytes() if HOST_FILE.exists() else None
     ckpt = _checkpointed(sandbox, CHANGES[change], store)
     normal = track(full_restore(ckpt, engine=engine, remove_failed=False))
     spared = track(full_restore(ckpt, engine=engine, remove_failed=False, spares=pool))
@@ -146,6 +152,9 @@ def test_spare_restore_equals_normal_restore(
         if normal_tree.get(p) != spare_tree.get(p)
     }
     assert not differ
+    assert (
+        HOST_FILE.read_bytes() if HOST_FILE.exists() else None
+    ) == host_before  # nothing written on the host
     assert _processes(spared) == _processes(normal)  # the init, fresh: its shell and its sleep
     assert spared.inspect()["Config"]["Labels"] == normal.inspect()["Config"]["Labels"]
     pool.wait_idle()
@@ -212,3 +221,20 @@ def test_a_spare_that_changed_since_its_start_is_not_used(
     assert "spare_ms" not in restored.restore_timings_ms
     assert restored.probe("cat /two; ls /leftover").stdout == "2\n"
     assert spare.status() == "removed"  # the spoiled spare was thrown away
+
+
+def test_a_full_checkpoint_never_goes_into_a_spare(
+    engine: Engine,
+    pool: SparePool,
+    store: CheckpointStore,
+    make_sandbox: Callable[..., Sandbox],
+    track: Callable[[Sandbox], Sandbox],
+) -> None:
+    sandbox = make_sandbox(DEBIAN, trajectory="spare")
+    pool.warm(_config(), "spare")
+    assert sandbox.exec("echo 3 > /three").ok
+    ckpt = full_checkpoint(sandbox, "spare", store=store)
+    restored = track(full_restore(ckpt, engine=engine, remove_failed=False, spares=pool))
+    assert "spare_ms" not in restored.restore_timings_ms  # its processes come from CRIU's images
+    assert restored.probe("cat /three").stdout == "3\n"
+    assert pool.count(_config(), "spare") == 1  # not taken

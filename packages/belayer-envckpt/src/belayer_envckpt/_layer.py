@@ -67,6 +67,12 @@ def _inside(path: str) -> bool:
     return not (norm == ".." or norm.startswith("../") or posixpath.isabs(path))
 
 
+def _through(norm: str, symlinks: set[str]) -> bool:
+    """Whether the path ``norm`` lies under one of ``symlinks`` (a link to the symlink itself is fine)."""
+    parts = norm.split("/")
+    return any("/".join(parts[:depth]) in symlinks for depth in range(1, len(parts)))
+
+
 def check_layer_archive(archive: Path) -> int:
     """Refuse members that would escape the root on extraction; return the member count."""
     return len(checked_members(archive))
@@ -77,7 +83,8 @@ def checked_members(archive: Path) -> list[tarfile.TarInfo]:
 
     Refused: absolute names, ``..`` components, hard links to outside the archive root, symlinks
     whose relative target climbs above the root, members written through a symlink of the same
-    archive, and device nodes other than overlay whiteouts (character devices 0/0).
+    archive, hard links whose target goes through such a symlink, and device nodes other
+    than overlay whiteouts (character devices 0/0).
     """
     try:
         with tarfile.open(archive, "r:") as tar:
@@ -103,6 +110,11 @@ def checked_members(archive: Path) -> list[tarfile.TarInfo]:
                 )
         if member.islnk() and (posixpath.isabs(member.linkname) or not _inside(member.linkname)):
             raise UnsafeArchiveError(f"hard link {name!r} -> {member.linkname!r} points outside the layer")
+        if member.islnk() and _through(posixpath.normpath(member.linkname), symlinks):
+            raise UnsafeArchiveError(
+                f"hard link {name!r} -> {member.linkname!r} goes through a symlink of the archive; "
+                "refusing to install it"
+            )
         if member.issym():
             symlinks.add(norm)
             target = member.linkname

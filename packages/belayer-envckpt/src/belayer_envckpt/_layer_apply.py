@@ -8,8 +8,8 @@ directory on the host, which gives the same merged view:
 
 - a whiteout (character device 0/0) at P: P is removed (overlay records the deletion itself);
 - an opaque directory D: D is removed whole and recreated by tar (overlay makes it opaque);
-- an entry whose type differs from what the merged root holds (a file over a directory or the
-  reverse): the old entry is removed first;
+- a file, symlink, hard link or fifo: whatever the merged root holds at its path is removed first
+  (tar never writes through an image's symlink); a directory over a non-directory likewise;
 - everything else is extracted by GNU tar with the same modes, owners, times, ACLs and xattrs,
   except the ``trusted.overlay.*`` xattrs, which overlay keeps to itself.
 
@@ -64,7 +64,9 @@ _START_FILES = ("etc/passwd", "etc/group", "etc/ld.so.cache", "etc/ld.so.preload
 class ApplyPlan:
     """What to do to the merged root: removals in archive order, then one tar extraction."""
 
-    removals: tuple[tuple[str, str], ...]  # (relative path, why: whiteout | opaque | type)
+    removals: tuple[
+        tuple[str, str], ...
+    ]  # (relative path, why: whiteout | opaque | not-a-directory | replace)
     whiteouts: tuple[str, ...]  # archive member names tar must skip
     directories: frozenset[str]  # normalised relative paths of the archive's directories
 
@@ -129,7 +131,7 @@ def plan_apply(
             seen_dirs.add(rel)
             removals.append((rel, "opaque" if _OPAQUE in xattrs else "not-a-directory"))
         else:
-            removals.append((rel, "directory"))
+            removals.append((rel, "replace"))
     return ApplyPlan(tuple(removals), tuple(whiteouts), frozenset(seen_dirs))
 
 
@@ -150,11 +152,9 @@ def apply_layer(archive: Path, merged: Path, plan: ApplyPlan) -> None:
         except FileNotFoundError:
             continue  # nothing there (a parent already removed, or absent below as well)
         is_dir = stat.S_ISDIR(st.st_mode)
-        if (
-            why in ("whiteout", "opaque")
-            or (why == "not-a-directory" and not is_dir)
-            or (why == "directory" and is_dir)
-        ):
+        # A non-directory entry is always removed first: tar then creates it anew and never
+        # writes through what the image held there (an absolute symlink would lead to the host).
+        if why in ("whiteout", "opaque", "replace") or (why == "not-a-directory" and not is_dir):
             _remove(path)
     with tempfile.NamedTemporaryFile("w", prefix="belayer-whiteouts-", suffix=".txt") as excludes:
         excludes.write("".join(f"{name}\n" for name in plan.whiteouts))
