@@ -17,8 +17,8 @@ def restore_engine_line(docker_version: str) -> str:
     used = f"docker {docker_version}"
     if podman is None:
         return (
-            f"{used} (the only engine found: podman is not installed; Docker's restore copies the CRIU "
-            "images through containerd's content store, about 2 s per 200 MB here)"
+            f"{used} (the only engine found: podman is not installed; Docker's restore streams the CRIU "
+            "images through containerd's content store: benchmarks/profile_restore.py)"
         )
     return (
         f"{used} (podman at {podman} is present but not used: belayer-envckpt has no Podman backend, "
