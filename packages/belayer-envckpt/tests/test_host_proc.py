@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from belayer_envckpt import CheckpointStore, full_checkpoint, full_restore
-from belayer_envckpt._procfs import HOST_PROC_ENV, host_proc, kill_host_process
+from belayer_envckpt._procfs import HOST_PROC_ENV, container_pid, host_proc, kill_host_processes
 from belayer_envckpt._runtime import _container_path, sandbox_runtime
 from belayer_envckpt._sandbox import KEEPALIVE
 
@@ -45,9 +45,10 @@ def test_the_runtime_is_read_through_the_host_proc_it_is_told(make_sandbox, tmp_
         assert host_proc() == str(bound)
         seen = sandbox_runtime(sandbox)
         assert (seen.fresh, [p.pid for p in seen.processes]) == (True, [p.pid for p in expected.processes])
-        # A signal cannot reach a host process by pid from another PID namespace: none is sent.
+        # A signal cannot reach a host process by pid from another PID namespace: without a way
+        # through the engine, none is sent.
         with pytest.raises(ProcessLookupError, match="PID namespace of its own"):
-            kill_host_process(os.getpid(), signal.SIGKILL)
+            kill_host_processes([os.getpid()], signal.SIGKILL)
         empty = tmp_path / "empty"
         empty.mkdir()
         monkeypatch.setenv(HOST_PROC_ENV, str(empty))  # the setting is what is read: nothing there
@@ -124,3 +125,38 @@ def test_the_runtime_is_read_whole_from_a_pid_namespace_of_its_own(make_sandbox,
     assert seen["unreadable"] == ""
     assert len(seen["outside"]) == 1
     assert seen["pids"] == sorted([*here, *seen["outside"]])
+
+
+_TIMED_OUT_IN_CHILD_NAMESPACE = """
+import json, sys
+from belayer_envckpt import Engine, Sandbox
+sandbox = Sandbox.attach(Engine.connect(), sys.argv[1])
+result = sandbox.exec("sleep 301 & sleep 302; echo never", timeout_s=2)
+print(json.dumps({"timed_out": result.timed_out, "stdout": result.stdout}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="PID and mount namespaces need root")
+def test_an_exec_that_times_out_is_killed_from_a_pid_namespace_of_its_own(make_sandbox, tmp_path):
+    # On an isolated node the caller cannot signal the exec's processes by their host pids; the
+    # timeout must still kill the whole tree (through the engine, by their pids in the container).
+    sandbox = make_sandbox(trajectory="pidns-kill")
+    sandbox.status()
+    init = int(sandbox._container.attrs["State"]["Pid"])
+    assert container_pid(init) == 1  # NSpid: the innermost namespace's pid
+    bound = tmp_path / "host-proc"
+    bound.mkdir()
+    script = f'mount --bind -o ro /proc {bound} && mount -t proc proc /proc && exec "$0" -c "$1" "$2"'
+    done = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount", "--propagation", "private", "sh", "-c", script]
+        + [sys.executable, _TIMED_OUT_IN_CHILD_NAMESPACE, sandbox.id],
+        env={**os.environ, HOST_PROC_ENV: str(bound)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"timed_out": True, "stdout": ""}
+    left = sandbox.exec("ps -o args | grep -c '^sleep 30[12]' || true").stdout.strip()
+    assert left == "0"  # both sleeps, the exec's child and its background one, are gone

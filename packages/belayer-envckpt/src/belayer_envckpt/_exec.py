@@ -15,7 +15,7 @@ import docker.transport
 
 from ._boundary import engine_errors
 from ._exec_stream import read_exec_output
-from ._procfs import host_proc, kill_host_process
+from ._procfs import InContainer, host_proc, kill_host_processes
 
 
 @attrs.frozen
@@ -34,8 +34,9 @@ class ExecResult:
         return self.exit_code == 0 and not self.timed_out
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and every descendant (an exec's children keep its output pipe open)."""
+def kill_tree(pid: int, in_container: InContainer | None = None) -> None:
+    """SIGKILL ``pid`` and every descendant (an exec's children keep its output pipe open);
+    ``in_container`` as in `kill_host_processes` (from a PID namespace of its own)."""
     children: dict[int, list[int]] = {}
     for entry in Path(host_proc()).iterdir():
         if entry.name.isdigit():
@@ -45,12 +46,27 @@ def kill_tree(pid: int) -> None:
                 continue
             ppid = int(stat.rsplit(")", 1)[1].split()[1])
             children.setdefault(ppid, []).append(int(entry.name))
-    todo = [pid]
+    tree, todo = [], [pid]
     while todo:
         current = todo.pop()
+        tree.append(current)
         todo.extend(children.get(current, []))
-        with contextlib.suppress(ProcessLookupError):
-            kill_host_process(current, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        kill_host_processes(tree, signal.SIGKILL, in_container)
+
+
+def signal_in_container(api: Any, container_id: str) -> InContainer:
+    """A sender of signals to ``container_id``'s processes by their pids in its namespace: one exec
+    of the shell's `kill` builtin, as root, through the engine (which reaches any namespace)."""
+
+    def send(pids: Sequence[int], signum: int) -> None:
+        argv = ["/bin/sh", "-c", f"kill -{int(signum)} {' '.join(str(int(pid)) for pid in pids)}"]
+        what = f"signalling processes {list(pids)} in container {container_id[:12]}"
+        with engine_errors(what, container=container_id):
+            exec_id = api.exec_create(container_id, argv, user="0")["Id"]
+            api.exec_start(exec_id)
+
+    return send
 
 
 def kill_exec(api: Any, exec_id: str, what: str, container_id: str, *, pid_wait_s: float = 30.0) -> None:
@@ -64,7 +80,7 @@ def kill_exec(api: Any, exec_id: str, what: str, container_id: str, *, pid_wait_
             info = api.exec_inspect(exec_id)
         pid = int(info.get("Pid") or 0)
         if info.get("Running") and pid:
-            kill_tree(pid)
+            kill_tree(pid, signal_in_container(api, container_id))
             return
         if info.get("ExitCode") is not None or time.monotonic() >= deadline:
             return

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import attrs
 
-from ._errors import CheckpointFailedError, CheckpointTooLargeError, SandboxLimitError
+from ._errors import BelayerEnvckptError, CheckpointFailedError, CheckpointTooLargeError, SandboxLimitError
 from ._limits import MIB, LimitCause, SandboxLimits, host_has_cap_sys_resource, is_root_user
-from ._procfs import host_proc, kill_host_process
+from ._procfs import InContainer, host_proc, kill_host_processes
 from ._runtime import container_pids
 
 POLL_COST_RATIO = 9.0
@@ -164,6 +164,8 @@ class LimitGuard:
     upper: Path | None
     is_oom_killed: Callable[[], bool] = lambda: False
     seen: tuple[int, int] | None = None
+    # How a kill reaches the container's processes from a PID namespace of its own (`_procfs`).
+    in_container: InContainer | None = None
     after: tuple[int, int] | None = attrs.field(default=None, init=False)
     _files: CgroupFiles | None = attrs.field(default=None, init=False)
     _before: tuple[int, int] = attrs.field(default=(0, 0), init=False)
@@ -211,9 +213,10 @@ class LimitGuard:
 
     def _kill_action(self) -> None:
         assert self._files is not None
-        for pid in container_pids(self.init_pid) - self._procs_before - {self.init_pid}:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                kill_host_process(pid, signal.SIGKILL)
+        started = container_pids(self.init_pid) - self._procs_before - {self.init_pid}
+        # Best effort: `check` reports the hit whether or not the kill got through.
+        with contextlib.suppress(ProcessLookupError, PermissionError, BelayerEnvckptError):
+            kill_host_processes(started, signal.SIGKILL, self.in_container)
 
     def check(self, result: object = None) -> None:
         """Raise `SandboxLimitError` if the action hit a limit (its processes are killed first)."""

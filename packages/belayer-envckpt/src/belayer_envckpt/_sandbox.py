@@ -14,7 +14,7 @@ from docker.models.containers import Container
 from ._boundary import engine_errors
 from ._docker import LABEL, Engine
 from ._errors import ContainerEngineError, ContainerNotFoundError, InvalidConfigError, OutsideGuaranteeError
-from ._exec import ExecResult, exec_in
+from ._exec import ExecResult, exec_in, signal_in_container
 from ._ids import validate_id
 from ._limit_guard import LimitGuard, init_killed_error
 from ._limits import LIMITS_LABEL, LimitCause, SandboxLimits, enforced_limits, limits_of
@@ -272,6 +272,7 @@ class Sandbox:
             upper,
             is_oom_killed=lambda: bool(self.inspect().get("State", {}).get("OOMKilled")),
             seen=self._limit_counters,
+            in_container=signal_in_container(self.engine._client.api, self.id),
         )
         return guard.watching()
 
