@@ -147,9 +147,9 @@ def test_an_exec_that_times_out_is_killed_from_a_pid_namespace_of_its_own(make_s
     bound = tmp_path / "host-proc"
     bound.mkdir()
     script = f'mount --bind -o ro /proc {bound} && mount -t proc proc /proc && exec "$0" -c "$1" "$2"'
+    unshare = ["unshare", "--pid", "--fork", "--mount", "--propagation", "private"]
     done = subprocess.run(
-        ["unshare", "--pid", "--fork", "--mount", "--propagation", "private", "sh", "-c", script]
-        + [sys.executable, _TIMED_OUT_IN_CHILD_NAMESPACE, sandbox.id],
+        [*unshare, "sh", "-c", script, sys.executable, _TIMED_OUT_IN_CHILD_NAMESPACE, sandbox.id],
         env={**os.environ, HOST_PROC_ENV: str(bound)},
         capture_output=True,
         text=True,
