@@ -6,13 +6,11 @@ mid-stream and again while no request runs."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import anyio
 import anyio.abc
@@ -21,33 +19,9 @@ import pytest
 from router_helpers import ADMIN_TOKEN
 
 from belayer_router import ExitCode, FinishEvent, RouterClient, TokenEvent
-from belayer_router.testing import expected_tokens, running_worker
+from belayer_router.testing import JsonLines, expected_tokens, process_gone, running_worker
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
-
-
-class _Lines:
-    """The JSON lines a keeper's router children print on its stdout, one per start."""
-
-    def __init__(self, process: anyio.abc.Process) -> None:
-        assert process.stdout is not None
-        self.stream = process.stdout
-        self.buffer = b""
-
-    async def next(self, limit_s: float = 120) -> dict[str, Any]:
-        with anyio.fail_after(limit_s):
-            while b"\n" not in self.buffer:
-                self.buffer += await self.stream.receive()
-        line, self.buffer = self.buffer.split(b"\n", 1)
-        document: dict[str, Any] = json.loads(line)
-        return document
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].startswith("Z")
-    except FileNotFoundError:
-        return True
 
 
 async def test_a_kept_router_killed_mid_stream_comes_back_on_its_journal_and_serves(tmp_path: Path) -> None:
@@ -61,7 +35,7 @@ async def test_a_kept_router_killed_mid_stream_comes_back_on_its_journal_and_ser
         keeper = await anyio.open_process(argv, stderr=stderr_file)
     pids: list[int] = []
     try:
-        lines = _Lines(keeper)
+        lines = JsonLines(keeper)
         first = await lines.next()
         url = first["url"]
         pids.append(first["pid"])
@@ -105,8 +79,8 @@ async def test_a_kept_router_killed_mid_stream_comes_back_on_its_journal_and_ser
             # New requests succeed: the restarted router knows the worker from its journal.
             completion = await client.generate([3, 4], 12, seed=5)
             assert completion.token_ids == expected_tokens(5, 12)
-        assert _gone(pids[0])
-        assert _gone(pids[1])
+        assert process_gone(pids[0])
+        assert process_gone(pids[1])
         keeper.send_signal(signal.SIGTERM)  # passed on to the router; the keeping ends
         with anyio.fail_after(60):
             assert await keeper.wait() == ExitCode.INTERRUPTED
@@ -118,7 +92,7 @@ async def test_a_kept_router_killed_mid_stream_comes_back_on_its_journal_and_ser
             keeper.kill()
             await keeper.wait()
     with anyio.fail_after(30):
-        while not all(_gone(pid) for pid in pids):  # noqa: ASYNC110  (the children die with it)
+        while not all(process_gone(pid) for pid in pids):  # noqa: ASYNC110  (the children die with it)
             await anyio.sleep(0.05)
 
 
@@ -135,7 +109,7 @@ async def test_a_kept_router_that_hangs_is_killed_by_its_health_checks_and_repla
         keeper = await anyio.open_process(argv, stderr=stderr_file)
     pids: list[int] = []
     try:
-        lines = _Lines(keeper)
+        lines = JsonLines(keeper)
         first = await lines.next()
         url = first["url"]
         pids.append(first["pid"])
@@ -155,7 +129,7 @@ async def test_a_kept_router_that_hangs_is_killed_by_its_health_checks_and_repla
             second = await lines.next()
             pids.append(second["pid"])
             assert second["pid"] != pids[0]
-            assert _gone(pids[0])  # SIGKILLed while stopped
+            assert process_gone(pids[0])  # SIGKILLed while stopped
             completion = await client.generate([3, 4], 12, seed=5)
             assert completion.token_ids == expected_tokens(5, 12)
         keeper.send_signal(signal.SIGTERM)

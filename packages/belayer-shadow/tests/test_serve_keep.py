@@ -7,14 +7,12 @@ memory servers and workers. The child is SIGKILLed mid-stream after a weight upd
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import anyio
 import anyio.abc
@@ -23,6 +21,7 @@ import pytest
 from serve_helpers import processes_mentioning, wait_until_gone, write_model_folder
 
 from belayer_router import FinishEvent, RouterClient, TokenEvent
+from belayer_router.testing import JsonLines, process_gone
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(900)]
 
@@ -34,30 +33,6 @@ SEED = 11
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"  # real processes, minutes each: one event loop is enough
-
-
-class _Lines:
-    """The JSON documents the keeper's `serve` children print, one per start."""
-
-    def __init__(self, process: anyio.abc.Process) -> None:
-        assert process.stdout is not None
-        self.stream = process.stdout
-        self.buffer = b""
-
-    async def next(self, limit_s: float = 400) -> dict[str, Any]:
-        with anyio.fail_after(limit_s):
-            while b"\n" not in self.buffer:
-                self.buffer += await self.stream.receive()
-        line, self.buffer = self.buffer.split(b"\n", 1)
-        document: dict[str, Any] = json.loads(line)
-        return document
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].startswith("Z")
-    except FileNotFoundError:
-        return True
 
 
 async def _collect(
@@ -96,7 +71,7 @@ async def test_a_kept_service_killed_or_hung_comes_back_on_its_journal_and_its_l
         keeper = await anyio.open_process(argv, stderr=stderr_file)
     pids: list[int] = []
     try:
-        lines = _Lines(keeper)
+        lines = JsonLines(keeper)
         ready = await lines.next()
         url = ready["url"]
         pids.append(ready["pid"])
@@ -137,7 +112,7 @@ async def test_a_kept_service_killed_or_hung_comes_back_on_its_journal_and_its_l
         if keeper.returncode is None:
             keeper.kill()
             await keeper.wait()
-    assert all(_gone(pid) for pid in pids)
+    assert all(process_gone(pid) for pid in pids)
     assert wait_until_gone(str(run_dir)) == [], processes_mentioning(str(run_dir))
     assert not list(run_dir.glob("slots/*/processes.json"))
     assert run_dir.exists()  # a run folder given by the user is kept

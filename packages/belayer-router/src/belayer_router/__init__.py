@@ -50,7 +50,7 @@ from belayer_router._errors import (
     WeightVersionError,
     WorkerStreamError,
 )
-from belayer_router._keeper import keep_running
+from belayer_router._keeper import add_keeper_flags, check_keeper_flags, health_check, keep_running
 from belayer_router._server._app import RouterApp, RouterConfig
 from belayer_router._server._asgi import read_json
 from belayer_router._server._control import PAUSE_MODES, WeightLoader, WeightTransferLoader
@@ -120,8 +120,11 @@ __all__ = [
     "WorkerStreamError",
     "WorkerToken",
     "__version__",
+    "add_keeper_flags",
     "api_keys_from",
     "bind_socket",
+    "check_keeper_flags",
+    "health_check",
     "keep_running",
     "load_tokenizer",
     "owner_index",

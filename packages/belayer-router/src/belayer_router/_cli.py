@@ -15,7 +15,6 @@ import os
 import socket
 import sys
 import traceback
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import anyio
 from belayer_router._core._config import api_keys_from
 from belayer_router._core._tokenizer import load_tokenizer
 from belayer_router._errors import BelayerRouterError
-from belayer_router._keeper import keep_running
+from belayer_router._keeper import add_keeper_flags, check_keeper_flags, health_check, keep_running
 from belayer_router._server._app import RouterApp, RouterConfig
 from belayer_router._server._serve import SERVERS, bind_socket, serve_asgi
 
@@ -110,16 +109,7 @@ def _parser() -> argparse.ArgumentParser:
         help="run the router in a child process and start it again on its journal when it dies "
         "(SIGKILL, a crash); needs --journal. The listening socket stays open meanwhile",
     )
-    serve.add_argument("--max-restarts", type=int, default=5, help="--keep-running: restarts per 300 s")
-    serve.add_argument(
-        "--hang-check-s",
-        type=float,
-        default=5.0,
-        help="--keep-running: GET /health this often, each waiting as long (0: no check)",
-    )
-    serve.add_argument(
-        "--hang-misses", type=int, default=3, help="--keep-running: unanswered checks that mean a hang"
-    )
+    add_keeper_flags(serve)
     serve.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)  # the keeper's socket
     serve.add_argument(
         "--loop",
@@ -166,25 +156,16 @@ def _keep(args: argparse.Namespace, raw: Sequence[str]) -> int:
             "--keep-running needs --journal: a restarted router knows its workers and resumes its "
             "requests only from its journal"
         )
-    if args.max_restarts < 0 or args.hang_check_s < 0 or args.hang_misses < 1:
-        raise _UsageError(
-            "--max-restarts and --hang-check-s must be 0 or more and --hang-misses 1 or more, got "
-            f"{args.max_restarts}, {args.hang_check_s}, {args.hang_misses}"
-        )
+    try:
+        check_keeper_flags(args)
+    except ValueError as error:
+        raise _UsageError(str(error)) from error
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as error:
         raise _UsageError(f"cannot listen on {args.host}:{args.port}: {error}") from error
     child = [arg for arg in raw if arg != "--keep-running"]
     host, port = sock.getsockname()[:2]
-    # The check goes to the keeper's own socket: a stopped router's socket still accepts (the
-    # backlog), so a hang shows as no reply within the timeout.
-    reach = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-    health = f"http://{f'[{reach}]' if ':' in reach else reach}:{port}/health"
-
-    def answers() -> bool:
-        with urllib.request.urlopen(health, timeout=args.hang_check_s) as response:
-            return bool(response.status == 200)
 
     if not args.json:
         print(f"belayer-router keeping a router on http://{host}:{port}", file=sys.stderr, flush=True)
@@ -195,7 +176,7 @@ def _keep(args: argparse.Namespace, raw: Sequence[str]) -> int:
             name="belayer-router",
             pass_fds=[sock.fileno()],
             max_restarts=args.max_restarts,
-            check=answers if args.hang_check_s > 0 else None,
+            check=health_check((host, port), args.hang_check_s) if args.hang_check_s > 0 else None,
             check_interval_s=args.hang_check_s or 5.0,
             check_misses=args.hang_misses,
         )

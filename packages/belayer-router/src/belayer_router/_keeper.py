@@ -30,11 +30,16 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from types import FrameType
+from typing import TYPE_CHECKING
 
-__all__ = ["keep_running"]
+if TYPE_CHECKING:
+    import argparse
+
+__all__ = ["add_keeper_flags", "check_keeper_flags", "health_check", "keep_running"]
 
 _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -195,3 +200,42 @@ def _describe(code: int) -> str:
         with contextlib.suppress(ValueError):
             return f"signal {signal.Signals(code - 128).name}"
     return f"exit code {code}"
+
+
+def add_keeper_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of a command's keeper, the same wherever `--keep-running` is offered:
+    `--max-restarts`, `--hang-check-s`, `--hang-misses` (`--keep-running` itself says its own help)."""
+    parser.add_argument("--max-restarts", type=int, default=5, help="--keep-running: restarts per 300 s")
+    parser.add_argument(
+        "--hang-check-s",
+        type=float,
+        default=5.0,
+        help="--keep-running: GET /health this often, each waiting as long (0: no check)",
+    )
+    parser.add_argument(
+        "--hang-misses", type=int, default=3, help="--keep-running: unanswered checks that mean a hang"
+    )
+
+
+def check_keeper_flags(args: argparse.Namespace) -> None:
+    """Raise `ValueError` for keeper flags out of range (`add_keeper_flags`)."""
+    if args.max_restarts < 0 or args.hang_check_s < 0 or args.hang_misses < 1:
+        raise ValueError(
+            "--max-restarts and --hang-check-s must be 0 or more and --hang-misses 1 or more, got "
+            f"{args.max_restarts}, {args.hang_check_s}, {args.hang_misses}"
+        )
+
+
+def health_check(address: tuple[str, int], timeout_s: float) -> Callable[[], bool]:
+    """A `check` for `keep_running`: `GET /health` on the keeper's own socket `address`, answered
+    200 within `timeout_s`. A stopped server's socket still accepts (the backlog), so a hang shows
+    as no reply in time (an exception, counted as a miss)."""
+    host, port = address
+    reach = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    url = f"http://{f'[{reach}]' if ':' in reach else reach}:{port}/health"
+
+    def answers() -> bool:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return bool(response.status == 200)
+
+    return answers

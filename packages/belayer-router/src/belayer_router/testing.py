@@ -1,4 +1,5 @@
-"""Test helpers for code that drives a belayer-router: a fake worker and a chat tokenizer folder.
+"""Test helpers for code that drives a belayer-router: a fake worker, a chat tokenizer folder, and
+the JSON lines of server processes.
 
 The audience is tests and benchmarks (here and in other packages): `FakeWorker` stands in for the
 inference engine behind a real router, `write_chat_tokenizer` writes a local tokenizer folder with
@@ -20,15 +21,18 @@ from belayer_router._testing._fake_worker import (
     token_at,
     wait_until,
 )
+from belayer_router._testing._processes import JsonLines, process_gone
 
 __all__ = [
     "CHAT_TEMPLATE",
     "POISON",
     "FakeWorker",
+    "JsonLines",
     "Script",
     "WorkerKilled",
     "expected_tokens",
     "logprob_of",
+    "process_gone",
     "running_worker",
     "text_script",
     "token_at",

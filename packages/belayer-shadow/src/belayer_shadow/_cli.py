@@ -125,6 +125,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve_parser(commands: Any) -> None:
+    from belayer_router import add_keeper_flags
     from belayer_shadow._serve._flags import add_serve_flags
 
     serve = commands.add_parser(
@@ -142,16 +143,7 @@ def _serve_parser(commands: Any) -> None:
         action="store_true",
         help="start the service again when it dies or hangs (a keeper holds the socket; needs no flag else)",
     )
-    serve.add_argument("--max-restarts", type=int, default=5, help="--keep-running: restarts per 300 s")
-    serve.add_argument(
-        "--hang-check-s",
-        type=float,
-        default=5.0,
-        help="--keep-running: GET /health this often, each waiting as long (0: no check)",
-    )
-    serve.add_argument(
-        "--hang-misses", type=int, default=3, help="--keep-running: unanswered checks that mean a hang"
-    )
+    add_keeper_flags(serve)
     # Set by the keeper for its children: its socket, and the weights the previous child kept.
     serve.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
     serve.add_argument("--adopt-kept-weights", action="store_true", help=argparse.SUPPRESS)

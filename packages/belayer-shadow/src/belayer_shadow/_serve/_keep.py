@@ -26,7 +26,6 @@ import shutil
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -42,13 +41,9 @@ def keep_serve(args: argparse.Namespace, raw: Sequence[str]) -> int:
     """Run `serve` (the flags `raw`, less `--keep-running`) in a child, started again each time
     it dies or hangs; returns the last child's exit code. Raises `ValueError` for bad flags, a
     `ModelConfigError` for a bad model folder and `OSError` when the address cannot be bound."""
-    from belayer_router import bind_socket, keep_running
+    from belayer_router import bind_socket, check_keeper_flags, health_check, keep_running
 
-    if args.max_restarts < 0 or args.hang_check_s < 0 or args.hang_misses < 1:
-        raise ValueError(
-            "--max-restarts and --hang-check-s must be 0 or more and --hang-misses 1 or more, got "
-            f"{args.max_restarts}, {args.hang_check_s}, {args.hang_misses}"
-        )
+    check_keeper_flags(args)
     ModelFolder.inspect(args.model_dir)  # a bad folder: one typed error, nothing started
     temporary = args.run_dir is None
     run_dir = Path(tempfile.mkdtemp(prefix="belayer-serve-")) if temporary else Path(args.run_dir)
@@ -58,18 +53,12 @@ def keep_serve(args: argparse.Namespace, raw: Sequence[str]) -> int:
         shutil.rmtree(stale, ignore_errors=True)
     sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
-    reach = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-    health = f"http://{f'[{reach}]' if ':' in reach else reach}:{port}/health"
     child = [arg for arg in raw if arg != "--keep-running"]
     child += ["--listen-fd", str(sock.fileno()), "--adopt-kept-weights"]
     if temporary:
         child += ["--run-dir", str(run_dir)]
     if args.journal is None:
         child += ["--journal", str(run_dir / "router.journal")]
-
-    def answers() -> bool:
-        with urllib.request.urlopen(health, timeout=args.hang_check_s) as response:
-            return bool(response.status == 200)
 
     if not args.json:
         print(f"belayer-shadow keeping a service on http://{host}:{port}", file=sys.stderr, flush=True)
@@ -81,7 +70,7 @@ def keep_serve(args: argparse.Namespace, raw: Sequence[str]) -> int:
                 pass_fds=[sock.fileno()],
                 max_restarts=args.max_restarts,
                 before_restart=lambda: _wait_for_reaps(run_dir),
-                check=answers if args.hang_check_s > 0 else None,
+                check=health_check((host, port), args.hang_check_s) if args.hang_check_s > 0 else None,
                 check_interval_s=args.hang_check_s or 5.0,
                 check_misses=args.hang_misses,
                 # The router answers /health as soon as it runs, before the slots; a child that
