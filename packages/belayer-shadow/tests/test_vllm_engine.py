@@ -161,6 +161,25 @@ def test_kv_cache_moves_onto_the_kv_server_arena_at_the_first_request(engine: Vl
     }
 
 
+def test_the_unused_input_embeddings_buffer_is_freed_and_generation_is_unchanged(engine: VllmEngine) -> None:
+    # vLLM's (max_num_batched_tokens x hidden) buffer for multimodal inputs and prompt embeddings:
+    # a text model never uses it, so every worker frees it at start.
+    max_tokens = max(8192, engine.max_model_len)  # the engine's max_num_batched_tokens
+    assert engine.freed_buffer_bytes == max_tokens * CONFIG.hidden_size * 4
+    (sizes,) = engine._engine.collective_rpc(
+        lambda worker: [
+            t.untyped_storage().nbytes()
+            for t in (worker.model_runner.inputs_embeds.cpu, worker.model_runner.inputs_embeds.gpu)
+        ]
+    )
+    assert sizes == [0, 0]
+    got = run(engine, greedy())  # prefill and decode of several requests, after the buffer went
+    want = run(builtin(seed=0), greedy())
+    assert {r: [t for _, t, _, _ in v] for r, v in got.items()} == {
+        r: [t for _, t, _, _ in v] for r, v in want.items()
+    }
+
+
 def test_a_layer_onednn_cannot_pack_is_recorded_unpacked_and_still_correct(
     engine: VllmEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:

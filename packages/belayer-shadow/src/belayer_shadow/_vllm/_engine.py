@@ -24,6 +24,7 @@ from belayer_shadow._engine._config import ModelConfig
 from belayer_shadow._engine._model import outside_region
 from belayer_shadow._engine._sequence import SamplingParams, StepOutput
 from belayer_shadow._errors import LLMEngineError, ModelConfigError, RequestError, WeightsError
+from belayer_shadow._vllm._buffers import free_unused_buffers
 from belayer_shadow._vllm._kv import VLLM_CPU_BLOCK_SIZE, arena_bytes, bind_arena, max_tokens_in
 from belayer_shadow._vllm._loader import (
     LOAD_FORMAT,
@@ -148,6 +149,8 @@ class VllmEngine:
         )
         # vLLM read the folder at start; removed now, so that a killed worker leaves no temp dir.
         self._scratch.cleanup()
+        # vLLM's multimodal/prompt-embedding input buffer, which a text model never uses (`_buffers`).
+        self.freed_buffer_bytes = int(sum(self._engine.collective_rpc(free_unused_buffers)))
         # Logprobs of the sampled tokens only (`_logprobs`): no top-k gather per step.
         (self.sampled_logprobs_only,) = self._engine.collective_rpc(install_sampled_logprobs)
         self.weight_client = attached_client(self._socket)
