@@ -8,11 +8,24 @@ Each of ``--workloads`` workloads (seeded) draws, log-uniformly unless said othe
   and a bias of the policy's cost estimates, uniform in 0.5-1.5: every measured checkpoint cost the
   policy learns from is multiplied by it (the simulator charges the true cost).
 Each workload is a batch of ``--trajectories`` trajectories, simulated ``--runs`` times with fresh
-failure streams (common random numbers for every policy), for adaptive and the fixed policies
-never, always, every:2..every:8.  Reported: adaptive's mean batch rollout against the best fixed
-policy in hindsight of that workload, in percent; its distribution and worst cases.
+failure streams, for adaptive and the fixed policies never, always, every:2..every:8.  Every policy
+sees the same failures: one random stream per step of each trajectory (the simulator's
+``failure_streams="per-step"``), so the ``n``-th attempt of a step fails alike under every policy,
+also after a restore.  Reported: adaptive's mean batch rollout against the best fixed policy in
+hindsight of that workload, in percent; its distribution and worst cases.
 
-    python benchmarks/bench_family.py [--workloads 200] [--runs 8] [--trajectories 16] [--jobs 2]
+The comparison is noisy: a workload whose failures are rare pays a checkpoint in every batch and
+recovers it only in the batches that fail.  Each workload reports the standard error of its paired
+difference (adaptive minus the best fixed, batch by batch, in percent of the best fixed).  A
+workload runs ``--runs`` batches; where that error is above ``--target-se`` and the result lies
+within two errors of 1 % or 3 % (the goal's thresholds), it runs again with four times the batches,
+up to ``--max-runs`` (the same seeds: the first batches repeat), as long as the run is younger than
+``--escalate-for-s`` seconds.  The best of nine noisy means favours the fixed policies by up to
+about the standard error.  `never` is not simulated where its expected failures alone
+(``(1 - p)^-N - 1`` restores of 2 s) exceed three times the best other fixed policy's mean.
+
+    python benchmarks/bench_family.py [--workloads 200] [--runs 24] [--max-runs 384]
+        [--target-se 0.3] [--escalate-for-s 900] [--trajectories 16] [--jobs 2]
         [--indices 3,50,73] [--out benchmarks/results/bench_family.json]
 
 ``--indices`` judges only those workloads of the family (the same draws and failure streams as in
@@ -35,9 +48,11 @@ from typing import Any
 import attrs
 
 from belayer_policy import (
+    PER_STEP,
     CheckpointCostModel,
     FixedStepProbability,
     PolicySpec,
+    PolicySummary,
     SharedEstimators,
     SimulationConfig,
     Trajectory,
@@ -92,8 +107,31 @@ def draw_workload(index: int, seed: int, num_trajectories: int) -> dict[str, Any
     return {"params": params, "batch": batch}
 
 
-def judge(index: int, seed: int, num_trajectories: int, runs: int) -> dict[str, Any]:
-    """Adaptive against every fixed policy on one workload."""
+def judge(
+    index: int,
+    seed: int,
+    num_trajectories: int,
+    runs: int,
+    max_runs: int = 0,
+    target_se: float = 0.0,
+    escalate_before: float = math.inf,
+) -> dict[str, Any]:
+    """Adaptive against every fixed policy on one workload.
+
+    While the paired standard error exceeds ``target_se`` percent and the result is within two
+    standard errors of a threshold of the goal (1 % or 3 %), the workload runs again with four times
+    the batches, up to ``max_runs`` and only before the wall-clock time ``escalate_before``.
+    """
+    while True:
+        row = _judge_once(index, seed, num_trajectories, runs)
+        pct, se = row["vs_best_fixed_pct"], row["se_pct"]
+        ambiguous = any(abs(pct - threshold) < 2.0 * se for threshold in (1.0, 3.0))
+        if se <= target_se or not ambiguous or runs * 4 > max_runs or time.time() > escalate_before:
+            return row
+        runs *= 4
+
+
+def _judge_once(index: int, seed: int, num_trajectories: int, runs: int) -> dict[str, Any]:
     workload = draw_workload(index, seed, num_trajectories)
     params = workload["params"]
 
@@ -103,23 +141,48 @@ def judge(index: int, seed: int, num_trajectories: int, runs: int) -> dict[str, 
             checkpoint_costs=BiasedCostModel(bias=params["cost_bias"]),
         )
 
-    summaries = compare_policies(
-        [PolicySpec.parse(name) for name in ("adaptive", *FIXED)],
-        config=SimulationConfig(fail_prob=params["fail_prob"], restore_s=2.0),
-        runs=runs,
-        seed=seed + index,
-        trace=workload["batch"],
-        estimators=estimators,
-        carry_estimators=True,
+    def simulate(names: tuple[str, ...]) -> list[PolicySummary]:
+        # Each policy gets its own estimators and the same seeded streams, so simulating policies
+        # apart gives exactly what one call with all of them gives.
+        return compare_policies(
+            [PolicySpec.parse(name) for name in names],
+            config=SimulationConfig(fail_prob=params["fail_prob"], restore_s=2.0, failure_streams=PER_STEP),
+            runs=runs,
+            seed=seed + index,
+            trace=workload["batch"],
+            estimators=estimators,
+            carry_estimators=True,
+        )
+
+    summaries = simulate(("adaptive", *FIXED[1:]))
+    best_other = min(statistics.fmean(s.rollouts_s) for s in summaries if s.policy != "adaptive")
+    # `never` restarts from scratch: a trajectory of N steps fails (1 - p)^-N - 1 times on average
+    # before it gets through, each failure costing at least the restore.  Where that alone exceeds
+    # three times the best other fixed policy's mean, never cannot be the best in hindsight and its
+    # simulation (hundreds of thousands of attempts at p = 0.2 over 40 steps) is skipped.
+    never_floor = max(t.failure_free_s for t in workload["batch"]) + 2.0 * (
+        (1.0 - params["fail_prob"]) ** -params["steps"] - 1.0
     )
-    means = {s.policy: statistics.fmean(s.rollouts_s) for s in summaries}
-    best = min(FIXED, key=lambda name: means[name])
+    never_skipped = never_floor > 3.0 * best_other
+    if not never_skipped:
+        summaries += simulate(("never",))
+    rollouts = {s.policy: s.rollouts_s for s in summaries}
+    means = {name: statistics.fmean(values) for name, values in rollouts.items()}
+    best = min((name for name in FIXED if name in means), key=lambda name: means[name])
+    paired = [a - b for a, b in zip(rollouts["adaptive"], rollouts[best], strict=True)]
+    se = statistics.stdev(paired) / math.sqrt(runs) if runs > 1 else math.inf
+    checkpoints = {s.policy: s.metrics["checkpoints"].mean for s in summaries}
     return params | {
         "index": index,
+        "runs": runs,
         "best_fixed": best,
         "adaptive_s": means["adaptive"],
         "best_fixed_s": means[best],
         "vs_best_fixed_pct": 100.0 * (means["adaptive"] - means[best]) / means[best],
+        "se_pct": 100.0 * se / means[best],
+        "adaptive_checkpoints": checkpoints["adaptive"],
+        "best_fixed_checkpoints": checkpoints[best],
+        "never_skipped": never_skipped,
     }
 
 
@@ -128,17 +191,33 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--workloads", type=int, default=200)
-    parser.add_argument("--runs", type=int, default=8)
+    parser.add_argument("--runs", type=int, default=24, help="batches per workload at first")
+    parser.add_argument("--max-runs", type=int, default=384, help="at most this many batches per workload")
+    parser.add_argument(
+        "--target-se", type=float, default=0.3, help="percent: rerun a workload with 4x the batches above it"
+    )
     parser.add_argument("--trajectories", type=int, default=16)
     parser.add_argument("--seed", type=int, default=34)
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument(
+        "--escalate-for-s",
+        type=float,
+        default=math.inf,
+        help="no workload starts a rerun with more batches after this many seconds",
+    )
     parser.add_argument("--indices", default="", help="comma-separated workload indices (default: all)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_family.json"))
     args = parser.parse_args()
     started, load_before = time.monotonic(), os.getloadavg()
+    deadline = time.time() + args.escalate_for_s
     with ProcessPoolExecutor(args.jobs) as pool:
         indices = [int(i) for i in args.indices.split(",")] if args.indices else list(range(args.workloads))
-        futures = [pool.submit(judge, i, args.seed, args.trajectories, args.runs) for i in indices]
+        futures = [
+            pool.submit(
+                judge, i, args.seed, args.trajectories, args.runs, args.max_runs, args.target_se, deadline
+            )
+            for i in indices
+        ]
         rows = [f.result() for f in futures]
     pcts = sorted(r["vs_best_fixed_pct"] for r in rows)
     summary = {
@@ -149,6 +228,13 @@ def main() -> None:
         "p95_pct": pcts[min(len(pcts) - 1, math.ceil(0.95 * len(pcts)) - 1)],
         "worst_pct": pcts[-1],
         "best_pct": pcts[0],
+        # noise: the paired standard error per workload, and the workloads whose difference is
+        # more than two standard errors above 1 % (over 1 % beyond the noise) or below it
+        "median_se_pct": statistics.median(r["se_pct"] for r in rows),
+        "max_se_pct": max(r["se_pct"] for r in rows),
+        "over_1pct_beyond_noise": sum(r["vs_best_fixed_pct"] - 2 * r["se_pct"] > 1.0 for r in rows),
+        "over_3pct_beyond_noise": sum(r["vs_best_fixed_pct"] - 2 * r["se_pct"] > 3.0 for r in rows),
+        "runs_total": sum(r["runs"] for r in rows),
     }
     result = {
         "args": vars(args),
@@ -164,7 +250,7 @@ def main() -> None:
     print(json.dumps(summary, indent=1))
     for r in result["worst"]:
         print(
-            f"{r['vs_best_fixed_pct']:+6.2f}% vs {r['best_fixed']:8s} ratio {r['cost_ratio']:5.2f} "
+            f"{r['vs_best_fixed_pct']:+6.2f}% (se {r['se_pct']:.2f}, {r['runs']} runs) vs {r['best_fixed']:8s} ratio {r['cost_ratio']:5.2f} "
             f"p {r['fail_prob']:.3f} steps {r['steps']:2d} resp {r['response_mean_s']:5.1f} s "
             f"act {r['action_mean_s']:5.2f} s bias {r['cost_bias']:.2f}"
         )

@@ -41,6 +41,8 @@ from belayer_policy._rules import (
     Verdict,
 )
 from belayer_policy._simulator import (
+    PER_ATTEMPT,
+    PER_STEP,
     BatchOutcome,
     SimulationConfig,
     TrajectoryOutcome,
@@ -62,6 +64,8 @@ __version__ = version("belayer-policy")
 
 __all__ = [
     "CHECKPOINT_KINDS",
+    "PER_ATTEMPT",
+    "PER_STEP",
     "AdaptiveRule",
     "AlwaysRule",
     "BatchOutcome",
