@@ -26,10 +26,12 @@ about the standard error.  `never` is not simulated where its expected failures 
 
     python benchmarks/bench_family.py [--workloads 200] [--runs 24] [--max-runs 384]
         [--target-se 0.3] [--escalate-for-s 900] [--trajectories 16] [--jobs 2]
-        [--indices 3,50,73] [--out benchmarks/results/bench_family.json]
+        [--indices 3,50,73] [--exact-costs] [--out benchmarks/results/bench_family.json]
 
 ``--indices`` judges only those workloads of the family (the same draws and failure streams as in
-a full run), for a quick check of a change on chosen workloads.
+a full run), for a quick check of a change on chosen workloads.  ``--exact-costs`` lets the policy
+learn the true checkpoint costs (no bias; the fixed policies do not use them): how much of a loss
+the biased estimates explain.
 """
 
 from __future__ import annotations
@@ -115,6 +117,7 @@ def judge(
     max_runs: int = 0,
     target_se: float = 0.0,
     escalate_before: float = math.inf,
+    exact_costs: bool = False,
 ) -> dict[str, Any]:
     """Adaptive against every fixed policy on one workload.
 
@@ -123,7 +126,7 @@ def judge(
     the batches, up to ``max_runs`` and only before the wall-clock time ``escalate_before``.
     """
     while True:
-        row = _judge_once(index, seed, num_trajectories, runs)
+        row = _judge_once(index, seed, num_trajectories, runs, exact_costs)
         pct, se = row["vs_best_fixed_pct"], row["se_pct"]
         ambiguous = any(abs(pct - threshold) < 2.0 * se for threshold in (1.0, 3.0))
         if se <= target_se or not ambiguous or runs * 4 > max_runs or time.time() > escalate_before:
@@ -131,14 +134,16 @@ def judge(
         runs *= 4
 
 
-def _judge_once(index: int, seed: int, num_trajectories: int, runs: int) -> dict[str, Any]:
+def _judge_once(
+    index: int, seed: int, num_trajectories: int, runs: int, exact_costs: bool = False
+) -> dict[str, Any]:
     workload = draw_workload(index, seed, num_trajectories)
     params = workload["params"]
 
     def estimators() -> SharedEstimators:
         return SharedEstimators(
             failure_model=FixedStepProbability(params["fail_prob"]),
-            checkpoint_costs=BiasedCostModel(bias=params["cost_bias"]),
+            checkpoint_costs=BiasedCostModel(bias=1.0 if exact_costs else params["cost_bias"]),
         )
 
     def simulate(names: tuple[str, ...]) -> list[PolicySummary]:
@@ -200,6 +205,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=34)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument(
+        "--exact-costs",
+        action="store_true",
+        help="the policy learns the true checkpoint costs (no bias): what the bias costs, for a diagnosis",
+    )
+    parser.add_argument(
         "--escalate-for-s",
         type=float,
         default=math.inf,
@@ -214,7 +224,15 @@ def main() -> None:
         indices = [int(i) for i in args.indices.split(",")] if args.indices else list(range(args.workloads))
         futures = [
             pool.submit(
-                judge, i, args.seed, args.trajectories, args.runs, args.max_runs, args.target_se, deadline
+                judge,
+                i,
+                args.seed,
+                args.trajectories,
+                args.runs,
+                args.max_runs,
+                args.target_se,
+                deadline,
+                args.exact_costs,
             )
             for i in indices
         ]

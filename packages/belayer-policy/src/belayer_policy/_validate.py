@@ -37,6 +37,8 @@ def _require_number(name: str, value: object) -> float:
 
 def require_non_negative(name: str, value: object, *, allow_inf: bool = False) -> float:
     """Return ``value`` as a float or raise if it is negative, NaN or (unless allowed) infinite."""
+    if type(value) is float and 0.0 <= value < math.inf:  # the common case, checked in one step
+        return value
     number = _require_number(name, value)
     if number < 0 or (math.isinf(number) and not allow_inf):
         raise PolicyArgumentError(f"{name} must be a finite number >= 0, got {value!r}")
