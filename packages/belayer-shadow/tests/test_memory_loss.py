@@ -86,6 +86,36 @@ async def test_the_last_kept_weights_are_reloaded_after_the_weight_server_is_los
         assert slot.checkpoint == tmp_path / "slot" / "kept-weights"
 
 
+async def test_a_supervisor_started_again_adopts_the_newer_copy_when_its_predecessor_died_between_renames(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from belayer_shadow import SlotConfig
+
+    config = SlotConfig(slot="kept", router_url="http://127.0.0.1:9", run_dir=tmp_path / "slot")
+    first = SlotSupervisor(config)
+    for version in (1, 2):
+        (tmp_path / f"step-{version}").mkdir()
+        (tmp_path / f"step-{version}" / "model.safetensors").write_bytes(bytes([version]) * 64)
+    first.keep_weights(tmp_path / "step-1", version=1)
+    rename = Path.rename
+
+    def dies_at_the_second_rename(self: Path, target: Path) -> Path:
+        if self.name == "kept-weights.new" and Path(target).name == "kept-weights":
+            raise KeyboardInterrupt("SIGKILLed between the renames")  # nothing after this runs
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", dies_at_the_second_rename)
+    with pytest.raises(KeyboardInterrupt):
+        first.keep_weights(tmp_path / "step-2", version=2)  # committed to the server as version 2
+    monkeypatch.setattr(Path, "rename", rename)
+    assert not (tmp_path / "slot" / "kept-weights").exists()
+
+    again = SlotSupervisor(config)
+    assert again.adopt_kept_weights() == 2
+    assert again.checkpoint == tmp_path / "slot" / "kept-weights"
+    assert (again.checkpoint / "model.safetensors").read_bytes() == bytes([2]) * 64
+
+
 @pytest.mark.parametrize("kind", ["weights", "kv"])
 async def test_a_hung_memory_server_is_found_by_its_pings_and_the_slot_restarts(
     tmp_path: Path, kind: str

@@ -165,8 +165,11 @@ class SlotSupervisor:
         `start`."""
         kept = self.config.run_dir / "kept-weights"
         previous = self.config.run_dir / "kept-weights.old"
-        if not kept.is_dir() and previous.is_dir():  # it died between `keep_weights`' two renames
-            previous.rename(kept)
+        if not kept.is_dir() and previous.is_dir():
+            # It died between `keep_weights`' two renames: the copy set aside then is complete
+            # (written before the renames) and holds the newer weights, committed already.
+            aside = self.config.run_dir / "kept-weights.new"
+            (aside if aside.is_dir() else previous).rename(kept)
         if not kept.is_dir() or not any(kept.glob("*.safetensors")):
             return None
         with self._lock:
