@@ -155,3 +155,31 @@ async def test_keep_running_without_a_journal_is_a_usage_error() -> None:
         .splitlines()[-1]
         .startswith("belayer-router: error: --keep-running needs --journal")
     )
+
+
+async def test_an_abbreviated_keep_running_flag_makes_one_keeper_whose_child_serves(tmp_path: Path) -> None:
+    # argparse takes `--keep` for `--keep-running`; a child still given it would be a keeper
+    # itself, starting keepers without end and never a router.
+    argv = [sys.executable, "-m", "belayer_router", "serve", "--port", "0", "--json", "--keep"]
+    argv += ["--journal", str(tmp_path / "router.jsonl"), "--hang-check-s", "0"]
+    with (tmp_path / "keeper.log").open("wb") as stderr_file:
+        keeper = await anyio.open_process(argv, stderr=stderr_file)
+    pids: list[int] = []
+    try:
+        ready = await JsonLines(keeper).next(limit_s=90)
+        pids.append(ready["pid"])
+        stat = await anyio.Path(f"/proc/{ready['pid']}/stat").read_text()
+        assert int(stat.rsplit(")", 1)[1].split()[1]) == keeper.pid  # the router is the keeper's child
+        async with httpx.AsyncClient(base_url=ready["url"], timeout=60) as http:
+            assert (await http.get("/health")).status_code == 200
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            keeper.send_signal(signal.SIGTERM)
+        with anyio.move_on_after(30):
+            await keeper.wait()
+        if keeper.returncode is None:
+            keeper.kill()
+            await keeper.wait()
+    with anyio.fail_after(30):
+        while not all(process_gone(pid) for pid in pids):  # noqa: ASYNC110  (the child dies with it)
+            await anyio.sleep(0.05)

@@ -50,7 +50,13 @@ from belayer_router._errors import (
     WeightVersionError,
     WorkerStreamError,
 )
-from belayer_router._keeper import add_keeper_flags, check_keeper_flags, health_check, keep_running
+from belayer_router._keeper import (
+    add_keeper_flags,
+    check_keeper_flags,
+    health_check,
+    keep_running,
+    keeper_child_argv,
+)
 from belayer_router._server._app import RouterApp, RouterConfig
 from belayer_router._server._asgi import read_json
 from belayer_router._server._control import PAUSE_MODES, WeightLoader, WeightTransferLoader
@@ -126,6 +132,7 @@ __all__ = [
     "check_keeper_flags",
     "health_check",
     "keep_running",
+    "keeper_child_argv",
     "load_tokenizer",
     "owner_index",
     "parse_generate_request",

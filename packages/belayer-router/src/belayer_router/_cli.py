@@ -23,7 +23,13 @@ import anyio
 from belayer_router._core._config import api_keys_from
 from belayer_router._core._tokenizer import load_tokenizer
 from belayer_router._errors import BelayerRouterError
-from belayer_router._keeper import add_keeper_flags, check_keeper_flags, health_check, keep_running
+from belayer_router._keeper import (
+    add_keeper_flags,
+    check_keeper_flags,
+    health_check,
+    keep_running,
+    keeper_child_argv,
+)
 from belayer_router._server._app import RouterApp, RouterConfig
 from belayer_router._server._serve import SERVERS, bind_socket, serve_asgi
 
@@ -164,7 +170,7 @@ def _keep(args: argparse.Namespace, raw: Sequence[str]) -> int:
         sock = bind_socket(args.host, args.port)
     except OSError as error:
         raise _UsageError(f"cannot listen on {args.host}:{args.port}: {error}") from error
-    child = [arg for arg in raw if arg != "--keep-running"]
+    child = keeper_child_argv(raw)
     host, port = sock.getsockname()[:2]
 
     if not args.json:

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import argparse
 
-__all__ = ["add_keeper_flags", "check_keeper_flags", "health_check", "keep_running"]
+__all__ = ["add_keeper_flags", "check_keeper_flags", "health_check", "keep_running", "keeper_child_argv"]
 
 _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -239,3 +239,10 @@ def health_check(address: tuple[str, int], timeout_s: float) -> Callable[[], boo
             return bool(response.status == 200)
 
     return answers
+
+
+def keeper_child_argv(raw: Sequence[str], flag: str = "--keep-running") -> list[str]:
+    """The command line `raw` less `flag` for a keeper's child, however `flag` was abbreviated:
+    argparse takes any unambiguous prefix (`--keep`) as the flag, and a child still given one would
+    be a keeper itself, whose child would be one again, without end."""
+    return [arg for arg in raw if not (len(arg) > 2 and arg.startswith("--") and flag.startswith(arg))]

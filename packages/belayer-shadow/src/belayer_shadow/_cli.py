@@ -242,7 +242,7 @@ def _worker_config(args: argparse.Namespace) -> object:
 def _keep_slot(args: argparse.Namespace, raw: list[str]) -> int:
     """`slot --keep-running`: the supervisor in a child, started again (belayer-router's
     `keep_running`) each time it dies; the dead one's guardian finishes its reap first."""
-    from belayer_router import keep_running
+    from belayer_router import keep_running, keeper_child_argv
     from belayer_shadow._workers._processes import PROCESSES_FILE
 
     if args.max_restarts < 0:
@@ -256,7 +256,7 @@ def _keep_slot(args: argparse.Namespace, raw: list[str]) -> int:
         while table.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
 
-    argv = [sys.executable, "-m", "belayer_shadow", *[arg for arg in raw if arg != "--keep-running"]]
+    argv = [sys.executable, "-m", "belayer_shadow", *keeper_child_argv(raw)]
     return keep_running(
         argv, name="belayer-shadow", max_restarts=args.max_restarts, before_restart=after_the_guardian
     )

@@ -41,7 +41,13 @@ def keep_serve(args: argparse.Namespace, raw: Sequence[str]) -> int:
     """Run `serve` (the flags `raw`, less `--keep-running`) in a child, started again each time
     it dies or hangs; returns the last child's exit code. Raises `ValueError` for bad flags, a
     `ModelConfigError` for a bad model folder and `OSError` when the address cannot be bound."""
-    from belayer_router import bind_socket, check_keeper_flags, health_check, keep_running
+    from belayer_router import (
+        bind_socket,
+        check_keeper_flags,
+        health_check,
+        keep_running,
+        keeper_child_argv,
+    )
 
     check_keeper_flags(args)
     ModelFolder.inspect(args.model_dir)  # a bad folder: one typed error, nothing started
@@ -53,7 +59,7 @@ def keep_serve(args: argparse.Namespace, raw: Sequence[str]) -> int:
         shutil.rmtree(stale, ignore_errors=True)
     sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
-    child = [arg for arg in raw if arg != "--keep-running"]
+    child = keeper_child_argv(raw)
     child += ["--listen-fd", str(sock.fileno()), "--adopt-kept-weights"]
     if temporary:
         child += ["--run-dir", str(run_dir)]
