@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from importlib.metadata import version
 
+import pytest
+
 import belayer_router
-from belayer_router import ExitCode
+from belayer_router import ExitCode, ServerConfigError, add_keeper_flags, check_keeper_flags
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -33,6 +36,21 @@ def test_a_missing_tokenizer_is_a_usage_error_that_says_what_to_give(tmp_path: o
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("belayer-router: error: tokenizer '/nonexistent/tokenizer'")
     assert "tokenizer folder" in last
+    assert "Traceback" not in result.stderr
+
+
+def test_keeper_flags_out_of_range_are_a_typed_error_and_a_usage_error(tmp_path: object) -> None:
+    # Typed: belayer-shadow's `serve --keep-running` checks the same flags across the package edge.
+    parser = argparse.ArgumentParser()
+    add_keeper_flags(parser)
+    with pytest.raises(ServerConfigError, match="--hang-misses 1 or more"):
+        check_keeper_flags(parser.parse_args(["--hang-misses", "0"]))
+    check_keeper_flags(parser.parse_args([]))  # the defaults pass
+    result = run_cli(
+        "serve", "--port", "0", "--keep-running", "--journal", f"{tmp_path}/j", "--max-restarts", "-1"
+    )
+    assert result.returncode == ExitCode.USAGE
+    assert "belayer-router: error: --max-restarts" in result.stderr
     assert "Traceback" not in result.stderr
 
 

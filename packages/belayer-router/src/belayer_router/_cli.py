@@ -22,7 +22,7 @@ import anyio
 
 from belayer_router._core._config import api_keys_from
 from belayer_router._core._tokenizer import load_tokenizer
-from belayer_router._errors import BelayerRouterError
+from belayer_router._errors import BelayerRouterError, ServerConfigError
 from belayer_router._keeper import (
     add_keeper_flags,
     check_keeper_flags,
@@ -164,7 +164,7 @@ def _keep(args: argparse.Namespace, raw: Sequence[str]) -> int:
         )
     try:
         check_keeper_flags(args)
-    except ValueError as error:
+    except ServerConfigError as error:
         raise _UsageError(str(error)) from error
     try:
         sock = bind_socket(args.host, args.port)

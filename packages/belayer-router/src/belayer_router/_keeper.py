@@ -36,6 +36,8 @@ from collections.abc import Callable, Collection, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from belayer_router._errors import ServerConfigError
+
 if TYPE_CHECKING:
     import argparse
 
@@ -218,9 +220,9 @@ def add_keeper_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def check_keeper_flags(args: argparse.Namespace) -> None:
-    """Raise `ValueError` for keeper flags out of range (`add_keeper_flags`)."""
+    """Raise `ServerConfigError` for keeper flags out of range (`add_keeper_flags`)."""
     if args.max_restarts < 0 or args.hang_check_s < 0 or args.hang_misses < 1:
-        raise ValueError(
+        raise ServerConfigError(
             "--max-restarts and --hang-check-s must be 0 or more and --hang-misses 1 or more, got "
             f"{args.max_restarts}, {args.hang_check_s}, {args.hang_misses}"
         )

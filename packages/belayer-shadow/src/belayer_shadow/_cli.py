@@ -313,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     raw = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(raw)
     from belayer_gpumem import BelayerGpumemError
+    from belayer_router import BelayerRouterError
     from belayer_shadow._errors import BelayerShadowError, HandoverError, SupervisorError, WorkerError
 
     try:
@@ -345,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             alive_file=args.alive_file,
         )
         return run_shadow(shadow)
-    except (BelayerShadowError, BelayerGpumemError, ValueError, OSError) as exc:
+    except (BelayerShadowError, BelayerGpumemError, BelayerRouterError, ValueError, OSError) as exc:
         if args.debug:
             traceback.print_exc()
         print(f"belayer-shadow: error: {exc}", file=sys.stderr)

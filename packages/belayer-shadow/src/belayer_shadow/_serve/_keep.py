@@ -39,8 +39,9 @@ _START_TIMEOUT_S = 300.0
 
 def keep_serve(args: argparse.Namespace, raw: Sequence[str]) -> int:
     """Run `serve` (the flags `raw`, less `--keep-running`) in a child, started again each time
-    it dies or hangs; returns the last child's exit code. Raises `ValueError` for bad flags, a
-    `ModelConfigError` for a bad model folder and `OSError` when the address cannot be bound."""
+    it dies or hangs; returns the last child's exit code. Raises belayer-router's
+    `ServerConfigError` for bad keeper flags, a `ModelConfigError` for a bad model folder and
+    `OSError` when the address cannot be bound."""
     from belayer_router import (
         bind_socket,
         check_keeper_flags,
