@@ -32,6 +32,7 @@ __all__ = [
     "ModelConfigSection",
     "RolloutConfig",
     "SystemConfig",
+    "config_from_dict",
     "default_config_text",
     "load_config",
     "load_run_config",
@@ -156,6 +157,10 @@ class SystemConfig:
     hang_threshold_s: float = attrs.field(default=5.0, validator=_positive_float)
     checkpoint_every: int = attrs.field(default=10, validator=_non_negative)
     resume: str = ""
+    # > 0: the router and the slots run in a rollout host process of their own that outlives a
+    # killed trainer this long, so `belayer-grpo train --resume` re-attaches to it (0: they run in
+    # the trainer and the guardian reaps them the moment it dies).
+    resume_grace_s: float = attrs.field(default=0.0, validator=_non_negative_float)
     # The engine of the rollout workers: belayer's own, or vLLM (needs belayer-shadow[vllm]).
     engine: str = attrs.field(default="belayer", validator=v.in_(("belayer", "vllm")))
     # Agentic workloads: how a failed sandbox comes back.  `checkpoint` (latest ready checkpoint
@@ -420,6 +425,11 @@ def load_run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Confi
         )  # fmt: skip
     forced = [f"system.run_dir={json.dumps(str(folder))}", 'system.resume="latest"']
     return _load(data, [*overrides, *forced])
+
+
+def config_from_dict(data: Mapping[str, Any]) -> Config:
+    """The configuration a run saved (`Config.to_dict`, e.g. its ``config.json``), checked again."""
+    return _load(data, ())
 
 
 def _load(file_data: Mapping[str, Any] | None, overrides: Sequence[str]) -> Config:

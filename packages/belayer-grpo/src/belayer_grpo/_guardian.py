@@ -36,6 +36,7 @@ from typing import IO, Any
 import attrs
 
 from belayer_grpo._errors import SystemStartError
+from belayer_grpo._lease import adopted_by, claim_for_reap, host_info
 
 __all__ = [
     "RUN_ENV",
@@ -172,32 +173,42 @@ def _reap_slots(run_dir: Path, owner_gone: bool) -> list[int]:
 
 
 def reap_run(
-    run_dir: Path, *, exclude: tuple[int, ...] = (), timeout_s: float = 20.0, owner_gone: bool = False
+    run_dir: Path,
+    *,
+    exclude: tuple[int, ...] = (),
+    timeout_s: float = 20.0,
+    owner_gone: bool = False,
+    keep_rollout_host: bool = False,
 ) -> ReapReport:
     """Kill and remove everything of an earlier run in ``run_dir`` that is still there.
 
     ``owner_gone``: the caller knows the trainer is dead (the guardian), so a slot folder whose
     recorded owner still looks alive (an unreaped zombie) is reaped anyway; otherwise such a
-    folder raises `SystemStartError`.
+    folder raises `SystemStartError`.  ``keep_rollout_host``: a resumed trainer that adopted the
+    run's rollout host (`belayer_grpo._rollout_host`) keeps its processes, sockets and memory
+    folders; the killed trainer's sandboxes and checkpoints still go.
     """
     marker = run_marker(run_dir)
-    # The slots' own records first (start-time checked), then everything that carries the marker.
-    pids = _reap_slots(run_dir, owner_gone)
-    pids += [pid for pid in _kill_processes(marker, exclude, timeout_s) if pid not in pids]
+    pids: list[int] = []
     sockets = []
-    for socket in run_dir.rglob("*.sock"):
-        with contextlib.suppress(FileNotFoundError):
-            socket.unlink()
-            sockets.append(str(socket))
+    if not keep_rollout_host:
+        # The slots' own records first (start-time checked), then everything that carries the marker.
+        pids = _reap_slots(run_dir, owner_gone)
+        pids += [pid for pid in _kill_processes(marker, exclude, timeout_s) if pid not in pids]
+        for socket in run_dir.rglob("*.sock"):
+            with contextlib.suppress(FileNotFoundError):
+                socket.unlink()
+                sockets.append(str(socket))
     containers = _remove_containers(run_dir, marker)
     clusters = _remove_isolated_clusters(run_dir)
     paths = []
     # Memory-server folders, sandbox checkpoints of trajectories that will never resume, torn
     # training checkpoints (complete ones stay: `system.resume=latest` reads them).
     for path in [
-        *run_dir.glob("slots/*/mem"),
+        *([] if keep_rollout_host else run_dir.glob("slots/*/mem")),
         run_dir / "env-checkpoints",
         *run_dir.glob("checkpoints/.*.tmp"),
+        *([] if keep_rollout_host else [run_dir / "rollout-host" / "host.json"]),
     ]:
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
@@ -259,10 +270,35 @@ class Guardian:
                 self._process.wait()
 
 
+def _adopted_in_grace(run_dir: Path, trainer_pid: int) -> bool:
+    """With a rollout host running (``system.resume_grace_s > 0``): wait the grace period for a
+    trainer to take the lease (`belayer_grpo._lease`); True when one did (it owns the run now)."""
+    try:
+        grace_s = float(_run_config(run_dir)["system"]["resume_grace_s"])
+    except (KeyError, TypeError, ValueError):
+        grace_s = 0.0
+    if grace_s <= 0 or host_info(run_dir) is None:
+        return False
+    print(f"belayer-grpo guardian: trainer {trainer_pid} died; its rollout host waits {grace_s:g} s "
+          "for `belayer-grpo train --resume`", file=sys.stderr, flush=True)  # fmt: skip
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if (adopter := adopted_by(run_dir, trainer_pid)) is not None:
+            print(f"belayer-grpo guardian: trainer {adopter} took the run over", file=sys.stderr, flush=True)
+            return True
+        time.sleep(0.2)
+    if not claim_for_reap(run_dir, trainer_pid):
+        print("belayer-grpo guardian: a trainer took the run over", file=sys.stderr, flush=True)
+        return True
+    return False
+
+
 def guard_run(run_dir: Path, trainer_pid: int) -> int:
     """The guardian process: wait for the trainer's end; reap the run folder unless it said done."""
     message = sys.stdin.buffer.read()  # end-of-file: the trainer exited or was killed
     if message == _DONE:
+        return 0
+    if _adopted_in_grace(run_dir, trainer_pid):
         return 0
     report = reap_run(run_dir, exclude=(trainer_pid,), owner_gone=True)
     print(

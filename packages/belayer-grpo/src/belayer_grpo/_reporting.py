@@ -152,6 +152,12 @@ class Reporter:
                 f"{summary['trajectories_regenerated']} regenerated, "
                 f"{summary['steps_replayed']} step(s) trained again from their logs"
             )
+            if "requests_reattached" in summary:  # the killed trainer's rollout host was adopted
+                lines.append(
+                    f"{'re-attached':>22}: {summary['requests_reattached']} request(s) the router held "
+                    f"({summary['tokens_reattached']} tokens not generated again), "
+                    f"{summary['trajectories_new']} never sent before the kill"
+                )
         for loss in summary.get("node_losses", []):
             seen = sorted((loss.get("detections_s") or {}).items(), key=lambda item: item[1])
             when = ", ".join(f"{name} {at:.2f}s" for name, at in seen)  # after the node was removed

@@ -44,6 +44,7 @@ async def run_math_rollouts(
     seed: int,
     on_sample: Callable[[int, Sample], None] | None = None,
     done: Mapping[int, Sample] | None = None,
+    request_ids: Callable[[int], str] | None = None,
 ) -> list[Sample]:
     """``rollout.samples_per_prompt`` completions per problem, concurrently; groups in problem order.
 
@@ -51,6 +52,8 @@ async def run_math_rollouts(
     so a request the router resumes on another worker continues exactly as it would have.
     ``on_sample(index, sample)`` runs as each one finishes.  ``done`` (index -> sample, those a
     killed run had finished: `belayer_grpo._rollout_log`) are taken as they are, not generated.
+    ``request_ids(index)``: each request's id at the router (a random one when None); the same id
+    again re-attaches to what the router holds of it (`belayer_grpo._rollout_host`).
     """
     n = rollout.samples_per_prompt
     results: list[Sample | None] = [None] * (len(problems) * n)
@@ -71,6 +74,7 @@ async def run_math_rollouts(
                     top_p=rollout.top_p,
                     seed=seed * 1_000_003 + index,
                     stop_token_ids=stop,
+                    request_id=None if request_ids is None else request_ids(index),
                 )
             except Exception as error:
                 raise RolloutError(

@@ -9,7 +9,9 @@ default, or ``"swe"``: `belayer_grpo._rollout_agentic`), or one turn per math pr
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import platform
 import shutil
 import time
@@ -24,11 +26,12 @@ import torch
 from belayer_grpo._agentic import AgenticTrajectory, default_estimators, to_samples
 from belayer_grpo._chaos import FailureRecord, WorkerChaos, match_recoveries
 from belayer_grpo._checkpointing import find_latest, load_checkpoint, save_checkpoint
-from belayer_grpo._cluster import ClusterSystem, ClusterWeights, rollout_system
+from belayer_grpo._cluster import ClusterSystem, ClusterWeights, cluster_wanted, rollout_system
 from belayer_grpo._config import Config
 from belayer_grpo._data import PolicyTokenizer, Problem, PromptSampler, generate_arithmetic, load_math_file
 from belayer_grpo._errors import CheckpointError, GrpoConfigError
 from belayer_grpo._guardian import Guardian, reap_run, run_processes_marked
+from belayer_grpo._lease import take_lease
 from belayer_grpo._model import build_policy, build_tokenizer, engine_model_config, supervised_warmup
 from belayer_grpo._plot import write_training_plot
 from belayer_grpo._reporting import Reporter
@@ -45,6 +48,7 @@ from belayer_grpo._rollout_agentic import (
     run_tag,
     tooluse_warmup,
 )
+from belayer_grpo._rollout_host import HostSystem, held_requests
 from belayer_grpo._rollout_log import (
     LoggedStep,
     StepLog,
@@ -110,7 +114,11 @@ class RunState:
     resume_step: int = 0  # the step a resumed run continues from its rollout log (0: none)
     num_replayed: int = 0  # ended steps after the checkpoint trained again from their logs
     num_reused: int = 0  # samples of the resumed step taken from its log
-    num_regenerated: int = 0  # samples of the resumed step that the killed run had not finished
+    num_regenerated: int = 0  # samples of the resumed step that the killed run had begun, generated anew
+    host_adopted: bool = False  # the rollout host of the killed trainer serves this run
+    num_reattached: int = 0  # samples of the resumed step the adopted router held (finished or begun)
+    num_reattached_tokens: int = 0  # the tokens it held of them (not generated again)
+    num_new: int = 0  # samples of the resumed step the killed run had not sent to the router
     checkpoint_step: int = 0
     step_log: StepLog | None = None  # the current step's rollout log, ended after its metrics
 
@@ -251,6 +259,12 @@ async def _math_rollout(
         done = logged.samples(_prompt_ids(run.tokenizer, problems, config.rollout.samples_per_prompt))
         run.num_reused, run.num_regenerated = len(done), total - len(done)
         run.reporter.advance(count=len(done))  # the bar counts them as finished
+    request_ids = functools.partial(_request_id, run_tag(run.run_dir), step)
+    if step == run.resume_step and run.host_adopted:
+        missing = [request_ids(i) for i in range(total) if i not in done]
+        run.num_reattached, run.num_reattached_tokens = await held_requests(router, missing)
+        # What the router never saw was not sent before the kill: generated the first time, not again.
+        run.num_new, run.num_regenerated = len(missing) - run.num_reattached, 0
     log = run.step_log = StepLog.open(path, logged.num_bytes)
     kill_pending = chaos.wants_kill_at_step(step)
     finished = 0
@@ -273,12 +287,29 @@ async def _math_rollout(
             seed=step,
             on_sample=on_sample,
             done=done,
+            request_ids=request_ids,
         )
+    return samples, _resume_metrics(run, step)
+
+
+def _request_id(tag: str, step: int, index: int) -> str:
+    """The router's id of sample ``index`` of ``step``: the same in a resumed run, to re-attach."""
+    return f"{tag}-step{step}-{index}"
+
+
+def _resume_metrics(run: RunState, step: int) -> dict[str, Any]:
     resumed = step == run.resume_step
-    return samples, {
+    metrics = {
         "trajectories_reused": run.num_reused if resumed else 0,
         "trajectories_regenerated": run.num_regenerated if resumed else 0,
     }
+    if run.host_adopted:
+        metrics |= {
+            "requests_reattached": run.num_reattached if resumed else 0,
+            "tokens_reattached": run.num_reattached_tokens if resumed else 0,
+            "trajectories_new": run.num_new if resumed else 0,
+        }
+    return metrics
 
 
 async def _swe_rollout(
@@ -353,7 +384,7 @@ async def _swe_rollout(
 async def _step(
     run: RunState,
     step: int,
-    system: RolloutSystem | ClusterSystem,
+    system: RolloutSystem | HostSystem | ClusterSystem,
     router: RouterClient,
     chaos: WorkerChaos,
     sync: WeightSync | ClusterWeights,
@@ -446,15 +477,26 @@ async def run_training(config: Config, *, stream: TextIO, run_dir: Path | None =
     this run carries the folder's marker and a guardian process reaps them should this one die.
     """
     run_dir = (run_dir or resolve_run_dir(config)).resolve()
-    leftovers = await anyio.to_thread.run_sync(reap_run, run_dir)
+    # Take the folder from any guardian still waiting for a resume: a resumed run re-attaches to
+    # the rollout host a killed trainer left (`belayer_grpo._rollout_host`), any other run reaps it.
+    host_alive = await anyio.to_thread.run_sync(take_lease, run_dir, os.getpid())
+    adopt = (
+        host_alive
+        and bool(config.system.resume)
+        and config.system.resume_grace_s > 0
+        and not cluster_wanted(config)
+    )
+    leftovers = await anyio.to_thread.run_sync(
+        functools.partial(reap_run, run_dir, owner_gone=host_alive, keep_rollout_host=adopt)
+    )
     if not leftovers.empty:
         print(f"belayer-grpo: reaped what an earlier run left in {run_dir}: {leftovers.describe()}",
               file=stream, flush=True)  # fmt: skip
     with run_processes_marked(run_dir), Guardian(run_dir):
-        return await _train(config, stream, run_dir)
+        return await _train(config, stream, run_dir, adopt)
 
 
-async def _train(config: Config, stream: TextIO, run_dir: Path) -> dict[str, Any]:
+async def _train(config: Config, stream: TextIO, run_dir: Path, adopt: bool) -> dict[str, Any]:
     wall_start = time.monotonic()
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     run, model_config = await anyio.to_thread.run_sync(_prepare, config, run_dir, stream)
@@ -478,10 +520,15 @@ async def _train(config: Config, stream: TextIO, run_dir: Path) -> dict[str, Any
         run.reporter.message(
             f"belayer-grpo: starting the router and {config.system.num_slots} engine slot(s)"
         )
+        if adopt:
+            run.reporter.message("belayer-grpo: re-attached to the rollout host of the killed trainer")
         async with (
-            rollout_system(config, run_dir, model_config, weights_file) as system,
+            HostSystem.adopt(run_dir)
+            if adopt
+            else rollout_system(config, run_dir, model_config, weights_file) as system,
             system.client() as router,
         ):
+            run.host_adopted = adopt
             chaos = WorkerChaos(
                 config.chaos,
                 kill=lambda i: (system.slots[i].config.slot, system.slots[i].kill_main()),
@@ -553,6 +600,11 @@ async def _train(config: Config, stream: TextIO, run_dir: Path) -> dict[str, Any
                 "resumed_at_step": run.resume_step, "steps_replayed": run.num_replayed,
                 "trajectories_reused": run.num_reused, "trajectories_regenerated": run.num_regenerated,
             }  # fmt: skip
+            if run.host_adopted:
+                summary |= {
+                    "requests_reattached": run.num_reattached, "tokens_reattached": run.num_reattached_tokens,
+                    "trajectories_new": run.num_new,
+                }  # fmt: skip
         if config.data.workload != "math":
             summary["env"] = run.env.to_dict()
         if history:

@@ -25,6 +25,7 @@ from belayer_grpo._cluster.sandbox_pool import open_cluster_pool
 from belayer_grpo._cluster.weights import ClusterWeights, LiveSockets
 from belayer_grpo._config import Config
 from belayer_grpo._errors import SystemStartError
+from belayer_grpo._rollout_host import HostSystem
 from belayer_grpo._system import RolloutSystem
 from belayer_router import RouterClient
 
@@ -49,10 +50,13 @@ def cluster_wanted(config: Config) -> bool:
 
 def rollout_system(
     config: Config, run_dir: Path, model_config: ModelConfig, weights_file: Path
-) -> AbstractAsyncContextManager[RolloutSystem | ClusterSystem]:
-    """`ClusterSystem.start` when the run asks for Ray, else the single-machine `RolloutSystem.start`."""
+) -> AbstractAsyncContextManager[RolloutSystem | HostSystem | ClusterSystem]:
+    """`ClusterSystem.start` when the run asks for Ray, else the single-machine `RolloutSystem.start`
+    (in a rollout host process, `HostSystem.start`, with ``system.resume_grace_s > 0``)."""
     if cluster_wanted(config):
         return ClusterSystem.start(config, run_dir, model_config, weights_file)
+    if config.system.resume_grace_s > 0:  # a rollout host that outlives the trainer for its grace
+        return HostSystem.start(config, run_dir, model_config, weights_file)
     return RolloutSystem.start(config, run_dir, model_config, weights_file)
 
 

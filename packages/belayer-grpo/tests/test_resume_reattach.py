@@ -1,0 +1,136 @@
+"""The rollout side outlives a SIGKILLed trainer for ``system.resume_grace_s``; ``--resume`` re-attaches.
+
+With ``system.resume_grace_s > 0`` the router and the slots run in a rollout host process
+(`belayer_grpo._rollout_host`).  Math, a fixed seed, 3 steps of 16 prompts x 8 samples:
+
+- run A trains uninterrupted (through a rollout host too), then its folder is renamed;
+- run B, same configuration and folder path, is SIGKILLed once a quarter of step 2's samples are
+  in its rollout log.  Its rollout host, router and slots keep running (the guardian waits for a
+  trainer to take the lease); ``--resume`` takes it within the grace period, takes the logged
+  samples, re-attaches to every request the router holds (finished or cut mid-stream: continued
+  from its tokens, not from the start) and sends only the ones never sent before: 0 regenerated.
+  Its final weights equal A's bit for bit (tolerance none: see test_resume_e2e.py), and nothing of
+  either trainer or host is left afterwards.
+
+A second run is killed and nobody resumes it: after the grace period the guardian reaps the host,
+its slots and everything else of the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_resume_e2e import _logged_lines, _model, _train
+from test_sigint import _tagged_pids
+
+from belayer_grpo._lease import REAPED, pid_alive
+
+pytestmark = pytest.mark.e2e
+
+_COMMON = ["algorithm.steps=3", "chaos.kill_worker_at_steps=[]", "logging.progress=false",
+           "logging.tensorboard=false", "data.workload=math", "rollout.concurrency=4"]  # fmt: skip
+_SAMPLES = 128  # 16 prompts x 8 samples
+
+
+def _kill_mid_rollout(args: list[str], env: dict[str, str], output: Path, step: int, lines: int) -> int:
+    """Start ``belayer-grpo train``, SIGKILL it once ``lines`` samples of ``step`` are logged; the
+    pid of its rollout host, read before the kill."""
+    run_dir = Path(args[-1].split("=", 1)[1].strip("'"))
+    log = run_dir / "rollouts" / f"step_{step:06d}.jsonl"
+    with output.open("w") as out:
+        train = subprocess.Popen(
+            [sys.executable, "-m", "belayer_grpo", "train", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        try:
+            deadline = time.monotonic() + 300
+            while len(_logged_lines(log)) < lines:
+                assert train.poll() is None, output.read_text()
+                assert time.monotonic() < deadline, output.read_text()
+                time.sleep(0.01)
+            host = json.loads((run_dir / "rollout-host" / "host.json").read_text())
+            train.send_signal(signal.SIGKILL)
+            assert train.wait(timeout=60) == -signal.SIGKILL
+        finally:
+            if train.poll() is None:
+                train.kill()
+                train.wait()
+    return int(host["pid"])
+
+
+def _nothing_left(run_dir: Path, tag: str, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while _tagged_pids(tag) or any(run_dir.rglob("*.sock")) or any(run_dir.glob("slots/*/mem")):
+        assert time.monotonic() < deadline, (
+            _tagged_pids(tag), list(run_dir.rglob("*.sock")), (run_dir / "guardian.log").read_text()
+        )  # fmt: skip
+        time.sleep(0.1)
+
+
+def test_a_resume_within_the_grace_period_regenerates_nothing(tmp_path: Path) -> None:
+    tag = os.urandom(8).hex()
+    env = {**os.environ, "BELAYER_TEST_TAG": tag}
+    run_dir, run_a = tmp_path / "run", tmp_path / "a"
+    args = [*_COMMON, "system.resume_grace_s=300", f"system.run_dir={str(run_dir)!r}"]
+    done = _train(*args, env=env)
+    assert done.returncode == 0, done.stderr
+    _nothing_left(run_dir, tag, 30)  # a run that ends stops its rollout host
+    run_dir.rename(run_a)
+
+    host_pid = _kill_mid_rollout(args, env, tmp_path / "b.log", step=2, lines=_SAMPLES // 4)
+    logged = len(_logged_lines(run_dir / "rollouts" / "step_000002.jsonl"))
+    assert _SAMPLES // 4 <= logged < _SAMPLES
+    time.sleep(2.0)
+    assert pid_alive(host_pid)  # the rollout side outlives the trainer
+    assert any(run_dir.glob("slots/*/mem"))
+    assert "waits 300 s" in (run_dir / "guardian.log").read_text()
+
+    resumed = _train("--resume", str(run_dir), env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    report = json.loads(resumed.stdout)
+    print({key: report.get(key) for key in ("trajectories_reused", "requests_reattached", "tokens_reattached",
+                                            "trajectories_new", "trajectories_regenerated")})  # fmt: skip
+    assert report["status"] == "completed"
+    assert report["steps"] == 3
+    assert "re-attached to the rollout host" in resumed.stderr
+    assert report["trajectories_regenerated"] == 0
+    assert report["trajectories_reused"] >= logged
+    assert report["requests_reattached"] >= 1  # at least the requests cut mid-stream by the kill
+    assert report["tokens_reattached"] >= 1
+    total = report["trajectories_reused"] + report["requests_reattached"] + report["trajectories_new"]
+    assert total == _SAMPLES
+    step2 = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    step2 = [record for record in step2 if record["step"] == 2]
+    assert step2[0]["requests_reattached"] == report["requests_reattached"]
+
+    model_a, model_b = _model(run_a), _model(run_dir)
+    assert model_a.keys() == model_b.keys()
+    for name, tensor in model_a.items():
+        assert torch.equal(tensor, model_b[name]), (name, (tensor - model_b[name]).abs().max())
+    assert not pid_alive(host_pid)
+    _nothing_left(run_dir, tag, 30)  # both trainers, both guardians, the host and its slots
+
+
+def test_a_run_nobody_resumes_is_reaped_after_the_grace_period(tmp_path: Path) -> None:
+    tag = os.urandom(8).hex()
+    env = {**os.environ, "BELAYER_TEST_TAG": tag}
+    run_dir = tmp_path / "run"
+    args = [*_COMMON, "system.resume_grace_s=5", f"system.run_dir={str(run_dir)!r}"]
+    host_pid = _kill_mid_rollout(args, env, tmp_path / "b.log", step=1, lines=1)
+    assert pid_alive(host_pid)  # killed a moment ago: within the grace period
+    _nothing_left(run_dir, tag, 5 + 60)
+    assert not pid_alive(host_pid)
+    assert (run_dir / "rollout-host" / "lease").read_text() == REAPED
+    guardian = (run_dir / "guardian.log").read_text()
+    assert "waits 5 s" in guardian
+    assert "reaped" in guardian
