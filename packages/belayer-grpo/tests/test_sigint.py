@@ -42,7 +42,10 @@ def _memfd_holders(tag: str) -> list[int]:
     return holders
 
 
-def test_sigint_during_training_leaves_nothing_behind(tmp_path: Path) -> None:
+# resume_grace_s > 0: the router and slots run in a rollout host process in a session of its own,
+# which the Ctrl-C does not reach; the trainer must stop it itself.
+@pytest.mark.parametrize("grace", ["0", "60"], ids=["in-process", "rollout-host"])
+def test_sigint_during_training_leaves_nothing_behind(tmp_path: Path, grace: str) -> None:
     tag = uuid.uuid4().hex
     run_dir = tmp_path / "run"
     log = tmp_path / "train.log"
@@ -56,6 +59,7 @@ def test_sigint_during_training_leaves_nothing_behind(tmp_path: Path) -> None:
         f"system.run_dir={str(run_dir)!r}",
     ]
     argv += ["algorithm.steps=200", "chaos.kill_worker_at_steps=[]", "logging.progress=false"]
+    argv += [f"system.resume_grace_s={grace}"]
     with log.open("w") as output:
         train = subprocess.Popen(argv, stdout=output, stderr=subprocess.STDOUT, env=env)
         try:

@@ -120,6 +120,7 @@ def agentic_config(config: Config, run_dir: Path, tokenizer: PolicyTokenizer, st
         on_unrecoverable=rollout.on_unrecoverable,
         max_resamples=rollout.max_resamples,
         run_label=run_marker(run_dir),
+        request_ids=config.system.resume_grace_s > 0,  # a resumed trainer re-attaches to held turns
     )
 
 

@@ -25,7 +25,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from belayer_grpo._system import RolloutSystem
     from belayer_shadow import ModelConfig
 
-__all__ = ["HostSlot", "HostSystem", "held_requests"]
+__all__ = ["HostSlot", "HostSystem"]
 
 
 @attrs.frozen
@@ -182,24 +182,6 @@ class HostSystem:
     def healthy_slots(self) -> list[int]:
         """Indices of slots still in service."""
         return [int(index) for index in self._status()["healthy"]]
-
-
-async def held_requests(router: RouterClient, request_ids: Sequence[str]) -> tuple[int, int]:
-    """How many of ``request_ids`` the router holds (finished, or begun and cut when the trainer
-    died: sent again with the same id, each continues from its tokens) and their tokens so far."""
-    from belayer_router import RouterClientError
-
-    held = tokens = 0
-    for request_id in request_ids:
-        try:
-            record = await router.request_record(request_id)
-        except RouterClientError as error:
-            if error.status != 404:
-                raise
-            continue
-        held += 1
-        tokens += len(record["token_ids"])
-    return held, tokens
 
 
 def _spawn(run_dir: Path) -> subprocess.Popen[bytes]:

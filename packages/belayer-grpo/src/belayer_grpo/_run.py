@@ -34,6 +34,7 @@ from belayer_grpo._guardian import Guardian, reap_run, run_processes_marked
 from belayer_grpo._lease import take_lease
 from belayer_grpo._model import build_policy, build_tokenizer, engine_model_config, supervised_warmup
 from belayer_grpo._plot import write_training_plot
+from belayer_grpo._reattach import held_requests, held_turns
 from belayer_grpo._reporting import Reporter
 from belayer_grpo._rollout_agentic import (
     EnvTotals,
@@ -48,7 +49,7 @@ from belayer_grpo._rollout_agentic import (
     run_tag,
     tooluse_warmup,
 )
-from belayer_grpo._rollout_host import HostSystem, held_requests
+from belayer_grpo._rollout_host import HostSystem
 from belayer_grpo._rollout_log import (
     LoggedStep,
     StepLog,
@@ -238,7 +239,8 @@ async def _evaluate(run: RunState, router: RouterClient) -> float:
 
 async def _evaluate_agentic(run: RunState, router: RouterClient, when: str) -> float:
     """Greedy accuracy on the held-out tasks, in real sandboxes (no chaos)."""
-    settings = agentic_config(run.config, run.run_dir, run.tokenizer, 0)
+    # Random request ids: an evaluation is never re-attached (a resumed run evaluates another policy).
+    settings = attrs.evolve(agentic_config(run.config, run.run_dir, run.tokenizer, 0), request_ids=False)
     return await evaluate_held_out(
         held_out_tasks(run.config), settings, router, run.tokenizer,
         run_id=f"{run_tag(run.run_dir)}-eval-{when}", pool=await run.sandbox_pool(),
@@ -346,6 +348,15 @@ async def _swe_rollout(
         generated += 1
         log.append_trajectory(trajectory.group_index * n + trajectory.sample_index, attempt, trajectory)
 
+    done = logged.trajectories([task.instance_id for task in tasks], run_id)
+    begun: list[str] = []
+    if step == run.resume_step and run.host_adopted:  # the turns the adopted router holds
+        missing = [
+            f"{run_id}-g{g}-s{s}" for g in range(len(tasks)) for s in range(n) if (g, s, 0) not in done
+        ]
+        begun, run.num_reattached, run.num_reattached_tokens = await held_turns(
+            router, missing, config.rollout.max_rounds + 1
+        )
     reused_before = run.env.unrecoverable.num_reused
     samples, metrics, trajectories = await run_swe_rollout(
         tasks,
@@ -361,16 +372,16 @@ async def _swe_rollout(
         estimators=run.estimators,
         pool=await run.sandbox_pool(),
         stats=run.env.unrecoverable,
-        done=logged.trajectories([task.instance_id for task in tasks], run_id),
+        done=done,
         on_finished=on_finished,
     )
-    resumed = step == run.resume_step
-    if resumed:
+    if step == run.resume_step:
         run.num_reused, run.num_regenerated = run.env.unrecoverable.num_reused - reused_before, generated
-    metrics |= {
-        "trajectories_reused": run.num_reused if resumed else 0,
-        "trajectories_regenerated": run.num_regenerated if resumed else 0,
-    }
+        if run.host_adopted:
+            # Begun before the kill: run again from the first action (sandboxes do not outlive the
+            # trainer), the turns the router held taken from it; the others were never started.
+            run.num_regenerated, run.num_new = len(begun), generated - len(begun)
+    metrics |= _resume_metrics(run, step)
     run.env.add(trajectories, step)
     # The agentic trace in belayer-policy's format: what the simulator replays (issue 16).
     with (run.run_dir / "trace.jsonl").open("a") as trace:

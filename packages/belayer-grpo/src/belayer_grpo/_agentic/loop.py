@@ -250,22 +250,33 @@ class AgentLoop:
             started = time.monotonic()
             if step is not None:
                 group.start_soon(self._decide, step, started)
-            completion = await self.router.generate(
-                self.context.token_ids,
-                min(self.config.max_response_tokens, room),
-                temperature=self.config.temperature,
-                top_p=self.config.top_p,
-                seed=derive_seed(self.config.seed, self.trajectory_id, turn),
-                stop_token_ids=self.config.stop_token_ids,
-                trajectory_id=self.trajectory_id,
-                turn=turn,
-            )
+            completion = await self._generate(turn, room)
             responded = time.monotonic()
         if step is not None:
             self._record_wait(step.record, time.monotonic() - responded)  # the next action waited this long
         self.num_responses += 1
         self.num_resumed_responses += completion.num_resumes > 0
         return completion, responded - started
+
+    async def _generate(self, turn: int, room: int) -> Completion:
+        """Turn ``turn``'s response; under its own request id with ``config.request_ids``, which a
+        router holding that turn already (same id, same context) answers from what it holds."""
+        request_id = f"{self.trajectory_id}-t{turn}" if self.config.request_ids else None
+        options = {
+            "temperature": self.config.temperature, "top_p": self.config.top_p,
+            "seed": derive_seed(self.config.seed, self.trajectory_id, turn),
+            "stop_token_ids": self.config.stop_token_ids, "trajectory_id": self.trajectory_id, "turn": turn,
+        }  # fmt: skip
+        max_tokens = min(self.config.max_response_tokens, room)
+        try:
+            return await self.router.generate(
+                self.context.token_ids, max_tokens, request_id=request_id, **options
+            )
+        except RouterClientError as error:
+            if request_id is None or error.status != 409:
+                raise
+            # The turn again with another context (after a recovery): a new request.
+            return await self.router.generate(self.context.token_ids, max_tokens, **options)
 
     async def _decide(self, step: _Step, response_started: float | None) -> None:
         """The policy's decision on ``step``, ``x`` seconds into the response that overlaps it

@@ -94,6 +94,10 @@ class AgenticConfig:
     # False: the checkpoint overlaps the next response and only what is left of it is waited for.
     checkpoint_blocking: bool = False
     run_label: str = ""  # labels every sandbox `belayer.grpo.run=<run_label>`, so a dead run's are found
+    # True: turn T's router request id is `<trajectory_id>-t<T>`, so a trajectory run again after a
+    # trainer's kill gets the turns the router still holds instead of generating them again
+    # (`system.resume_grace_s > 0`); a turn whose context differs then goes under a fresh id.
+    request_ids: bool = False
 
     @policy_failure_probability.validator
     def _check_failure_probability(self, attribute: Any, value: float | None) -> None:
