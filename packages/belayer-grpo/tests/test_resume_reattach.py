@@ -1,16 +1,19 @@
 """The rollout side outlives a SIGKILLed trainer for ``system.resume_grace_s``; ``--resume`` re-attaches.
 
 With ``system.resume_grace_s > 0`` the router and the slots run in a rollout host process
-(`belayer_grpo._rollout_host`).  Math, a fixed seed, 3 steps of 16 prompts x 8 samples:
+(`belayer_grpo._rollout_host`).  A fixed seed, 3 steps; math (16 prompts x 8 samples) and the
+tooluse ``store`` task (4 tasks x 4 samples, real Docker sandboxes):
 
 - run A trains uninterrupted (through a rollout host too), then its folder is renamed;
 - run B, same configuration and folder path, is SIGKILLed once a quarter of step 2's samples are
   in its rollout log.  Its rollout host, router and slots keep running (the guardian waits for a
   trainer to take the lease); ``--resume`` takes it within the grace period, takes the logged
-  samples, re-attaches to every request the router holds (finished or cut mid-stream: continued
-  from its tokens, not from the start) and sends only the ones never sent before: 0 regenerated.
-  Its final weights equal A's bit for bit (tolerance none: see test_resume_e2e.py), and nothing of
-  either trainer or host is left afterwards.
+  samples and sends the others again under the same ids: the router answers or continues every
+  request it holds (finished, or cut mid-stream: continued from its tokens, not from the start).
+  Math: 0 regenerated (each missing sample was held, or never sent).  Agentic: a trajectory begun
+  before the kill runs again from its first action (its sandbox died with the trainer), its held
+  turns taken from the router.  Final weights equal A's bit for bit (tolerance none: see
+  test_resume_e2e.py), and nothing of either trainer or the host is left afterwards.
 
 A second run is killed and nobody resumes it: after the grace period the guardian reaps the host,
 its slots and everything else of the run.
@@ -26,12 +29,15 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from test_resume_e2e import _logged_lines, _model, _sandboxes, _train
 from test_sigint import _tagged_pids
 
+from belayer_grpo._guardian import run_marker
 from belayer_grpo._lease import REAPED, pid_alive
+from belayer_router import RouterAdmin
 
 pytestmark = pytest.mark.e2e
 
@@ -59,6 +65,11 @@ def _kill_mid_rollout(args: list[str], env: dict[str, str], output: Path, step: 
                 assert time.monotonic() < deadline, output.read_text()
                 time.sleep(0.01)
             host = json.loads((run_dir / "rollout-host" / "host.json").read_text())
+            # Then at a moment the router has a request in flight (one cut by the kill).
+            with RouterAdmin(host["url"], host["admin_token"]) as admin:
+                while not admin.counters().values.get("requests_in_flight"):
+                    assert train.poll() is None, output.read_text()
+                    assert time.monotonic() < deadline, output.read_text()
             train.send_signal(signal.SIGKILL)
             assert train.wait(timeout=60) == -signal.SIGKILL
         finally:
@@ -66,6 +77,23 @@ def _kill_mid_rollout(args: list[str], env: dict[str, str], output: Path, step: 
                 train.kill()
                 train.wait()
     return int(host["pid"])
+
+
+def _held(run_dir: Path, num_samples: int) -> tuple[int, int]:
+    """How many of step 2's math samples missing from the rollout log the killed trainer's router
+    holds now and their tokens (`GET /requests/{id}`, the id a resumed trainer derives: `<tag>-step2-<index>`)."""
+    host = json.loads((run_dir / "rollout-host" / "host.json").read_text())
+    logged = {json.loads(line)["index"] for line in _logged_lines(run_dir / "rollouts" / "step_000002.jsonl")}
+    headers = {"Authorization": f"Bearer {host['admin_token']}"}
+    with httpx.Client(base_url=host["url"], headers=headers, timeout=30) as client:
+        answers = [
+            client.get(f"/requests/{run_marker(run_dir)}-step2-{i}")
+            for i in range(num_samples)
+            if i not in logged
+        ]
+    assert {answer.status_code for answer in answers} <= {200, 404}
+    held = [answer.json() for answer in answers if answer.status_code == 200]
+    return len(held), sum(len(record["token_ids"]) for record in held)
 
 
 def _nothing_left(run_dir: Path, tag: str, within_s: float) -> None:
@@ -110,6 +138,8 @@ def test_a_resume_within_the_grace_period_regenerates_nothing(
     assert any(run_dir.glob("slots/*/mem"))
     assert "waits 300 s" in (run_dir / "guardian.log").read_text()
 
+    held = _held(run_dir, num_samples) if "data.workload=math" in workload else (0, 0)
+
     resumed = _train("--resume", str(run_dir), env=env)
     assert resumed.returncode == 0, resumed.stderr
     report = json.loads(resumed.stdout)
@@ -120,10 +150,11 @@ def test_a_resume_within_the_grace_period_regenerates_nothing(
     assert "re-attached to the rollout host" in resumed.stderr
     assert report["trajectories_reused"] >= logged
     assert report["requests_reattached"] >= 1  # at least the requests cut mid-stream by the kill
-    assert report["tokens_reattached"] >= 1
     if "data.workload=math" in workload:
         # Every sample is reused (logged), re-attached (the router held it) or was never sent.
         assert report["trajectories_regenerated"] == 0
+        # exactly what the router held after the kill
+        assert (report["requests_reattached"], report["tokens_reattached"]) == held
         total = report["trajectories_reused"] + report["requests_reattached"] + report["trajectories_new"]
     else:
         # A trajectory begun before the kill runs again from its first action (its sandbox did not
