@@ -85,6 +85,8 @@ def take_lease(run_dir: Path, trainer_pid: int) -> bool:
     """Make ``trainer_pid`` the owner of the run folder's rollout side, so that no guardian of an
     earlier trainer reaps it (or the folder) any more; True when a live rollout host is there to
     adopt, False when there is none or a guardian has already begun to reap it."""
+    if not host_dir(run_dir).is_dir():
+        return False  # no rollout host ever ran in this folder: no guardian waits for one
     with _locked(run_dir) as fd:
         if _read(fd) == REAPED:
             return False

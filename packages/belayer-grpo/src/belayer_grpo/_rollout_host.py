@@ -195,10 +195,13 @@ def _spawn(run_dir: Path) -> subprocess.Popen[bytes]:
 
 
 def _stop_host(folder: Path, pid: int, process: subprocess.Popen[bytes] | None) -> None:
-    """Ask the host to stop its slots and router; SIGKILL it after 60 s (its guardian-free children
-    then go with the run's reap)."""
-    with contextlib.suppress(SystemStartError, ValueError):
+    """Ask the host to stop its slots and router (a SIGTERM when it does not answer); SIGKILL it
+    after 60 s (the slots' own guardians then reap their processes)."""
+    try:
         _call(folder / "control.sock", {"op": "stop"}, timeout_s=10.0)
+    except (SystemStartError, ValueError):
+        with contextlib.suppress(ProcessLookupError):  # not serving yet (or no more): SIGTERM stops it too
+            os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 60
     while (process.poll() is None) if process is not None else pid_alive(pid):
         if time.monotonic() > deadline:
