@@ -197,10 +197,11 @@ def _spawn(run_dir: Path) -> subprocess.Popen[bytes]:
 def _stop_host(folder: Path, pid: int, process: subprocess.Popen[bytes] | None) -> None:
     """Ask the host to stop its slots and router (a SIGTERM when it does not answer); SIGKILL it
     after 60 s (the slots' own guardians then reap their processes)."""
-    try:
-        _call(folder / "control.sock", {"op": "stop"}, timeout_s=10.0)
-    except (SystemStartError, ValueError):
-        with contextlib.suppress(ProcessLookupError):  # not serving yet (or no more): SIGTERM stops it too
+    if (folder / "control.sock").exists():
+        with contextlib.suppress(SystemStartError, ValueError):
+            _call(folder / "control.sock", {"op": "stop"}, timeout_s=10.0)
+    else:
+        with contextlib.suppress(ProcessLookupError):  # not serving yet: SIGTERM stops it
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 60
     while (process.poll() is None) if process is not None else pid_alive(pid):
@@ -213,13 +214,12 @@ def _stop_host(folder: Path, pid: int, process: subprocess.Popen[bytes] | None) 
         time.sleep(0.05)
 
 
-async def _answer(system: RolloutSystem, request: dict[str, Any], stop: anyio.Event) -> Any:
+async def _answer(system: RolloutSystem, request: dict[str, Any]) -> Any:
     op = request.get("op")
     if op == "status":
         return {"healthy": system.healthy_slots(), "num_handovers": system.num_handovers()}
     if op == "stop":
-        stop.set()
-        return None
+        return None  # `handle` sets ``stop`` once the answer is sent
     slot = next(s for s in system.slots if s.config.slot == request.get("slot"))
     if op == "kill_main":
         return await anyio.to_thread.run_sync(slot.kill_main)
@@ -247,11 +247,14 @@ async def _serve(run_dir: Path) -> None:
                 data = b""
                 while not data.endswith(b"\n"):
                     data += await stream.receive()
+                request = json.loads(data)
                 try:
-                    reply = {"result": await _answer(system, json.loads(data), stop)}
+                    reply = {"result": await _answer(system, request)}
                 except Exception as error:  # the caller raises it: one bad call does not end the host
                     reply = {"error": f"{type(error).__name__}: {error}"}
                 await stream.send(json.dumps(reply).encode() + b"\n")
+                if request.get("op") == "stop":
+                    stop.set()
 
         async def on_signal() -> None:
             with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -273,6 +276,9 @@ async def _serve(run_dir: Path) -> None:
             group.start_soon(on_signal)
             await stop.wait()
             group.cancel_scope.cancel()
+        # Nothing interrupts the slots' stop now (a late SIGTERM would kill this process mid-way).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         (folder / "host.json").unlink(missing_ok=True)
         control.unlink(missing_ok=True)
 
