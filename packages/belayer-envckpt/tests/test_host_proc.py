@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import DEBIAN
 
-from belayer_envckpt import CheckpointStore, full_checkpoint, full_restore
+from belayer_envckpt import CheckpointStore, SandboxLimits, full_checkpoint, full_restore
 from belayer_envckpt._procfs import HOST_PROC_ENV, container_pid, host_proc, kill_host_processes
 from belayer_envckpt._runtime import _container_path, sandbox_runtime
 from belayer_envckpt._sandbox import KEEPALIVE
@@ -160,3 +161,66 @@ def test_an_exec_that_times_out_is_killed_from_a_pid_namespace_of_its_own(make_s
     assert json.loads(done.stdout) == {"timed_out": True, "stdout": ""}
     left = sandbox.exec("ps -o args | grep -c '^sleep 30[12]' || true").stdout.strip()
     assert left == "0"  # both sleeps, the exec's child and its background one, are gone
+
+
+_FORK_LOOP_IN_CHILD_NAMESPACE = """
+import json, sys
+from belayer_envckpt import Engine, Sandbox, SandboxLimitError
+sandbox = Sandbox.attach(Engine.connect(), sys.argv[1])
+try:
+    result = sandbox.exec(["python3", "-c", sys.argv[2]], timeout_s=4)
+    print(json.dumps({"error": None, "timed_out": result.timed_out}))
+except SandboxLimitError as error:
+    print(json.dumps({"error": type(error).__name__}))
+"""
+
+
+_FORK_LOOP = """
+import os, time
+while True:
+    try:
+        if os.fork() == 0:
+            time.sleep(100)
+            os._exit(0)
+    except OSError:
+        pass
+"""
+
+
+def _host_processes_of(container_id: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if container_id in (entry / "cgroup").read_text():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="PID and mount namespaces need root")
+def test_a_fork_loop_at_the_pids_limit_is_stopped_from_a_pid_namespace_of_its_own(make_sandbox, tmp_path):
+    # At its pids limit, with a loop forking as fast as pids free up, the engine cannot start the
+    # exec that would kill by pid inside the container ("read init-p: connection reset"): the kill
+    # falls back to the whole container rather than leave the loop running.
+    sandbox = make_sandbox(DEBIAN, trajectory="pidns-forks", limits=SandboxLimits(pids=8))
+    sandbox.status()
+    before = set(_host_processes_of(sandbox.id))  # the init and its keepalive
+    bound = tmp_path / "host-proc"
+    bound.mkdir()
+    script = f'mount --bind -o ro /proc {bound} && mount -t proc proc /proc && exec "$0" -c "$1" "$2" "$3"'
+    unshare = ["unshare", "--pid", "--fork", "--mount", "--propagation", "private"]
+    done = subprocess.run(
+        [*unshare, "sh", "-c", script, sys.executable, _FORK_LOOP_IN_CHILD_NAMESPACE, sandbox.id, _FORK_LOOP],
+        env={**os.environ, HOST_PROC_ENV: str(bound)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["error"] in ("SandboxLimitError", None)
+    # Whichever way the kill went (the exec in the container, or the whole container when the
+    # engine could not start that exec: a race with the loop), none of the loop's processes runs.
+    assert set(_host_processes_of(sandbox.id)) <= before

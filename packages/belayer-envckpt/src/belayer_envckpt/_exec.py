@@ -14,6 +14,7 @@ import attrs
 import docker.transport
 
 from ._boundary import engine_errors
+from ._errors import BelayerEnvckptError, ContainerEngineError, ContainerNotFoundError
 from ._exec_stream import read_exec_output
 from ._procfs import InContainer, host_proc, kill_host_processes
 
@@ -57,14 +58,30 @@ def kill_tree(pid: int, in_container: InContainer | None = None) -> None:
 
 def signal_in_container(api: Any, container_id: str) -> InContainer:
     """A sender of signals to ``container_id``'s processes by their pids in its namespace: one exec
-    of the shell's `kill` builtin, as root, through the engine (which reaches any namespace)."""
+    of the shell's `kill` builtin, as root, through the engine (which reaches any namespace).
+
+    That exec may not run: the container at its pids limit (exactly when a fork loop hit it), no
+    `/bin/sh` in the image, no kill capability. A SIGKILL that cannot be sent so kills the whole
+    container instead (its processes must not run on; the sandbox is then down, a failure its owner
+    restores from a checkpoint like any other); another signal raises `ContainerEngineError`."""
 
     def send(pids: Sequence[int], signum: int) -> None:
         argv = ["/bin/sh", "-c", f"kill -{int(signum)} {' '.join(str(int(pid)) for pid in pids)}"]
         what = f"signalling processes {list(pids)} in container {container_id[:12]}"
-        with engine_errors(what, container=container_id):
-            exec_id = api.exec_create(container_id, argv, user="0")["Id"]
-            api.exec_start(exec_id)
+        try:
+            with engine_errors(what, container=container_id):
+                exec_id = api.exec_create(container_id, argv, user="0")["Id"]
+                api.exec_start(exec_id)
+                code = api.exec_inspect(exec_id).get("ExitCode")
+            if code not in (0, None):
+                raise ContainerEngineError(f"{what}: `kill` exited with {code}")
+        except ContainerNotFoundError:
+            return  # gone with its processes
+        except BelayerEnvckptError:
+            if signum != signal.SIGKILL:
+                raise
+            with engine_errors(f"killing container {container_id[:12]}", container=container_id):
+                api.kill(container_id, signal="SIGKILL")
 
     return send
 
