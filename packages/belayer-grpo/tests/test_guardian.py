@@ -11,6 +11,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from belayer_grpo._guardian import RUN_ENV, find_run_processes, reap_run, run_marker
 
 
@@ -108,3 +110,29 @@ def test_a_cleanly_stopped_trainer_leaves_the_guardian_nothing_to_do(tmp_path: P
     )
     subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, timeout=120)
     assert "died" not in (tmp_path / "guardian.log").read_text()
+
+
+@pytest.mark.docker
+def test_the_guardian_removes_sandboxes_of_a_folder_removed_during_the_grace_period(tmp_path: Path) -> None:
+    """The guardian reads the run's workload when the trainer dies: its sandboxes go even if
+    ``config.json`` is gone by the time the grace period ends (the folder was removed)."""
+    from belayer_grpo._guardian import RUN_LABEL
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    label = f"{RUN_LABEL}={run_marker(run_dir)}"
+    started = subprocess.run(
+        ["docker", "run", "-d", "--label", label, "belayer/busybox:latest", "sleep", "300"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    container = started.stdout.strip()
+    try:
+        assert reap_run(run_dir).containers == ()  # no configuration, no workload known: untouched
+        report = reap_run(run_dir, workload="tooluse")
+        assert report.containers == (container,)
+        listed = subprocess.run(
+            ["docker", "ps", "-aq", "--filter", f"label={label}"], capture_output=True, text=True
+        )
+        assert listed.stdout.split() == []
+    finally:
+        subprocess.run(["docker", "rm", "-f", container], capture_output=True)

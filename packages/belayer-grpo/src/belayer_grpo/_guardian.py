@@ -134,11 +134,16 @@ def _remove_isolated_clusters(run_dir: Path) -> list[str]:
     return clean_stale_clusters()
 
 
-def _remove_containers(run_dir: Path, marker: str) -> list[str]:
-    try:
-        workload = _run_config(run_dir)["data"]["workload"]
-    except (KeyError, TypeError):
-        return []
+def _workload(run_dir: Path) -> str | None:
+    data = _run_config(run_dir).get("data")
+    workload = data.get("workload") if isinstance(data, dict) else None
+    return workload if isinstance(workload, str) else None
+
+
+def _remove_containers(run_dir: Path, marker: str, workload: str | None) -> list[str]:
+    workload = workload or _workload(run_dir)
+    if workload is None:
+        return []  # no configuration: no run ever made sandboxes here
     if workload == "math":
         return []  # only the agentic workloads create sandboxes; a math run needs no container engine
     from belayer_envckpt import BelayerEnvckptError, Engine
@@ -179,6 +184,7 @@ def reap_run(
     timeout_s: float = 20.0,
     owner_gone: bool = False,
     keep_rollout_host: bool = False,
+    workload: str | None = None,
 ) -> ReapReport:
     """Kill and remove everything of an earlier run in ``run_dir`` that is still there.
 
@@ -187,6 +193,8 @@ def reap_run(
     folder raises `SystemStartError`.  ``keep_rollout_host``: a resumed trainer that adopted the
     run's rollout host (`belayer_grpo._rollout_host`) keeps its processes, sockets and memory
     folders; the killed trainer's sandboxes and checkpoints still go.
+    ``workload``: the run's ``data.workload`` when its ``config.json`` may be gone by now (the
+    guardian reads it when the trainer dies, before a grace period), else read from it.
     """
     marker = run_marker(run_dir)
     pids: list[int] = []
@@ -199,7 +207,7 @@ def reap_run(
             with contextlib.suppress(FileNotFoundError):
                 socket.unlink()
                 sockets.append(str(socket))
-    containers = _remove_containers(run_dir, marker)
+    containers = _remove_containers(run_dir, marker, workload)
     clusters = _remove_isolated_clusters(run_dir)
     paths = []
     # Memory-server folders, sandbox checkpoints of trajectories that will never resume, torn
@@ -298,9 +306,10 @@ def guard_run(run_dir: Path, trainer_pid: int) -> int:
     message = sys.stdin.buffer.read()  # end-of-file: the trainer exited or was killed
     if message == _DONE:
         return 0
+    workload = _workload(run_dir)  # now: the folder may be removed while a grace period runs
     if _adopted_in_grace(run_dir, trainer_pid):
         return 0
-    report = reap_run(run_dir, exclude=(trainer_pid,), owner_gone=True)
+    report = reap_run(run_dir, exclude=(trainer_pid,), owner_gone=True, workload=workload)
     print(
         f"belayer-grpo guardian: trainer {trainer_pid} died; reaped {report.describe()}",
         file=sys.stderr,
