@@ -15,6 +15,7 @@ import secrets
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from belayer_cluster import (
     SandboxCluster,
     clean_stale_clusters,
 )
+from belayer_router.testing import process_gone
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -260,11 +262,27 @@ def test_what_a_dead_owners_cluster_left_is_cleaned_up() -> None:
     head_folder.mkdir()
     record = Path("/run/belayer-isolated", f"{cluster_id}.json")
     record.parent.mkdir(parents=True, exist_ok=True)
+    # The head's session outlives its leader (`ray start --head`, SIGKILLed): a member that carries
+    # no marker of its owner (as Ray's dashboard agent) must go too.
+    leader = subprocess.run(
+        ["setsid", "sh", "-c", "sleep 300 >/dev/null 2>&1 & echo $$ $!"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    session, member = (int(word) for word in leader.stdout.split())
     record.write_text(
-        json.dumps({"id": cluster_id, "owner": dead.pid, "bridge": bridge, "netns": [netns], "pids": []})
+        json.dumps(
+            {"id": cluster_id, "owner": dead.pid, "bridge": bridge, "netns": [netns], "pids": []}
+            | {"head_session": session}
+        )
     )
 
     assert cluster_id in clean_stale_clusters()
+    deadline = time.monotonic() + 10
+    while not process_gone(member) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process_gone(member)
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
     assert cluster_id not in links
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout

@@ -51,6 +51,7 @@ import ray
 
 from belayer_cluster._config import LocalClusterConfig
 from belayer_cluster._errors import ClusterConfigError, ClusterStartError
+from belayer_cluster._ray_head import _session_members
 from belayer_cluster._sandbox_host import NODE_ENV, NODE_LABEL
 
 __all__ = ["IsolatedNode", "IsolatedRayCluster", "clean_stale_clusters"]
@@ -142,6 +143,11 @@ def clean_stale_clusters() -> list[str]:
             if _ours(int(pid), str(state["id"]), state.get("netns", [])):  # never a reused pid
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(int(pid), signal.SIGKILL)
+        # A session id is not given to a new process while members of that session live: these
+        # are the head's own (a `ray::DashboardAgent` outlived a SIGKILLed trainer here).
+        for pid in _session_members(int(state.get("head_session", 0))) if state.get("head_session") else []:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         _teardown_network(state["id"], state.get("netns", []), state.get("bridge", ""))
         for temp in Path("/tmp").glob(f"bli{state['id']}-*"):  # the head's folder (`_start_head`)
             shutil.rmtree(temp, ignore_errors=True)
@@ -534,6 +540,9 @@ class IsolatedRayCluster:
             "netns": [n.netns for n in [*self._nodes.values(), *self._gone.values()]],
             "pids": [n.pid for n in self._nodes.values() if n.pid]
             + ([self._head.pid] if self._head is not None else []),
+            # The head's session (`start_new_session`): its GCS, raylet and Ray's agents, which do
+            # not die with `ray start` and not all of which carry their owner's environment.
+            "head_session": self._head.pid if self._head is not None else 0,
         }
         (_STATE_DIR / f"{self.id}.json").write_text(json.dumps(state))
 
