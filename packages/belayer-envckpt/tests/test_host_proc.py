@@ -61,6 +61,26 @@ def test_the_runtime_is_read_through_the_host_proc_it_is_told(make_sandbox, tmp_
     assert Path(host_proc(), str(os.getpid())).is_dir()
 
 
+def _run_in_child_pid_namespace(bound: Path, code: str, *args: str, timeout_s: float = 120) -> Any:
+    """Run Python `code` with `args` in a PID and mount namespace of its own, as a node of an
+    isolated cluster is (its own /proc; the host's bound read-only at `bound`, named by
+    `BELAYER_ENVCKPT_HOST_PROC`); the JSON document it prints."""
+    bound.mkdir(exist_ok=True)
+    positional = " ".join(f'"${i}"' for i in range(1, len(args) + 2))
+    script = f'mount --bind -o ro /proc {bound} && mount -t proc proc /proc && exec "$0" -c {positional}'
+    unshare = ["unshare", "--pid", "--fork", "--mount", "--propagation", "private"]
+    done = subprocess.run(
+        [*unshare, "sh", "-c", script, sys.executable, code, *args],
+        env={**os.environ, HOST_PROC_ENV: str(bound)},
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
 _READ_IN_CHILD_NAMESPACE = """
 import json, sys
 from belayer_envckpt._runtime import read_runtime
@@ -83,34 +103,11 @@ def test_the_runtime_is_read_whole_from_a_pid_namespace_of_its_own(make_sandbox,
     bound = tmp_path / "host-proc"
 
     def read_from_child_namespace() -> dict[str, Any]:
-        script = f'mount --bind -o ro /proc {bound} && mount -t proc proc /proc && exec "$0" -c "$1" "$2" "$3" "$4" "$5"'
         argv = [json.dumps(list(sandbox.config.command)), json.dumps(list(KEEPALIVE))]
         argv.append(json.dumps(list(_container_path(attrs_))))
-        bound.mkdir(exist_ok=True)
-        done = subprocess.run(
-            [
-                "unshare",
-                "--pid",
-                "--fork",
-                "--mount",
-                "--propagation",
-                "private",
-                "sh",
-                "-c",
-                script,
-                sys.executable,
-                _READ_IN_CHILD_NAMESPACE,
-                str(init),
-                *argv,
-            ],
-            env={**os.environ, HOST_PROC_ENV: str(bound)},
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
+        read: dict[str, Any] = _run_in_child_pid_namespace(
+            bound, _READ_IN_CHILD_NAMESPACE, str(init), *argv, timeout_s=60
         )
-        assert done.returncode == 0, done.stderr
-        read: dict[str, Any] = json.loads(done.stdout)
         return read
 
     here = sorted(p.pid for p in sandbox_runtime(sandbox).processes)  # read in this PID namespace
@@ -145,20 +142,8 @@ def test_an_exec_that_times_out_is_killed_from_a_pid_namespace_of_its_own(make_s
     sandbox.status()
     init = int(sandbox._container.attrs["State"]["Pid"])
     assert container_pid(init) == 1  # NSpid: the innermost namespace's pid
-    bound = tmp_path / "host-proc"
-    bound.mkdir()
-    script = f'mount --bind -o ro /proc {bound} && mount -t proc proc /proc && exec "$0" -c "$1" "$2"'
-    unshare = ["unshare", "--pid", "--fork", "--mount", "--propagation", "private"]
-    done = subprocess.run(
-        [*unshare, "sh", "-c", script, sys.executable, _TIMED_OUT_IN_CHILD_NAMESPACE, sandbox.id],
-        env={**os.environ, HOST_PROC_ENV: str(bound)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == {"timed_out": True, "stdout": ""}
+    seen = _run_in_child_pid_namespace(tmp_path / "host-proc", _TIMED_OUT_IN_CHILD_NAMESPACE, sandbox.id)
+    assert seen == {"timed_out": True, "stdout": ""}
     left = sandbox.exec("ps -o args | grep -c '^sleep 30[12]' || true").stdout.strip()
     assert left == "0"  # both sleeps, the exec's child and its background one, are gone
 
@@ -207,20 +192,10 @@ def test_a_fork_loop_at_the_pids_limit_is_stopped_from_a_pid_namespace_of_its_ow
     sandbox = make_sandbox(DEBIAN, trajectory="pidns-forks", limits=SandboxLimits(pids=8))
     sandbox.status()
     before = set(_host_processes_of(sandbox.id))  # the init and its keepalive
-    bound = tmp_path / "host-proc"
-    bound.mkdir()
-    script = f'mount --bind -o ro /proc {bound} && mount -t proc proc /proc && exec "$0" -c "$1" "$2" "$3"'
-    unshare = ["unshare", "--pid", "--fork", "--mount", "--propagation", "private"]
-    done = subprocess.run(
-        [*unshare, "sh", "-c", script, sys.executable, _FORK_LOOP_IN_CHILD_NAMESPACE, sandbox.id, _FORK_LOOP],
-        env={**os.environ, HOST_PROC_ENV: str(bound)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+    seen = _run_in_child_pid_namespace(
+        tmp_path / "host-proc", _FORK_LOOP_IN_CHILD_NAMESPACE, sandbox.id, _FORK_LOOP
     )
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["error"] in ("SandboxLimitError", None)
+    assert seen["error"] in ("SandboxLimitError", None)
     # Whichever way the kill went (the exec in the container, or the whole container when the
     # engine could not start that exec: a race with the loop), none of the loop's processes runs.
     assert set(_host_processes_of(sandbox.id)) <= before
