@@ -66,7 +66,9 @@ def _kill_mid_rollout(
                 assert train.poll() is None, output.read_text()
                 assert time.monotonic() < deadline, output.read_text()
                 time.sleep(0.01)
-            host = json.loads((run_dir / "rollout-host" / "host.json").read_text())
+            host_file = run_dir / "rollout-host" / "host.json"
+            assert host_file.stat().st_mode & 0o077 == 0  # the admin token: the owner's only
+            host = json.loads(host_file.read_text())
             # Then at a moment the router has a request in flight (one cut by the kill). Not for
             # an agentic step (a second or two: it may end meanwhile); its trajectories in flight
             # hold finished turns at the router anyway.

@@ -269,7 +269,11 @@ async def _serve(run_dir: Path) -> None:
             "slots": [slot.config.slot for slot in system.slots], "weight_sockets": [str(p) for p in system.weight_sockets],
         }  # fmt: skip
         aside = folder / ".host.json.tmp"
-        aside.write_text(json.dumps(info))
+        aside.unlink(missing_ok=True)
+        # It holds the router's admin token (weight updates, unhealthy marks): the owner's only.
+        fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(json.dumps(info))
         os.replace(aside, folder / "host.json")
         async with listener, anyio.create_task_group() as group:
             group.start_soon(listener.serve, handle)
