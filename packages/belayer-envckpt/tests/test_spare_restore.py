@@ -13,10 +13,12 @@ import hashlib
 import os
 import stat
 import tarfile
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 from conftest import DEBIAN, TEST_LABELS
 
@@ -51,6 +53,8 @@ CHANGES = {
     "image's absolute symlink replaced by a directory": "rm /etc/localtime && mkdir /etc/localtime && echo d > /etc/localtime/d",
 }
 HOST_FILE = Path("/usr/share/zoneinfo/Etc/UTC")
+TRAJECTORY_LABEL = "belayer.trajectory"
+RUN_LABEL = "belayer.test.run"  # stands for a run's label (belayer-grpo's belayer.grpo.run)
 PROCESSES = "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done"
 
 
@@ -238,3 +242,65 @@ def test_a_full_checkpoint_never_goes_into_a_spare(
     assert "spare_ms" not in restored.restore_timings_ms  # its processes come from CRIU's images
     assert restored.probe("cat /three").stdout == "3\n"
     assert pool.count(_config(), "spare") == 1  # not taken
+
+
+def _run_containers(engine: Engine, run: str) -> dict[str, str]:
+    """What a run's reaper finds: every container with the run's label (id -> trajectory label)."""
+    return {c.id: c.labels.get(TRAJECTORY_LABEL, "") for c in engine.list_containers([f"{RUN_LABEL}={run}"])}
+
+
+def test_a_run_shared_pool_restores_any_trajectory_into_spares_found_by_the_run_label(
+    engine: Engine, store: CheckpointStore, track: Callable[[Sandbox], Sandbox]
+) -> None:
+    """One pool for a run: spares keyed by configuration, labelled as the run, taken by two
+    trajectories in turn, each restore equal to the normal one; the run's label finds them all."""
+    run = uuid.uuid4().hex[:8]
+    config = SandboxConfig(image=DEBIAN, labels={**TEST_LABELS, RUN_LABEL: run})
+    with SparePool(engine, shared=True) as pool:
+        pool.warm(config)
+        assert list(_run_containers(engine, run).values()) == ["spare"]
+        made: set[str] = set()
+        for trajectory, change in [("traj-a", "deleted image file"), ("traj-b", "opaque directory")]:
+            sandbox = track(Sandbox.create(engine, config, trajectory=trajectory))
+            ckpt = _checkpointed(sandbox, CHANGES[change], store)
+            normal = track(full_restore(ckpt, engine=engine, remove_failed=False))
+            spared = track(full_restore(ckpt, engine=engine, remove_failed=False, spares=pool))
+            assert "spare_ms" in spared.restore_timings_ms  # into a spare, not the normal path
+            assert spared.id not in made | {sandbox.id, normal.id}
+            made |= {sandbox.id, normal.id, spared.id}
+            assert (spared.trajectory, spared.prefix, spared.context_ref) == (
+                trajectory,
+                ckpt.prefix,
+                ckpt.context_ref,
+            )
+            paths = _archive_paths(ckpt)
+            assert _tree(spared, paths) == _tree(normal, paths)
+            assert _processes(spared) == _processes(normal)
+            labels = spared.inspect()["Config"]["Labels"]
+            normal_labels = normal.inspect()["Config"]["Labels"]
+            assert labels.pop(TRAJECTORY_LABEL) == "spare"  # set at creation: Docker cannot relabel
+            assert normal_labels.pop(TRAJECTORY_LABEL) == trajectory
+            assert labels == normal_labels  # the run's label included
+            pool.wait_idle()
+            assert pool.count(config, "any trajectory") == 1  # refilled, for every trajectory
+        found = _run_containers(engine, run)
+        assert made < set(found)
+        assert [found[c] for c in set(found) - made] == ["spare"]  # the refilled spare
+        for container in found:  # the reaper removes them all; the pool's close copes
+            engine.remove(container)
+    assert _run_containers(engine, run) == {}
+
+
+def test_retain_removes_the_spares_of_configurations_no_longer_used(engine: Engine) -> None:
+    run = uuid.uuid4().hex[:8]
+    first = SandboxConfig(image=DEBIAN, labels={**TEST_LABELS, RUN_LABEL: run})
+    second = attrs.evolve(first, working_dir="/tmp")
+    with SparePool(engine, shared=True) as pool:
+        pool.warm(first)
+        kept = set(_run_containers(engine, run))
+        pool.warm(second)
+        assert len(_run_containers(engine, run)) == 2
+        assert pool.retain([first]) == 1
+        assert (pool.count(first), pool.count(second)) == (1, 0)
+        assert set(_run_containers(engine, run)) == kept
+    assert _run_containers(engine, run) == {}

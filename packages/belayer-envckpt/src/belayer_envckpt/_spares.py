@@ -6,6 +6,13 @@ that; a restore takes it, replays the checkpoint's layer through its merged root
 (`_layer_apply`) and hands it over, and a new spare is made in the background.  A spare is used
 only when it is still exactly as it started (running, same init, same image, writable layer
 unchanged) and the layer can be replayed exactly; otherwise the restore takes the normal path.
+
+A pool is per (configuration, trajectory) by default: each spare carries its trajectory's label,
+as a normal restore's container does.  A ``shared`` pool (one per run) keys its spares by
+configuration alone, so any trajectory's checkpoint of that configuration can take one: its spares
+carry the configuration's labels (a run's label, which its reaper looks for) and the trajectory
+label ``spare``, which Docker cannot change later; the restored `Sandbox` object carries the
+checkpoint's trajectory (`Sandbox.trajectory`), which is what envckpt reads.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import json
 import tarfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +34,11 @@ from ._layer import layer_digest
 from ._layer_apply import apply_layer, plan_apply
 from ._sandbox import Sandbox, SandboxConfig
 
+SHARED_TRAJECTORY = "spare"  # the trajectory label of a shared pool's spares
 
-def _key(config: SandboxConfig, trajectory: str) -> str:
-    return json.dumps([config.to_dict(), trajectory], sort_keys=True)
+
+def _config_key(config: SandboxConfig) -> str:
+    return json.dumps(config.to_dict(), sort_keys=True)
 
 
 @attrs.define
@@ -47,19 +56,27 @@ class SparePool:
     ``warm(config, trajectory)`` fills the pool now; a restore that takes a spare (or finds none)
     asks for a new one in a background thread, off the restore's path.  ``close()`` waits for
     those threads and removes every spare.  Thread-safe.
+
+    ``shared``: up to ``size`` spares per configuration, taken by any trajectory's restore (the
+    ``trajectory`` arguments are then ignored but for the `Sandbox` handed over); the spares are
+    created with the trajectory label ``spare`` and the configuration's own labels.
     """
 
     engine: Engine
     size: int = 1
-    _spares: dict[str, list[_Spare]] = attrs.field(factory=dict, init=False)
+    shared: bool = False
+    _spares: dict[tuple[str, str], list[_Spare]] = attrs.field(factory=dict, init=False)
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
     _threads: list[threading.Thread] = attrs.field(factory=list, init=False)
-    _pending: dict[str, int] = attrs.field(factory=dict, init=False)
+    _pending: dict[tuple[str, str], int] = attrs.field(factory=dict, init=False)
     _closed: bool = attrs.field(default=False, init=False)
+
+    def _key(self, config: SandboxConfig, trajectory: str) -> tuple[str, str]:
+        return _config_key(config), "" if self.shared else trajectory
 
     def warm(self, config: SandboxConfig, trajectory: str = "") -> None:
         """Create and start spares for ``config`` until the pool holds ``size`` of them."""
-        key = _key(config, trajectory)
+        key = self._key(config, trajectory)
         while True:
             with self._lock:
                 if self._closed or len(self._spares.get(key, [])) + self._pending.get(key, 0) >= self.size:
@@ -101,8 +118,11 @@ class SparePool:
             thread.join(max(0.0, deadline - time.monotonic()))
 
     def take(self, config: SandboxConfig, trajectory: str = "") -> Sandbox | None:
-        """A spare exactly as it started (removed from the pool), or None; stale ones are removed."""
-        key = _key(config, trajectory)
+        """A spare exactly as it started (removed from the pool), or None; stale ones are removed.
+
+        The spare handed over is ``trajectory``'s (`Sandbox.trajectory`), also from a shared pool.
+        """
+        key = self._key(config, trajectory)
         while True:
             with self._lock:
                 spares = self._spares.get(key, [])
@@ -110,13 +130,25 @@ class SparePool:
                     return None
                 spare = spares.pop(0)
             if self._unchanged(spare, config):
+                spare.sandbox.trajectory = trajectory
                 return spare.sandbox
             spare.sandbox.remove()
 
     def count(self, config: SandboxConfig, trajectory: str = "") -> int:
         """How many spares are ready for ``config`` now."""
         with self._lock:
-            return len(self._spares.get(_key(config, trajectory), []))
+            return len(self._spares.get(self._key(config, trajectory), []))
+
+    def retain(self, configs: Iterable[SandboxConfig]) -> int:
+        """Remove the ready spares of every configuration not in ``configs`` (a run whose
+        trajectories change image keeps spares only for those in use); how many were removed."""
+        keep = {_config_key(config) for config in configs}
+        with self._lock:
+            dropped = [key for key in self._spares if key[0] not in keep]
+            spares = [spare for key in dropped for spare in self._spares.pop(key)]
+        for spare in spares:
+            spare.sandbox.remove()
+        return len(spares)
 
     def close(self) -> None:
         """Wait for the background refills, then remove every spare."""
@@ -138,7 +170,8 @@ class SparePool:
         self.close()
 
     def _make(self, config: SandboxConfig, trajectory: str) -> _Spare:
-        sandbox = Sandbox.create(self.engine, config, trajectory=trajectory)
+        label = SHARED_TRAJECTORY if self.shared else trajectory
+        sandbox = Sandbox.create(self.engine, config, trajectory=label)
         try:
             attrs_ = sandbox.inspect()
             upper = self.engine.upper_dir(sandbox._container)
