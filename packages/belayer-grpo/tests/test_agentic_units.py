@@ -232,12 +232,20 @@ def test_a_recovery_is_consistent_only_if_the_repository_hash_matches() -> None:
 
 
 def test_summarize_totals_a_batch() -> None:
+    spared = attrs.evolve(recovery(True, tokens=7, seconds=3.0), restore_timings_ms={"spare_ms": 2.0})
     batch = [
-        trajectory([recovery(True, tokens=5, seconds=1.0), recovery(True, tokens=7, seconds=3.0)], 1.0),
+        trajectory([recovery(True, tokens=5, seconds=1.0), spared], 1.0),
         trajectory([], 0.0),
     ]
     totals = summarize(batch)
     assert totals["num_failures"] == 2
+    assert totals["num_restores_into_spare"] == 1
+    assert spared.to_dict()["into_spare"]
+    assert not recovery(True).into_spare
+    env = EnvTotals()
+    env.add(batch)
+    assert env.to_dict()["restores_into_spare"] == 1
+    assert [r["into_spare"] for r in env.to_dict()["recoveries"]] == [False, True]
     assert totals["tokens_regenerated"] == 12
     assert totals["restore_s_mean"] == 2.0
     assert totals["restore_s_max"] == 3.0
@@ -286,6 +294,7 @@ def test_checkpoints_are_counted_per_kind_with_their_time_and_wait(tmp_path: Pat
         ({"invalid_action": "retry"}, "invalid_action"),
         ({"on_unrecoverable": "ignore"}, "on_unrecoverable"),
         ({"max_resamples": -1}, "max_resamples"),
+        ({"spare_sandboxes": -1}, "spare_sandboxes"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_field(

@@ -87,6 +87,7 @@ def test_override_values_are_toml_literals_or_strings() -> None:
         (["steps=3"], "steps"),
         (["rollout.env_checkpoint_policy=sometimes"], "rollout.env_checkpoint_policy"),
         (["rollout.invalid_action=retry"], "rollout.invalid_action"),
+        (["rollout.spare_sandboxes=-1"], "rollout.spare_sandboxes"),
         (["data.workload=swe", "data.source=arithmetic"], "data.source"),
         (["data.workload=chess"], "data.workload"),
         (["system.engine=tensorrt"], "system.engine"),
@@ -100,6 +101,13 @@ def test_errors_name_the_key(overrides: list[str], key: str) -> None:
         load_config(None, overrides)
     assert caught.value.key == key
     assert repr(key) in str(caught.value)
+
+
+def test_a_negative_spare_count_says_what_the_key_means() -> None:
+    assert load_config(None, []).rollout.spare_sandboxes == 1
+    assert load_config(None, ["rollout.spare_sandboxes=0"]).rollout.spare_sandboxes == 0
+    with pytest.raises(GrpoConfigError, match=r"must be >= 0, got -2: .*\(0: none"):
+        load_config(None, ["rollout.spare_sandboxes=-2"])
 
 
 def test_bad_files(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from agentic_support import ADMIN, agentic_config, connect_engine, run_id
 
 from belayer_envckpt import CheckpointStore, Engine, Sandbox, full_checkpoint
 from belayer_grpo._agentic import SandboxPool, generate_tooluse_tasks, run_agentic_rollouts
+from belayer_grpo._guardian import RUN_LABEL
 from belayer_router import ByteTokenizer, RouterClient, RouterConfig, running_router
 from belayer_router.testing import running_worker, text_script
 
@@ -76,16 +77,28 @@ async def test_a_kill_after_the_read_is_harmless_only_when_the_state_comes_back(
         tmp_path / "ckpt", max_rounds=4, max_response_tokens=40, checkpoint_policy=policy,
         sandbox_kill_at_actions=(2,), sandbox_recovery=recovery, max_concurrency=3,
     )  # fmt: skip
-    pool = SandboxPool(engine, CheckpointStore(tmp_path / "ckpt"), capacity=3, reuse=True)
+    run = {RUN_LABEL: run_id(f"spares-{recovery}-{policy}")}  # as `belayer-grpo train` labels its pool
+    pool = SandboxPool(
+        engine, CheckpointStore(tmp_path / "ckpt"), capacity=3, reuse=True, labels=run, spares=1
+    )
     try:
+        await pool.warm_spares(tasks[0].image or "", tasks[0].workdir)  # ready before the first kill
         async with router_with_tooluse_agent() as client:
             with anyio.fail_after(240):
                 trajectories = await run_agentic_rollouts(
                     tasks, client, config, num_samples=2, engine=engine, pool=pool,
                     run_id=run_id(f"tool-{recovery}-{policy}"),
                 )  # fmt: skip
+        # The run's spare (refilled), found by the run's label (what the guardian reaps by).
+        await pool.warm_spares(tasks[0].image or "", tasks[0].workdir)
+        labelled = engine.list_containers([f"{RUN_LABEL}={run[RUN_LABEL]}"])
+        assert [c.labels["belayer.trajectory"] for c in labelled].count("spare") == 1
     finally:
         await pool.aclose()
+    assert not engine.list_containers([f"{RUN_LABEL}={run[RUN_LABEL]}"])  # no spare left behind
+    into_spare = [r.into_spare for t in trajectories for r in t.recoveries]
+    # A checkpoint's restore (fresh-runtime: `echo > a` leaves only the init) went into the spare.
+    assert any(into_spare) is from_checkpoint, into_spare
     assert len(trajectories) == 6
     if not from_checkpoint:  # 6 trajectories on at most 3 sandboxes (restored ones are not reused)
         assert pool.num_reused >= 1

@@ -56,6 +56,15 @@ def _checkpoint_policy(_instance: object, attribute: attrs.Attribute[str], value
         raise ValueError(f"'{attribute.name}': {error}", attribute) from error
 
 
+def _spare_count(_instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value < 0:
+        raise ValueError(
+            f"must be >= 0, got {value}: the started spare containers kept per sandbox image for "
+            "restores (0: none, restores create and start a container; 1: the default)",
+            attribute,
+        )
+
+
 @attrs.frozen
 class ModelConfigSection:
     """The policy: a local Hugging Face model directory, or a fresh Qwen3-architecture model."""
@@ -115,6 +124,7 @@ class RolloutConfig:
     env_checkpoint_policy: str = attrs.field(default="adaptive", validator=_checkpoint_policy)
     invalid_action: str = attrs.field(default="end", validator=v.in_(("end", "feedback")))
     max_sandboxes: int = attrs.field(default=8, validator=_positive)
+    spare_sandboxes: int = attrs.field(default=1, validator=_spare_count)
     max_recoveries: int = attrs.field(default=100, validator=_non_negative)
     on_unrecoverable: str = attrs.field(default="resample", validator=v.in_(("resample", "drop", "fail")))
     max_resamples: int = attrs.field(default=2, validator=_non_negative)

@@ -177,7 +177,8 @@ class Reporter:
                 f" {env['recoveries_from_scratch']} from scratch)"
             )
             lines.append(
-                f"{'recovery':>22}: restore {env['restore_s_mean']:.2f}s avg / {env['restore_s_max']:.2f}s max,"
+                f"{'recovery':>22}: restore {env['restore_s_mean']:.2f}s avg / {env['restore_s_max']:.2f}s max"
+                f" ({env.get('restores_into_spare', 0)} into a spare container),"
                 f" {env['tokens_regenerated']} tokens regenerated"
             )
             lines.append(

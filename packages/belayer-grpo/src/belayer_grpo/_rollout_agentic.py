@@ -115,6 +115,7 @@ def agentic_config(config: Config, run_dir: Path, tokenizer: PolicyTokenizer, st
         sandbox_kill_at_actions=config.chaos.sandbox_kill_at_actions,
         sandbox_recovery=config.system.sandbox_recovery,
         max_concurrency=rollout.max_sandboxes,
+        spare_sandboxes=rollout.spare_sandboxes,
         invalid_action=rollout.invalid_action,
         max_recoveries=rollout.max_recoveries,
         on_unrecoverable=rollout.on_unrecoverable,
@@ -148,6 +149,7 @@ def open_pool(config: Config, run_dir: Path) -> SandboxPool:
     return SandboxPool(
         engine, CheckpointStore(run_dir / "env-checkpoints"), capacity=config.rollout.max_sandboxes,
         labels={RUN_LABEL: run_marker(run_dir)}, reuse=config.data.workload == "tooluse",
+        spares=config.rollout.spare_sandboxes,
     )  # fmt: skip
 
 
@@ -287,6 +289,7 @@ class EnvTotals:
     trajectories: int = 0
     failures: int = 0
     from_checkpoint: int = 0
+    into_spare: int = 0  # restores that went into a started spare container
     restore_s: list[float] = attrs.field(factory=list)
     tokens_regenerated: int = 0
     checkpoints: int = 0
@@ -320,12 +323,14 @@ class EnvTotals:
                     "restored_kind": r.restored_kind,
                     "restored_prefix": r.restored_prefix, "restored_turn": r.restored_turn,
                     "turns_replayed": r.rounds_regenerated, "tokens_regenerated": r.tokens_regenerated,
-                    "restore_s": r.restore_s, "prefix_consistent": r.prefix_consistent,
+                    "restore_s": r.restore_s, "into_spare": r.into_spare,
+                    "prefix_consistent": r.prefix_consistent,
                     "reward": trajectory.reward,
                 })  # fmt: skip
             self.trajectories += 1
             self.failures += trajectory.num_failures
             self.from_checkpoint += sum(r.from_checkpoint for r in trajectory.recoveries)
+            self.into_spare += sum(r.into_spare for r in trajectory.recoveries)
             self.restore_s += [r.restore_s for r in trajectory.recoveries]
             self.tokens_regenerated += trajectory.tokens_regenerated
             self.checkpoints += len(trajectory.checkpoints)
@@ -341,6 +346,7 @@ class EnvTotals:
             "sandbox_failures": self.failures,
             "recoveries_from_checkpoint": self.from_checkpoint,
             "recoveries_from_scratch": self.failures - self.from_checkpoint,
+            "restores_into_spare": self.into_spare,
             "restore_s_mean": sum(restore) / len(restore) if restore else 0.0,
             "restore_s_max": max(restore, default=0.0),
             "tokens_regenerated": self.tokens_regenerated,
@@ -377,7 +383,8 @@ def format_env(metrics: dict[str, Any]) -> str:
         text += (
             f" -> {metrics['env_recoveries_from_checkpoint']} restored from checkpoint,"
             f" {metrics['env_failures'] - metrics['env_recoveries_from_checkpoint']} from scratch"
-            f" (restore {metrics['env_restore_s_mean']:.2f}s avg), {metrics['env_tokens_regenerated']} tok"
+            f" (restore {metrics['env_restore_s_mean']:.2f}s avg"
+            f", {metrics.get('env_restores_into_spare', 0)} into a spare), {metrics['env_tokens_regenerated']} tok"
             " regenerated"
         )
     text += f", {metrics['env_checkpoints']} checkpoints"
@@ -478,6 +485,7 @@ async def run_swe_rollout(
         "rounds_mean": totals["rounds_mean"],
         "env_failures": totals["num_failures"],
         "env_recoveries_from_checkpoint": totals["num_recoveries_from_checkpoint"],
+        "env_restores_into_spare": totals["num_restores_into_spare"],
         "env_restore_s_mean": totals["restore_s_mean"],
         "env_restore_s_max": totals["restore_s_max"],
         "env_tokens_regenerated": totals["tokens_regenerated"],

@@ -64,6 +64,8 @@ class ClusterSandboxPool(SandboxPool):
     checkpointed: Callable[[str], None] | None = attrs.field(default=None, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
+        if self.spares:  # a restore runs in the node's sandbox host, which keeps no spares
+            raise ValueError("ClusterSandboxPool keeps no spare containers: leave spares at 0")
         super().__attrs_post_init__()
         if self.hosts is None:
             raise ValueError("ClusterSandboxPool needs hosts (a started belayer_cluster.SandboxCluster)")

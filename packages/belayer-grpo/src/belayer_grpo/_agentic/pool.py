@@ -11,6 +11,14 @@ emptied (`belayer_envckpt.Sandbox.reset_for_reuse`), and the next trajectory of 
 which saves a container start and removal per trajectory.  Files outside the working directory
 are not reset, so reuse suits tasks whose state lives there (the tool-use tasks); a container
 restored from a checkpoint, or one whose working directory is ``/``, is never reused.
+
+With ``spares`` (``rollout.spare_sandboxes``) the pool keeps that many started, untouched
+containers per sandbox configuration (image and working directory) for the whole run, shared by
+its trajectories (`belayer_envckpt.SparePool` with ``shared``): a restore of a ``fresh-runtime``
+checkpoint (or a reference to one) goes into one of them instead of creating and starting a
+container, and its timings then hold ``spare_ms``.  Spares carry the pool's labels (the run's
+too, so the guardian reaps them); a lease of another configuration drops the spares of those no
+lease uses, and closing the pool removes them.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from belayer_envckpt import (
     Sandbox,
     SandboxConfig,
     SandboxLike,
+    SparePool,
     full_restore,
 )
 from belayer_grpo._agentic import environment
@@ -84,7 +93,9 @@ class SandboxPool:
     labels: dict[str, str] = attrs.field(factory=dict)
     keep_checkpoints: bool = False
     reuse: bool = False
+    spares: int = 0  # started spare containers per configuration, for restores (0: none)
     pool_id: str = attrs.field(factory=lambda: uuid.uuid4().hex[:12])
+    _spare_pool: SparePool | None = attrs.field(init=False, default=None)
     _limiter: anyio.CapacityLimiter = attrs.field(init=False)
     _leases: dict[str, SandboxLease] = attrs.field(init=False, factory=dict)
     _idle: dict[tuple[str, str], list[Sandbox]] = attrs.field(init=False, factory=dict)
@@ -94,7 +105,11 @@ class SandboxPool:
     def __attrs_post_init__(self) -> None:
         if self.capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {self.capacity}")
+        if self.spares < 0:
+            raise ValueError(f"spares must be >= 0 (0: no spare containers), got {self.spares}")
         self._limiter = anyio.CapacityLimiter(self.capacity)
+        if self.spares:
+            self._spare_pool = SparePool(self.engine, size=self.spares, shared=True)
 
     @property
     def num_live(self) -> int:
@@ -137,7 +152,24 @@ class SandboxPool:
         `take_checkpoint`).  `belayer_envckpt.full_restore` goes by the checkpoint's kind: a
         ``full`` one restores its processes with CRIU, a ``fresh-runtime`` one (or a ``reference``
         to one) installs its layer and starts the image's stateless init anew."""
-        return full_restore(checkpoint, engine=self.engine)
+        return full_restore(checkpoint, engine=self.engine, spares=self._spare_pool)
+
+    async def warm_spares(self, image: str, workdir: str) -> None:
+        """Make this pool's spares for ``image`` and ``workdir`` ready now, after the refills in
+        flight (a lease otherwise asks for them in the background; nothing without ``spares``)."""
+        spare_pool, config = self._spare_pool, self.sandbox_config(image, workdir)
+        if spare_pool is not None:
+            await anyio.to_thread.run_sync(spare_pool.wait_idle)
+            await anyio.to_thread.run_sync(lambda: spare_pool.warm(config))
+
+    async def _ask_for_spares(self, config: SandboxConfig) -> None:
+        """Spares for ``config`` in the background; those of configurations no lease uses go."""
+        spare_pool = self._spare_pool
+        if spare_pool is None:
+            return
+        used = [lease.config for lease in self._leases.values()] + [config]
+        await anyio.to_thread.run_sync(lambda: spare_pool.retain(used))
+        spare_pool.refill_later(config)
 
     async def _create(self, config: SandboxConfig, trajectory: str) -> SandboxLike:
         return await anyio.to_thread.run_sync(
@@ -172,6 +204,7 @@ class SandboxPool:
             raise ValueError(f"trajectory {trajectory!r} already holds a sandbox of this pool")
         async with self._limiter:
             config = self.sandbox_config(image, workdir)
+            await self._ask_for_spares(config)
             sandbox = await self._take(config, trajectory)
             lease = SandboxLease(self, trajectory, config, sandbox)
             self._leases[trajectory] = lease
@@ -205,9 +238,11 @@ class SandboxPool:
         return [container.id for container in self.engine.list_containers(filters)]
 
     async def aclose(self) -> None:
-        """Remove every container this pool created that is still there."""
+        """Remove every container this pool created that is still there, its spares included."""
         self._idle.clear()
         self._created.clear()
         with anyio.CancelScope(shield=True):
+            if self._spare_pool is not None:
+                await anyio.to_thread.run_sync(self._spare_pool.close)
             for container in await anyio.to_thread.run_sync(self._containers):
                 await anyio.to_thread.run_sync(self.engine.remove, container)

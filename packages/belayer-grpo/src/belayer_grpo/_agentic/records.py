@@ -86,9 +86,17 @@ class RecoveryRecord:
             self.expected_repo_hash == self.actual_repo_hash and self.context_matches and self.prefix_matches
         )
 
+    @property
+    def into_spare(self) -> bool:
+        """The checkpoint went into a started spare container (`SandboxPool.spares`)."""
+        return "spare_ms" in self.restore_timings_ms
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
-        return attrs.asdict(self) | {"prefix_consistent": self.prefix_consistent}
+        return attrs.asdict(self) | {
+            "prefix_consistent": self.prefix_consistent,
+            "into_spare": self.into_spare,
+        }
 
 
 @attrs.frozen
@@ -260,6 +268,7 @@ def summarize(trajectories: list[AgenticTrajectory]) -> dict[str, Any]:
         "rounds_mean": sum(t.rounds for t in trajectories) / n if n else 0.0,
         "num_failures": len(recoveries),
         "num_recoveries_from_checkpoint": sum(r.from_checkpoint for r in recoveries),
+        "num_restores_into_spare": sum(r.into_spare for r in recoveries),
         "num_checkpoints": sum(len(t.checkpoints) for t in trajectories),
         "checkpoints_by_kind": {k: int(v["count"]) for k, v in count_kinds(trajectories).items()},
         "num_checkpoint_failures": sum(t.num_checkpoint_failures for t in trajectories),

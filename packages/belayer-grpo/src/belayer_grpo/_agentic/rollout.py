@@ -124,7 +124,7 @@ async def run_agentic_rollouts(
             labels = {RUN_LABEL: config.run_label} if config.run_label else {}
             pool = SandboxPool(
                 engine, store, capacity=config.max_concurrency, labels=labels,
-                keep_checkpoints=config.keep_checkpoints,
+                keep_checkpoints=config.keep_checkpoints, spares=config.spare_sandboxes,
             )  # fmt: skip
         try:
             return await _roll_out(

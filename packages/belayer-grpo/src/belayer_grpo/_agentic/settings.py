@@ -85,6 +85,8 @@ class AgenticConfig:
     )
     max_resamples: int = attrs.field(default=2, validator=_ge0)
     max_concurrency: int = attrs.field(default=8, validator=_ge1)
+    # Started spare containers per sandbox configuration that restores go into (`SandboxPool.spares`).
+    spare_sandboxes: int = attrs.field(default=1, validator=_ge0)
     action_timeout_s: float = attrs.field(default=30.0, validator=_float_gt0)
     test_timeout_s: float = attrs.field(default=120.0, validator=_float_gt0)
     max_observation_chars: int = attrs.field(default=2000, validator=_ge1)
