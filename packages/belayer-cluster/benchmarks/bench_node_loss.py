@@ -15,12 +15,13 @@ Ray's node table or the router's broken streams).
   fenced at the router, its requests resume token-exact on the slot left, the sandbox is restored
   on another node; recovered when every affected request streams again and the sandbox is back.
 
-Times are from the node's removal. Writes `benchmarks/results/bench_node_loss.json`; with
-`--nodes isolated` (root) the nodes share nothing (`IsolatedRayCluster`: the lost node is killed
-whole) and the results go to `benchmarks/results/bench_node_loss_isolated.json`.
+Times are from the node's removal. Writes `benchmarks/results/bench_node_loss.json` and a markdown
+table beside it (`.md`: medians with [min, max] over the repetitions, `uptime` at start and end);
+with `--nodes isolated` (root) the nodes share nothing (`IsolatedRayCluster`: the lost node is
+killed whole) and the results go to `benchmarks/results/bench_node_loss_isolated.json` (and `.md`).
 
     python benchmarks/bench_node_loss.py --reps 3 --tokens 200
-    python benchmarks/bench_node_loss.py --reps 2 --tokens 200 --nodes isolated
+    python benchmarks/bench_node_loss.py --reps 3 --tokens 200 --nodes isolated
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -222,6 +224,64 @@ def _reference(shared: Path, tokens: int) -> list[list[int]]:
     return streams.tokens
 
 
+def _uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+
+
+def _table(document: dict[str, Any]) -> str:
+    """The results as a markdown table: medians over the repetitions with [min, max]."""
+    reps = document["reps"]
+
+    def cell(arm: str, key: str, unit: str = " s", digits: int = 1) -> str:
+        values = sorted(float(r[arm][key]) for r in reps)
+        med = statistics.median(values)
+        return f"{med:.{digits}f}{unit} [{values[0]:.{digits}f}, {values[-1]:.{digits}f}]"
+
+    rows = [
+        ("loss detected", cell("belayer", "detect_s"), cell("whole_job_restart", "detect_s")),
+        (
+            "every affected request streaming again",
+            cell("belayer", "requests_streaming_again_s"),
+            cell("whole_job_restart", "recover_s"),
+        ),
+        (
+            "sandbox restored on another node",
+            f"{cell('belayer', 'sandboxes_restored_s')} (restore itself {cell('belayer', 'sandbox_restore_s')})",
+            "(restored during the restart)",
+        ),
+        (
+            "**recovered (requests and sandbox)**",
+            f"**{cell('belayer', 'recover_s')}**",
+            f"**{cell('whole_job_restart', 'recover_s')}** (restart {cell('whole_job_restart', 'restart_s')})",
+        ),
+        (
+            "tokens regenerated",
+            cell("belayer", "tokens_lost", "", 0),
+            cell("whole_job_restart", "tokens_lost", "", 0),
+        ),
+    ]
+    lines = [
+        f"`{document['command']}`: {len(reps)} repetitions, {document['started_utc']} to "
+        f"{document['ended_utc']} UTC; {document['setup']}.",
+        "",
+        "| recovery after a node loss (median [min, max]) | Belayer | whole-job restart |",
+        "|---|---|---|",
+        *(f"| {a} | {b} | {c} |" for a, b, c in rows),
+        "",
+        "Detected by: "
+        + ", ".join(
+            f"rep {r['rep']}: {r['belayer']['detected_by']} / {r['whole_job_restart']['detected_by']}"
+            for r in reps
+        )
+        + " (Belayer / restart).",
+        f"Cluster start-up per repetition (s): {document['cluster_startup_s']}.",
+        f"uptime at start: `{document['uptime_before']}`",
+        f"uptime at end: `{document['uptime_after']}`",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
@@ -238,7 +298,7 @@ def main() -> int:
         args.out = RESULTS_ISOLATED if args.nodes == "isolated" else RESULTS
     startups: list[dict[str, float]] = []
     reps: list[dict[str, Any]] = []
-    load_before = os.getloadavg()
+    load_before, uptime_before, started = os.getloadavg(), _uptime(), time.time()
     for rep in range(args.reps):
         with tempfile.TemporaryDirectory(prefix="bnl-") as tmp:
             shared = Path(tmp)
@@ -256,6 +316,18 @@ def main() -> int:
                 belayer = _arm_belayer(ray_cluster, shared, args.tokens, reference)
         reps.append({"rep": rep, "whole_job_restart": restart, "belayer": belayer})
         print(json.dumps(reps[-1]), file=sys.stderr)
+        _write(args, reps, startups, (load_before, uptime_before, started))
+    return 0
+
+
+def _write(
+    args: argparse.Namespace,
+    reps: list[dict[str, Any]],
+    startups: list[dict[str, float]],
+    before: tuple[Any, str, float],
+) -> None:
+    """Write the results of the repetitions so far (after each one: a crash keeps the finished ones)."""
+    load_before, uptime_before, started = before
 
     def median(arm: str, key: str) -> float:
         return float(statistics.median(r[arm][key] for r in reps))
@@ -296,14 +368,18 @@ def main() -> int:
         "on the lost node; medians over reps",
         "load_average_before": list(load_before),
         "load_average_after": list(os.getloadavg()),
+        "uptime_before": uptime_before,
+        "uptime_after": _uptime(),
+        "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)),
+        "ended_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
         "summary": summary,
         "ranges": ranges,
         "reps": reps,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(document, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(_table(document))
     print(json.dumps(summary, indent=2))
-    return 0
 
 
 if __name__ == "__main__":

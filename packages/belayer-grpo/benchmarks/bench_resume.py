@@ -1,0 +1,355 @@
+"""Trainer-crash resume: the rollout host (``system.resume_grace_s > 0``) against a new rollout side.
+
+Math workload, 3 steps of 16 prompts x 8 samples (``rollout.concurrency=4``), fixed seed, the same
+run folder path for every run (its marker names the requests).  Each repetition, in one run:
+
+- **reference** (grace 0 and grace > 0): the uninterrupted run; its wall time with and without
+  the rollout host is the host's cost when nothing fails, its final weights the target.
+- **host** (grace > 0): the trainer is SIGKILLed once a quarter of step 2's samples are in its
+  rollout log and the router has a request in flight; ``--resume`` adopts the rollout host and
+  re-attaches the step's requests.
+- **baseline** (grace 0, the default): the same kill point; ``--resume`` starts a new router and new
+  slots and generates every sample of step 2 missing from the log again.
+
+Measured per interrupted arm: seconds from the kill until the resumed run has finished step 2
+(its record in ``metrics.jsonl``) and until it exits; samples reused (from the log), re-attached
+(held by the router), regenerated (begun before the kill, generated again from the start) and new
+(never sent before the kill); tokens regenerated (tokens the killed trainer had generated that
+the resumed one generates again); and whether the final weights equal the grace-0 reference's
+bit for bit (else the largest absolute difference).  Just before the kill, in both arms, the
+router is asked (``GET /requests/{id}``) which of step 2's samples missing from the log it has
+begun and with how many tokens: with grace 0 the router dies with the trainer, so that snapshot
+is what the new rollout side generates again (a lower bound: tokens streamed in the milliseconds
+between the snapshot and the kill are lost too); with grace > 0 the resumed run's report gives
+the exact count the router held after the kill.
+
+    python benchmarks/bench_resume.py --reps 3
+
+Writes ``benchmarks/results/bench_resume.json`` and ``bench_resume.md`` (after every repetition),
+with ``uptime`` at start and end.  Needs the package installed with its test extras (torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from belayer_grpo._guardian import run_marker
+from belayer_router import RouterAdmin
+
+RESULTS = Path(__file__).parent / "results" / "bench_resume.json"
+STEPS, KILL_STEP = 3, 2
+NUM_SAMPLES = 128  # 16 prompts x 8 samples
+COMMON = [f"algorithm.steps={STEPS}", "chaos.kill_worker_at_steps=[]", "logging.progress=false",
+          "logging.tensorboard=false", "data.workload=math", "rollout.concurrency=4"]  # fmt: skip
+
+
+def _uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+
+
+def _train(argv: list[str], log: Path) -> subprocess.Popen[str]:
+    command = [sys.executable, "-m", "belayer_grpo", "train", "--json", *argv]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
+
+
+def _logged(run_dir: Path) -> set[int]:
+    path = run_dir / "rollouts" / f"step_{KILL_STEP:06d}.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    indices = set()
+    for line in lines:
+        try:
+            indices.add(int(json.loads(line)["index"]))
+        except (ValueError, KeyError):  # a line being written
+            continue
+    return indices
+
+
+def _router(run_dir: Path) -> tuple[str, str] | None:
+    """The run's router URL and admin token: the rollout host's file, else a slot worker's command
+    line and environment (grace 0: the router lives in the trainer; root or the same user)."""
+    host_file = run_dir / "rollout-host" / "host.json"
+    if host_file.is_file():
+        host = json.loads(host_file.read_text())
+        return host["url"], host["admin_token"]
+    slots = str(run_dir / "slots")
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().decode().split("\0")
+            if "--router" not in argv or not any(arg.startswith(slots) for arg in argv):
+                continue
+            env = dict(
+                item.split("=", 1)
+                for item in (proc / "environ").read_bytes().decode().split("\0")
+                if "=" in item
+            )
+        except OSError:
+            continue
+        if "BELAYER_ROUTER_ADMIN_TOKEN" in env:
+            return argv[argv.index("--router") + 1], env["BELAYER_ROUTER_ADMIN_TOKEN"]
+    return None
+
+
+def _kill_mid_rollout(argv: list[str], run_dir: Path, log: Path) -> dict[str, Any]:
+    """Train; SIGKILL the trainer once a quarter of step 2's samples are logged and the router has
+    a request in flight.  What the router had begun of the missing samples, read just before."""
+    train = _train(argv, log)
+    try:
+        deadline = time.monotonic() + 900
+        while len(_logged(run_dir)) < NUM_SAMPLES // 4:
+            if train.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the run ended or stalled before the kill point: {log.read_text()[-3000:]}"
+                )
+            time.sleep(0.01)
+        access = _router(run_dir)
+        if access is None:
+            raise RuntimeError("found no router of the run to read")
+        url, token = access
+        tag = run_marker(run_dir)
+        with RouterAdmin(url, token) as admin:
+            while not admin.counters().values.get("requests_in_flight"):
+                if train.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the run ended or stalled before a request was in flight")
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as client:
+            missing = [i for i in range(NUM_SAMPLES) if i not in _logged(run_dir)]
+            begun = {}
+            for i in missing:
+                answer = client.get(f"/requests/{tag}-step{KILL_STEP}-{i}")
+                if answer.status_code == 200:
+                    begun[i] = len(answer.json()["token_ids"])
+        train.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        train.wait(timeout=60)
+    finally:
+        if train.poll() is None:
+            train.kill()
+            train.wait()
+    logged = _logged(run_dir)
+    begun = {i: n for i, n in begun.items() if i not in logged}  # logged meanwhile: reused
+    return {
+        "killed": killed,
+        "logged_at_kill": len(logged),
+        "begun": len(begun),
+        "begun_tokens": sum(begun.values()),
+    }
+
+
+def _resume(run_dir: Path, log: Path, killed: float) -> dict[str, Any]:
+    """``--resume`` at once; seconds from the kill to step 2's metrics record and to the exit."""
+    train = _train(["--resume", str(run_dir)], log)
+    metrics, step_done = run_dir / "metrics.jsonl", None
+    while train.poll() is None:
+        if step_done is None and metrics.is_file():
+            steps = [
+                json.loads(line).get("step") for line in metrics.read_text().splitlines() if line.strip()
+            ]
+            if KILL_STEP in steps:
+                step_done = time.monotonic()
+        time.sleep(0.05)
+    ended = time.monotonic()
+    assert train.stdout is not None
+    out = train.stdout.read()
+    if train.returncode != 0:
+        raise RuntimeError(f"--resume failed ({train.returncode}): {log.read_text()[-3000:]}")
+    report = json.loads(out)
+    if step_done is None:
+        step_done = ended
+    return {"step_s": step_done - killed, "run_s": ended - killed, "report": report}
+
+
+def _uninterrupted(argv: list[str], log: Path) -> float:
+    started = time.monotonic()
+    train = _train(argv, log)
+    train.communicate()
+    if train.returncode != 0:
+        raise RuntimeError(f"the uninterrupted run failed: {log.read_text()[-3000:]}")
+    return time.monotonic() - started
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    state = torch.load(
+        run_dir / "checkpoints" / f"step_{STEPS:06d}.pt", map_location="cpu", weights_only=False
+    )
+    return dict(state["model"])
+
+
+def _compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, Any]:
+    if a.keys() != b.keys():
+        return {"bit_equal": False, "max_abs_diff": None}
+    diff = max(float((a[k].double() - b[k].double()).abs().max()) if a[k].numel() else 0.0 for k in a)
+    return {"bit_equal": all(torch.equal(a[k], b[k]) for k in a), "max_abs_diff": diff}
+
+
+def _arm(
+    kind: str, grace: float, root: Path, run_dir: Path, reference: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    argv = [*COMMON, f"system.resume_grace_s={grace}", f"system.run_dir={str(run_dir)!r}"]
+    kill = _kill_mid_rollout(argv, run_dir, root / f"{kind}-killed.log")
+    resumed = _resume(run_dir, root / f"{kind}-resumed.log", kill["killed"])
+    report = resumed["report"]
+    if report.get("status") != "completed" or report.get("steps") != STEPS:
+        raise RuntimeError(f"{kind}: the resumed run did not complete: {report}")
+    reused = int(report["trajectories_reused"])
+    if kind == "host":
+        reattached, reattached_tokens = int(report["requests_reattached"]), int(report["tokens_reattached"])
+        regenerated, new = int(report["trajectories_regenerated"]), int(report["trajectories_new"])
+        tokens_regenerated = 0 if regenerated == 0 else None
+    else:  # grace 0: every missing sample is generated again; those begun before the kill are lost work
+        reattached = reattached_tokens = 0
+        regenerated, new = kill["begun"], NUM_SAMPLES - reused - kill["begun"]
+        tokens_regenerated = kill["begun_tokens"]
+        if int(report["trajectories_regenerated"]) != NUM_SAMPLES - reused:
+            raise RuntimeError(f"baseline: report counts {report['trajectories_regenerated']} regenerated")
+    weights = _compare(reference, _weights(run_dir))
+    run_dir.rename(root / kind)
+    return {
+        "kill_to_step_done_s": resumed["step_s"],
+        "kill_to_run_done_s": resumed["run_s"],
+        "samples_logged_at_kill": kill["logged_at_kill"],
+        "samples_reused": reused,
+        "samples_reattached": reattached,
+        "samples_regenerated": regenerated,
+        "samples_new": new,
+        "tokens_reattached": reattached_tokens,
+        "tokens_regenerated": tokens_regenerated,
+        "begun_before_kill": kill["begun"],
+        "tokens_begun_before_kill": kill["begun_tokens"],
+        "resumed_report_wall_s": report.get("wall_s"),
+        "weights_vs_reference": weights,
+    }
+
+
+def one_rep(rep: int, grace: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="bench-resume-") as tmp:
+        root = Path(tmp)
+        run_dir = root / "run"
+        walls: dict[str, float] = {}
+        order = [0.0, grace] if rep % 2 == 0 else [grace, 0.0]  # alternated: load drifts over a rep
+        for g in order:
+            name = "grace_0" if g == 0 else "grace_on"
+            argv = [*COMMON, f"system.resume_grace_s={g}", f"system.run_dir={str(run_dir)!r}"]
+            walls[name] = _uninterrupted(argv, root / f"reference-{name}.log")
+            run_dir.rename(root / f"reference-{name}")
+        reference = _weights(root / "reference-grace_0")
+        arms: dict[str, Any] = {}
+        for kind in ["baseline", "host"] if rep % 2 == 0 else ["host", "baseline"]:
+            arms[kind] = _arm(kind, 0.0 if kind == "baseline" else grace, root, run_dir, reference)
+        return {
+            "rep": rep,
+            "reference_wall_s": walls,
+            "reference_grace_on_vs_grace_0": _compare(reference, _weights(root / "reference-grace_on")),
+            **arms,
+        }
+
+
+def _cell(reps: list[dict[str, Any]], get: Any, digits: int = 1, unit: str = " s") -> str:
+    values = sorted(float(get(r)) for r in reps)
+    return f"{statistics.median(values):.{digits}f}{unit} [{values[0]:.{digits}f}, {values[-1]:.{digits}f}]"
+
+
+def _table(document: dict[str, Any]) -> str:
+    reps = document["reps"]
+
+    def arm(kind: str, key: str, digits: int = 1, unit: str = " s") -> str:
+        if any(r[kind][key] is None for r in reps):
+            return "n/a"
+        return _cell(reps, lambda r: r[kind][key], digits, unit)
+
+    def weights(kind: str) -> str:
+        checks = [r[kind]["weights_vs_reference"] for r in reps]
+        if all(c["bit_equal"] for c in checks):
+            return "bit-equal (all reps)"
+        return "max abs diff " + ", ".join(str(c["max_abs_diff"]) for c in checks)
+
+    rows = [
+        ("kill -> resumed run finished step 2", arm("host", "kill_to_step_done_s"), arm("baseline", "kill_to_step_done_s")),
+        ("kill -> resumed run finished (step 3 too)", arm("host", "kill_to_run_done_s"), arm("baseline", "kill_to_run_done_s")),
+        ("samples in the log at the kill (reused)", arm("host", "samples_reused", 0, ""), arm("baseline", "samples_reused", 0, "")),
+        ("samples re-attached (router held them)", arm("host", "samples_reattached", 0, ""), arm("baseline", "samples_reattached", 0, "")),
+        ("samples regenerated (begun before the kill)", arm("host", "samples_regenerated", 0, ""), arm("baseline", "samples_regenerated", 0, "")),
+        ("samples never sent before the kill", arm("host", "samples_new", 0, ""), arm("baseline", "samples_new", 0, "")),
+        ("tokens re-attached (not generated again)", arm("host", "tokens_reattached", 0, ""), arm("baseline", "tokens_reattached", 0, "")),
+        ("tokens regenerated", arm("host", "tokens_regenerated", 0, ""), arm("baseline", "tokens_regenerated", 0, "")),
+        ("final weights vs the uninterrupted run", weights("host"), weights("baseline")),
+    ]  # fmt: skip
+    ref = [r["reference_grace_on_vs_grace_0"] for r in reps]
+    on = [r["reference_wall_s"]["grace_on"] for r in reps]
+    off = [r["reference_wall_s"]["grace_0"] for r in reps]
+    ratio = [a / b for a, b in zip(on, off, strict=True)]
+    lines = [
+        f"`{document['command']}`: {len(reps)} repetitions, {document['started_utc']} to {document['ended_utc']} UTC; "
+        f"{document['setup']}. Median [min, max] over the repetitions.",
+        "",
+        f"| after a SIGKILL of the trainer mid-step-{KILL_STEP} | host path (grace {document['grace_s']:g} s) "
+        "| baseline (grace 0: new rollout side) |",
+        "|---|---|---|",
+        *(f"| {a} | {b} | {c} |" for a, b, c in rows),
+        "",
+        "| uninterrupted run, nothing fails | grace 0 | grace > 0 (rollout host) | ratio |",
+        "|---|---|---|---|",
+        f"| wall time ({STEPS} steps, start-up included) | {_cell(reps, lambda r: r['reference_wall_s']['grace_0'])} "
+        f"| {_cell(reps, lambda r: r['reference_wall_s']['grace_on'])} "
+        f"| {statistics.median(ratio):.2f} [{min(ratio):.2f}, {max(ratio):.2f}] |",
+        "",
+        "Uninterrupted grace > 0 weights vs grace 0: "
+        + ("bit-equal (all reps)" if all(c["bit_equal"] for c in ref) else str(ref))
+        + ".",
+        f"uptime at start: `{document['uptime_before']}`",
+        f"uptime at end: `{document['uptime_after']}`",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--grace", type=float, default=300.0, help="system.resume_grace_s of the host path")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    uptime_before, load_before, started = _uptime(), os.getloadavg(), time.time()
+    reps: list[dict[str, Any]] = []
+    for rep in range(args.reps):
+        reps.append(one_rep(rep, args.grace))
+        print(json.dumps(reps[-1]), file=sys.stderr, flush=True)
+        document = {
+            "benchmark": "bench_resume",
+            "command": f"python benchmarks/bench_resume.py --reps {args.reps}"
+            + (f" --grace {args.grace:g}" if args.grace != 300.0 else ""),
+            "grace_s": args.grace,
+            "setup": f"math, {STEPS} steps x {NUM_SAMPLES} samples (16 prompts x 8), rollout.concurrency=4, "
+            f"fixed seed, 1 slot on CPU (the default), trainer SIGKILLed once {NUM_SAMPLES // 4} of step "
+            f"{KILL_STEP}'s samples were logged and a request was in flight; shared 2-core machine",
+            "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)),
+            "ended_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+            "uptime_before": uptime_before,
+            "uptime_after": _uptime(),
+            "load_average_before": list(load_before),
+            "load_average_after": list(os.getloadavg()),
+            "repetitions": len(reps),
+            "reps": reps,
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(document, indent=2) + "\n")
+        args.out.with_suffix(".md").write_text(_table(document))
+    print(args.out.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
