@@ -60,9 +60,35 @@ def _uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
 
 
-def _train(argv: list[str], log: Path) -> subprocess.Popen[str]:
+def _train(argv: list[str], log: Path, tag: str) -> subprocess.Popen[bytes]:
+    """``belayer-grpo train --json``: the report to ``log``'s ``.json``, the rest to ``log``; every
+    process of it carries ``BELAYER_BENCH_TAG=tag`` in its environment."""
     command = [sys.executable, "-m", "belayer_grpo", "train", "--json", *argv]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
+    env = {**os.environ, "BELAYER_BENCH_TAG": tag}
+    with log.with_suffix(".json").open("wb") as out, log.open("wb") as err:
+        return subprocess.Popen(command, stdout=out, stderr=err, env=env)
+
+
+def _tagged(tag: str) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and f"BELAYER_BENCH_TAG={tag}".encode() in (
+                proc / "environ"
+            ).read_bytes().split(b"\0"):
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def _settle(tag: str, within_s: float = 120.0) -> None:
+    """Wait until no process of the run is left (the host stops after its run; a guardian reaps)."""
+    deadline = time.monotonic() + within_s
+    while _tagged(tag):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"processes of the run still alive after {within_s} s: {_tagged(tag)}")
+        time.sleep(0.2)
 
 
 def _logged(run_dir: Path) -> set[int]:
@@ -104,10 +130,10 @@ def _router(run_dir: Path) -> tuple[str, str] | None:
     return None
 
 
-def _kill_mid_rollout(argv: list[str], run_dir: Path, log: Path) -> dict[str, Any]:
+def _kill_mid_rollout(argv: list[str], run_dir: Path, log: Path, tag: str) -> dict[str, Any]:
     """Train; SIGKILL the trainer once a quarter of step 2's samples are logged and the router has
     a request in flight.  What the router had begun of the missing samples, read just before."""
-    train = _train(argv, log)
+    train = _train(argv, log, tag)
     try:
         deadline = time.monotonic() + 900
         while len(_logged(run_dir)) < NUM_SAMPLES // 4:
@@ -149,9 +175,9 @@ def _kill_mid_rollout(argv: list[str], run_dir: Path, log: Path) -> dict[str, An
     }
 
 
-def _resume(run_dir: Path, log: Path, killed: float) -> dict[str, Any]:
+def _resume(run_dir: Path, log: Path, killed: float, tag: str) -> dict[str, Any]:
     """``--resume`` at once; seconds from the kill to step 2's metrics record and to the exit."""
-    train = _train(["--resume", str(run_dir)], log)
+    train = _train(["--resume", str(run_dir)], log, tag)
     metrics, step_done = run_dir / "metrics.jsonl", None
     while train.poll() is None:
         if step_done is None and metrics.is_file():
@@ -162,23 +188,24 @@ def _resume(run_dir: Path, log: Path, killed: float) -> dict[str, Any]:
                 step_done = time.monotonic()
         time.sleep(0.05)
     ended = time.monotonic()
-    assert train.stdout is not None
-    out = train.stdout.read()
     if train.returncode != 0:
         raise RuntimeError(f"--resume failed ({train.returncode}): {log.read_text()[-3000:]}")
-    report = json.loads(out)
+    report = json.loads(log.with_suffix(".json").read_text())
     if step_done is None:
         step_done = ended
     return {"step_s": step_done - killed, "run_s": ended - killed, "report": report}
 
 
 def _uninterrupted(argv: list[str], log: Path) -> float:
+    tag = os.urandom(8).hex()
     started = time.monotonic()
-    train = _train(argv, log)
-    train.communicate()
+    train = _train(argv, log, tag)
+    train.wait()
     if train.returncode != 0:
         raise RuntimeError(f"the uninterrupted run failed: {log.read_text()[-3000:]}")
-    return time.monotonic() - started
+    wall = time.monotonic() - started
+    _settle(tag)
+    return wall
 
 
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -199,8 +226,10 @@ def _arm(
     kind: str, grace: float, root: Path, run_dir: Path, reference: dict[str, torch.Tensor]
 ) -> dict[str, Any]:
     argv = [*COMMON, f"system.resume_grace_s={grace}", f"system.run_dir={str(run_dir)!r}"]
-    kill = _kill_mid_rollout(argv, run_dir, root / f"{kind}-killed.log")
-    resumed = _resume(run_dir, root / f"{kind}-resumed.log", kill["killed"])
+    tag = os.urandom(8).hex()
+    kill = _kill_mid_rollout(argv, run_dir, root / f"{kind}-killed.log", tag)
+    resumed = _resume(run_dir, root / f"{kind}-resumed.log", kill["killed"], tag)
+    _settle(tag)
     report = resumed["report"]
     if report.get("status") != "completed" or report.get("steps") != STEPS:
         raise RuntimeError(f"{kind}: the resumed run did not complete: {report}")
