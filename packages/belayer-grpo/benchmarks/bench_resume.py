@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import torch
 
@@ -151,28 +152,54 @@ def _kill_mid_rollout(argv: list[str], run_dir: Path, log: Path, tag: str) -> di
             while not admin.counters().values.get("requests_in_flight"):
                 if train.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("the run ended or stalled before a request was in flight")
-        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as client:
-            missing = [i for i in range(NUM_SAMPLES) if i not in _logged(run_dir)]
-            begun = {}
-            for i in missing:
-                answer = client.get(f"/requests/{tag}-step{KILL_STEP}-{i}")
-                if answer.status_code == 200:
-                    begun[i] = len(answer.json()["token_ids"])
+        missing = [i for i in range(NUM_SAMPLES) if i not in _logged(run_dir)]
+        ids = {f"{tag}-step{KILL_STEP}-{i}": i for i in missing}
+        snapshot_started = time.monotonic()
+        begun = {ids[request_id]: n for request_id, n in anyio.run(_begun, url, token, list(ids)).items()}
+        snapshot_s = time.monotonic() - snapshot_started
         train.send_signal(signal.SIGKILL)
         killed = time.monotonic()
-        train.wait(timeout=60)
+        if train.wait(timeout=60) != -signal.SIGKILL:
+            raise RuntimeError(
+                f"the run ended before the kill (exit {train.returncode}): it was not mid-rollout"
+            )
     finally:
         if train.poll() is None:
             train.kill()
             train.wait()
     logged = _logged(run_dir)
+    if len(logged) >= NUM_SAMPLES:
+        raise RuntimeError(f"step {KILL_STEP} was whole in the log at the kill: not mid-rollout")
     begun = {i: n for i, n in begun.items() if i not in logged}  # logged meanwhile: reused
     return {
         "killed": killed,
+        "snapshot_s": snapshot_s,
         "logged_at_kill": len(logged),
         "begun": len(begun),
         "begun_tokens": sum(begun.values()),
     }
+
+
+async def _begun(url: str, token: str, request_ids: list[str]) -> dict[str, int]:
+    """Of ``request_ids``, those the router has a record of, and their tokens so far: all asked at
+    once (with grace 0 the router shares the busy trainer's event loop; one by one took long
+    enough for the run to finish first)."""
+    found: dict[str, int] = {}
+    headers = {"Authorization": f"Bearer {token}"}
+    limits = httpx.Limits(max_connections=len(request_ids) or 1)
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60, limits=limits) as client:
+
+        async def one(request_id: str) -> None:
+            answer = await client.get(f"/requests/{request_id}")
+            if answer.status_code == 200:
+                found[request_id] = len(answer.json()["token_ids"])
+            elif answer.status_code != 404:
+                raise RuntimeError(f"GET /requests/{request_id}: {answer.status_code} {answer.text}")
+
+        async with anyio.create_task_group() as group:
+            for request_id in request_ids:
+                group.start_soon(one, request_id)
+    return found
 
 
 def _resume(run_dir: Path, log: Path, killed: float, tag: str) -> dict[str, Any]:
@@ -257,6 +284,7 @@ def _arm(
         "tokens_reattached": reattached_tokens,
         "tokens_regenerated": tokens_regenerated,
         "begun_before_kill": kill["begun"],
+        "snapshot_before_kill_s": kill["snapshot_s"],
         "tokens_begun_before_kill": kill["begun_tokens"],
         "resumed_report_wall_s": report.get("wall_s"),
         "weights_vs_reference": weights,
