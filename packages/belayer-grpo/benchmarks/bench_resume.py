@@ -104,14 +104,12 @@ def _logged(run_dir: Path) -> set[int]:
     return indices
 
 
-def _router(run_dir: Path) -> tuple[str, str] | None:
-    """The run's router URL and admin token: the rollout host's file, else a slot worker's command
-    line and environment (grace 0: the router lives in the trainer; root or the same user)."""
-    host_file = run_dir / "rollout-host" / "host.json"
-    if host_file.is_file():
-        host = json.loads(host_file.read_text())
-        return host["url"], host["admin_token"]
-    slots = str(run_dir / "slots")
+def _router(run_dir: Path) -> tuple[str, str, list[int]] | None:
+    """The run's router URL and admin token and its slots' worker processes (found by their command
+    line, which names the router and the run's slot folders); the token from the rollout host's
+    file, else from a worker's environment (grace 0: the router lives in the trainer; needs root or
+    the same user).  None until a worker runs."""
+    slots, workers, token, url = str(run_dir / "slots"), [], None, None
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -119,44 +117,61 @@ def _router(run_dir: Path) -> tuple[str, str] | None:
             argv = (proc / "cmdline").read_bytes().decode().split("\0")
             if "--router" not in argv or not any(arg.startswith(slots) for arg in argv):
                 continue
-            env = dict(
-                item.split("=", 1)
-                for item in (proc / "environ").read_bytes().decode().split("\0")
-                if "=" in item
-            )
+            environ = (proc / "environ").read_bytes().decode().split("\0")
         except OSError:
             continue
-        if "BELAYER_ROUTER_ADMIN_TOKEN" in env:
-            return argv[argv.index("--router") + 1], env["BELAYER_ROUTER_ADMIN_TOKEN"]
-    return None
+        workers.append(int(proc.name))
+        url = argv[argv.index("--router") + 1]
+        env = dict(item.split("=", 1) for item in environ if "=" in item)
+        token = env.get("BELAYER_ROUTER_ADMIN_TOKEN", token)
+    host_file = run_dir / "rollout-host" / "host.json"
+    if host_file.is_file():
+        host = json.loads(host_file.read_text())
+        url, token = host["url"], host["admin_token"]
+    if not workers or url is None or token is None:
+        return None
+    return url, token, workers
+
+
+def _signal_all(pids: list[int], signum: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            continue
 
 
 def _kill_mid_rollout(argv: list[str], run_dir: Path, log: Path, tag: str) -> dict[str, Any]:
     """Train; SIGKILL the trainer once a quarter of step 2's samples are logged and the router has
-    a request in flight.  What the router had begun of the missing samples, read just before."""
+    a request in flight.  Just before, the slots' workers are paused (SIGSTOP: no token streams, no
+    request ends) while the router is asked which of the step's samples missing from the log it has
+    begun and with how many tokens; they go on (SIGCONT) after the kill."""
     train = _train(argv, log, tag)
+    deadline = time.monotonic() + 900
+
+    def alive() -> None:
+        if train.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the run ended or stalled before the kill point: {log.read_text()[-3000:]}")
+
+    workers: list[int] = []
     try:
-        deadline = time.monotonic() + 900
-        while len(_logged(run_dir)) < NUM_SAMPLES // 4:
-            if train.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"the run ended or stalled before the kill point: {log.read_text()[-3000:]}"
-                )
-            time.sleep(0.01)
-        access = _router(run_dir)
-        if access is None:
-            raise RuntimeError("found no router of the run to read")
-        url, token = access
-        tag = run_marker(run_dir)
+        while (access := _router(run_dir)) is None:
+            alive()
+            time.sleep(0.1)
+        url, token, workers = access
+        marker = run_marker(run_dir)
         with RouterAdmin(url, token) as admin:
+            while len(_logged(run_dir)) < NUM_SAMPLES // 4:
+                alive()
+                time.sleep(0.01)
             while not admin.counters().values.get("requests_in_flight"):
-                if train.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the run ended or stalled before a request was in flight")
+                alive()
+        _signal_all(workers, signal.SIGSTOP)
+        paused = time.monotonic()
+        time.sleep(0.05)  # what the workers had sent reaches the router
         missing = [i for i in range(NUM_SAMPLES) if i not in _logged(run_dir)]
-        ids = {f"{tag}-step{KILL_STEP}-{i}": i for i in missing}
-        snapshot_started = time.monotonic()
+        ids = {f"{marker}-step{KILL_STEP}-{i}": i for i in missing}
         begun = {ids[request_id]: n for request_id, n in anyio.run(_begun, url, token, list(ids)).items()}
-        snapshot_s = time.monotonic() - snapshot_started
         train.send_signal(signal.SIGKILL)
         killed = time.monotonic()
         if train.wait(timeout=60) != -signal.SIGKILL:
@@ -164,6 +179,7 @@ def _kill_mid_rollout(argv: list[str], run_dir: Path, log: Path, tag: str) -> di
                 f"the run ended before the kill (exit {train.returncode}): it was not mid-rollout"
             )
     finally:
+        _signal_all(workers, signal.SIGCONT)
         if train.poll() is None:
             train.kill()
             train.wait()
@@ -173,7 +189,7 @@ def _kill_mid_rollout(argv: list[str], run_dir: Path, log: Path, tag: str) -> di
     begun = {i: n for i, n in begun.items() if i not in logged}  # logged meanwhile: reused
     return {
         "killed": killed,
-        "snapshot_s": snapshot_s,
+        "workers_paused_s": killed - paused,
         "logged_at_kill": len(logged),
         "begun": len(begun),
         "begun_tokens": sum(begun.values()),
@@ -284,7 +300,7 @@ def _arm(
         "tokens_reattached": reattached_tokens,
         "tokens_regenerated": tokens_regenerated,
         "begun_before_kill": kill["begun"],
-        "snapshot_before_kill_s": kill["snapshot_s"],
+        "workers_paused_before_kill_s": kill["workers_paused_s"],
         "tokens_begun_before_kill": kill["begun_tokens"],
         "resumed_report_wall_s": report.get("wall_s"),
         "weights_vs_reference": weights,
