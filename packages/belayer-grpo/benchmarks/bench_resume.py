@@ -17,11 +17,12 @@ Measured per interrupted arm: seconds from the kill until the resumed run has fi
 (never sent before the kill); tokens regenerated (tokens the killed trainer had generated that
 the resumed one generates again); and whether the final weights equal the grace-0 reference's
 bit for bit (else the largest absolute difference).  Just before the kill, in both arms, the
-router is asked (``GET /requests/{id}``) which of step 2's samples missing from the log it has
-begun and with how many tokens: with grace 0 the router dies with the trainer, so that snapshot
-is what the new rollout side generates again (a lower bound: tokens streamed in the milliseconds
-between the snapshot and the kill are lost too); with grace > 0 the resumed run's report gives
-the exact count the router held after the kill.
+slot's workers are paused (SIGSTOP, resumed with SIGCONT after the kill) while the router is asked
+(``GET /requests/{id}``) which of step 2's samples missing from the log it has begun and with how
+many tokens: with grace 0 the router dies with the trainer, so that snapshot is what the new
+rollout side generates again; with grace > 0 the resumed run's report gives the count the router
+held after the kill.  Finding the grace-0 router's admin token reads a slot worker's environment
+(/proc: root or the same user).
 
     python benchmarks/bench_resume.py --reps 3
 
