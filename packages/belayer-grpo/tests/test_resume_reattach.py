@@ -10,10 +10,14 @@ tooluse ``store`` task (4 tasks x 4 samples, real Docker sandboxes):
   trainer to take the lease); ``--resume`` takes it within the grace period, takes the logged
   samples and sends the others again under the same ids: the router answers or continues every
   request it holds (finished, or cut mid-stream: continued from its tokens, not from the start).
-  Math: 0 regenerated (each missing sample was held, or never sent).  Agentic: a trajectory begun
-  before the kill runs again from its first action (its sandbox died with the trainer), its held
-  turns taken from the router.  Final weights equal A's bit for bit (tolerance none: see
-  test_resume_e2e.py), and nothing of either trainer or the host is left afterwards.
+  Math: 0 regenerated (each missing sample was held, or never sent).  Agentic (checkpoint policy
+  ``always``, so the killed run has checkpoints of its trajectories in flight): 0 regenerated too:
+  each begun trajectory continues where it was, its turns answered by the router, its sandbox
+  restored from its latest logged checkpoint and only the logged actions after it run again (all of
+  them in a fresh sandbox when it had none); the counts are checked against what the log and the
+  router held at the kill.  The killed trainer's sandboxes are removed, never used again.  Final
+  weights equal A's bit for bit (tolerance none: see test_resume_e2e.py), and nothing of either
+  trainer or the host is left afterwards.
 
 A second run is killed and nobody resumes it: after the grace period the guardian reaps the host,
 its slots and everything else of the run.
@@ -23,11 +27,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -46,11 +52,31 @@ _COMMON = ["algorithm.steps=3", "chaos.kill_worker_at_steps=[]", "logging.progre
 _MATH = ["data.workload=math", "rollout.concurrency=4"]  # 16 prompts x 8 samples
 
 
+def _records(path: Path) -> list[dict[str, Any]]:
+    """The whole lines of a step log (a line torn by a kill mid-write is not one)."""
+    text = path.read_text() if path.is_file() else ""
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
+
+
+def _finished(path: Path) -> list[dict[str, Any]]:
+    """The samples (finished trajectories) of a step log, without its journal events."""
+    return [r for r in _records(path) if "event" not in r and not r.get("ended")]
+
+
+def _journal_waits(path: Path) -> bool:
+    """Whether a trajectory not finished in the step log has a logged checkpoint (a resume will
+    restore it)."""
+    records = _records(path)
+    done = {r["trajectory"]["trajectory_id"] for r in records if "trajectory" in r}
+    return any(r.get("event") == "checkpoint" and r["trajectory_id"] not in done for r in records)
+
+
 def _kill_mid_rollout(
     args: list[str], env: dict[str, str], output: Path, step: int, lines: int, in_flight: bool = True
 ) -> int:
-    """Start ``belayer-grpo train``, SIGKILL it once ``lines`` samples of ``step`` are logged; the
-    pid of its rollout host, read before the kill."""
+    """Start ``belayer-grpo train``, SIGKILL it once ``lines`` samples of ``step`` are logged (for an
+    agentic step, also a checkpoint of a trajectory in flight); the pid of its rollout host, read
+    before the kill."""
     run_dir = Path(args[-1].split("=", 1)[1].strip("'"))
     log = run_dir / "rollouts" / f"step_{step:06d}.jsonl"
     with output.open("w") as out:
@@ -62,20 +88,28 @@ def _kill_mid_rollout(
         )
         try:
             deadline = time.monotonic() + 300
-            while len(_logged_lines(log)) < lines:
+
+            def running() -> None:
                 assert train.poll() is None, output.read_text()
                 assert time.monotonic() < deadline, output.read_text()
                 time.sleep(0.01)
+
+            while not log.is_file():  # the step began: the host is up
+                running()
             host_file = run_dir / "rollout-host" / "host.json"
             assert host_file.stat().st_mode & 0o077 == 0  # the admin token: the owner's only
             host = json.loads(host_file.read_text())
-            # Then at a moment the router has a request in flight (one cut by the kill). Not for
-            # an agentic step (a second or two: it may end meanwhile); its trajectories in flight
-            # hold finished turns at the router anyway.
-            with RouterAdmin(host["url"], host["admin_token"]) as admin:
-                while in_flight and not admin.counters().values.get("requests_in_flight"):
-                    assert train.poll() is None, output.read_text()
-                    assert time.monotonic() < deadline, output.read_text()
+            # Read before the kill is due: an agentic step's trajectories end within a moment.
+            while len(_finished(log)) < lines or not (in_flight or _journal_waits(log)):
+                running()
+            if in_flight:
+                # Then at a moment the router has a request in flight (one cut by the kill). Not
+                # for an agentic step (it may end meanwhile); its trajectories in flight hold
+                # finished turns at the router anyway.
+                with RouterAdmin(host["url"], host["admin_token"]) as admin:
+                    while not admin.counters().values.get("requests_in_flight"):
+                        assert train.poll() is None, output.read_text()
+                        assert time.monotonic() < deadline, output.read_text()
             train.send_signal(signal.SIGKILL)
             assert train.wait(timeout=60) == -signal.SIGKILL
         finally:
@@ -102,6 +136,30 @@ def _held(run_dir: Path, num_samples: int) -> tuple[int, int]:
     return len(held), sum(len(record["token_ids"]) for record in held)
 
 
+def _expected_reattach(run_dir: Path, num_samples: int) -> tuple[int, int, int]:
+    """What a resume must continue, from what the step log and the router held at the kill: the
+    begun trajectories (the router holds their first turn, the log does not hold them finished),
+    the logged actions after each one's latest logged checkpoint (all of them without one), and
+    how many have a checkpoint to restore."""
+    host = json.loads((run_dir / "rollout-host" / "host.json").read_text())
+    path = run_dir / "rollouts" / "step_000002.jsonl"
+    records = _records(path)
+    finished = {r["trajectory"]["trajectory_id"] for r in records if "trajectory" in r}
+    ids = [f"{run_marker(run_dir)}-step2-g{g}-s{s}" for g in range(num_samples // 4) for s in range(4)]
+    headers = {"Authorization": f"Bearer {host['admin_token']}"}
+    with httpx.Client(base_url=host["url"], headers=headers, timeout=30) as client:
+        begun = [t for t in ids if t not in finished and client.get(f"/requests/{t}-t1").status_code == 200]
+    replayed = restored = 0
+    for trajectory in begun:
+        events = [r for r in records if r.get("trajectory_id") == trajectory]
+        assert all(e["event"] in ("action", "checkpoint") for e in events)  # no sandbox chaos here
+        checkpointed = [e["turn"] for e in events if e["event"] == "checkpoint"]
+        after = max(checkpointed, default=0)
+        replayed += sum(1 for e in events if e["event"] == "action" and e["turn"] > after)
+        restored += bool(checkpointed)
+    return len(begun), replayed, restored
+
+
 def _nothing_left(run_dir: Path, tag: str, within_s: float) -> None:
     deadline = time.monotonic() + within_s
     while _tagged_pids(tag) or any(run_dir.rglob("*.sock")) or any(run_dir.glob("slots/*/mem")):
@@ -115,7 +173,13 @@ _WORKLOADS = [
     pytest.param(_MATH, 128, id="math"),
     # 4 tasks x 4 samples in real sandboxes, no sandbox kills
     pytest.param(
-        ["data.workload=tooluse", "data.tool_task=store", "chaos.sandbox_kill_p=0.0", "data.held_out=4"],
+        [
+            "data.workload=tooluse",
+            "data.tool_task=store",
+            "chaos.sandbox_kill_p=0.0",
+            "data.held_out=4",
+            "rollout.env_checkpoint_policy=always",  # so a trajectory in flight has one to restore
+        ],
         16,
         id="tooluse-store",
         marks=pytest.mark.docker,
@@ -131,52 +195,67 @@ def test_a_resume_within_the_grace_period_regenerates_nothing(
     env = {**os.environ, "BELAYER_TEST_TAG": tag}
     run_dir, run_a = tmp_path / "run", tmp_path / "a"
     args = [*_COMMON, *workload, "system.resume_grace_s=300", f"system.run_dir={str(run_dir)!r}"]
+    math = "data.workload=math" in workload
     done = _train(*args, env=env)
     assert done.returncode == 0, done.stderr
     _nothing_left(run_dir, tag, 30)  # a run that ends stops its rollout host
     run_dir.rename(run_a)
 
-    math = "data.workload=math" in workload
     host_pid = _kill_mid_rollout(
         args, env, tmp_path / "b.log", step=2, lines=num_samples // 4, in_flight=math
     )
-    logged = len(_logged_lines(run_dir / "rollouts" / "step_000002.jsonl"))
+    logged = len(_finished(run_dir / "rollouts" / "step_000002.jsonl"))
     assert num_samples // 4 <= logged < num_samples
     time.sleep(2.0)
     assert pid_alive(host_pid)  # the rollout side outlives the trainer
     assert any(run_dir.glob("slots/*/mem"))
     assert "waits 300 s" in (run_dir / "guardian.log").read_text()
 
-    held = _held(run_dir, num_samples) if "data.workload=math" in workload else (0, 0)
+    held = _held(run_dir, num_samples) if math else (0, 0)
+    reattach = (0, 0, 0) if math else _expected_reattach(run_dir, num_samples)
+    killed = [] if math else _sandboxes(run_dir)  # the killed trainer's sandboxes
+    assert math or reattach[2] >= 1  # a begun trajectory has a checkpoint to restore
 
     resumed = _train("--resume", str(run_dir), env=env)
     assert resumed.returncode == 0, resumed.stderr
     report = json.loads(resumed.stdout)
     print({key: report.get(key) for key in ("trajectories_reused", "requests_reattached", "tokens_reattached",
-                                            "trajectories_new", "trajectories_regenerated")})  # fmt: skip
+                                            "trajectories_new", "trajectories_regenerated", "trajectories_reattached",
+                                            "actions_replayed", "sandboxes_restored_from_checkpoint")}, reattach)  # fmt: skip
     assert report["status"] == "completed"
     assert report["steps"] == 3
     assert "re-attached to the rollout host" in resumed.stderr
     assert report["trajectories_reused"] >= logged
     assert report["requests_reattached"] >= 1  # at least the requests cut mid-stream by the kill
-    if "data.workload=math" in workload:
-        # Every sample is reused (logged), re-attached (the router held it) or was never sent.
-        assert report["trajectories_regenerated"] == 0
+    # Every sample is reused (logged), re-attached (the router held it) or was never sent.
+    assert report["trajectories_regenerated"] == 0
+    if math:
         # exactly what the router held after the kill
         assert (report["requests_reattached"], report["tokens_reattached"]) == held
         total = report["trajectories_reused"] + report["requests_reattached"] + report["trajectories_new"]
     else:
-        # A trajectory begun before the kill runs again from its first action (its sandbox did not
-        # outlive the trainer), each of its turns the router held taken from it: at least one each.
-        assert report["requests_reattached"] >= report["trajectories_regenerated"]
-        total = (
-            report["trajectories_reused"] + report["trajectories_regenerated"] + report["trajectories_new"]
-        )
+        # Each begun trajectory continued where it was: its sandbox restored from its latest logged
+        # checkpoint, only the logged actions after it run again; exactly what the log and the
+        # router held at the kill.
+        counts = ("trajectories_reattached", "actions_replayed", "sandboxes_restored_from_checkpoint")
+        assert tuple(report[key] for key in counts) == reattach
+        assert report["reattached_inconsistent"] == 0
+        assert report["requests_reattached"] >= report["trajectories_reattached"] >= 1
+        total = report["trajectories_reused"] + report["trajectories_reattached"] + report["trajectories_new"]
+        # The killed trainer's sandboxes were removed when the resume began, never used again.
+        assert killed
+        reaped = re.search(r"reaped what an earlier run left in .*?(\d+) sandbox\(es\)", resumed.stderr)
+        assert reaped, resumed.stderr
+        assert int(reaped.group(1)) >= len(killed)
+        assert not set(killed) & set(_all_containers())
         assert _sandboxes(run_dir) == []
+        assert not list((run_dir / "env-checkpoints").rglob("*"))  # each went with its trajectory
     assert total == num_samples
     step2 = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     step2 = [record for record in step2 if record["step"] == 2]
     assert step2[0]["requests_reattached"] == report["requests_reattached"]
+    if not math:
+        assert step2[0]["actions_replayed"] == report["actions_replayed"]
 
     model_a, model_b = _model(run_a), _model(run_dir)
     assert model_a.keys() == model_b.keys()
@@ -184,6 +263,11 @@ def test_a_resume_within_the_grace_period_regenerates_nothing(
         assert torch.equal(tensor, model_b[name]), (name, (tensor - model_b[name]).abs().max())
     assert not pid_alive(host_pid)
     _nothing_left(run_dir, tag, 30)  # both trainers, both guardians, the host and its slots
+
+
+def _all_containers() -> list[str]:
+    found = subprocess.run(["docker", "ps", "-aq"], capture_output=True, text=True, check=True)
+    return found.stdout.split()
 
 
 def test_a_run_nobody_resumes_is_reaped_after_the_grace_period(tmp_path: Path) -> None:

@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import attrs
 import pytest
 
+from belayer_envckpt import Checkpoint, ExecResult
 from belayer_grpo import ExitCode, GrpoConfigError
 from belayer_grpo._agentic import AgenticTrajectory, CheckpointRecord, RecoveryRecord
+from belayer_grpo._agentic.journal import LoggedAction, action_event, checkpoint_event, rewind_event
 from belayer_grpo._checkpointing import save_checkpoint
 from belayer_grpo._cli import main
 from belayer_grpo._config import load_config, load_run_config
@@ -153,3 +156,62 @@ def test_agentic_trajectories_come_back_whole_and_only_complete_groups_are_kept(
         read_step_log(path).trajectories(["task0", "other", "task2"], "run-step4")
     with pytest.raises(CheckpointError, match="another prompt"):
         read_step_log(path).trajectories(["task0", "task1", "task2"], "run-step5")
+
+
+def _published(store: Path, trajectory: str, checkpoint_id: str, prefix: int) -> Checkpoint:
+    """A checkpoint's manifest in ``store`` (no layer: the journal only names and loads it)."""
+    path = store / trajectory / checkpoint_id
+    path.mkdir(parents=True)
+    checkpoint = Checkpoint(
+        checkpoint_id, trajectory, prefix, f"router:contexts/{trajectory}/{prefix}", "img", {}, "c0", 1, {}, {},
+        path, kind="full",
+    )  # fmt: skip
+    (path / "manifest.json").write_text(json.dumps(checkpoint.to_manifest()))
+    return checkpoint
+
+
+def test_the_journal_of_trajectories_in_flight_comes_back_apart_from_the_samples(tmp_path: Path) -> None:
+    """Actions, checkpoints and rewinds round-trip through the step log next to finished
+    trajectories; a rewind forgets what came after its turn; a torn last event is cut off."""
+    store, traj = tmp_path / "env-checkpoints", "run-step4-g0-s1"
+    path = step_log_path(tmp_path, 4)
+    log = StepLog.open(path)
+    log.append_trajectory(0, 0, _trajectory(0, 0, 0))
+    first = _published(store, traj, "ck-1", 1)
+    record = CheckpointRecord(1, 1, first.context_ref, "ctx1", "repo1", 0.25, checkpoint=first, kind="full")
+    for turn, command in [(1, "echo a > f"), (2, "cat f"), (3, "rm f")]:
+        result = ExecResult(stdout=f"out{turn}\n", stderr="e" * turn, exit_code=turn - 1, duration_s=0.5)
+        log.append_event(action_event(traj, turn, turn, command, result))
+        if turn == 1:
+            log.append_event(checkpoint_event(traj, record))
+    log.append_event(rewind_event(traj, 2))  # a recovery went back to turn 2: turn 3 no longer holds
+    log.append_event(checkpoint_event("run-step4-g1-s0", attrs.evolve(record, turn=1)))
+    log.close()
+    whole = path.stat().st_size
+    with path.open("ab") as file:
+        file.write(b'{"event": "action", "v": 1, "trajectory_id": "run-step4-g0-s1", "turn": 4, "comm')
+    logged = read_step_log(path)
+    assert logged.num_bytes == whole
+    assert list(logged.trajectories(["task0"], "run-step4")) == [(0, 0, 0)]  # the events are not samples
+    journals = logged.journals()
+    assert sorted(journals) == ["run-step4-g0-s1", "run-step4-g1-s0"]
+    journal = journals[traj]
+    assert sorted(journal.actions) == [1, 2]
+    assert journal.last_turn == 2
+    assert journal.actions[2] == LoggedAction(2, 2, "cat f", 1, "out2\n", "ee", 0.5)
+    assert journal.actions[2].result() == ExecResult(
+        stdout="out2\n", stderr="ee", exit_code=1, duration_s=0.5
+    )
+    records = journal.checkpoint_records(store / traj)
+    assert records == [record]  # every field; the checkpoint itself loaded from the store
+    assert records[0].checkpoint is not None
+    assert records[0].checkpoint.checkpoint_id == "ck-1"
+    # A checkpoint whose files are gone is left out (a restore falls back past it).
+    assert journals["run-step4-g1-s0"].checkpoint_records(store / "run-step4-g1-s0") == []
+    # A 0.6.0 log (no events) reads as before; an event of another format is refused.
+    assert read_step_log(step_log_path(tmp_path, 9)).journals() == {}
+    with path.open("ab") as file:
+        file.truncate(whole)
+        file.write(json.dumps({"event": "action", "v": 2, "trajectory_id": traj}).encode() + b"\n")
+    with pytest.raises(CheckpointError, match="journal format 2"):
+        read_step_log(path).journals()

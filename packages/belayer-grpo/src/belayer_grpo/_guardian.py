@@ -192,7 +192,8 @@ def reap_run(
     recorded owner still looks alive (an unreaped zombie) is reaped anyway; otherwise such a
     folder raises `SystemStartError`.  ``keep_rollout_host``: a resumed trainer that adopted the
     run's rollout host (`belayer_grpo._rollout_host`) keeps its processes, sockets and memory
-    folders; the killed trainer's sandboxes and checkpoints still go.
+    folders and the sandbox checkpoints (the trajectories in flight continue from them,
+    `belayer_grpo._agentic.journal`); the killed trainer's sandboxes still go.
     ``workload``: the run's ``data.workload`` when its ``config.json`` may be gone by now (the
     guardian reads it when the trainer dies, before a grace period), else read from it.
     """
@@ -214,7 +215,7 @@ def reap_run(
     # training checkpoints (complete ones stay: `system.resume=latest` reads them).
     for path in [
         *([] if keep_rollout_host else run_dir.glob("slots/*/mem")),
-        run_dir / "env-checkpoints",
+        *([] if keep_rollout_host else [run_dir / "env-checkpoints"]),
         *run_dir.glob("checkpoints/.*.tmp"),
         *([] if keep_rollout_host else [run_dir / "rollout-host" / "host.json"]),
     ]:

@@ -158,6 +158,17 @@ class Reporter:
                     f"({summary['tokens_reattached']} tokens not generated again), "
                     f"{summary['trajectories_new']} never sent before the kill"
                 )
+            if "trajectories_reattached" in summary:  # agentic: the begun trajectories continued
+                lines.append(
+                    f"{'':>22}  {summary['trajectories_reattached']} trajectories continued where they were: "
+                    f"{summary['sandboxes_restored_from_checkpoint']} sandbox(es) restored from a checkpoint, "
+                    f"{summary['actions_replayed']} logged action(s) run again"
+                    + (
+                        f", {summary['reattached_inconsistent']} INCONSISTENT"
+                        if summary["reattached_inconsistent"]
+                        else ""
+                    )
+                )
         for loss in summary.get("node_losses", []):
             seen = sorted((loss.get("detections_s") or {}).items(), key=lambda item: item[1])
             when = ", ".join(f"{name} {at:.2f}s" for name, at in seen)  # after the node was removed

@@ -34,6 +34,7 @@ from belayer_grpo._agentic import (
     summarize,
     to_samples,
 )
+from belayer_grpo._agentic.journal import TrajectoryJournal
 from belayer_grpo._agentic.tooluse import (
     ToolUseTask,
     ensure_build_image,
@@ -442,14 +443,16 @@ async def run_swe_rollout(
     stats: RolloutStats | None = None,
     done: Mapping[tuple[int, int, int], AgenticTrajectory] | None = None,
     on_finished: Callable[[AgenticTrajectory, int], None] | None = None,
+    note: Callable[[dict[str, Any]], None] | None = None,
+    resume: Mapping[str, TrajectoryJournal] | None = None,
 ) -> tuple[list[Sample], dict[str, Any], list[AgenticTrajectory]]:
     """One step's trajectories as `Sample`s, their step metrics, and the trajectories.
 
     ``chaos``, when given, kills a worker while responses are being generated.  Every
     trajectory's summary is appended to ``trajectories_file`` (JSON lines).  ``estimators``
     (kept by the caller from step to step) keep learning the checkpoint and restore costs and
-    the hazard that the trajectories measure.  ``done`` and ``on_finished``: the rollout log of
-    ``--resume`` (`belayer_grpo._agentic.run_agentic_rollouts`).  ``stats`` (the run's totals) has this step's
+    the hazard that the trajectories measure.  ``done``, ``on_finished``, ``note`` and ``resume``:
+    the rollout log of ``--resume`` (`belayer_grpo._agentic.run_agentic_rollouts`).  ``stats`` (the run's totals) has this step's
     unrecoverable trajectories and what became of their groups added to it, also when the
     rollout fails; the metrics hold this step's counts only.
     """
@@ -464,7 +467,7 @@ async def run_swe_rollout(
                 tasks, router, config, num_samples=num_samples, tokenizer=tokenizer, run_id=run_id,
                 on_trajectory=on_trajectory, estimators=estimators,
                 engine=None if pool is None else pool.engine, pool=pool, stats=step_stats,
-                done=done, on_finished=on_finished,
+                done=done, on_finished=on_finished, note=note, resume=resume,
             )  # fmt: skip
             group.cancel_scope.cancel()
     finally:

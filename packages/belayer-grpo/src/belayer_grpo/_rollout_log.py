@@ -11,6 +11,12 @@ is deterministic given its samples), and the step the kill interrupted takes the
 finished (`read_step_log`) and generates only the others, with the same per-request seeds.  So a
 checkpoint is needed only at the start of the run (step 0) and every ``system.checkpoint_every``
 steps, not before every rollout; the logs up to a checkpoint's step are removed (`prune_logs`).
+
+Between them (since 0.6.3, with ``system.resume_grace_s > 0``) an agentic step logs the journal of
+its trajectories in flight (`StepLog.append_event`): each committed action and each ready sandbox
+checkpoint, as ``{"event": ..., "v": 1, "trajectory_id": ...}`` lines (`belayer_grpo._agentic.journal`).
+They are kept apart from the samples (`LoggedStep.events`), so a log without them (0.6.0) reads as
+before; a trainer that adopts the killed one's router continues each begun trajectory from them.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import IO, Any
 import attrs
 
 from belayer_grpo._agentic import AgenticTrajectory
+from belayer_grpo._agentic.journal import TrajectoryJournal, read_journals
 from belayer_grpo._errors import CheckpointError
 from belayer_grpo._rollout_math import Sample
 
@@ -49,13 +56,24 @@ def step_log_path(run_dir: Path, step: int) -> Path:
 
 @attrs.frozen
 class LoggedStep:
-    """What a step log holds: its records in order, whether the step ended, and the length of its
-    whole lines (a torn last line, cut by a kill mid-write, is not counted)."""
+    """What a step log holds: its records (finished samples) in order, whether the step ended, the
+    length of its whole lines (a torn last line, cut by a kill mid-write, is not counted) and the
+    journal events of its trajectories in flight, in order."""
 
     path: Path
     records: list[dict[str, Any]]
     ended: bool
     num_bytes: int
+    events: list[dict[str, Any]] = attrs.field(factory=list)
+
+    def journals(self) -> dict[str, TrajectoryJournal]:
+        """Each logged trajectory's journal by its id (`belayer_grpo._agentic.journal.read_journals`)."""
+        try:
+            return read_journals(self.events)
+        except ValueError as error:
+            raise CheckpointError(
+                f"{self.path}: {error}; remove the file to generate the step again"
+            ) from error
 
     def samples(self, prompts: Sequence[Sequence[int]]) -> dict[int, Sample]:
         """The math samples by index, each checked against ``prompts`` (the prompt token ids of
@@ -130,6 +148,7 @@ def read_step_log(path: Path) -> LoggedStep:
         return LoggedStep(path, [], False, 0)
     data = path.read_bytes()
     records: list[dict[str, Any]] = []
+    events: list[dict[str, Any]] = []
     ended = False
     offset = 0
     while offset < len(data):
@@ -149,9 +168,11 @@ def read_step_log(path: Path) -> LoggedStep:
         offset = end + 1
         if record.get("ended"):
             ended = True
+        elif "event" in record:
+            events.append(record)
         else:
             records.append(record)
-    return LoggedStep(path, records, ended, offset)
+    return LoggedStep(path, records, ended, offset, events)
 
 
 @attrs.define
@@ -178,6 +199,10 @@ class StepLog:
     def append_trajectory(self, index: int, attempt: int, trajectory: AgenticTrajectory) -> None:
         """Write one agentic trajectory (``attempt``: its group's sampling) durably."""
         self._write({"index": index, "attempt": attempt, "trajectory": trajectory.to_record()})
+
+    def append_event(self, event: dict[str, Any]) -> None:
+        """Write one journal event of a trajectory in flight (`belayer_grpo._agentic.journal`) durably."""
+        self._write(event)
 
     def end(self) -> None:
         """Mark the step as ended (its metrics are recorded) and close the file."""

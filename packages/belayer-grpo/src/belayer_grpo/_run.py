@@ -24,6 +24,7 @@ import attrs
 import torch
 
 from belayer_grpo._agentic import AgenticTrajectory, default_estimators, to_samples
+from belayer_grpo._agentic.journal import TrajectoryJournal
 from belayer_grpo._chaos import FailureRecord, WorkerChaos, match_recoveries
 from belayer_grpo._checkpointing import find_latest, load_checkpoint, save_checkpoint
 from belayer_grpo._cluster import ClusterSystem, ClusterWeights, cluster_wanted, rollout_system
@@ -120,6 +121,12 @@ class RunState:
     num_reattached: int = 0  # samples of the resumed step the adopted router held (finished or begun)
     num_reattached_tokens: int = 0  # the tokens it held of them (not generated again)
     num_new: int = 0  # samples of the resumed step the killed run had not sent to the router
+    # Agentic trajectories of the resumed step the killed run had begun, continued where they were
+    # (`belayer_grpo._agentic.journal`), and what rebuilding their sandboxes redid.
+    num_traj_reattached: int = 0
+    num_actions_replayed: int = 0
+    num_restored_from_checkpoint: int = 0
+    num_reattach_inconsistent: int = 0
     checkpoint_step: int = 0
     step_log: StepLog | None = None  # the current step's rollout log, ended after its metrics
 
@@ -311,7 +318,21 @@ def _resume_metrics(run: RunState, step: int) -> dict[str, Any]:
             "tokens_reattached": run.num_reattached_tokens if resumed else 0,
             "trajectories_new": run.num_new if resumed else 0,
         }
+        if run.config.data.workload != "math":
+            metrics |= _reattach_counts(run, resumed)
     return metrics
+
+
+def _reattach_counts(run: RunState, resumed: bool = True) -> dict[str, int]:
+    """What continuing the begun agentic trajectories redid in their sandboxes (a resumed run
+    whose trainer adopted the rollout host)."""
+    counts = {
+        "trajectories_reattached": run.num_traj_reattached,
+        "actions_replayed": run.num_actions_replayed,
+        "sandboxes_restored_from_checkpoint": run.num_restored_from_checkpoint,
+        "reattached_inconsistent": run.num_reattach_inconsistent,
+    }
+    return counts if resumed else dict.fromkeys(counts, 0)
 
 
 async def _swe_rollout(
@@ -340,6 +361,7 @@ async def _swe_rollout(
     logged = LoggedStep(path, [], False, 0)
     if step == run.resume_step:  # the trajectories the killed run had finished are taken as they are
         logged = await anyio.to_thread.run_sync(read_step_log, path)
+    journals = logged.journals()
     log = run.step_log = StepLog.open(path, logged.num_bytes)
     generated = 0
 
@@ -357,7 +379,14 @@ async def _swe_rollout(
         begun, run.num_reattached, run.num_reattached_tokens = await held_turns(
             router, missing, config.rollout.max_rounds + 1
         )
-    reused_before = run.env.unrecoverable.num_reused
+    # Each begun trajectory continues at its last logged turn (with the checkpoint recovery: the
+    # other modes' sandboxes do not follow the journal's checkpoints; those run again).
+    resume = (
+        {trajectory_id: journals.get(trajectory_id) or TrajectoryJournal() for trajectory_id in begun}
+        if settings.sandbox_recovery == "checkpoint"
+        else {}
+    )
+    before = attrs.evolve(run.env.unrecoverable)
     samples, metrics, trajectories = await run_swe_rollout(
         tasks,
         settings,
@@ -374,13 +403,26 @@ async def _swe_rollout(
         stats=run.env.unrecoverable,
         done=done,
         on_finished=on_finished,
+        note=log.append_event if settings.request_ids else None,  # a resumed trainer re-attaches
+        resume=resume,
     )
     if step == run.resume_step:
-        run.num_reused, run.num_regenerated = run.env.unrecoverable.num_reused - reused_before, generated
+        now = run.env.unrecoverable
+        run.num_reused, run.num_regenerated = now.num_reused - before.num_reused, generated
         if run.host_adopted:
-            # Begun before the kill: run again from the first action (sandboxes do not outlive the
-            # trainer), the turns the router held taken from it; the others were never started.
-            run.num_regenerated, run.num_new = len(begun), generated - len(begun)
+            # Begun before the kill: continued where they were (their turns answered by the router,
+            # their sandboxes rebuilt), unless a turn had to be generated anew; the others never began.
+            run.num_traj_reattached = now.num_reattached - before.num_reattached
+            run.num_actions_replayed = now.num_actions_replayed - before.num_actions_replayed
+            run.num_restored_from_checkpoint = (
+                now.num_restored_from_checkpoint - before.num_restored_from_checkpoint
+            )
+            run.num_reattach_inconsistent = now.num_reattach_inconsistent - before.num_reattach_inconsistent
+            # Regenerated: a begun trajectory not continued to its end (another recovery mode, or
+            # it failed and its group was sampled again), or one with a turn generated anew.
+            regenerated = now.num_reattach_regenerated - before.num_reattach_regenerated
+            run.num_regenerated = len(begun) - run.num_traj_reattached + regenerated
+            run.num_new = generated - len(begun)
     metrics |= _resume_metrics(run, step)
     run.env.add(trajectories, step)
     # The agentic trace in belayer-policy's format: what the simulator replays (issue 16).
@@ -616,6 +658,8 @@ async def _train(config: Config, stream: TextIO, run_dir: Path, adopt: bool) -> 
                     "requests_reattached": run.num_reattached, "tokens_reattached": run.num_reattached_tokens,
                     "trajectories_new": run.num_new,
                 }  # fmt: skip
+                if config.data.workload != "math":
+                    summary |= _reattach_counts(run)
         if config.data.workload != "math":
             summary["env"] = run.env.to_dict()
         if history:

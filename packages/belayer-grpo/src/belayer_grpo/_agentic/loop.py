@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
+from typing import Any
 
 import anyio
 import attrs
 
-from belayer_envckpt import BelayerEnvckptError, SandboxLike
+from belayer_envckpt import BelayerEnvckptError, ExecResult, SandboxLike
 from belayer_grpo._agentic import actions, environment
 from belayer_grpo._agentic.context import (
     AgentTask,
@@ -29,6 +31,13 @@ from belayer_grpo._agentic.context import (
     render_feedback,
     render_observation,
     render_prompt,
+)
+from belayer_grpo._agentic.journal import (
+    LoggedAction,
+    TrajectoryJournal,
+    action_event,
+    checkpoint_event,
+    rewind_event,
 )
 from belayer_grpo._agentic.pool import SandboxLease
 from belayer_grpo._agentic.records import AgenticTrajectory, CheckpointRecord, RecoveryRecord
@@ -75,6 +84,15 @@ class AgentLoop:
     num_checkpoint_fallbacks: int = 0  # ready checkpoints given up at a restore (corrupt, unverified)
     kind_query_s: float = 0.0  # time spent asking which kind a checkpoint would take (overlapped)
     decide_waited_s: float = 0.0  # what of a decision without checkpoint the next action waited for
+    # The journal (`belayer_grpo._agentic.journal`): ``note`` takes each event as it happens (the
+    # step's rollout log); ``resume`` is a killed trainer's journal of this trajectory to continue.
+    note: Callable[[dict[str, Any]], None] | None = None
+    resume: TrajectoryJournal | None = None
+    num_actions_replayed: int = 0  # logged actions run again to rebuild the sandbox (resume)
+    restored_from_checkpoint: bool = False  # the resumed sandbox came from a logged checkpoint
+    num_turns_regenerated: int = 0  # turns a resume had to generate anew (the router did not hold them)
+    replay_consistent: bool = True  # every replayed action returned what the journal holds
+    _from_journal: list[LoggedAction] = attrs.field(factory=list)  # actions taken from ``resume``
     _base: CheckpointRecord | None = None
     _pending: _Step | None = None  # the last step, decided on during the next response
     _response_tokens: dict[int, int] = attrs.field(factory=dict)
@@ -101,6 +119,7 @@ class AgentLoop:
             if isinstance(finish, environment.SandboxFailure):
                 await self._recover(finish)
                 continue
+            await self._rebuild()  # a resumed trajectory that ends on its logged turns: its sandbox
             if isinstance(self.task, ToolUseTask):
                 state = await self._read_state()
                 if isinstance(state, environment.SandboxFailure):
@@ -174,16 +193,23 @@ class AgentLoop:
                 self.context.add_text(self.tokenizer, render_feedback(action.feedback))
                 await self._send_added(turn, responded)
                 continue
-            outcome = await anyio.to_thread.run_sync(
-                environment.run_action,
-                self.lease.sandbox,
-                action.command,
-                self.config.action_timeout_s,
-                self.injector,
-            )
-            if isinstance(outcome, environment.SandboxFailure):
-                return outcome
-            self.prefix = self.lease.sandbox.prefix
+            logged = self._logged_action(turn, action.command)
+            outcome: ExecResult | environment.SandboxFailure
+            if logged is not None:  # resumed: what it returned is in the journal; the sandbox later
+                outcome, self.prefix = logged.result(), logged.prefix
+            else:
+                await self._rebuild()
+                outcome = await anyio.to_thread.run_sync(
+                    environment.run_action,
+                    self.lease.sandbox,
+                    action.command,
+                    self.config.action_timeout_s,
+                    self.injector,
+                )
+                if isinstance(outcome, environment.SandboxFailure):
+                    return outcome
+                self.prefix = self.lease.sandbox.prefix
+                self._note(action_event(self.trajectory_id, turn, self.prefix, action.command, outcome))
             self._observations[turn] = ToolObservation(
                 action.command, outcome.exit_code, outcome.stdout + outcome.stderr
             )
@@ -197,6 +223,8 @@ class AgentLoop:
             responded = len(self.context)
             self.context.add_text(self.tokenizer, observation)
             await self._send_added(turn, responded)
+            if logged is not None:
+                continue  # its checkpoint, if it had one, is in the journal too
             # Decided (and checkpointed) while the next response is generated: see `_respond`.
             ref = environment.context_ref(self.trajectory_id, turn)
             self._pending = _Step(
@@ -275,6 +303,7 @@ class AgentLoop:
         except RouterClientError as error:
             if request_id is None or error.status != 409:
                 raise
+            self.num_turns_regenerated += self.resume is not None  # held with another context
             # The turn again with another context (after a recovery): a new request.
             return await self.router.generate(self.context.token_ids, max_tokens, **options)
 
@@ -325,6 +354,7 @@ class AgentLoop:
                 self.policy.on_checkpoint_timeout(self._now())
             return
         self.checkpoints.append(record)
+        self._note(checkpoint_event(self.trajectory_id, record))
         if 0 < record.prefix <= len(self._steps):
             self._steps[record.prefix - 1][2] = record.duration_s
         # The measured cost feeds the estimate of the kind envckpt took.
@@ -382,9 +412,11 @@ class AgentLoop:
         self._unspent_response_s = 0.0
         if self.config.sandbox_recovery == "image":
             await self._restart_without_state(failure, started)
+            self._note(rewind_event(self.trajectory_id, self.turn))
             return
         if self.config.sandbox_recovery == "replay":
             await self._replay_actions(failure, started)
+            self._note(rewind_event(self.trajectory_id, self.turn))
             return
         target, sandbox, timings, actual_hash = await self._restore_environment()
         lost = sorted(t for t in self._response_tokens if t > target.turn)
@@ -416,6 +448,54 @@ class AgentLoop:
                 restored_kind=target.kind,
             )
         )
+        self._note(rewind_event(self.trajectory_id, self.turn))
+
+    # -- resume (the journal of a killed trainer) --------------------------------------------
+
+    def _note(self, event: dict[str, Any]) -> None:
+        if self.note is not None:
+            self.note(event)
+
+    def _logged_action(self, turn: int, command: str) -> LoggedAction | None:
+        """The journal's action of ``turn`` while a resumed trajectory is not rebuilt yet (None
+        after that, or when the response asks for another command than the one logged)."""
+        if self.resume is None:
+            return None
+        logged = self.resume.actions.get(turn)
+        if logged is None or logged.command != command:
+            self.replay_consistent &= logged is None  # another command than the killed run's
+            return None
+        self._from_journal.append(logged)
+        return logged
+
+    async def _rebuild(self) -> None:
+        """Bring a resumed trajectory's sandbox to its last logged turn, once: the latest logged
+        checkpoint that restores and verifies (`_restore_environment`: the repository hash and the
+        router's ``L_turn``), then only the logged actions after it, run again in order (all of
+        them in the fresh sandbox when no checkpoint is left).  Nothing to do without a resume."""
+        journal, self.resume = self.resume, None
+        replay, self._from_journal = self._from_journal, []
+        if journal is None or not replay:
+            return  # no committed action taken from the journal: the lease's fresh sandbox is the state
+        last = replay[-1].turn
+        records = journal.checkpoint_records(self.lease.pool.store.trajectory_dir(self.trajectory_id))
+        self.checkpoints = [c for c in records if c.turn <= last]
+        sandbox = self.lease.sandbox
+        target = self._base
+        if self.checkpoints:
+            target, sandbox, _timings, _hash = await self._restore_environment()
+        assert target is not None
+        self.restored_from_checkpoint = target.checkpoint is not None
+        for logged in replay:
+            if logged.turn <= target.turn:
+                continue
+            again: ExecResult = await anyio.to_thread.run_sync(
+                lambda: sandbox.exec(logged.command, timeout_s=self.config.action_timeout_s)  # noqa: B023
+            )
+            self.num_actions_replayed += 1
+            seen = (logged.exit_code, logged.stdout, logged.stderr)
+            self.replay_consistent &= (again.exit_code, again.stdout, again.stderr) == seen
+        self.replay_consistent &= sandbox.prefix == self.prefix
 
     async def _restart_without_state(self, failure: environment.SandboxFailure, started: float) -> None:
         """The control without recovery: a fresh sandbox from the image, the context kept but for

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import anyio
 import attrs
@@ -13,6 +14,7 @@ from belayer_envckpt import BelayerEnvckptError, CheckpointStore, Engine, FaultI
 from belayer_grpo._agentic.context import AgentTask
 from belayer_grpo._agentic.environment import SandboxChaos
 from belayer_grpo._agentic.image import build_task_image
+from belayer_grpo._agentic.journal import TrajectoryJournal
 from belayer_grpo._agentic.loop import AgentLoop, derive_seed
 from belayer_grpo._agentic.pool import SandboxPool
 from belayer_grpo._agentic.records import AgenticTrajectory
@@ -45,6 +47,12 @@ class RolloutStats:
     num_resamples: int = 0  # group samplings beyond the first
     num_dropped_groups: int = 0  # groups left out of the batch
     num_reused: int = 0  # trajectories taken from ``done`` (a resumed step's log), not generated
+    # Trajectories continued from a killed trainer's journal (``resume``), and what that redid:
+    num_reattached: int = 0  # continued at their last logged turn, not run again from the start
+    num_actions_replayed: int = 0  # logged actions run again to rebuild their sandboxes
+    num_restored_from_checkpoint: int = 0  # sandboxes rebuilt from a logged checkpoint
+    num_reattach_regenerated: int = 0  # of them, trajectories with a turn generated anew
+    num_reattach_inconsistent: int = 0  # of them, a replayed action returned something else
     errors: list[str] = attrs.field(factory=list)  # `describe_error` of each unrecoverable trajectory
 
     def add(self, other: RolloutStats) -> None:
@@ -54,6 +62,11 @@ class RolloutStats:
         self.num_resamples += other.num_resamples
         self.num_dropped_groups += other.num_dropped_groups
         self.num_reused += other.num_reused
+        self.num_reattached += other.num_reattached
+        self.num_actions_replayed += other.num_actions_replayed
+        self.num_restored_from_checkpoint += other.num_restored_from_checkpoint
+        self.num_reattach_regenerated += other.num_reattach_regenerated
+        self.num_reattach_inconsistent += other.num_reattach_inconsistent
         self.errors += other.errors
 
     def to_dict(self) -> dict[str, int]:
@@ -91,6 +104,8 @@ async def run_agentic_rollouts(
     stats: RolloutStats | None = None,
     done: Mapping[tuple[int, int, int], AgenticTrajectory] | None = None,
     on_finished: Callable[[AgenticTrajectory, int], None] | None = None,
+    note: Callable[[dict[str, Any]], None] | None = None,
+    resume: Mapping[str, TrajectoryJournal] | None = None,
 ) -> list[AgenticTrajectory]:
     """Roll out ``num_samples`` trajectories per task (a GRPO group each), concurrently.
 
@@ -107,7 +122,10 @@ async def run_agentic_rollouts(
     or dropped, nor for trajectories of a rollout that raises.  ``on_finished(trajectory,
     attempt)`` is called as each generated trajectory finishes, before its group is decided (the
     rollout log); ``done`` maps ``(group_index, sample_index, attempt)`` to a trajectory a killed
-    run had finished, taken instead of generating it (counted in ``stats.num_reused``).
+    run had finished, taken instead of generating it (counted in ``stats.num_reused``).  ``note``
+    takes every trajectory's journal events as they happen, and ``resume`` maps the id of a
+    trajectory a killed run had begun to its journal, to continue it where it was
+    (`belayer_grpo._agentic.journal`; counted in ``stats.num_reattached`` and after).
     """
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
@@ -130,7 +148,7 @@ async def run_agentic_rollouts(
             return await _roll_out(
                 tasks, router, config, num_samples, tokenizer or ByteTokenizer(), pool,
                 estimators or default_estimators(config), run_id or uuid.uuid4().hex[:8], on_trajectory,
-                RolloutStats() if stats is None else stats, done or {}, on_finished,
+                RolloutStats() if stats is None else stats, done or {}, on_finished, note, resume or {},
             )  # fmt: skip
         finally:
             if own_pool:
@@ -153,6 +171,8 @@ async def _roll_out(
     stats: RolloutStats,
     done: Mapping[tuple[int, int, int], AgenticTrajectory],
     on_finished: Callable[[AgenticTrajectory, int], None] | None,
+    note: Callable[[dict[str, Any]], None] | None,
+    resume: Mapping[str, TrajectoryJournal],
 ) -> list[AgenticTrajectory]:
     built = config.image
     if built is None and any(t.image is None for t in tasks):
@@ -183,11 +203,19 @@ async def _roll_out(
         chaos = SandboxChaos(config.sandbox_kill_at_actions, injector)
         try:
             async with pool.lease(trajectory_id, task.image or built or "", task.workdir) as lease:
+                journal = resume.get(trajectory_id)
                 loop = AgentLoop(
                     task, trajectory_id, config, router, tokenizer, lease,
                     spec.build(estimators), chaos, group_index, sample_index,
+                    note=note, resume=journal,
                 )  # fmt: skip
                 trajectory = await loop.run()
+                if journal is not None:
+                    stats.num_reattached += 1
+                    stats.num_actions_replayed += loop.num_actions_replayed
+                    stats.num_restored_from_checkpoint += loop.restored_from_checkpoint
+                    stats.num_reattach_regenerated += loop.num_turns_regenerated > 0
+                    stats.num_reattach_inconsistent += not loop.replay_consistent
             if on_finished is not None:
                 on_finished(trajectory, attempt)
             return trajectory
