@@ -6,7 +6,10 @@ Each of ``--workloads`` workloads (seeded) draws, log-uniformly unless said othe
   checkpoint-to-response cost ratio 0.1-10 (each checkpoint +-30 % around its mean);
   failure probability per step 0.001-0.2 (known to the policy, as in grpo's fault-injection runs);
   and a bias of the policy's cost estimates, uniform in 0.5-1.5: every measured checkpoint cost the
-  policy learns from is multiplied by it (the simulator charges the true cost).
+  policy learns from is multiplied by it (the simulator charges the true cost).  The bias is in what
+  the policy is told, not only in its prior; the simulator's clock (``StepObservation.now``) is
+  true, as a trainer's is, so since 0.6.0 the policy calibrates its estimates against the waits it
+  sees there (``CostCalibration``).
 Each workload is a batch of ``--trajectories`` trajectories, simulated ``--runs`` times with fresh
 failure streams, for adaptive and the fixed policies never, always, every:2..every:8.  Every policy
 sees the same failures: one random stream per step of each trajectory (the simulator's

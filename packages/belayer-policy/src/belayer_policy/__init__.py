@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from importlib.metadata import version
 
+from belayer_policy._calibration import ClockProbe, CostCalibration
 from belayer_policy._cli import ExitCode
 from belayer_policy._decision import Decision, Reason, StepObservation
 from belayer_policy._errors import BelayerPolicyError, PolicyArgumentError, PolicyStateError, TraceFormatError
@@ -26,7 +27,7 @@ from belayer_policy._horizon import (
     critical_share,
     protected_cost,
 )
-from belayer_policy._kinds import CHECKPOINT_KINDS, KindCosts
+from belayer_policy._kinds import CHECKPOINT_KINDS, KIND_PRIORS_S, KindCosts
 from belayer_policy._policy import CheckpointPolicy
 from belayer_policy._pooled import CostModel, HazardView, KeyTable, PooledCost
 from belayer_policy._report import PolicySummary, Stats, compare_policies, format_table, percentile
@@ -50,20 +51,14 @@ from belayer_policy._simulator import (
     simulate_trajectory,
 )
 from belayer_policy._spec import PolicySpec, SharedEstimators
-from belayer_policy._workload import (
-    ScheduledFailure,
-    Trajectory,
-    UniformRange,
-    Workload,
-    append_trace,
-    load_trace,
-    save_trace,
-)
+from belayer_policy._trace import append_trace, load_trace, save_trace
+from belayer_policy._workload import ScheduledFailure, Trajectory, UniformRange, Workload
 
 __version__ = version("belayer-policy")
 
 __all__ = [
     "CHECKPOINT_KINDS",
+    "KIND_PRIORS_S",
     "PER_ATTEMPT",
     "PER_STEP",
     "AdaptiveRule",
@@ -72,7 +67,9 @@ __all__ = [
     "BelayerPolicyError",
     "CheckpointCostModel",
     "CheckpointPolicy",
+    "ClockProbe",
     "ConstantHazard",
+    "CostCalibration",
     "CostModel",
     "Decision",
     "DecisionRule",

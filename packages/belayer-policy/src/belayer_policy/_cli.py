@@ -26,7 +26,8 @@ from belayer_policy._hazard import FixedStepProbability
 from belayer_policy._report import compare_policies, format_table
 from belayer_policy._simulator import SimulationConfig
 from belayer_policy._spec import PolicySpec, SharedEstimators
-from belayer_policy._workload import Workload, load_trace
+from belayer_policy._trace import load_trace
+from belayer_policy._workload import Workload
 
 __all__ = ["ExitCode", "main"]
 

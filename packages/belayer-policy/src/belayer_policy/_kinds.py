@@ -14,12 +14,22 @@ import attrs
 from belayer_policy._errors import PolicyArgumentError
 from belayer_policy._estimators import CheckpointCostModel
 
-__all__ = ["CHECKPOINT_KINDS", "FRESH_RUNTIME", "FULL", "REFERENCE", "KindCosts", "check_kind"]
+__all__ = [
+    "CHECKPOINT_KINDS",
+    "FRESH_RUNTIME",
+    "FULL",
+    "KIND_PRIORS_S",
+    "REFERENCE",
+    "KindCosts",
+    "check_kind",
+]
 
 FULL = "full"
 FRESH_RUNTIME = "fresh-runtime"
 REFERENCE = "reference"
 CHECKPOINT_KINDS = (FULL, FRESH_RUNTIME, REFERENCE)
+# The cheap kinds' prior costs (seconds): envckpt's benchmark on a loaded 2-core machine.
+KIND_PRIORS_S = {FRESH_RUNTIME: 0.05, REFERENCE: 0.005}
 
 
 def check_kind(value: str | None) -> str | None:
@@ -44,8 +54,12 @@ class KindCosts:
     a few ms); each learns from the checkpoints of its kind, as the full model does.
     """
 
-    fresh_runtime: CheckpointCostModel = attrs.field(factory=lambda: CheckpointCostModel(initial_s=0.05))
-    reference: CheckpointCostModel = attrs.field(factory=lambda: CheckpointCostModel(initial_s=0.005))
+    fresh_runtime: CheckpointCostModel = attrs.field(
+        factory=lambda: CheckpointCostModel(initial_s=KIND_PRIORS_S[FRESH_RUNTIME])
+    )
+    reference: CheckpointCostModel = attrs.field(
+        factory=lambda: CheckpointCostModel(initial_s=KIND_PRIORS_S[REFERENCE])
+    )
 
     def model(self, kind: str | None) -> CheckpointCostModel | None:
         """The model of a cheap ``kind``; None for ``full`` or an unknown kind (None)."""

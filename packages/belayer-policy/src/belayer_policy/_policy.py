@@ -11,6 +11,7 @@ import math
 
 import attrs
 
+from belayer_policy._calibration import ClockProbe, CostCalibration
 from belayer_policy._decision import Decision, Reason, StepObservation
 from belayer_policy._estimators import (
     CheckpointCostModel,
@@ -59,6 +60,10 @@ class CheckpointPolicy:
     trajectory_lengths: TrajectoryLengthModel = attrs.field(factory=TrajectoryLengthModel)
     batch_size: int = attrs.field(default=1, validator=positive_int)
     kind_costs: KindCosts = attrs.field(factory=KindCosts)
+    cost_calibration: CostCalibration = attrs.field(factory=CostCalibration)
+    _clock: ClockProbe = attrs.field(
+        init=False, default=attrs.Factory(lambda self: ClockProbe(self.cost_calibration), takes_self=True)
+    )
     _regeneration: RegenerationCost = attrs.field(init=False, factory=RegenerationCost)
     _cooldown_until: float = attrs.field(init=False, default=float("-inf"))
     _action_estimate: float | None = attrs.field(init=False, default=None)
@@ -97,6 +102,8 @@ class CheckpointPolicy:
             if verdict.checkpoint and self._cost_unknown_and_probed(obs.checkpoint_kind):
                 verdict = self._guard(Reason.COST_PROBE_IN_FLIGHT, context)
         if verdict.checkpoint:
+            raw = self._cost_model(obs.checkpoint_kind)
+            self._clock.started(obs, obs.checkpoint_kind, raw.estimate if raw.num_observations else 0.0)
             self._regeneration.capture()
             self._captured_prefix = obs.step_index
             self._pending_kind = obs.checkpoint_kind
@@ -129,7 +136,10 @@ class CheckpointPolicy:
     def _observe(self, obs: StepObservation) -> StepContext:
         """Learn from the step and gather every estimate the rule may weigh."""
         step_s = obs.response_s + obs.action_s
-        self._recorder.step(obs.step_index, obs.response_s, obs.action_s)
+        if self._regeneration.in_flight:
+            self._clock.forget()  # the checkpoint outlived the step: its wait is not on this clock
+        self._clock.step(obs)
+        self._recorder.step(obs.step_index, obs.response_s, obs.action_s, obs.checkpoint_kind)
         self._prefix = obs.step_index
         self._regeneration.add(step_s)
         self.failure_model.observe_exposure(step_s)
@@ -196,16 +206,14 @@ class CheckpointPolicy:
         return max(1, min(self.batch_size, math.ceil(self.batch_size * share - 1e-9)))
 
     def _cost_estimate(self, now: float, kind: str | None = None) -> float:
-        """``c_t`` of a checkpoint of ``kind`` (None: full); before the first measurement of a full
-        checkpoint at least as long as the oldest probe has run."""
-        cheap = self.kind_costs.model(kind)
-        if cheap is not None:
-            return cheap.estimate
+        """``c_t`` of a checkpoint of ``kind`` (None: full), calibrated against the clock; before the
+        first measurement of a full checkpoint at least as long as the oldest probe has run."""
+        estimate = self._cost_model(kind).estimate * self.cost_calibration.factor(kind)
         costs = self.checkpoint_costs
         started = costs.probe_started_at
-        if costs.num_observations == 0 and started is not None:
-            return max(costs.estimate, now - started)
-        return costs.estimate
+        if self.kind_costs.model(kind) is None and costs.num_observations == 0 and started is not None:
+            return max(estimate, now - started)
+        return estimate
 
     def _end_probe(self) -> None:
         if self._probing:
@@ -234,7 +242,7 @@ class CheckpointPolicy:
         self._regeneration.mark_ready()
         self._end_probe()
         self._ready_prefix = self._captured_prefix
-        self._recorder.checkpoint(self._ready_prefix, cost_s)
+        self._recorder.checkpoint(self._ready_prefix, cost_s, kind)
         self._cost_model(kind).observe(cost_s)
         self._pending_kind = None
 
@@ -252,6 +260,7 @@ class CheckpointPolicy:
         now = require_non_negative("now", now)
         self._regeneration.abandon()
         self._end_probe()
+        self._clock.forget()
         self._cooldown_until = now + self.cooldown_s
         if elapsed_s is not None:
             self._cost_model(self._pending_kind).observe(elapsed_s)
@@ -270,6 +279,7 @@ class CheckpointPolicy:
         self._recorder.failure(self._prefix, exposure_s)
         self.failure_model.observe_exposure(exposure_s)
         self.failure_model.observe_failure()
+        self._clock.forget()
         self._regeneration.abandon()
         self._end_probe()
         self._pending_kind = None
@@ -291,7 +301,10 @@ class CheckpointPolicy:
         ``last_step`` is a final step that got no decision (it is recorded and its response learned).
         """
         if last_step is not None:
-            self._recorder.step(last_step.step_index, last_step.response_s, last_step.action_s)
+            self._clock.step(last_step)
+            self._recorder.step(
+                last_step.step_index, last_step.response_s, last_step.action_s, last_step.checkpoint_kind
+            )
             self.response_times.observe(last_step.response_s)
         self.trajectory_lengths.observe(num_steps)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import attrs
 
+from belayer_policy._trace import fill_checkpoint_costs
 from belayer_policy._workload import ScheduledFailure, Trajectory
 
 __all__ = ["TraceRecorder"]
@@ -22,18 +23,23 @@ class TraceRecorder:
 
     _steps: list[tuple[float, float]] = attrs.field(init=False, factory=list)
     _checkpoints: dict[int, float] = attrs.field(init=False, factory=dict)
+    _kinds: dict[int, str | None] = attrs.field(init=False, factory=dict)
     _failures: list[tuple[int, float]] = attrs.field(init=False, factory=list)
     _restores: list[float] = attrs.field(init=False, factory=list)
 
-    def step(self, step_index: int, response_s: float, action_s: float) -> None:
-        """Step ``step_index`` (1-based prefix length after it) committed."""
+    def step(self, step_index: int, response_s: float, action_s: float, kind: str | None = None) -> None:
+        """Step ``step_index`` (1-based prefix length after it) committed; a checkpoint after it
+        would be of ``kind`` (None: unknown)."""
+        self._kinds[step_index] = kind
         del self._steps[step_index - 1 :]
         self._steps.extend([(0.0, 0.0)] * (step_index - 1 - len(self._steps)))
         self._steps.append((response_s, action_s))
 
-    def checkpoint(self, step_index: int, cost_s: float) -> None:
-        """A checkpoint of prefix ``step_index`` became ready after ``cost_s`` seconds."""
+    def checkpoint(self, step_index: int, cost_s: float, kind: str | None = None) -> None:
+        """A checkpoint of ``kind`` of prefix ``step_index`` became ready after ``cost_s`` seconds."""
         self._checkpoints[step_index] = cost_s
+        if kind is not None:
+            self._kinds[step_index] = kind
 
     def failure(self, step_index: int, exposure_s: float) -> None:
         """The attempt of the step after prefix ``step_index`` failed ``exposure_s`` seconds in."""
@@ -48,15 +54,18 @@ class TraceRecorder:
     ) -> Trajectory | None:
         """The recorded trajectory (``None`` before the first step).
 
-        Steps without a measured checkpoint get the mean measured cost (``default_checkpoint_s``
-        when none was measured); a failure's ``at`` is its exposure over the duration of the
+        Steps without a measured checkpoint get the mean measured cost of a full one
+        (``default_checkpoint_s`` when none was measured); the kinds of the checkpoints taken are
+        kept (``checkpoint_kind``: the kind taken, else the kind the step was told, when any was told); a failure's ``at`` is its exposure over the duration of the
         step's committed attempt.
         """
         if not self._steps:
             return None
         n = len(self._steps)
-        measured = [c for k, c in self._checkpoints.items() if 1 <= k <= n]
-        fill = sum(measured) / len(measured) if measured else default_checkpoint_s
+        kinds = [self._kinds.get(k) for k in range(1, n + 1)]
+        costs = fill_checkpoint_costs(
+            [self._checkpoints.get(k) for k in range(1, n + 1)], n, default_checkpoint_s, kinds
+        )
         failures = []
         for step, exposure in self._failures:
             if step >= n:
@@ -68,9 +77,10 @@ class TraceRecorder:
         return Trajectory(
             [r for r, _ in self._steps],
             [a for _, a in self._steps],
-            [self._checkpoints.get(k, fill) for k in range(1, n + 1)],
+            costs,
             failures,
             restore_s=self._restores,
             task=task,
             node=node,
+            checkpoint_kind=kinds if any(kind is not None for kind in kinds) else (),
         )

@@ -162,7 +162,9 @@ class _TrajectoryRun:
             if not self.done:
                 self._decide(response, action)
             else:
-                last = StepObservation(self.prefix, response, action, now=self.now, remaining_steps=0)
+                last = StepObservation(
+                    self.prefix, response, action, self.now, remaining_steps=0, checkpoint_kind=self._kind()
+                )
                 self.policy.on_trajectory_end(self.trajectory.num_steps, last)
             return
         self._resolve_pending(failure_at)
@@ -202,6 +204,11 @@ class _TrajectoryRun:
             self.policy.on_checkpoint_ready(pending.cost)
         self.pending = None
 
+    def _kind(self) -> str | None:
+        """The trace's kind of a checkpoint after the step just done (None: unknown, full)."""
+        kinds = self.trajectory.checkpoint_kind
+        return kinds[self.prefix - 1] if kinds else None
+
     def _decide(self, response: float, action: float) -> None:
         obs = StepObservation(
             step_index=self.prefix,
@@ -209,6 +216,7 @@ class _TrajectoryRun:
             action_s=action,
             now=self.now,
             remaining_steps=self.trajectory.num_steps - self.prefix,
+            checkpoint_kind=self._kind(),
         )
         if not self.policy.decide(obs).checkpoint:
             return

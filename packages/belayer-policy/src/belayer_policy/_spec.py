@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import attrs
 
+from belayer_policy._calibration import CostCalibration
 from belayer_policy._errors import PolicyArgumentError
 from belayer_policy._estimators import (
     CheckpointCostModel,
@@ -45,6 +46,7 @@ class SharedEstimators:
     hazard_by_label: KeyTable = attrs.field(factory=KeyTable)
     cost_by_label: KeyTable = attrs.field(factory=KeyTable)
     kind_costs: KindCosts = attrs.field(factory=KindCosts)
+    cost_calibration: CostCalibration = attrs.field(factory=CostCalibration)
 
 
 def _labels(task: str | None, node: str | None) -> tuple[str, ...]:
@@ -128,4 +130,5 @@ class PolicySpec:
             trajectory_lengths=shared.trajectory_lengths,
             batch_size=shared.batch_size,
             kind_costs=shared.kind_costs,
+            cost_calibration=shared.cost_calibration,
         )

@@ -1,0 +1,103 @@
+"""Cost estimates calibrated against the clock: a measured cost off by a constant factor converges to
+what the checkpoints cost the trajectory, and an exact one stays put."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from belayer_policy import (
+    AdaptiveRule,
+    CheckpointCostModel,
+    CheckpointPolicy,
+    CostCalibration,
+    FixedStepProbability,
+    ResponseTimeModel,
+    StepObservation,
+)
+
+
+def test_a_constant_ratio_converges_after_shrinkage() -> None:
+    calibration = CostCalibration(prior_weight=2.0)
+    assert calibration.factor(None) == 1.0
+    calibration.observe("full", 2.0)
+    # One measurement moves a third of the way (in logs): the prior weighs two.
+    assert calibration.factor("full") == pytest.approx(2.0 ** (1 / 3))
+    for _ in range(40):
+        calibration.observe("full", 2.0)
+    assert calibration.factor(None) == pytest.approx(2.0, rel=0.06)
+    assert calibration.factor("fresh-runtime") == 1.0  # each kind its own
+
+
+def test_a_hidden_checkpoint_only_pulls_the_factor_down_to_its_bound() -> None:
+    calibration = CostCalibration()
+    for _ in range(20):
+        calibration.observe(None, 2.0)
+    high = calibration.factor(None)
+    calibration.observe_bound(None, 5.0)  # hidden, and cost at most 5x: says nothing new
+    assert calibration.factor(None) == pytest.approx(high)
+    for _ in range(60):
+        calibration.observe_bound(None, 0.5)
+    assert 0.5 < calibration.factor(None) < 0.7
+
+
+def run_visible_checkpoints(
+    measured_factor: float, *, true_cost: float = 4.0, overhead: float = 0.0, steps: int = 100
+) -> tuple[CheckpointPolicy, list[float]]:
+    """A trajectory of 1 s responses and 1 s actions whose every checkpoint (``true_cost`` seconds,
+    mostly visible: the action waits for it) is reported as ``measured_factor`` times its cost; the
+    clock also runs ``overhead`` seconds per step.  Returns the policy and the cost weighed at each
+    decision."""
+    policy = CheckpointPolicy(
+        rule=AdaptiveRule(),
+        failure_model=FixedStepProbability(0.2),  # checkpoints pay: it takes one whenever it can
+        checkpoint_costs=CheckpointCostModel(initial_s=1.0),
+        response_times=ResponseTimeModel(),
+    )
+    now, weighed, wait = 0.0, [], 0.0
+    for k in range(1, steps + 1):
+        now += 1.0 + wait + 1.0 + overhead
+        decision = policy.decide(StepObservation(k, 1.0, 1.0, now, remaining_steps=steps + 5 - k))
+        weighed.append(decision.checkpoint_cost_s)
+        wait = 0.0
+        if decision.checkpoint:
+            policy.on_checkpoint_ready(true_cost * measured_factor)
+            wait = max(0.0, true_cost - 1.0)
+    return policy, weighed
+
+
+@pytest.mark.parametrize("measured_factor", [0.5, 1.5])
+def test_a_biased_measurement_converges_to_the_clocks_cost(measured_factor: float) -> None:
+    policy, weighed = run_visible_checkpoints(measured_factor)
+    assert policy.checkpoint_costs.estimate == pytest.approx(4.0 * measured_factor)
+    assert abs(math.log(weighed[1] / 4.0)) > 0.3  # at first the biased measurement
+    assert weighed[-1] == pytest.approx(4.0, rel=0.1)  # then the cost on the clock
+
+
+@pytest.mark.parametrize("overhead", [0.0, 0.7])
+def test_an_exact_measurement_stays_exact(overhead: float) -> None:
+    policy, weighed = run_visible_checkpoints(1.0, overhead=overhead)
+    assert policy.cost_calibration.num_observations(None) > 5
+    assert weighed[-1] == pytest.approx(4.0, rel=0.02)
+
+
+def test_a_clock_that_does_not_run_calibrates_nothing() -> None:
+    policy = CheckpointPolicy(rule=AdaptiveRule(), failure_model=FixedStepProbability(0.2))
+    for k in range(1, 20):
+        if policy.decide(StepObservation(k, 1.0, 1.0, 5.0, remaining_steps=30)).checkpoint:
+            policy.on_checkpoint_ready(0.5)
+    assert policy.cost_calibration.num_observations(None) == 0
+    assert policy.cost_calibration.factor(None) == 1.0
+
+
+def test_a_failure_between_checkpoint_and_next_step_is_no_measurement() -> None:
+    policy = CheckpointPolicy(rule=AdaptiveRule(), failure_model=FixedStepProbability(0.2))
+    assert policy.decide(StepObservation(1, 1.0, 1.0, 2.0, remaining_steps=30)).checkpoint
+    policy.on_checkpoint_ready(0.5)
+    assert policy.decide(StepObservation(2, 1.0, 1.0, 4.0, remaining_steps=29)).checkpoint
+    policy.on_failure(5.0, exposure_s=0.5)
+    policy.on_restore(2.0)
+    # 30 s on the clock since the last decision: the failure and the restore, not the checkpoint.
+    policy.decide(StepObservation(3, 1.0, 1.0, 34.0, remaining_steps=28))
+    assert policy.cost_calibration.num_observations(None) == 0
