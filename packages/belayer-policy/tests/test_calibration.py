@@ -11,6 +11,7 @@ from belayer_policy import (
     AdaptiveRule,
     CheckpointCostModel,
     CheckpointPolicy,
+    ClockProbe,
     CostCalibration,
     FixedStepProbability,
     ResponseTimeModel,
@@ -43,41 +44,52 @@ def test_a_hidden_checkpoint_only_pulls_the_factor_down_to_its_bound() -> None:
 
 
 def run_visible_checkpoints(
-    measured_factor: float, *, true_cost: float = 4.0, overhead: float = 0.0, steps: int = 100
+    measured_factor: float,
+    *,
+    true_cost: float = 4.0,
+    overhead: float = 0.0,
+    elapsed: float = 0.0,
+    steps: int = 100,
 ) -> tuple[CheckpointPolicy, list[float]]:
     """A trajectory of 1 s responses and 1 s actions whose every checkpoint (``true_cost`` seconds,
     mostly visible: the action waits for it) is reported as ``measured_factor`` times its cost; the
-    clock also runs ``overhead`` seconds per step.  Returns the policy and the cost weighed at each
-    decision."""
+    clock also runs ``overhead`` seconds per step, and every other decision comes ``elapsed`` seconds
+    into the next response (a checkpoint then starts there).  Returns the policy and the cost weighed
+    at each decision."""
     policy = CheckpointPolicy(
         rule=AdaptiveRule(),
         failure_model=FixedStepProbability(0.2),  # checkpoints pay: it takes one whenever it can
         checkpoint_costs=CheckpointCostModel(initial_s=1.0),
         response_times=ResponseTimeModel(),
     )
-    now, weighed, wait = 0.0, [], 0.0
+    now, weighed, wait, x = 0.0, [], 0.0, 0.0
     for k in range(1, steps + 1):
-        now += 1.0 + wait + 1.0 + overhead
-        decision = policy.decide(StepObservation(k, 1.0, 1.0, now, remaining_steps=steps + 5 - k))
+        # the rest of the response, the wait, the action, then the next response up to the decision
+        now += (1.0 - x) + wait + 1.0 + overhead
+        x = elapsed if k % 2 else 0.0
+        now += x
+        obs = StepObservation(k, 1.0, 1.0, now, response_elapsed_s=x, remaining_steps=steps + 5 - k)
+        decision = policy.decide(obs)
         weighed.append(decision.checkpoint_cost_s)
         wait = 0.0
         if decision.checkpoint:
             policy.on_checkpoint_ready(true_cost * measured_factor)
-            wait = max(0.0, true_cost - 1.0)
+            wait = max(0.0, true_cost - (1.0 - x))
     return policy, weighed
 
 
+@pytest.mark.parametrize("elapsed", [0.0, 0.4])
 @pytest.mark.parametrize("measured_factor", [0.5, 1.5])
-def test_a_biased_measurement_converges_to_the_clocks_cost(measured_factor: float) -> None:
-    policy, weighed = run_visible_checkpoints(measured_factor)
+def test_a_biased_measurement_converges_to_the_clocks_cost(measured_factor: float, elapsed: float) -> None:
+    policy, weighed = run_visible_checkpoints(measured_factor, elapsed=elapsed)
     assert policy.checkpoint_costs.estimate == pytest.approx(4.0 * measured_factor)
     assert abs(math.log(weighed[1] / 4.0)) > 0.3  # at first the biased measurement
     assert weighed[-1] == pytest.approx(4.0, rel=0.1)  # then the cost on the clock
 
 
-@pytest.mark.parametrize("overhead", [0.0, 0.7])
-def test_an_exact_measurement_stays_exact(overhead: float) -> None:
-    policy, weighed = run_visible_checkpoints(1.0, overhead=overhead)
+@pytest.mark.parametrize(("overhead", "elapsed"), [(0.0, 0.0), (0.7, 0.0), (0.3, 0.6)])
+def test_an_exact_measurement_stays_exact(overhead: float, elapsed: float) -> None:
+    policy, weighed = run_visible_checkpoints(1.0, overhead=overhead, elapsed=elapsed)
     assert policy.cost_calibration.num_observations(None) > 5
     assert weighed[-1] == pytest.approx(4.0, rel=0.02)
 
@@ -101,3 +113,24 @@ def test_a_failure_between_checkpoint_and_next_step_is_no_measurement() -> None:
     # 30 s on the clock since the last decision: the failure and the restore, not the checkpoint.
     policy.decide(StepObservation(3, 1.0, 1.0, 34.0, remaining_steps=28))
     assert policy.cost_calibration.num_observations(None) == 0
+
+
+def test_the_clock_measures_from_where_the_checkpoint_started_in_the_response() -> None:
+    calibration = CostCalibration(prior_weight=0.0)
+    probe = ClockProbe(calibration)
+    first = StepObservation(1, 1.0, 1.0, 10.0, response_elapsed_s=0.5)
+    probe.step(first)
+    probe.started(first, None, 2.0)  # weighed at 2 s, started 0.5 s into a 3 s response
+    # The response ends 2.5 s later, the action waits 1.5 s (a 4 s checkpoint) and runs 1 s; the
+    # next decision comes 0.8 s into the following response.
+    probe.step(StepObservation(2, 3.0, 1.0, 10.0 + 2.5 + 1.5 + 1.0 + 0.8, response_elapsed_s=0.8))
+    assert calibration.factor(None) == pytest.approx(2.0)
+    # A reference checkpoint weighed at 2 s and hidden by the next 3 s response (no wait): it took
+    # at most 1.5x its estimate, above the factor (1): nothing learned.  Weighed at 6 s, at most
+    # 0.5x: learned.
+    probe.started(StepObservation(2, 3.0, 1.0, 15.8, response_elapsed_s=0.8), "reference", 2.0)
+    probe.step(StepObservation(3, 3.0, 1.0, 15.8 + 2.2 + 1.0))
+    assert calibration.num_observations("reference") == 0
+    probe.started(StepObservation(3, 3.0, 1.0, 19.0), "reference", 6.0)
+    probe.step(StepObservation(4, 3.0, 1.0, 23.0))
+    assert calibration.factor("reference") == pytest.approx(0.5)

@@ -95,12 +95,13 @@ class ClockProbe:
     calibration: CostCalibration
     smoothing: float = 0.3
     _last_now: float | None = attrs.field(init=False, default=None)
+    _last_elapsed: float = attrs.field(init=False, default=0.0)
     _overhead: float = attrs.field(init=False, default=0.0)
-    _pending: tuple[str | None, float, float] | None = attrs.field(init=False, default=None)
+    _pending: tuple[str | None, float] | None = attrs.field(init=False, default=None)
 
     def started(self, obs: StepObservation, kind: str | None, estimate_s: float) -> None:
         """A checkpoint of ``kind``, weighed at ``estimate_s`` seconds, starts after ``obs``."""
-        self._pending = (kind, estimate_s, obs.response_elapsed_s) if estimate_s > 0 else None
+        self._pending = (kind, estimate_s) if estimate_s > 0 else None
 
     def forget(self) -> None:
         """The time up to the next step measures nothing (a failure, a restore, a timeout)."""
@@ -109,20 +110,23 @@ class ClockProbe:
 
     def step(self, obs: StepObservation) -> None:
         """The step after the previous decision committed: measure what the clock says."""
-        last, pending = self._last_now, self._pending
-        self._last_now, self._pending = obs.now, None
+        last, pending, elapsed = self._last_now, self._pending, self._last_elapsed
+        self._last_now, self._pending, self._last_elapsed = obs.now, None, obs.response_elapsed_s
         if last is None:
             return
-        gap = obs.now - last - obs.response_s - obs.action_s
+        # Since the last decision: the rest of its response (``elapsed`` of it had run), any wait,
+        # the action and the part of the next response that runs before this decision.
+        rest = max(obs.response_s - elapsed, 0.0)
+        gap = obs.now - last - rest - obs.action_s - obs.response_elapsed_s
         tolerance = 1e-6 + 1e-9 * obs.now
         if gap < -tolerance - 0.01 * (obs.response_s + obs.action_s):
             return  # not a wall clock (or a step reported twice): no measurement
         if pending is None:
             self._overhead += self.smoothing * (max(gap, 0.0) - self._overhead)
             return
-        kind, estimate, elapsed = pending
+        kind, estimate = pending
         wait = gap - self._overhead
-        ran = max(obs.response_s - elapsed, 0.0) + max(wait, 0.0)
+        ran = rest + max(wait, 0.0)
         if wait > tolerance + 0.01 * estimate:
             self.calibration.observe(kind, ran / estimate)
         elif ran > 0:
