@@ -89,6 +89,10 @@ def test_swe_training_survives_sandbox_and_worker_kills_and_leaves_nothing(tmp_p
         assert loaded.num_steps == len(line["response_s"]) >= 1
         assert loaded.task in {t["task_id"] for t in trajectories}
         assert line["meta"]["step"] in (1, 2)
+        # Each step with its checkpoint measured says the checkpoint's kind (issue 34).
+        kinds = line.get("checkpoint_kind", [None] * loaded.num_steps)
+        for seconds, kind in zip(line["checkpoint_s"], kinds, strict=True):
+            assert seconds is None or kind in ("full", "fresh-runtime", "reference")
     assert sum(len(line["restore_s"]) for line in lines) <= env["sandbox_failures"]
 
     # The worker killed in step 1 was replaced by the shadow; responses in flight were resumed.

@@ -10,6 +10,8 @@ import json
 import platform
 from pathlib import Path
 
+import attrs
+
 from belayer_grpo._agentic import AgenticTrajectory, CheckpointRecord, RecoveryRecord
 from belayer_grpo._bench.simcheck import simulated_rollout_s
 from belayer_grpo._bench.swe import _trace_line
@@ -97,3 +99,24 @@ def test_a_train_trace_replays_like_a_bench_trace() -> None:
     assert with_failure == simulated_rollout_s(bench, "never", 0.05)
     clean = [{**line, "failures": []} for line in train]
     assert with_failure > simulated_rollout_s(clean, "never", 0.05)
+
+
+def test_each_step_says_its_checkpoint_kind_and_the_simulator_charges_it(tmp_path: Path) -> None:
+    """Issue 34: the kind of each step's checkpoint (the one taken, else the one it would have
+    taken) reaches the trace, and belayer-policy fills an unmeasured step with its kind's cost."""
+    trajectory = attrs.evolve(
+        _trajectory(0),
+        step_checkpoint_s=[6.0, 0.04, None, None],
+        step_checkpoint_kind=["full", "fresh-runtime", "fresh-runtime", None],
+    )
+    path = tmp_path / "trace.jsonl"
+    _write_as_train_does(path, [trajectory], step=1)
+    line = json.loads(path.read_text())
+    assert line["checkpoint_kind"] == ["full", "fresh-runtime", "fresh-runtime", None]
+    (loaded,) = load_trace(path)
+    assert loaded.checkpoint_kind == ("full", "fresh-runtime", "fresh-runtime", None)
+    # Step 3 costs what the trajectory's fresh-runtime checkpoint cost, step 4 (unknown: a full one)
+    # what its full one did; without the kinds both would be the mean of the two.
+    assert loaded.checkpoint_s == (6.0, 0.04, 0.04, 6.0)
+    # A trajectory whose policy did not weigh kinds writes no checkpoint_kind (old format).
+    assert "checkpoint_kind" not in _trajectory(0).trace_line()

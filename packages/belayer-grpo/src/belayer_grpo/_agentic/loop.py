@@ -99,6 +99,7 @@ class AgentLoop:
     # Per committed step: [response_s, action_s, checkpoint_s or None]; `_unspent_response_s` holds
     # response time of rounds without an action (feedback), charged to the next step.
     _steps: list[list[float | None]] = attrs.field(factory=list)
+    _step_kinds: dict[int, str] = attrs.field(factory=dict)  # by prefix: the trace's checkpoint_kind
     _unspent_response_s: float = 0.0
     _failed_steps: list[int] = attrs.field(factory=list)
     # Tool-use tasks: what each turn's action returned, and the final answer.
@@ -215,6 +216,7 @@ class AgentLoop:
             )
             del self._steps[self.prefix - 1 :]
             self._steps.append([self._unspent_response_s + response_s, outcome.duration_s, None])
+            self._step_kinds.pop(self.prefix, None)  # a step committed again: its kind is asked again
             self._unspent_response_s = 0.0
             if isinstance(self.task, ToolUseTask):
                 observation = self.task.render_observation(outcome.exit_code, outcome.stdout + outcome.stderr)
@@ -311,6 +313,8 @@ class AgentLoop:
         """The policy's decision on ``step``, ``x`` seconds into the response that overlaps it
         (``response_started``; None: blocking, before it), and the checkpoint it decides."""
         kind = await self._next_kind()
+        if kind is not None:
+            self._step_kinds[step.record.prefix] = kind
         elapsed = 0.0 if response_started is None else time.monotonic() - response_started
         decision = self.policy.decide(
             StepObservation(
@@ -357,6 +361,7 @@ class AgentLoop:
         self._note(checkpoint_event(self.trajectory_id, record))
         if 0 < record.prefix <= len(self._steps):
             self._steps[record.prefix - 1][2] = record.duration_s
+            self._step_kinds[record.prefix] = record.kind or "full"
         # The measured cost feeds the estimate of the kind envckpt took.
         self.policy.on_checkpoint_ready(record.duration_s, kind=record.kind or None)
 
@@ -675,6 +680,7 @@ class AgentLoop:
             step_response_s=[float(step[0] or 0.0) for step in self._steps],
             step_action_s=[float(step[1] or 0.0) for step in self._steps],
             step_checkpoint_s=[step[2] for step in self._steps],
+            step_checkpoint_kind=[self._step_kinds.get(i + 1) for i in range(len(self._steps))],
             failed_steps=list(self._failed_steps),
         )
 

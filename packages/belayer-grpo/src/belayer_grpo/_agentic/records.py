@@ -138,6 +138,9 @@ class AgenticTrajectory:
     step_response_s: list[float] = attrs.field(factory=list)
     step_action_s: list[float] = attrs.field(factory=list)
     step_checkpoint_s: list[float | None] = attrs.field(factory=list)
+    # The kind of each step's checkpoint: the one taken, else the one a checkpoint would have taken
+    # (asked before the decision); None where not known (a policy that does not weigh kinds).
+    step_checkpoint_kind: list[str | None] = attrs.field(factory=list)
     failed_steps: list[int] = attrs.field(factory=list)  # the step each sandbox failure hit
 
     def trace_line(self, *, node: str | None = None, meta: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -175,6 +178,9 @@ class AgenticTrajectory:
             "trajectory_id": self.trajectory_id,
             "meta": recorded | (meta or {}),
         }
+        kinds = self.step_checkpoint_kind
+        if len(kinds) == n and any(kind is not None for kind in kinds):
+            line["checkpoint_kind"] = list(kinds)  # belayer-policy charges each step its kind's cost
         if node is not None:
             line["node"] = node
         return line
