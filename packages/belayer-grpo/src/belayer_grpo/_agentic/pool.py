@@ -151,8 +151,11 @@ class SandboxPool:
         """A sandbox restored from ``checkpoint`` to replace ``current`` (blocking; raises like
         `take_checkpoint`).  `belayer_envckpt.full_restore` goes by the checkpoint's kind: a
         ``full`` one restores its processes with CRIU, a ``fresh-runtime`` one (or a ``reference``
-        to one) installs its layer and starts the image's stateless init anew."""
-        return full_restore(checkpoint, engine=self.engine, spares=self._spare_pool)
+        to one) installs its layer and starts the image's stateless init anew.  The sandbox carries
+        this pool's labels, also restored from another pool's checkpoint (a killed trainer's, on
+        ``--resume``): this pool removes it, and its spares of that configuration take it."""
+        labels = {**self.labels, POOL_LABEL: self.pool_id}
+        return full_restore(checkpoint, engine=self.engine, spares=self._spare_pool, labels=labels)
 
     async def warm_spares(self, image: str, workdir: str) -> None:
         """Make this pool's spares for ``image`` and ``workdir`` ready now, after the refills in
