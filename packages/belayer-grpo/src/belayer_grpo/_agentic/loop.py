@@ -90,7 +90,7 @@ class AgentLoop:
     resume: TrajectoryJournal | None = None
     num_actions_replayed: int = 0  # logged actions run again to rebuild the sandbox (resume)
     restored_from_checkpoint: bool = False  # the resumed sandbox came from a logged checkpoint
-    num_turns_regenerated: int = 0  # turns a resume had to generate anew (the router did not hold them)
+    num_turns_regenerated: int = 0  # turns a resume had to generate anew (the router lost or refused them)
     replay_consistent: bool = True  # every replayed action returned what the journal holds
     _from_journal: list[LoggedAction] = attrs.field(factory=list)  # actions taken from ``resume``
     _base: CheckpointRecord | None = None
@@ -298,6 +298,10 @@ class AgentLoop:
             "stop_token_ids": self.config.stop_token_ids, "trajectory_id": self.trajectory_id, "turn": turn,
         }  # fmt: skip
         max_tokens = min(self.config.max_response_tokens, room)
+        if request_id is not None and self.resume is not None and turn <= self.resume.last_turn:
+            # A turn the killed run generated (its action is logged) that the router lost: the
+            # request below generates it anew (one query per logged turn, on a resume only).
+            self.num_turns_regenerated += not await self._router_holds(request_id)
         try:
             return await self.router.generate(
                 self.context.token_ids, max_tokens, request_id=request_id, **options
@@ -308,6 +312,15 @@ class AgentLoop:
             self.num_turns_regenerated += self.resume is not None  # held with another context
             # The turn again with another context (after a recovery): a new request.
             return await self.router.generate(self.context.token_ids, max_tokens, **options)
+
+    async def _router_holds(self, request_id: str) -> bool:
+        try:
+            await self.router.request_record(request_id)
+        except RouterClientError as error:
+            if error.status != 404:
+                raise
+            return False
+        return True
 
     async def _decide(self, step: _Step, response_started: float | None) -> None:
         """The policy's decision on ``step``, ``x`` seconds into the response that overlaps it
