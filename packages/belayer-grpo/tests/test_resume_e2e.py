@@ -9,7 +9,11 @@ resumed with ``--resume RUN_DIR``: from the step-0 checkpoint it trains step 1 a
 The math workload runs a third time with its rollout side on Ray: two nodes that share nothing
 (belayer-cluster's isolated nodes, each in namespaces of its own, a slot on each; simulated nodes
 without root or with ``BELAYER_TEST_NODES=processes``); after the kill neither the nodes' processes
-nor (isolated) their namespaces, links or the head's folder may be left.
+nor (isolated) their namespaces, links or the head's folder may be left.  Its run A is the math
+workload's, run once for both (`_uninterrupted_model`): where the rollout side runs changes no
+sample and no update (measured: the math run A on one slot and on two isolated nodes end
+bit-equal), so the Ray run is compared with the same uninterrupted model, at the cost of one
+isolated cluster's start and run less.
 
 Tolerance for the final weights: none (bit-equal).  On CPU with one intra-op thread the update is
 a deterministic function of the samples (measured: two uninterrupted runs end bit-equal), and
@@ -41,9 +45,12 @@ _ISOLATED_NODES = ISOLATED and os.environ.get("BELAYER_TEST_NODES", "isolated") 
 _STEPS = 3
 _COMMON = [f"algorithm.steps={_STEPS}", "chaos.kill_worker_at_steps=[]", "logging.progress=false",
            "logging.tensorboard=false"]  # fmt: skip
+# 16 prompts x 8 samples; a rollout of a few seconds, so the kill lands inside it
+_MATH = ["data.workload=math", "rollout.concurrency=4"]
+# Where the rollout side runs (one machine, or Ray nodes): no part of what run A trains.
+_PLACEMENT = ("cluster.", "system.num_slots=")
 _WORKLOADS = [
-    # 16 prompts x 8 samples; a rollout of a few seconds, so the kill lands inside it
-    pytest.param(["data.workload=math", "rollout.concurrency=4"], 128, id="math"),
+    pytest.param(_MATH, 128, id="math"),
     # 4 tasks x 4 samples in real sandboxes, no sandbox kills
     pytest.param(
         ["data.workload=tooluse", "data.tool_task=store", "chaos.sandbox_kill_p=0.0", "data.held_out=4"],
@@ -55,8 +62,7 @@ _WORKLOADS = [
     # process may make them, else simulated nodes (as belayer-cluster's tests); a slot each
     pytest.param(
         [
-            "data.workload=math",
-            "rollout.concurrency=4",
+            *_MATH,
             "cluster.nodes=2",
             f"cluster.isolated={str(_ISOLATED_NODES).lower()}",
             "system.num_slots=2",
@@ -118,6 +124,28 @@ def _model(run_dir: Path) -> dict[str, torch.Tensor]:
     return dict(state["model"])
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_models() -> dict[tuple[str, ...], dict[str, torch.Tensor]]:
+    """Run A's final model per workload (the rollout side's placement left out), for the module."""
+    return {}
+
+
+def _uninterrupted_model(
+    workload: list[str], args: list[str], run_dir: Path, env: dict[str, str],
+    models: dict[tuple[str, ...], dict[str, torch.Tensor]],
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Run A (uninterrupted, in ``run_dir``, renamed afterwards) for this workload, once a module:
+    a workload that differs from one already run only in where its rollout side runs reuses it."""
+    key = tuple(arg for arg in workload if not arg.startswith(_PLACEMENT))
+    if key not in models:
+        done = _train(*args, env=env)
+        assert done.returncode == 0, done.stderr
+        run_a = run_dir.with_name("a")
+        run_dir.rename(run_a)
+        models[key] = _model(run_a)
+    return models[key]
+
+
 def _sandboxes(run_dir: Path) -> list[str]:
     from belayer_grpo._guardian import RUN_LABEL, run_marker
 
@@ -130,15 +158,16 @@ def _sandboxes(run_dir: Path) -> list[str]:
 
 @pytest.mark.parametrize(("workload", "num_samples"), _WORKLOADS)
 def test_a_run_killed_mid_rollout_resumes_to_the_uninterrupted_model(
-    tmp_path: Path, workload: list[str], num_samples: int
+    tmp_path: Path,
+    workload: list[str],
+    num_samples: int,
+    uninterrupted_models: dict[tuple[str, ...], dict[str, torch.Tensor]],
 ) -> None:
     tag = uuid.uuid4().hex
     env = {**os.environ, "BELAYER_TEST_TAG": tag}
-    run_dir, run_a = tmp_path / "run", tmp_path / "a"
+    run_dir = tmp_path / "run"
     args = [*_COMMON, *workload, f"system.run_dir={str(run_dir)!r}"]
-    done = _train(*args, env=env)
-    assert done.returncode == 0, done.stderr
-    run_dir.rename(run_a)
+    model_a = _uninterrupted_model(workload, args, run_dir, env, uninterrupted_models)
 
     log = run_dir / "rollouts" / "step_000002.jsonl"
     with (tmp_path / "b.log").open("w") as output:
@@ -201,7 +230,7 @@ def test_a_run_killed_mid_rollout_resumes_to_the_uninterrupted_model(
     assert len(step2) == 1
     assert step2[0]["trajectories_reused"] == report["trajectories_reused"]
 
-    model_a, model_b = _model(run_a), _model(run_dir)
+    model_b = _model(run_dir)
     assert model_a.keys() == model_b.keys()
     for name, tensor in model_a.items():
         assert torch.equal(tensor, model_b[name]), (name, (tensor - model_b[name]).abs().max())
