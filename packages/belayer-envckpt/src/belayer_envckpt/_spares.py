@@ -106,8 +106,10 @@ class SparePool:
         with self._lock:
             if self._closed:
                 return
+            # Started under the lock: `close` never joins a thread not yet started (RuntimeError),
+            # and the next call's clean-up (not alive) never drops one that is about to run.
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
-        thread.start()
+            thread.start()
 
     def wait_idle(self, timeout_s: float = 120.0) -> None:
         """Wait for the background refills started so far (benchmarks, tests)."""
