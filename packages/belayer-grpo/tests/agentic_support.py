@@ -12,6 +12,7 @@ import pytest
 from agent_script import STOP, running_policy_worker
 
 from belayer_envckpt import BelayerEnvckptError, Engine
+from belayer_envckpt._spares import SHARED_TRAJECTORY
 from belayer_grpo._agentic import AgenticConfig
 from belayer_grpo._agentic.pool import POOL_LABEL
 from belayer_router import RouterClient, RouterConfig, running_router
@@ -27,6 +28,10 @@ def run_id(name: str) -> str:
     return f"{name}-{SESSION}"
 
 
+def _is_spare(labels: dict[str, str]) -> bool:
+    return labels.get("belayer.trajectory") == SHARED_TRAJECTORY
+
+
 def connect_engine() -> Iterator[Engine]:
     """The real engine with CRIU; afterwards no sandbox of this test session may be left."""
     try:
@@ -34,11 +39,15 @@ def connect_engine() -> Iterator[Engine]:
         engine.require_checkpoint_support()
     except BelayerEnvckptError as error:
         pytest.fail(f"the agentic tests need Docker (experimental) and CRIU: {error}", pytrace=False)
+    # A pool's spares carry the trajectory label "spare" (envckpt's shared SparePool), not the
+    # session's: any spare that appears during the test and is still there afterwards leaked too.
+    spares_before = {c.id for c in engine.list_containers([POOL_LABEL]) if _is_spare(c.labels)}
     yield engine
     leaked = [
         c.name
         for c in engine.list_containers([POOL_LABEL])
         if SESSION in c.labels.get("belayer.trajectory", "")
+        or (_is_spare(c.labels) and c.id not in spares_before)
     ]
     engine.close()
     assert not leaked, f"sandbox containers leaked: {leaked}"

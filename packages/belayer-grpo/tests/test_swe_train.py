@@ -21,6 +21,7 @@ from test_sigint import _tagged_pids
 
 from belayer_envckpt import Engine
 from belayer_grpo._agentic.pool import POOL_LABEL
+from belayer_grpo._guardian import RUN_LABEL, run_marker
 from belayer_grpo._rollout_agentic import run_tag
 from belayer_policy import load_trace
 
@@ -115,7 +116,10 @@ def test_swe_training_survives_sandbox_and_worker_kills_and_leaves_nothing(tmp_p
     try:
         containers = engine.list_containers([POOL_LABEL])
         ours = [
-            c.name for c in containers if c.labels.get("belayer.trajectory", "").startswith(run_tag(run_dir))
+            c.name
+            for c in containers
+            if c.labels.get("belayer.trajectory", "").startswith(run_tag(run_dir))
+            or c.labels.get(RUN_LABEL) == run_marker(run_dir)  # its spares and restores into them
         ]
     finally:
         engine.close()

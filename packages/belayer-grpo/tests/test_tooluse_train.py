@@ -21,6 +21,7 @@ from test_sigint import _tagged_pids
 
 from belayer_envckpt import Engine
 from belayer_grpo._agentic.pool import POOL_LABEL
+from belayer_grpo._guardian import RUN_LABEL, run_marker
 from belayer_grpo._rollout_agentic import run_tag
 
 pytestmark = [pytest.mark.e2e, pytest.mark.docker]
@@ -91,6 +92,7 @@ def test_the_default_agentic_run_acts_through_sandbox_and_worker_kills_and_leave
             c.name
             for c in engine.list_containers([POOL_LABEL])
             if c.labels.get("belayer.trajectory", "").startswith(run_tag(run_dir))
+            or c.labels.get(RUN_LABEL) == run_marker(run_dir)  # its spares and restores into them
         ]
     finally:
         engine.close()
