@@ -6,6 +6,8 @@ as a trainer that adopted a killed one's router would: its turns re-sent under t
 logged actions' results taken from the journal, its sandbox rebuilt at the last logged turn, from
 the logged checkpoint when there is one (only the actions after it run again) or from a fresh
 sandbox (every logged action runs again).  The continued trajectory is the same, token for token.
+And a router that lost the logged turns (a new router, or one that dropped the record) generates
+them anew, which ``RolloutStats.num_reattach_regenerated`` (``trajectories_regenerated``) counts.
 """
 
 from __future__ import annotations
@@ -20,7 +22,14 @@ from agentic_support import agentic_config, connect_engine, run_id
 from test_tooluse_sandbox import router_with_tooluse_agent
 
 from belayer_envckpt import CheckpointStore, Engine
-from belayer_grpo._agentic import RolloutStats, SandboxPool, generate_tooluse_tasks, run_agentic_rollouts
+from belayer_grpo._agentic import (
+    AgenticConfig,
+    RolloutStats,
+    SandboxPool,
+    ToolUseTask,
+    generate_tooluse_tasks,
+    run_agentic_rollouts,
+)
 from belayer_grpo._agentic.journal import read_journals
 
 pytestmark = [pytest.mark.docker, pytest.mark.anyio]
@@ -36,6 +45,19 @@ def engine() -> Iterator[Engine]:
     yield from connect_engine()
 
 
+def _one_task(engine: Engine, tmp_path: Path) -> tuple[list[ToolUseTask], AgenticConfig, SandboxPool]:
+    """One held-out tool-use task, settings that checkpoint every step under derivable request ids,
+    and a pool that keeps its checkpoints (a resumed run restores them)."""
+    task = generate_tooluse_tasks(0, held_out=1)[1][:1]
+    config = agentic_config(
+        tmp_path / "ckpt", max_rounds=4, max_response_tokens=40, checkpoint_policy="always", request_ids=True,
+    )  # fmt: skip
+    pool = SandboxPool(
+        engine, CheckpointStore(tmp_path / "ckpt"), capacity=1, reuse=True, keep_checkpoints=True
+    )
+    return task, config, pool
+
+
 @pytest.mark.parametrize(
     ("kept", "replayed", "restored"),
     [
@@ -46,13 +68,7 @@ def engine() -> Iterator[Engine]:
 async def test_a_begun_trajectory_continues_where_its_journal_ends(
     engine: Engine, tmp_path: Path, kept: tuple[str, ...], replayed: int, restored: bool
 ) -> None:
-    task = generate_tooluse_tasks(0, held_out=1)[1][:1]
-    config = agentic_config(
-        tmp_path / "ckpt", max_rounds=4, max_response_tokens=40, checkpoint_policy="always", request_ids=True,
-    )  # fmt: skip
-    pool = SandboxPool(
-        engine, CheckpointStore(tmp_path / "ckpt"), capacity=1, reuse=True, keep_checkpoints=True
-    )
+    task, config, pool = _one_task(engine, tmp_path)
     events: list[dict[str, Any]] = []
     stats = RolloutStats()
     name = run_id(f"resume-{len(kept)}")
@@ -93,3 +109,42 @@ async def test_a_begun_trajectory_continues_where_its_journal_ends(
         assert again.checkpoints[0].checkpoint is not None
         assert again.checkpoints[0].checkpoint.checkpoint_id == cut[1]["checkpoint_id"]
     assert not again.recoveries  # continuing is not a sandbox failure
+
+
+@pytest.mark.parametrize("same_router", [True, False])
+async def test_logged_turns_a_router_lost_count_as_regenerated(
+    engine: Engine, tmp_path: Path, same_router: bool
+) -> None:
+    task, config, pool = _one_task(engine, tmp_path)
+    events: list[dict[str, Any]] = []
+    stats = RolloutStats()
+    name = run_id(f"lost-{same_router}")
+    try:
+        async with router_with_tooluse_agent() as client:
+            with anyio.fail_after(240):
+                (first,) = await run_agentic_rollouts(
+                    task, client, config, engine=engine, pool=pool, run_id=name, note=events.append
+                )
+                # Killed after turn 2's action: its checkpoint is not logged.
+                journals = read_journals(events[:3])
+                if same_router:
+                    (again,) = await run_agentic_rollouts(
+                        task, client, config, engine=engine, pool=pool, run_id=name, resume=journals,
+                        stats=stats,
+                    )  # fmt: skip
+        if not same_router:
+            async with router_with_tooluse_agent() as fresh:  # holds none of the turns
+                with anyio.fail_after(240):
+                    (again,) = await run_agentic_rollouts(
+                        task, fresh, config, engine=engine, pool=pool, run_id=name, resume=journals,
+                        stats=stats,
+                    )  # fmt: skip
+    finally:
+        await pool.aclose()
+    assert first.reward == 1.0, first.test_output
+    assert again.token_ids == first.token_ids  # the scripted agent answers the same
+    assert (again.reward, again.num_actions) == (1.0, 2), again.test_output
+    assert stats.num_reattached == 1
+    assert stats.num_actions_replayed == 1  # `cat a` after the logged checkpoint of turn 1
+    assert stats.num_restored_from_checkpoint == 1
+    assert stats.num_reattach_regenerated == (0 if same_router else 1)
