@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,16 @@ MAX_TOKENS = 160
 SLOT_OPTIONS = {"num_kv_blocks": 256, "stale_s": 5.0}  # a loaded machine is no hang
 WITH_SANDBOXES = True
 RAY_HEALTH_CHECK_FAILURES = 40  # Ray's health checks give up on a removed node after ~40 s
+
+
+def _eventually(condition: Callable[[], bool], timeout_s: float) -> bool:
+    """Whether `condition` holds within `timeout_s` (polled)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _stream_failures(router: DriverRouter) -> dict[str, tuple[int, float | None]]:
@@ -122,10 +133,15 @@ def test_a_killed_main_is_replaced_by_the_shadow_on_the_same_node(
     assert after["weights"] == before["weights"]
     assert after["kv"] == before["kv"]
     assert local_ray.raylet_pid(info.node_id) in ancestors(local_ray.host_pid(info.node_id, after["main"]))
-    # The router counted a's streams that broke (a handover); the watcher saw the count rise and
-    # pinged a's host, which answered: no node loss, no detection.
-    wait_until(lambda: _stream_failures(router)["a"][0] > failures, 60, "the router to count a's breaks")
-    wait_until(lambda: slots.live_breaks.get("a", 0) > failures, 60, "the watcher to check slot a")
+    # The router counts a's streams that broke on the worker's side, unless the handover's
+    # re-registration retired the dead main before the router read the break (then it cut them
+    # itself: not counted, by design; the order of the two is a race on a loaded machine, and it
+    # lost once in CI).  A counted break makes the watcher ping a's host, which answers: no node
+    # loss, no detection.  Either way nothing takes the live node for lost.
+    if _eventually(lambda: _stream_failures(router)["a"][0] > failures, 30):
+        wait_until(lambda: slots.live_breaks.get("a", 0) > failures, 60, "the watcher to check slot a")
+    else:
+        assert slots.live_breaks.get("a", 0) <= failures  # nothing counted, nothing to check
     assert slots.losses == []
     assert slots.detections.of(info.node_id) == {}
 
