@@ -11,9 +11,12 @@ each restore a thread samples, every 10 ms, what lies on disk and what runs:
 
 and CRIU's own ``restore.log`` gives CRIU's time.  The phases: ours before the start (verify,
 create, layer; `restore_timings_ms`), images into the engine's folder, the engine's content-store
-upload, the unpack, runc + CRIU, and ours after (clean-up, reload).  ``--store-under-engine-root``
-puts the checkpoint store on the engine's data root's mount, so the images are hard-linked
-instead of copied; both placements run interleaved when ``--both`` is given.
+upload, the unpack, runc + CRIU, and ours after (clean-up, reload).
+
+The ways, interleaved: the default (the page images handed to the engine as links to the store's
+files, read in place by CRIU: `Engine.restore_in_place`) and the baseline of 0.6.0 and before
+(every image copied into the engine's folder and streamed through containerd); with ``--both``
+also the baseline with the store on the engine's data root's mount (images hard-linked).
 
     python benchmarks/profile_restore.py [--rss 200] [--reps 3] [--both]
 """
@@ -90,6 +93,7 @@ def profile_one(engine: Engine, ckpt: object, images_bytes: int) -> dict[str, fl
     started = time.perf_counter()
     restored = full_restore(ckpt, engine=engine, remove_failed=False)  # type: ignore[arg-type]
     ended = time.perf_counter()
+    images_way = restored.restore_images
     log = next(iter(TASKS.glob(f"{restored.id}/work/restore.log")), None)
     criu_s = None
     if log is not None:
@@ -120,6 +124,7 @@ def profile_one(engine: Engine, ckpt: object, images_bytes: int) -> dict[str, fl
         "criu_restore_log_ms": round(criu_s * 1e3, 1) if criu_s is not None else -1.0,
         "after_ms": ms(runc_end, ended),
         "peak_ingest_mb": round(max(x[2] for x in s) / 1e6, 1),
+        "images_in_place": float(images_way == "in-place"),
     }
 
 
@@ -134,11 +139,17 @@ def main() -> None:
     args = parser.parse_args()
     engine = Engine.connect()
     engine.require_checkpoint_support()
+    copying = Engine.connect(restore_in_place=False)
     load_before = os.getloadavg()
-    places = {"store in /tmp (images copied)": Path(tempfile.mkdtemp(prefix="belayer-prof-"))}
+    store = Path(tempfile.mkdtemp(prefix="belayer-prof-"))
+    # name -> (store folder, engine): both /tmp rows restore the very same checkpoint
+    places = {
+        "store in /tmp, page images read in place (default)": (store, engine),
+        "store in /tmp, images copied (0.6.0)": (store, copying),
+    }
     if args.both:
         linked = engine.root_dir() / f"belayer-prof-{os.getpid()}"
-        places["store on the engine root's mount (images hard-linked)"] = linked
+        places["store on the engine root's mount, images hard-linked (0.6.0)"] = (linked, copying)
     config = SandboxConfig(
         image="belayer/debian-python:latest",
         command=("python3", "-c", APP.format(mb=args.rss)),
@@ -148,17 +159,20 @@ def main() -> None:
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in places}
     try:
         time.sleep(2)
-        ckpts = {}
-        for name, root in places.items():
-            ckpts[name] = full_checkpoint(sandbox, "prof", store=CheckpointStore(root))
-        images = sum(r.size for k, r in next(iter(ckpts.values())).files.items() if k.startswith("criu/"))
+        taken: dict[Path, object] = {}
+        for root, _engine in places.values():
+            if root not in taken:
+                taken[root] = full_checkpoint(sandbox, "prof", store=CheckpointStore(root))
+        first = next(iter(taken.values()))
+        images = sum(r.size for k, r in first.files.items() if k.startswith("criu/"))  # type: ignore[attr-defined]
         for _ in range(args.reps):
-            for name, ckpt in ckpts.items():
-                runs[name].append(profile_one(engine, ckpt, images))
+            for name, (root, way) in places.items():
+                runs[name].append(profile_one(way, taken[root], images))
                 print(name, json.dumps(runs[name][-1]), flush=True)
     finally:
         sandbox.remove()
-        for root in places.values():
+        copying.close()
+        for root, _engine in places.values():
             shutil.rmtree(root, ignore_errors=True)
     result = {
         "load_average_before": load_before,

@@ -150,6 +150,7 @@ def test_doctor_names_the_restore_engine_and_why():
     detail = json.loads(cli("doctor", "--json").stdout)["checks"]["restore engine"]["detail"]
     assert detail.startswith("docker ")
     assert ("podman is not installed" in detail) == (shutil.which("podman") is None)
+    assert "page images read in place from the checkpoint store where containerd sees it" in detail
 
 
 def test_restore_engine_line_names_a_podman_it_does_not_use(tmp_path, monkeypatch):

@@ -267,7 +267,7 @@ def full_restore(
         if checkpoint.runtime == RUNTIME_FRESH:
             sandbox.start()  # the runtime was the image's stateless init: start it anew
         else:
-            engine.start_from_checkpoint(
+            sandbox.restore_images = engine.start_from_checkpoint(
                 sandbox._container, checkpoint.checkpoint_id, checkpoint.path / CRIU_DIR
             )
         sandbox.reload()

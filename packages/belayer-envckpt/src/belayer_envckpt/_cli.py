@@ -173,6 +173,7 @@ def _restore(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
         "prefix": sandbox.prefix,
         "context_ref": sandbox.context_ref,
         "timings_ms": sandbox.restore_timings_ms,
+        "images": sandbox.restore_images,
     }
     if not args.json:
         print(sandbox.id)

@@ -8,7 +8,6 @@ translated there into a belayer-envckpt error.
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import time
@@ -34,6 +33,7 @@ from ._errors import (
 from ._exec import ExecResult
 from ._host_commands import run_command
 from ._limits import SandboxLimits
+from ._restore_images import stage_images
 
 LABEL = "belayer.envckpt"
 # Where dockerd's runc keeps container state (runc --root); see `Engine.checkpoint`.
@@ -57,6 +57,8 @@ class Engine:
 
     _client: docker.DockerClient  # docker-py stays inside this package
     dump_method: str = attrs.field(default="runc")
+    # Full restores hand the engine links to the store's page images (`_restore_images`).
+    restore_in_place: bool = attrs.field(default=True, kw_only=True)
     _checkpoint_ready: bool = attrs.field(default=False, init=False)
 
     @dump_method.validator
@@ -65,10 +67,12 @@ class Engine:
             raise InvalidConfigError(f"dump_method must be one of {DUMP_METHODS}, got {value!r}")
 
     @classmethod
-    def connect(cls, dump_method: str = "runc") -> Engine:
+    def connect(cls, dump_method: str = "runc", *, restore_in_place: bool = True) -> Engine:
         """Connect to the engine named by DOCKER_HOST (default: the local socket).
 
         ``dump_method``: ``runc`` (direct, faster) or ``engine`` (the engine's checkpoint API).
+        ``restore_in_place``: CRIU reads a full restore's page images from the store where the
+        engine sees it (`start_from_checkpoint`); False copies them through the engine every time.
         """
         if dump_method not in DUMP_METHODS:
             raise InvalidConfigError(f"dump_method must be one of {DUMP_METHODS}, got {dump_method!r}")
@@ -78,7 +82,7 @@ class Engine:
                 client.ping()
         except ContainerEngineError as exc:
             raise ContainerEngineError(f"cannot reach the Docker engine ({exc}). {SETUP_HINT}") from exc
-        return cls(client, dump_method)
+        return cls(client, dump_method, restore_in_place=restore_in_place)
 
     def close(self) -> None:
         """Close the connection pool."""
@@ -277,19 +281,22 @@ class Engine:
             response = api.post(api._url("/containers/{0}/checkpoints", container.id), json=body)
         self._call(response, "checkpoint")
 
-    def start_from_checkpoint(self, container: Container, name: str, images: Path) -> None:
-        """Start a created container from CRIU images.
+    def start_from_checkpoint(self, container: Container, name: str, images: Path) -> str:
+        """Start a created container from CRIU images; how the page images went in: `IN_PLACE`
+        (links to the store's files, read by CRIU where they lie) or `COPIED`.
 
         The engine refuses a custom checkpoint directory on start, so the images go into the
         container's own checkpoint folder first, under a name and with content unique to this
         restore: containerd keeps uploaded checkpoints as content and refuses a second upload of
         the same one ("already exists"), e.g. when one checkpoint is restored into two containers.
+        The engine streams that folder through containerd's content store: with the page images
+        as links (`_restore_images.stage_images`) only the small images travel.
         """
         restore_id = uuid.uuid4().hex[:8]
         name = f"{name}-r{restore_id}"
         target = self.root_dir() / "containers" / container.id / "checkpoints" / name
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(images, target, copy_function=_link_or_copy)
+        staged = stage_images(images, target, in_place=self.restore_in_place)
         # containerd names the upload by the digest of the images' contents, and an engine-API
         # dump already left that very content behind: a file unique to this restore (CRIU reads
         # only the images it knows) keeps the digests apart.
@@ -302,6 +309,7 @@ class Engine:
         finally:
             shutil.rmtree(target, ignore_errors=True)
             self._remove_restore_copies(restore_id)
+        return staged
 
     def _remove_restore_copies(self, restore_id: str) -> None:
         """Remove the copy of the images the engine made for this restore.
@@ -349,15 +357,6 @@ class Engine:
             except ContainerNotFoundError:
                 return waited  # gone: it existed if another removal was under way
             return True
-
-
-def _link_or_copy(src: str, dst: str) -> None:
-    """Hard-link an image file into the engine's folder (nothing reads it but the engine's tar);
-    copy it where the store lies on another mount than the engine's data root (EXDEV)."""
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
 
 
 def _removal_in_progress(exc: docker.errors.APIError) -> bool:

@@ -1,26 +1,42 @@
-"""Which engine restores a checkpoint, and why: the line `belayer-envckpt doctor` prints."""
+"""Which engine restores a checkpoint, and how: the line `belayer-envckpt doctor` prints."""
 
 from __future__ import annotations
 
 import shutil
 
+from ._restore_images import CRIU_CONFS, _engine_roots, dedup_configured
+
 
 def restore_engine_line(docker_version: str) -> str:
-    """Docker restores every checkpoint; say so, and what a Podman found beside it would change.
+    """Docker restores every checkpoint; say how its page images reach CRIU, and what a Podman
+    found beside it would change.
 
-    Podman restores a CRIU checkpoint from the image folder in place, where Docker 20.10 first
-    streams the whole folder into containerd's content store and unpacks it again (most of a
-    200 MB restore: `benchmarks/profile_restore.py`).  belayer-envckpt has no Podman backend, so a
-    Podman on PATH is named but not used.
+    Docker 20.10 streams the image folder into containerd's content store and unpacks it again
+    (most of a 200 MB restore: `benchmarks/profile_restore.py`); belayer-envckpt hands it links
+    to the store's page images instead where containerd sees the store (`_restore_images`), so
+    CRIU reads them in place, as Podman does.  belayer-envckpt has no Podman backend, so a Podman
+    on PATH is named but not used.
     """
-    podman = shutil.which("podman")
     used = f"docker {docker_version}"
-    if podman is None:
-        return (
-            f"{used} (the only engine found: podman is not installed; Docker's restore streams the CRIU "
-            "images through containerd's content store: benchmarks/profile_restore.py)"
+    if dedup_configured():
+        pages = (
+            "page images copied through containerd's content store: auto-dedup in "
+            f"{' or '.join(str(c) for c in CRIU_CONFS)} would punch them out of the checkpoint store"
         )
+    elif not _engine_roots():
+        pages = (
+            "page images copied through containerd's content store: no containerd process is visible "
+            "here to check that it sees the checkpoint store"
+        )
+    else:
+        pages = (
+            "page images read in place from the checkpoint store where containerd sees it at the "
+            "same path (checked on every restore), else copied through containerd's content store"
+        )
+    podman = shutil.which("podman")
+    if podman is None:
+        return f"{used}, {pages} (podman is not installed)"
     return (
-        f"{used} (podman at {podman} is present but not used: belayer-envckpt has no Podman backend, "
-        "its sandboxes and checkpoints are Docker's)"
+        f"{used}, {pages} (podman at {podman} is present but not used: belayer-envckpt has no "
+        "Podman backend, its sandboxes and checkpoints are Docker's)"
     )

@@ -116,6 +116,8 @@ class Sandbox:
     prefix: int = 0
     context_ref: str = ""
     restore_timings_ms: dict[str, float] = attrs.field(factory=dict)
+    # How a full restore's CRIU page images reached the engine: 'in-place', 'copied'; '' for none.
+    restore_images: str = ""
     _boundary: threading.RLock = attrs.field(factory=threading.RLock, repr=False)
     _limit_counters: tuple[int, int] | None = attrs.field(default=None, init=False, repr=False)
 
