@@ -33,6 +33,8 @@ from belayer_envckpt import (
     full_checkpoint,
     full_restore,
 )
+from belayer_envckpt._procfs import HOST_PROC_ENV
+from belayer_envckpt._spares import merged_dir
 
 CHANGES = {
     "new file with mode and owner": "mkdir -p /work && echo hi > /work/a && chmod 640 /work/a && chown 12:34 /work/a",
@@ -132,6 +134,37 @@ def _checkpointed(sandbox: Sandbox, change: str, store: CheckpointStore) -> Chec
 
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_spare_restore_equals_normal_restore(
+    change: str,
+    engine: Engine,
+    pool: SparePool,
+    store: CheckpointStore,
+    make_sandbox: Callable[..., Sandbox],
+    track: Callable[[Sandbox], Sandbox],
+) -> None:
+    _spare_equals_normal(change, engine, pool, store, make_sandbox, track)
+
+
+@pytest.mark.parametrize("change", ["new file with mode and owner", "opaque directory", "deleted image file"])
+def test_from_a_mount_namespace_of_its_own_the_layer_goes_in_through_the_inits_root(
+    change: str,
+    engine: Engine,
+    pool: SparePool,
+    store: CheckpointStore,
+    make_sandbox: Callable[..., Sandbox],
+    track: Callable[[Sandbox], Sandbox],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sandbox host on an isolated node of belayer-cluster (`BELAYER_ENVCKPT_HOST_PROC` set) does
+    not see the overlays mounted after its namespace was made: the spare's root is reached through
+    its init's procfs ``root`` (here this machine's /proc), with the same result."""
+    monkeypatch.setenv(HOST_PROC_ENV, "/proc")
+    pool.warm(_config(), "spare")
+    (spare,) = pool._spares[pool._key(_config(), "spare")]
+    assert merged_dir(spare.sandbox) == Path("/proc", str(spare.init_pid), "root")
+    _spare_equals_normal(change, engine, pool, store, make_sandbox, track)
+
+
+def _spare_equals_normal(
     change: str,
     engine: Engine,
     pool: SparePool,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import tarfile
 import threading
 import time
@@ -32,6 +33,7 @@ from ._docker import Engine
 from ._errors import BelayerEnvckptError
 from ._layer import layer_digest
 from ._layer_apply import apply_layer, plan_apply
+from ._procfs import HOST_PROC_ENV, host_proc
 from ._sandbox import Sandbox, SandboxConfig
 
 SHARED_TRAJECTORY = "spare"  # the trajectory label of a shared pool's spares
@@ -197,9 +199,33 @@ class SparePool:
 
 
 def merged_dir(sandbox: Sandbox) -> Path:
-    """The running container's merged overlay root on the host."""
+    """The running container's merged overlay root, as this process reaches it: the daemon's
+    ``MergedDir`` on the host.  A process in a mount namespace of its own (a sandbox host on an
+    isolated node of belayer-cluster, with `BELAYER_ENVCKPT_HOST_PROC`) does not see the overlays
+    the daemon mounted after that namespace was made (an empty folder is there): it reaches the
+    container's root through its init's ``root`` in the host's procfs instead."""
+    if os.environ.get(HOST_PROC_ENV):
+        return Path(host_proc(), str(int(sandbox.inspect()["State"]["Pid"])), "root")
     data = sandbox._container.attrs.get("GraphDriver", {}).get("Data", {})
     return Path(data["MergedDir"])
+
+
+def _crosses_a_mount(root: Path, members: Sequence[tarfile.TarInfo]) -> bool:
+    """Whether a member lies on or under a mount of the container's own (``/etc/hosts``, ``/dev``,
+    ...) seen through its init's procfs ``root``: written there it would change the mounted file,
+    which a normal restore leaves as the engine made it."""
+    if root.name != "root" or not root.parent.name.isdigit():
+        return False  # the daemon's MergedDir: the container's own mounts are not on it
+    try:
+        lines = (root.parent / "mountinfo").read_text().splitlines()
+    except OSError:
+        return True
+    points = {line.split()[4].strip("/") for line in lines if len(line.split()) > 4} - {""}
+    for member in members:
+        name = os.path.normpath(member.name).strip("/")
+        if any(name == point or name.startswith(point + "/") for point in points):
+            return True
+    return False
 
 
 def restore_into_spare(
@@ -236,8 +262,12 @@ def restore_into_spare(
     taken_ms = round((time.perf_counter() - started) * 1000.0, 3)
     step = time.perf_counter()
     try:
-        apply_layer(archive, merged_dir(sandbox), plan)
-    except (BelayerEnvckptError, OSError, KeyError):
+        root = merged_dir(sandbox)
+        if _crosses_a_mount(root, members):
+            sandbox.remove()
+            return None
+        apply_layer(archive, root, plan)
+    except (BelayerEnvckptError, OSError, KeyError, ValueError):
         sandbox.remove()  # half applied: no one may use it
         return None
     # Only a restore that went into a spare reports `spare_ms` (a fallback reports the normal path's).
