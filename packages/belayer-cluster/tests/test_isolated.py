@@ -1,6 +1,7 @@
 """Nodes that share nothing (`IsolatedRayCluster`): what a node sees of the others and of the host,
 and a network partition: the cut node's slot is fenced and never serves again, its sandbox is
-restored elsewhere and its old container is never used again, the node ends when it comes back.
+restored elsewhere (into the other node's spare container) and its old container is never used
+again, the node ends when it comes back (its spare with it).
 
 The module shares the session's cluster (conftest) with test_weightsync.py (same Ray settings).
 The kill of a whole node is test_cluster.py's node-removal test (on this cluster too).
@@ -34,6 +35,7 @@ from belayer_cluster import (
     SandboxCluster,
     clean_stale_clusters,
 )
+from belayer_envckpt import CheckpointStore, Engine, full_restore
 from belayer_router.testing import process_gone
 
 pytestmark = [
@@ -44,6 +46,14 @@ MAX_TOKENS = 160
 SLOT_OPTIONS = {"num_kv_blocks": 256, "stale_s": 5.0}
 WITH_SANDBOXES = True
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+# What a process in a sandbox sees of it: every entry outside the per-container ones (/proc, /sys,
+# /dev, the engine's /etc files), the kept file's mtime and contents, every process's command line.
+SANDBOX_STATE = (
+    "find / -xdev ! -path '/proc*' ! -path '/sys*' ! -path '/dev*' ! -path '/etc/host*' "
+    "! -path '/etc/resolv.conf' ! -path '/etc' ! -path / -exec stat -c '%n %f %u:%g %s' {} + | sort; "
+    "stat -c %Y /kept.txt; md5sum /kept.txt; "
+    "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done | grep -v -e /proc/ -e '^$' | sort"
+)
 
 
 @ray.remote(num_cpus=0)
@@ -164,11 +174,15 @@ def test_a_partitioned_node_is_fenced_and_never_serves_again(
     sandboxes: SandboxCluster,
 ) -> None:
     reference = rollout(router.url, PROMPTS, MAX_TOKENS).tokens
-    victim = slots.infos["b"]
+    victim, survivor = slots.infos["b"], slots.infos["a"].node_id
+    sandboxes.keep_spares(1)  # restores go into a started spare container of their node
     box = sandboxes.create("traj-p", victim.node_id)
+    sandboxes.warm_spares()  # create asked every node for one; ready now
     sandboxes.exec("traj-p", "echo kept > /kept.txt")
     assert sandboxes.checkpoint("traj-p", "traj-p/turn-1").prefix == 1
-    assert local_ray.containers(victim.node_id) == [box.container_id]  # labelled with its node
+    owned = local_ray.containers(victim.node_id)  # labelled with its node: its sandbox and its spare
+    assert len(owned) == 2
+    assert box.container_id in owned
     streams = Rollout(router.url, PROMPTS, MAX_TOKENS).start()
     streams.wait_tokens(4)
     cut_at = local_ray.cut(victim.node_id)
@@ -199,16 +213,46 @@ def test_a_partitioned_node_is_fenced_and_never_serves_again(
     assert local_ray.node_processes(victim.node_id) == []
     wait_until(lambda: local_ray.containers(victim.node_id) == [], 60, "the node's containers removed")
     local_ray.forget(victim.node_id)
-    # Its sandbox lives on elsewhere from the checkpoint; the old container is never used again.
+    # Its sandbox lives on elsewhere from the checkpoint, in the survivor's spare; the old
+    # container is never used again.
     (restore,) = loss.sandboxes
-    assert restore.to_node != victim.node_id
+    assert (restore.to_node, restore.into_spare) == (survivor, True)
     assert restore.container_id != box.container_id
-    assert sandboxes.exec("traj-p", "cat /kept.txt").stdout == "kept\n"
     assert box.container_id not in sandboxes.containers()
+    _restores_into_a_spare_as_a_normal_restore(sandboxes, survivor)
+    assert sandboxes.exec("traj-p", "cat /kept.txt").stdout == "kept\n"
     workers = httpx.get(f"{router.url}/workers", headers=ADMIN, timeout=30).json()["slots"]
     assert {w["slot"]: w["healthy"] for w in workers} == {"a": True, "b": False}
     assert rollout(router.url, PROMPTS[:2], MAX_TOKENS).tokens == reference[:2]
     print(f"partition: detected {detected:.1f} s after the cut, healed {healed_at - cut_at:.1f} s after it")
+
+
+def _restores_into_a_spare_as_a_normal_restore(sandboxes: SandboxCluster, node_id: str) -> None:
+    """traj-p's sandbox killed on `node_id` comes back into that node's spare, in the state a
+    normal restore (a new container, started) of the same checkpoint has."""
+    ckpt = CheckpointStore(sandboxes.store_dir).latest_ready("traj-p")
+    assert ckpt is not None
+    assert ckpt.kind == "fresh-runtime"
+    killed = sandboxes.where("traj-p")
+    sandboxes.control("traj-p", "kill")
+    sandboxes.warm_spares()  # the spare the loss's restore took was refilled in the background
+    spared = sandboxes.restore("traj-p", ckpt, replacing=killed.container_id)
+    sandboxes.remove("traj-p", killed.container_id)
+    assert (spared.node_id, spared.prefix) == (node_id, 1)
+    assert "spare_ms" in spared.restore_timings_ms
+    engine = Engine.connect()
+    try:
+        normal = full_restore(ckpt, engine=engine, remove_failed=False)
+        try:
+            assert "spare_ms" not in normal.restore_timings_ms
+            seen = sandboxes.probe("traj-p", ["/bin/sh", "-c", SANDBOX_STATE]).stdout
+            assert "/kept.txt" in seen  # the tree, the file's mtime and hash, the init's processes
+            assert seen.count("\n") > 20
+            assert seen == normal.probe(SANDBOX_STATE).stdout
+        finally:
+            normal.remove()
+    finally:
+        engine.close()
 
 
 def test_a_node_whose_raylet_was_too_slow_to_register_is_started_again(

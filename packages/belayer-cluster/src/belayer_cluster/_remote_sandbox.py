@@ -39,7 +39,8 @@ class RemoteSandbox:
         self.hosts, self.config = hosts, config
         self.trajectory, self.node_id, self.container_id = info.trajectory, info.node_id, info.container_id
         self.prefix, self.context_ref = info.prefix, info.context_ref
-        self.restore_timings_ms: dict[str, float] = {}
+        # A restored one's (`SandboxHost.restore`): ``spare_ms`` in them when it went into a spare.
+        self.restore_timings_ms: dict[str, float] = dict(info.restore_timings_ms)
         self._boundary = threading.RLock()
 
     @property

@@ -4,6 +4,8 @@ One host per node, pinned to it (node affinity, not soft). It creates sandboxes,
 checkpoints them into the shared `CheckpointStore` every node reads, and restores a sandbox from
 its latest ready checkpoint (for a sandbox whose node was lost). The checkpoint carries the
 trajectory's prefix and LLM context reference, so the restored sandbox is tied to the same prefix.
+With spares (`keep_spares`, `want_spares`: `HostSpares`) a restore of a ``fresh-runtime``
+checkpoint goes into a started spare container of this node instead of a new one.
 
 On this machine every simulated node talks to the one Docker daemon: a host's identity is its Ray
 node, not a Docker engine of its own.
@@ -22,6 +24,7 @@ import attrs
 import ray
 
 from belayer_cluster._errors import SandboxHostError
+from belayer_cluster._host_spares import HostSpares, SpareSpec, sandbox_config
 
 if TYPE_CHECKING:
     from belayer_envckpt import Checkpoint, ExecResult
@@ -38,13 +41,15 @@ NODE_LABEL = "belayer.node"
 
 @attrs.frozen
 class SandboxInfo:
-    """Where a trajectory's sandbox runs now: node, container, committed prefix, LLM context."""
+    """Where a trajectory's sandbox runs now: node, container, committed prefix, LLM context; after a
+    restore its `belayer_envckpt.Sandbox.restore_timings_ms` (``spare_ms`` in them: into a spare)."""
 
     trajectory: str
     node_id: str
     container_id: str
     prefix: int
     context_ref: str
+    restore_timings_ms: dict[str, float] = attrs.field(factory=dict, hash=False)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -93,6 +98,7 @@ class SandboxHost:
         self.store = CheckpointStore(Path(store_dir))
         self.sandboxes: dict[str, Any] = {}  # trajectory -> belayer_envckpt.Sandbox
         self.idle: dict[str, Any] = {}  # container id -> a parked belayer_envckpt.Sandbox (reuse)
+        self.spares = HostSpares(self.engine, {**self.node_labels, CLUSTER_LABEL: cluster_id})
 
     def node(self) -> str:
         """This host's Ray node id (hex)."""
@@ -108,7 +114,7 @@ class SandboxHost:
     ) -> SandboxInfo:
         """A new sandbox for `trajectory` on this node (`working_dir` and `labels` as the caller's pool
         sets them; a sandbox of the trajectory already here must not be running any more)."""
-        from belayer_envckpt import BelayerEnvckptError, Sandbox, SandboxConfig, SandboxLimits
+        from belayer_envckpt import BelayerEnvckptError, Sandbox
 
         old = self.sandboxes.get(trajectory)
         if old is not None and old.is_running():
@@ -117,12 +123,7 @@ class SandboxHost:
             with contextlib.suppress(BelayerEnvckptError):
                 old.remove()
         try:
-            config = SandboxConfig(
-                image=image,
-                working_dir=working_dir or "/",
-                labels={**(labels or {}), **self.node_labels, CLUSTER_LABEL: self.cluster_id},
-                limits=SandboxLimits(**limits) if limits else SandboxLimits(),
-            )
+            config = sandbox_config(image, working_dir, labels, limits, self.spares.host_labels)
             sandbox = Sandbox.create(self.engine, config, trajectory=trajectory)
         except (BelayerEnvckptError, TypeError) as exc:
             raise SandboxHostError(
@@ -234,7 +235,8 @@ class SandboxHost:
 
     def restore(self, trajectory: str, checkpoint: Checkpoint | None = None) -> SandboxInfo:
         """Bring `trajectory`'s sandbox back on this node from `checkpoint` (a
-        `belayer_envckpt.Checkpoint` in the shared store), by default its latest ready one."""
+        `belayer_envckpt.Checkpoint` in the shared store), by default its latest ready one; into a
+        spare of this node when one fits (its timings then hold ``spare_ms``)."""
         from belayer_envckpt import BelayerEnvckptError, full_restore
 
         ckpt = checkpoint if checkpoint is not None else self.store.latest_ready(trajectory)
@@ -244,13 +246,35 @@ class SandboxHost:
                 "from its base image"
             )
         try:
-            sandbox = full_restore(ckpt, engine=self.engine, labels=self.node_labels)
+            # This node's and cluster's labels over the checkpoint's (a lost node's, another run's):
+            # the container is this node's, and a spare of this node fits it.
+            sandbox = full_restore(
+                ckpt, engine=self.engine, labels=self.spares.host_labels, spares=self.spares.pool
+            )
         except BelayerEnvckptError as exc:
             raise SandboxHostError(
                 f"restore of {trajectory!r} on node {self.node_id[:12]} failed: {exc}"
             ) from exc
         self.sandboxes[trajectory] = sandbox
-        return self._info(trajectory, str(sandbox.context_ref))
+        return attrs.evolve(
+            self._info(trajectory, str(sandbox.context_ref)),
+            restore_timings_ms=dict(sandbox.restore_timings_ms),
+        )
+
+    def keep_spares(self, size: int) -> None:
+        """Keep up to `size` started spare containers per sandbox configuration in use (`want_spares`)
+        from now on, for restores on this node (0: none); the spares kept so far are removed."""
+        self.spares.keep(size)
+
+    def want_spares(self, specs: list[SpareSpec], wait: bool = False) -> int:
+        """Spares for the configurations `specs` (made in the background; with `wait`, ready on
+        return), none for others (removed: how many is returned)."""
+        from belayer_envckpt import BelayerEnvckptError
+
+        try:
+            return self.spares.want(specs, wait)
+        except BelayerEnvckptError as exc:
+            raise SandboxHostError(f"no spares on node {self.node_id[:12]}: {exc}") from exc
 
     def remove(self, trajectory: str, container_id: str) -> bool:
         """Remove the trajectory's container `container_id` (and forget it if it is the current one)."""
@@ -312,7 +336,8 @@ class SandboxHost:
         return [c.id for c in self.engine.list_containers([f"{CLUSTER_LABEL}={self.cluster_id}"])]
 
     def stop(self) -> None:
-        """Remove every sandbox of this host."""
+        """Remove every sandbox of this host, its spares too."""
+        self.spares.close()
         for sandbox in [*self.sandboxes.values(), *self.idle.values()]:
             sandbox.remove()
         self.sandboxes.clear()

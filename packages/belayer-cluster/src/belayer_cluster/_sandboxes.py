@@ -17,6 +17,7 @@ from ray.exceptions import RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from belayer_cluster._errors import ClusterStartError, SandboxHostError
+from belayer_cluster._host_spares import SpareSpec
 from belayer_cluster._sandbox_host import SandboxHost, SandboxInfo
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ class SandboxRestore:
     prefix: int  # the committed action boundary it resumes at
     context_ref: str  # the LLM context (prefix) it is tied to
     restore_s: float  # fence + restore, seconds
+    into_spare: bool = False  # restored into a started spare container of `to_node`
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -51,7 +53,9 @@ class SandboxCluster:
     checkpoint. Here every simulated node shares the one Docker daemon: a host is its Ray node.
     A done trajectory's sandbox can be kept for the next one (`park`, `take_idle`): its host
     kills its processes but PID 1 and empties its working folder (files elsewhere stay); a lost
-    node's parked sandboxes are fenced, not restored.
+    node's parked sandboxes are fenced, not restored. With `keep_spares(n)` every host keeps `n`
+    started spare containers per sandbox configuration `create` was asked for lately, and a
+    restore on a node (a lost node's sandbox too) goes into one of that node's when it fits.
     """
 
     def __init__(
@@ -68,6 +72,9 @@ class SandboxCluster:
         self.idle: list[_Idle] = []  # parked sandboxes, to be taken by another trajectory (reuse)
         self._turn = itertools.count()
         self._placing = itertools.count()
+        self.spares = 0  # spare containers per configuration on every host (`keep_spares`)
+        self._specs: dict[str, SpareSpec] = {}  # trajectory -> the configuration it was created with
+        self._asked: frozenset[SpareSpec] = frozenset()  # the configurations the hosts keep spares for
         # A lost node's recovery and a caller's own restore of the same trajectory exclude each other.
         self._moving = threading.RLock()
 
@@ -91,6 +98,8 @@ class SandboxCluster:
             for node_id, host in self.hosts.items():
                 if self._get(host.node.remote()) != node_id:
                     raise SandboxHostError(f"the host for node {node_id[:12]} landed on another node")
+                if self.spares:
+                    self._get(host.keep_spares.remote(self.spares))
         except SandboxHostError as exc:
             self.stop()
             raise ClusterStartError(f"a sandbox host did not start: {exc}") from exc
@@ -126,8 +135,53 @@ class SandboxCluster:
                 continue
             with self._moving:
                 self.placed[trajectory] = info
+            if self.spares:
+                self._ask_for_spares(trajectory, SpareSpec.of(image, working_dir, labels))
             return info
         raise SandboxHostError(f"no node to create a sandbox for {trajectory!r} on")  # pragma: no cover
+
+    def keep_spares(self, size: int) -> None:
+        """From now on every host keeps up to `size` started spare containers per sandbox
+        configuration `create` was asked for (by the trajectories placed now), which restores on its
+        node go into (0: none, and those kept go). They carry the cluster's and the node's labels and
+        the trajectory label ``spare``; `stop` removes them, and an isolated node's end with it."""
+        if size < 0:
+            raise SandboxHostError(f"spares must be >= 0 (0: none), got {size}")
+        with self._moving:
+            self.spares, self._asked, hosts = size, frozenset(), list(self.hosts.values())
+        for host in hosts:
+            with contextlib.suppress(_HostLost):
+                self._get(host.keep_spares.remote(size))
+
+    def warm_spares(
+        self,
+        image: str = "belayer/busybox",
+        *,
+        working_dir: str | None = None,
+        labels: dict[str, str] | None = None,
+    ) -> None:
+        """Make every host's spares for this configuration ready now (tests, benchmarks; `create`
+        otherwise asks for them in the background)."""
+        with self._moving:
+            self._asked |= {SpareSpec.of(image, working_dir, labels)}
+            wanted, hosts = sorted(self._asked, key=repr), list(self.hosts.values())
+        for host in hosts:
+            with contextlib.suppress(_HostLost):
+                self._get(host.want_spares.remote(wanted, True))
+
+    def _ask_for_spares(self, trajectory: str, spec: SpareSpec) -> None:
+        """Spares for the configurations the placed trajectories were created with, on every host,
+        when that set changed (the others' spares go)."""
+        with self._moving:
+            self._specs = {t: s for t, s in self._specs.items() if t in self.placed}
+            self._specs[trajectory] = spec
+            wanted = frozenset(self._specs.values())
+            if wanted == self._asked:
+                return
+            self._asked, hosts = wanted, list(self.hosts.values())
+        for host in hosts:
+            with contextlib.suppress(SandboxHostError):  # a spare less only costs a restore time
+                self._get(host.want_spares.remote(sorted(wanted, key=repr)))
 
     def exec(
         self, trajectory: str, command: str, timeout_s: float = 60.0, *, container_id: str | None = None
@@ -246,6 +300,7 @@ class SandboxCluster:
                             restored.prefix,
                             restored.context_ref,
                             0.0,
+                            "spare_ms" in restored.restore_timings_ms,
                         )
                     )
                 return restored
@@ -326,6 +381,7 @@ class SandboxCluster:
                         info.prefix,
                         info.context_ref,
                         time.monotonic() - began,
+                        "spare_ms" in info.restore_timings_ms,
                     )
                 )
             self.restores += done
