@@ -3,7 +3,8 @@ mid-rollout; the run continues on the slot that is left and its report says what
 Every weight update goes through belayer-cluster's WeightSync: checksums equal on every live node.
 `cluster.address` joins an existing cluster: a Ray head started outside the run. The agentic
 default (tooluse) on Ray: its sandboxes live on the nodes' sandbox hosts, and a lost node's are
-restored on another node from their latest ready checkpoint."""
+restored on another node from their latest ready checkpoint; restores go into the nodes' spare
+containers."""
 
 from __future__ import annotations
 
@@ -107,6 +108,7 @@ def test_an_agentic_run_on_two_nodes_restores_the_lost_nodes_sandboxes_elsewhere
             "chaos.kill_node_at_step=1",  # once a sandbox on the node has a ready checkpoint
             "chaos.kill_worker_at_steps=[]",
             "chaos.sandbox_kill_p=0",
+            "chaos.sandbox_kill_at_actions=[2]",  # restores on the sandbox's own node too
             "rollout.env_checkpoint_policy='always'",
             "data.held_out=2",  # evaluated after the loss too: new sandboxes on the node left
             "system.checkpoint_every=0",
@@ -142,7 +144,16 @@ def test_an_agentic_run_on_two_nodes_restores_the_lost_nodes_sandboxes_elsewhere
             assert recovery["prefix_consistent"], recovery
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["healthy_slots"] for m in metrics] == [1]  # the loss is handled within step 1
-    # Nothing of the run is left on any node: every sandbox (restored ones too) is gone.
+    # Restores went into the nodes' spare containers (rollout.spare_sandboxes, default 1, on every
+    # node's sandbox host), counted per recovery, per step and in the report as on one machine.
+    recoveries = [recovery for line in lines for recovery in line["recoveries"]]
+    into_spare = sum(recovery["into_spare"] for recovery in recoveries)
+    assert into_spare >= 1, recoveries
+    assert metrics[0]["env_restores_into_spare"] == into_spare
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["env"]["restores_into_spare"] == into_spare
+    assert all(isinstance(restore["into_spare"], bool) for restore in loss["sandboxes"])
+    # Nothing of the run is left on any node: every sandbox (restored ones and spares too) is gone.
     engine = Engine.connect()
     try:
         assert engine.list_containers([f"{RUN_LABEL}={run_marker(run_dir)}"]) == []

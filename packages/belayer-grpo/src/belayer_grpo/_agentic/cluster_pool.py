@@ -6,6 +6,11 @@ actions, probes and checkpoints run there, and checkpoints are published to the 
 directory, which every node reads.  The agent loop sees a `belayer_cluster.RemoteSandbox`, a
 `belayer_envckpt.SandboxLike` as a local `belayer_envckpt.Sandbox` is.
 
+With ``spares`` (``rollout.spare_sandboxes``) every node's sandbox host keeps that many started
+spare containers per sandbox configuration (`SandboxCluster.keep_spares`, belayer-envckpt's
+`SparePool` on the node): a restore on a node, a lost node's sandbox's on a survivor too, goes into
+one of that node's when it fits, and its timings hold ``spare_ms`` as on one machine.
+
 When a node is lost, belayer-cluster restores its sandboxes on another node from their latest ready
 checkpoint (`SandboxCluster.recover_node`).  The trajectory learns of it at its next call (the
 container it held is gone: a sandbox failure) and recovers as from any sandbox failure: its latest
@@ -16,6 +21,7 @@ never imports ray: this module uses belayer-cluster's public API only.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 from collections.abc import Callable
@@ -55,7 +61,8 @@ class ClusterSandboxPool(SandboxPool):
     trajectory's sandbox that this pool created fresh is parked on its node's host, its processes
     but PID 1 killed and its working directory emptied (`SandboxCluster.park`), and the next trajectory of the same image and
     working directory takes it (`SandboxCluster.take_idle`), on whichever node it is; a restored
-    sandbox is never reused, and a lost node's parked sandboxes are fenced with it.
+    sandbox is never reused, and a lost node's parked sandboxes are fenced with it.  ``spares``
+    are kept by every node's host (`SandboxCluster.keep_spares`), not on this machine.
     """
 
     hosts: SandboxCluster | None = attrs.field(default=None, kw_only=True)
@@ -64,11 +71,24 @@ class ClusterSandboxPool(SandboxPool):
     checkpointed: Callable[[str], None] | None = attrs.field(default=None, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
-        if self.spares:  # a restore runs in the node's sandbox host, which keeps no spares
-            raise ValueError("ClusterSandboxPool keeps no spare containers: leave spares at 0")
-        super().__attrs_post_init__()
         if self.hosts is None:
             raise ValueError("ClusterSandboxPool needs hosts (a started belayer_cluster.SandboxCluster)")
+        super().__attrs_post_init__()
+
+    def _open_spares(self) -> None:
+        """A restore runs in the sandbox's node's host: every host keeps the spares."""
+        self._hosts.keep_spares(self.spares)
+
+    async def warm_spares(self, image: str, workdir: str) -> None:
+        """Make every node's spares for ``image`` and ``workdir`` ready now (nothing without
+        ``spares``; a `create` otherwise asks for them in the background)."""
+        config = self.sandbox_config(image, workdir)
+        if self.spares:
+            await anyio.to_thread.run_sync(
+                lambda: self._hosts.warm_spares(
+                    config.image, working_dir=config.working_dir, labels=dict(config.labels)
+                )
+            )
 
     @property
     def _hosts(self) -> SandboxCluster:
@@ -153,7 +173,12 @@ class ClusterSandboxPool(SandboxPool):
             shutil.rmtree(self.store.trajectory_dir(lease.trajectory), ignore_errors=True)
 
     async def aclose(self) -> None:
-        """Nothing to do: every lease cleans up after itself, and the cluster's `SandboxCluster.stop`
-        removes whatever is left on any node (parked sandboxes too)."""
+        """Remove the nodes' spares; every lease cleans up after itself, and the cluster's
+        `SandboxCluster.stop` removes whatever is left on any node (parked sandboxes too)."""
+        from belayer_cluster import SandboxHostError
+
         self._idle.clear()
         self._created.clear()
+        if self.spares:
+            with anyio.CancelScope(shield=True), contextlib.suppress(SandboxHostError):
+                await anyio.to_thread.run_sync(lambda: self._hosts.keep_spares(0))

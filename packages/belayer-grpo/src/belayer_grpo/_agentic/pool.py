@@ -109,7 +109,12 @@ class SandboxPool:
             raise ValueError(f"spares must be >= 0 (0: no spare containers), got {self.spares}")
         self._limiter = anyio.CapacityLimiter(self.capacity)
         if self.spares:
-            self._spare_pool = SparePool(self.engine, size=self.spares, shared=True)
+            self._spare_pool = self._open_spares()
+
+    def _open_spares(self) -> SparePool | None:
+        """Where this pool's spares live: a run-wide `SparePool` on this machine's engine (a pool
+        whose sandboxes live elsewhere keeps them there and returns None)."""
+        return SparePool(self.engine, size=self.spares, shared=True)
 
     @property
     def num_live(self) -> int:

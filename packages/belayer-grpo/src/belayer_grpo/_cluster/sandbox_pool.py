@@ -30,5 +30,5 @@ def open_cluster_pool(
     return ClusterSandboxPool(
         engine, CheckpointStore(hosts.store_dir), capacity=config.rollout.max_sandboxes,
         labels={RUN_LABEL: run_marker(run_dir)}, reuse=config.data.workload == "tooluse",
-        hosts=hosts, checkpointed=checkpointed,
+        spares=config.rollout.spare_sandboxes, hosts=hosts, checkpointed=checkpointed,
     )  # fmt: skip
