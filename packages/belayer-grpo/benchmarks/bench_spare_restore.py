@@ -10,7 +10,14 @@ restore into a spare the pool's refill is waited for (in a run it happens in the
 between failures).  Two states: the tool-use task's (a value in a file) and a 10 MB layer.
 Medians and 90th percentiles of ``--reps``; the load average before and after is saved.
 
+With ``--cluster isolated`` (or ``local``) the same path on a cluster run's pool: a
+`ClusterSandboxPool` whose sandboxes live on the sandbox host of one Ray node (an
+`IsolatedRayCluster` node with root, else a `LocalRayCluster` one), ``spares=0`` against
+``spares=1`` (the node's own spare, `SandboxCluster.keep_spares`), two `SandboxCluster`s on the
+same node, interleaved the same way; the times include the call to the node's host.
+
     python benchmarks/bench_spare_restore.py [--reps 9] [--out benchmarks/results/bench_spare_restore.json]
+    python benchmarks/bench_spare_restore.py --cluster isolated [--out benchmarks/results/bench_spare_restore_cluster.json]
 """
 
 from __future__ import annotations
@@ -21,16 +28,19 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import anyio
 
-from belayer_envckpt import CheckpointStore, Engine, Sandbox
+from belayer_envckpt import CheckpointStore, Engine
 from belayer_grpo._agentic import SandboxPool
 from belayer_grpo._agentic.tooluse import TOOLUSE_WORKDIR, ensure_build_image
 
 RESULTS = Path(__file__).parent / "results" / "bench_spare_restore.json"
+CLUSTER_RESULTS = Path(__file__).parent / "results" / "bench_spare_restore_cluster.json"
 WORKDIR = TOOLUSE_WORKDIR
 STATES = {
     "tool-use task (a value in a file)": "echo 417 > a",
@@ -42,7 +52,6 @@ async def one_restore(pool: SandboxPool, image: str, name: str, action: str) -> 
     """Lease, act, checkpoint, kill, restore (timed); the lease cleans up."""
     async with pool.lease(name, image, WORKDIR) as lease:
         sandbox = lease.sandbox
-        assert isinstance(sandbox, Sandbox)
         assert (await anyio.to_thread.run_sync(lambda: sandbox.exec(action))).ok
         record = await anyio.to_thread.run_sync(
             lambda: pool.take_checkpoint(
@@ -73,20 +82,67 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+@contextmanager
+def cluster_pools(
+    kind: str, engine: Engine, root: Path, labels: dict[str, str]
+) -> Iterator[dict[int, SandboxPool]]:
+    """Two `ClusterSandboxPool`s (spares 0 and 1) on one Ray node's sandbox hosts."""
+    from belayer_cluster import IsolatedRayCluster, LocalClusterConfig, LocalRayCluster, SandboxCluster
+    from belayer_grpo._agentic.cluster_pool import ClusterSandboxPool
+
+    config = LocalClusterConfig(num_nodes=1)
+    ray_cluster: Any = (
+        IsolatedRayCluster(config, shared_dir=root / "shared")
+        if kind == "isolated"
+        else LocalRayCluster(config)
+    )
+    with ray_cluster:
+        hosts = {spares: SandboxCluster(root / "shared" / f"s{spares}") for spares in (0, 1)}
+        try:
+            for cluster in hosts.values():
+                cluster.start()
+            yield {
+                spares: ClusterSandboxPool(
+                    engine,
+                    CheckpointStore(hosts[spares].store_dir),
+                    capacity=1,
+                    labels=labels,
+                    spares=spares,
+                    hosts=hosts[spares],
+                )
+                for spares in (0, 1)
+            }
+        finally:
+            for cluster in hosts.values():
+                cluster.stop()
+
+
+@contextmanager
+def local_pools(engine: Engine, root: Path, labels: dict[str, str]) -> Iterator[dict[int, SandboxPool]]:
+    """Two `SandboxPool`s (spares 0 and 1) on this machine's engine."""
+    yield {
+        spares: SandboxPool(
+            engine, CheckpointStore(root / f"s{spares}"), capacity=1, labels=labels, spares=spares
+        )
+        for spares in (0, 1)
+    }
+
+
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     engine = Engine.connect()
     engine.require_checkpoint_support()
     image = ensure_build_image(engine)
     load_before = os.getloadavg()
     results: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as root:
-        labels = {"belayer.bench": "spare-restore"}
-        pools = {
-            spares: SandboxPool(
-                engine, CheckpointStore(Path(root) / f"s{spares}"), capacity=1, labels=labels, spares=spares
-            )
-            for spares in (0, 1)
-        }
+    labels = {"belayer.bench": "spare-restore"}
+    with (
+        tempfile.TemporaryDirectory() as root,
+        (
+            cluster_pools(args.cluster, engine, Path(root), labels)
+            if args.cluster
+            else local_pools(engine, Path(root), labels)
+        ) as pools,
+    ):
         try:
             for state, action in STATES.items():
                 rows: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
@@ -106,6 +162,9 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             engine.close()
     return {
         "benchmark": "bench_spare_restore",
+        "pool": f"ClusterSandboxPool on one {args.cluster} Ray node"
+        if args.cluster
+        else "SandboxPool on this machine",
         "reps": args.reps,
         "load_before": [round(x, 2) for x in load_before],
         "load_after": [round(x, 2) for x in os.getloadavg()],
@@ -115,7 +174,9 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def print_table(report: dict[str, Any]) -> None:
-    print(f"load {report['load_before']} -> {report['load_after']} on {report['cpus']} CPUs")
+    print(
+        f"{report['pool']}: load {report['load_before']} -> {report['load_after']} on {report['cpus']} CPUs"
+    )
     print("| state | restore | median ms | p90 ms | into a spare |")
     print("|---|---|---:|---:|---:|")
     for state, ways in report["results"].items():
@@ -128,8 +189,12 @@ def print_table(report: dict[str, Any]) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=9)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--cluster", choices=["isolated", "local"], help="on a cluster run's pool (one Ray node)"
+    )
     arguments = parser.parse_args()
+    arguments.out = arguments.out or (CLUSTER_RESULTS if arguments.cluster else RESULTS)
     report = anyio.run(main, arguments)
     print_table(report)
     arguments.out.parent.mkdir(parents=True, exist_ok=True)
