@@ -108,7 +108,6 @@ def test_an_agentic_run_on_two_nodes_restores_the_lost_nodes_sandboxes_elsewhere
             "chaos.kill_node_at_step=1",  # once a sandbox on the node has a ready checkpoint
             "chaos.kill_worker_at_steps=[]",
             "chaos.sandbox_kill_p=0",
-            "chaos.sandbox_kill_at_actions=[2]",  # restores on the sandbox's own node too
             "rollout.env_checkpoint_policy='always'",
             "data.held_out=2",  # evaluated after the loss too: new sandboxes on the node left
             "system.checkpoint_every=0",
@@ -144,15 +143,20 @@ def test_an_agentic_run_on_two_nodes_restores_the_lost_nodes_sandboxes_elsewhere
             assert recovery["prefix_consistent"], recovery
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["healthy_slots"] for m in metrics] == [1]  # the loss is handled within step 1
-    # Restores went into the nodes' spare containers (rollout.spare_sandboxes, default 1, on every
-    # node's sandbox host), counted per recovery, per step and in the report as on one machine.
+    # The lost node's sandboxes went into the survivor's spare container (rollout.spare_sandboxes,
+    # default 1, on every node's sandbox host; ready long before the loss): the first at least.
+    # A trajectory's recovery that adopted one says so, counted per step and in the report as on
+    # one machine.
+    assert any(restore["into_spare"] for restore in loss["sandboxes"]), loss["sandboxes"]
     recoveries = [recovery for line in lines for recovery in line["recoveries"]]
     into_spare = sum(recovery["into_spare"] for recovery in recoveries)
-    assert into_spare >= 1, recoveries
     assert metrics[0]["env_restores_into_spare"] == into_spare
     report = json.loads((run_dir / "report.json").read_text())
     assert report["env"]["restores_into_spare"] == into_spare
-    assert all(isinstance(restore["into_spare"], bool) for restore in loss["sandboxes"])
+    spared = sum(restore["into_spare"] for restore in loss["sandboxes"])
+    print(
+        f"into a spare: {spared} of {len(loss['sandboxes'])} loss restores, {into_spare} of {len(recoveries)} recoveries"
+    )
     # Nothing of the run is left on any node: every sandbox (restored ones and spares too) is gone.
     engine = Engine.connect()
     try:
