@@ -8,18 +8,26 @@ the logged checkpoint when there is one (only the actions after it run again) or
 sandbox (every logged action runs again).  The continued trajectory is the same, token for token.
 And a router that lost the logged turns (a new router, or one that dropped the record) generates
 them anew, which ``RolloutStats.num_reattach_regenerated`` (``trajectories_regenerated``) counts.
+A sandbox killed while it is rebuilt (chaos after a replayed action) is restored again and the
+logged actions after the restore replayed again; past ``max_recoveries`` the trajectory is lost.
+A resumed turn that comes back other than logged (a new router's agent answers otherwise) rewinds
+the journal, so a second kill and resume continues what the first resume did.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import anyio
+import attrs
 import pytest
-from agentic_support import agentic_config, connect_engine, run_id
-from test_tooluse_sandbox import router_with_tooluse_agent
+from agent_script import STOP
+from agentic_support import ADMIN, agentic_config, connect_engine, run_id
+from test_tooluse_sandbox import router_with_tooluse_agent, tooluse_response
 
 from belayer_envckpt import CheckpointStore, Engine
 from belayer_grpo._agentic import (
@@ -31,6 +39,8 @@ from belayer_grpo._agentic import (
     run_agentic_rollouts,
 )
 from belayer_grpo._agentic.journal import read_journals
+from belayer_router import ByteTokenizer, RouterClient, RouterConfig, running_router
+from belayer_router.testing import running_worker, text_script
 
 pytestmark = [pytest.mark.docker, pytest.mark.anyio]
 
@@ -148,3 +158,210 @@ async def test_logged_turns_a_router_lost_count_as_regenerated(
     assert stats.num_actions_replayed == 1  # `cat a` after the logged checkpoint of turn 1
     assert stats.num_restored_from_checkpoint == 1
     assert stats.num_reattach_regenerated == (0 if same_router else 1)
+
+
+def _cut(events: list[dict[str, Any]], kept: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The journal as a kill left it: the events of ``kept``, in order."""
+    cut, rest = [], list(events)
+    for kind in kept:
+        while rest[0]["event"] != kind:
+            rest.pop(0)
+        cut.append(rest.pop(0))
+    return cut
+
+
+@pytest.mark.parametrize(
+    ("kept", "kill_at", "replayed", "restored"),
+    [
+        # no checkpoint: the fresh sandbox killed after replaying `echo`: a fresh one again, both replayed
+        (("action", "action"), 1, 2, False),
+        # the checkpoint of turn 1 restored, killed after replaying `cat`: restored again, `cat` again
+        (("action", "checkpoint", "action"), 2, 1, True),
+        # the same, with no recovery allowed: the trajectory is lost (its group dropped here)
+        (("action", "checkpoint", "action"), 2, 0, False),
+    ],
+)
+async def test_a_sandbox_killed_while_it_is_rebuilt_is_restored_again(
+    engine: Engine, tmp_path: Path, kept: tuple[str, ...], kill_at: int, replayed: int, restored: bool
+) -> None:
+    task, config, pool = _one_task(engine, tmp_path)
+    lost = replayed == 0
+    # The resumed run only: chaos kills the sandbox (a real `docker kill`) after the action that
+    # brings it to prefix `kill_at`, here a replayed one.
+    chaotic = attrs.evolve(
+        config, sandbox_kill_at_actions=(kill_at,), max_recoveries=0 if lost else 100,
+        on_unrecoverable="drop",
+    )  # fmt: skip
+    events: list[dict[str, Any]] = []
+    resumed_events: list[dict[str, Any]] = []
+    stats = RolloutStats()
+    name = run_id(f"rebuild-{len(kept)}-{lost}")
+    try:
+        async with router_with_tooluse_agent() as client:
+            with anyio.fail_after(240):
+                (first,) = await run_agentic_rollouts(
+                    task, client, config, engine=engine, pool=pool, run_id=name, note=events.append
+                )
+                again = await run_agentic_rollouts(
+                    task, client, chaotic, engine=engine, pool=pool, run_id=name,
+                    resume=read_journals(_cut(events, kept)), stats=stats, note=resumed_events.append,
+                )  # fmt: skip
+    finally:
+        await pool.aclose()
+    assert first.reward == 1.0, first.test_output
+    if lost:  # no recovery left: lost like any unrecoverable trajectory (a train counts it regenerated)
+        assert again == []
+        assert (stats.num_unrecoverable, stats.num_dropped_groups, stats.num_reattached) == (1, 1, 0)
+        assert "rebuilding the resumed sandbox: killed by chaos" in stats.errors[0]
+        return
+    (trajectory,) = again
+    assert (trajectory.token_ids, trajectory.logprobs, trajectory.loss_mask) == (
+        first.token_ids,
+        first.logprobs,
+        first.loss_mask,
+    )
+    assert (trajectory.reward, trajectory.finish, trajectory.num_actions) == (1.0, "answer", 2)
+    assert stats.num_reattached == 1
+    assert stats.num_rebuild_failures == 1
+    assert stats.num_actions_replayed == replayed  # those of the rebuild the trajectory went on from
+    assert stats.num_restored_from_checkpoint == int(restored)
+    assert (stats.num_reattach_regenerated, stats.num_reattach_inconsistent, stats.num_unrecoverable) == (
+        0,
+        0,
+        0,
+    )
+    (recovery,) = trajectory.recoveries  # the failure, recovered without losing a turn
+    assert recovery.reason == "killed by chaos (rebuilding the resumed sandbox)"
+    assert (recovery.from_checkpoint, recovery.restored_prefix) == (restored, int(restored))
+    assert (recovery.tokens_regenerated, recovery.rounds_regenerated) == (0, 0)
+    assert recovery.prefix_consistent
+    # The journal still holds: no rewind, no action logged again (every logged one held).
+    assert [e["event"] for e in resumed_events] == []
+
+
+def _store_agent(first_turn: Callable[[str], str]) -> Callable[[str], str]:
+    """The perfect tool-use agent, with ``first_turn(value)`` as its first response."""
+
+    def respond(prompt: str) -> str:
+        task = re.match(r"Save (\d+) to file a, ", prompt)
+        if task is not None and "OUT " not in prompt:
+            return first_turn(task.group(1))
+        return tooluse_response(prompt)
+
+    return respond
+
+
+@asynccontextmanager
+async def _router_with(respond: Callable[[str], str]) -> AsyncIterator[RouterClient]:
+    """A new router (none of the earlier turns) whose scripted worker answers ``respond``."""
+    script = text_script(ByteTokenizer(), respond, STOP)
+    async with (
+        running_router(RouterConfig(admin_token=ADMIN, resume_wait_s=10.0)) as (url, _app),
+        running_worker(1, script=script) as (worker_url, _worker),
+        RouterClient(url, admin_token=ADMIN) as client,
+    ):
+        await client.register("s0", worker_url, 1)
+        yield client
+
+
+@pytest.mark.parametrize(
+    "first_turn",
+    [
+        pytest.param(lambda value: f"ACTION: echo {value} >a\n", id="another-command"),
+        pytest.param(
+            lambda value: f"Storing it.\nACTION: echo {value} > a\n", id="same-command-other-tokens"
+        ),
+    ],
+)
+async def test_a_resumed_turn_that_comes_back_otherwise_rewinds_the_journal(
+    engine: Engine, tmp_path: Path, first_turn: Callable[[str], str]
+) -> None:
+    task, config, pool = _one_task(engine, tmp_path)
+    events: list[dict[str, Any]] = []
+    second_events: list[dict[str, Any]] = []
+    first_stats, second_stats = RolloutStats(), RolloutStats()
+    name = run_id("diverged")
+    try:
+        async with router_with_tooluse_agent() as client:
+            with anyio.fail_after(240):
+                (first,) = await run_agentic_rollouts(
+                    task, client, config, engine=engine, pool=pool, run_id=name, note=events.append
+                )
+        # Killed after turn 2's action; resumed on a router that lost every turn and whose agent
+        # answers turn 1 otherwise: the killed run's history no longer holds from turn 1.
+        killed = _cut(events, ("action", "checkpoint", "action"))
+        async with _router_with(_store_agent(first_turn)) as other:
+            with anyio.fail_after(240):
+                (second,) = await run_agentic_rollouts(
+                    task, other, config, engine=engine, pool=pool, run_id=name,
+                    resume=read_journals(killed), stats=first_stats, note=second_events.append,
+                )  # fmt: skip
+                assert second_events[0] == {
+                    "event": "rewind",
+                    "v": 1,
+                    "trajectory_id": f"{name}-g0-s0",
+                    "turn": 0,
+                }
+                # Killed again, right after the resumed run's turn-1 action was logged: the journal of
+                # both runs' events is the second run's own history.
+                upto = next(i for i, e in enumerate(second_events) if e["event"] == "action")
+                journal = read_journals(killed + second_events[: upto + 1])[f"{name}-g0-s0"]
+                assert (list(journal.actions), journal.checkpoints) == ([1], [])
+                assert journal.actions[1].context_hash != killed[0]["context_hash"]
+                (third,) = await run_agentic_rollouts(
+                    task, other, config, engine=engine, pool=pool, run_id=name,
+                    resume={f"{name}-g0-s0": journal}, stats=second_stats,
+                )  # fmt: skip
+    finally:
+        await pool.aclose()
+    assert first.reward == second.reward == third.reward == 1.0, (second.test_output, third.test_output)
+    assert second.token_ids != first.token_ids  # the agent answered turn 1 otherwise
+    assert (third.token_ids, third.logprobs, third.loss_mask) == (
+        second.token_ids,
+        second.logprobs,
+        second.loss_mask,
+    )
+    # The first resume: turn 1 generated anew (the router lost it), consistent after the rewind.
+    assert (first_stats.num_reattached, first_stats.num_reattach_regenerated) == (1, 1)
+    assert first_stats.num_reattach_inconsistent == 0
+    # The second: the new turn 1 held by the router, its action replayed in a fresh sandbox.
+    assert (second_stats.num_reattached, second_stats.num_actions_replayed) == (1, 1)
+    assert second_stats.num_restored_from_checkpoint == 0
+    assert (second_stats.num_reattach_regenerated, second_stats.num_reattach_inconsistent) == (0, 0)
+
+
+async def test_a_finished_trajectory_is_logged_before_its_checkpoints_go(
+    engine: Engine, tmp_path: Path
+) -> None:
+    """A kill between the two must not leave a begun trajectory whose logged checkpoints are gone
+    (a resume rebuilt it from a fresh sandbox); a finished one taken from the log has its
+    leftover checkpoints (a kill after its log line, before its lease ended) removed."""
+    task, config, _ = _one_task(engine, tmp_path)
+    pool = SandboxPool(engine, CheckpointStore(tmp_path / "ckpt"), capacity=1, reuse=True)
+    held_at_log: list[bool] = []
+
+    def on_finished(trajectory: Any, _attempt: int) -> None:
+        held_at_log.append(any(pool.store.trajectory_dir(trajectory.trajectory_id).glob("k*")))
+
+    name = run_id("logged-first")
+    try:
+        async with router_with_tooluse_agent() as client:
+            with anyio.fail_after(240):
+                (first,) = await run_agentic_rollouts(
+                    task, client, config, engine=engine, pool=pool, run_id=name, on_finished=on_finished
+                )
+                folder = pool.store.trajectory_dir(first.trajectory_id)
+                assert not folder.exists()  # gone with its lease
+                folder.mkdir(parents=True)  # as a kill right after its log line leaves it
+                (folder / "k00001-left").mkdir()
+                stats = RolloutStats()
+                (again,) = await run_agentic_rollouts(
+                    task, client, config, engine=engine, pool=pool, run_id=name, done={(0, 0, 0): first},
+                    stats=stats,
+                )  # fmt: skip
+    finally:
+        await pool.aclose()
+    assert held_at_log == [True]  # its checkpoints were still there when it was logged
+    assert again is first
+    assert stats.num_reused == 1
+    assert not folder.exists()

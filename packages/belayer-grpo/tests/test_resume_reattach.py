@@ -15,7 +15,13 @@ tooluse ``store`` task (4 tasks x 4 samples, real Docker sandboxes):
   each begun trajectory continues where it was, its turns answered by the router, its sandbox
   restored from its latest logged checkpoint and only the logged actions after it run again (all of
   them in a fresh sandbox when it had none); the counts are checked against what the log and the
-  router held at the kill.  The killed trainer's sandboxes are removed, never used again.  Final
+  router held at the kill.  The resumed run has sandbox chaos (``chaos.sandbox_kill_at_actions=[2]``:
+  every trajectory's sandbox is killed after its second action, a replayed one too): a sandbox
+  killed while it is rebuilt is restored again, counted in ``rebuild_failures_recovered`` exactly
+  as the log says (a begun trajectory whose logged action of prefix 2 is after its latest logged
+  checkpoint), the counts above do not change and nothing is regenerated; the final weights still equal A's (whose
+  run had no chaos: a recovery regenerates nothing the router held).  The killed trainer's
+  sandboxes are removed, never used again.  Final
   weights equal A's bit for bit (tolerance none: see test_resume_e2e.py), and nothing of either
   trainer or the host is left afterwards.
 
@@ -136,11 +142,12 @@ def _held(run_dir: Path, num_samples: int) -> tuple[int, int]:
     return len(held), sum(len(record["token_ids"]) for record in held)
 
 
-def _expected_reattach(run_dir: Path, num_samples: int) -> tuple[int, int, int]:
+def _expected_reattach(run_dir: Path, num_samples: int, kill_at: int) -> tuple[int, int, int, int]:
     """What a resume must continue, from what the step log and the router held at the kill: the
     begun trajectories (the router holds their first turn, the log does not hold them finished),
-    the logged actions after each one's latest logged checkpoint (all of them without one), and
-    how many have a checkpoint to restore."""
+    the logged actions after each one's latest logged checkpoint (all of them without one), how
+    many have a checkpoint to restore, and how many rebuilds chaos kills (one whose replayed
+    actions bring the sandbox to prefix ``kill_at``: restored again, it is not killed twice)."""
     host = json.loads((run_dir / "rollout-host" / "host.json").read_text())
     path = run_dir / "rollouts" / "step_000002.jsonl"
     records = _records(path)
@@ -149,15 +156,17 @@ def _expected_reattach(run_dir: Path, num_samples: int) -> tuple[int, int, int]:
     headers = {"Authorization": f"Bearer {host['admin_token']}"}
     with httpx.Client(base_url=host["url"], headers=headers, timeout=30) as client:
         begun = [t for t in ids if t not in finished and client.get(f"/requests/{t}-t1").status_code == 200]
-    replayed = restored = 0
+    replayed = restored = killed = 0
     for trajectory in begun:
         events = [r for r in records if r.get("trajectory_id") == trajectory]
         assert all(e["event"] in ("action", "checkpoint") for e in events)  # no sandbox chaos here
         checkpointed = [e["turn"] for e in events if e["event"] == "checkpoint"]
         after = max(checkpointed, default=0)
-        replayed += sum(1 for e in events if e["event"] == "action" and e["turn"] > after)
+        again = [e for e in events if e["event"] == "action" and e["turn"] > after]
+        replayed += len(again)
         restored += bool(checkpointed)
-    return len(begun), replayed, restored
+        killed += any(e["prefix"] == kill_at for e in again)
+    return len(begun), replayed, restored, killed
 
 
 def _nothing_left(run_dir: Path, tag: str, within_s: float) -> None:
@@ -212,16 +221,19 @@ def test_a_resume_within_the_grace_period_regenerates_nothing(
     assert "waits 300 s" in (run_dir / "guardian.log").read_text()
 
     held = _held(run_dir, num_samples) if math else (0, 0)
-    reattach = (0, 0, 0) if math else _expected_reattach(run_dir, num_samples)
+    reattach = (0, 0, 0, 0) if math else _expected_reattach(run_dir, num_samples, kill_at=2)
     killed = [] if math else _sandboxes(run_dir)  # the killed trainer's sandboxes
     assert math or reattach[2] >= 1  # a begun trajectory has a checkpoint to restore
 
-    resumed = _train("--resume", str(run_dir), env=env)
+    # Agentic: sandbox chaos in the resumed run only (the uninterrupted run A had none).
+    chaos = [] if math else ["chaos.sandbox_kill_at_actions=[2]"]
+    resumed = _train("--resume", str(run_dir), *chaos, env=env)
     assert resumed.returncode == 0, resumed.stderr
     report = json.loads(resumed.stdout)
     print({key: report.get(key) for key in ("trajectories_reused", "requests_reattached", "tokens_reattached",
                                             "trajectories_new", "trajectories_regenerated", "trajectories_reattached",
-                                            "actions_replayed", "sandboxes_restored_from_checkpoint")}, reattach)  # fmt: skip
+                                            "actions_replayed", "sandboxes_restored_from_checkpoint",
+                                            "rebuild_failures_recovered")}, reattach)  # fmt: skip
     assert report["status"] == "completed"
     assert report["steps"] == 3
     assert "re-attached to the rollout host" in resumed.stderr
@@ -237,7 +249,8 @@ def test_a_resume_within_the_grace_period_regenerates_nothing(
         # Each begun trajectory continued where it was: its sandbox restored from its latest logged
         # checkpoint, only the logged actions after it run again; exactly what the log and the
         # router held at the kill.
-        counts = ("trajectories_reattached", "actions_replayed", "sandboxes_restored_from_checkpoint")
+        counts = ("trajectories_reattached", "actions_replayed", "sandboxes_restored_from_checkpoint",
+                  "rebuild_failures_recovered")  # fmt: skip
         assert tuple(report[key] for key in counts) == reattach
         assert report["reattached_inconsistent"] == 0
         assert report["requests_reattached"] >= report["trajectories_reattached"] >= 1
@@ -256,6 +269,11 @@ def test_a_resume_within_the_grace_period_regenerates_nothing(
     assert step2[0]["requests_reattached"] == report["requests_reattached"]
     if not math:
         assert step2[0]["actions_replayed"] == report["actions_replayed"]
+        # The chaos struck in the resumed run: rebuilds as counted, and live actions of prefix 2.
+        resumed_steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        failures = sum(record.get("env_failures", 0) for record in resumed_steps if record["step"] >= 2)
+        print("env_failures (steps 2-3)", failures)
+        assert failures >= max(1, reattach[3])
 
     model_a, model_b = _model(run_a), _model(run_dir)
     assert model_a.keys() == model_b.keys()

@@ -181,7 +181,7 @@ def test_the_journal_of_trajectories_in_flight_comes_back_apart_from_the_samples
     record = CheckpointRecord(1, 1, first.context_ref, "ctx1", "repo1", 0.25, checkpoint=first, kind="full")
     for turn, command in [(1, "echo a > f"), (2, "cat f"), (3, "rm f")]:
         result = ExecResult(stdout=f"out{turn}\n", stderr="e" * turn, exit_code=turn - 1, duration_s=0.5)
-        log.append_event(action_event(traj, turn, turn, command, result))
+        log.append_event(action_event(traj, turn, turn, command, result, f"ctx{turn}" if turn > 1 else ""))
         if turn == 1:
             log.append_event(checkpoint_event(traj, record))
     log.append_event(rewind_event(traj, 2))  # a recovery went back to turn 2: turn 3 no longer holds
@@ -198,7 +198,8 @@ def test_the_journal_of_trajectories_in_flight_comes_back_apart_from_the_samples
     journal = journals[traj]
     assert sorted(journal.actions) == [1, 2]
     assert journal.last_turn == 2
-    assert journal.actions[2] == LoggedAction(2, 2, "cat f", 1, "out2\n", "ee", 0.5)
+    assert journal.actions[2] == LoggedAction(2, 2, "cat f", 1, "out2\n", "ee", 0.5, "ctx2")
+    assert journal.actions[1].context_hash == ""  # not logged (an older journal): not compared
     assert journal.actions[2].result() == ExecResult(
         stdout="out2\n", stderr="ee", exit_code=1, duration_s=0.5
     )

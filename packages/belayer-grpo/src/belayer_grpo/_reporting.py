@@ -164,6 +164,11 @@ class Reporter:
                     f"{summary['sandboxes_restored_from_checkpoint']} sandbox(es) restored from a checkpoint, "
                     f"{summary['actions_replayed']} logged action(s) run again"
                     + (
+                        f", {summary['rebuild_failures_recovered']} sandbox failure(s) meanwhile recovered"
+                        if summary.get("rebuild_failures_recovered")
+                        else ""
+                    )
+                    + (
                         f", {summary['reattached_inconsistent']} INCONSISTENT"
                         if summary["reattached_inconsistent"]
                         else ""

@@ -127,6 +127,7 @@ class RunState:
     num_actions_replayed: int = 0
     num_restored_from_checkpoint: int = 0
     num_reattach_inconsistent: int = 0
+    num_rebuild_failures: int = 0  # sandbox failures while rebuilding them (recovered)
     checkpoint_step: int = 0
     step_log: StepLog | None = None  # the current step's rollout log, ended after its metrics
 
@@ -331,6 +332,7 @@ def _reattach_counts(run: RunState, resumed: bool = True) -> dict[str, int]:
         "actions_replayed": run.num_actions_replayed,
         "sandboxes_restored_from_checkpoint": run.num_restored_from_checkpoint,
         "reattached_inconsistent": run.num_reattach_inconsistent,
+        "rebuild_failures_recovered": run.num_rebuild_failures,
     }
     return counts if resumed else dict.fromkeys(counts, 0)
 
@@ -418,6 +420,7 @@ async def _swe_rollout(
                 now.num_restored_from_checkpoint - before.num_restored_from_checkpoint
             )
             run.num_reattach_inconsistent = now.num_reattach_inconsistent - before.num_reattach_inconsistent
+            run.num_rebuild_failures = now.num_rebuild_failures - before.num_rebuild_failures
             # Regenerated: a begun trajectory not continued to its end (another recovery mode, or
             # it failed and its group was sampled again), or one with a turn generated anew.
             regenerated = now.num_reattach_regenerated - before.num_reattach_regenerated

@@ -5,18 +5,22 @@ As a trajectory runs, its loop hands each event to a ``note`` callback (the step
 
 - ``action``: a committed environment step: its turn, the sandbox's prefix after it, the command
   and what it returned (exit code, stdout, stderr), all the loop needs to rebuild its context
-  and observations at that turn without running it again;
+  and observations at that turn without running it again, and the hash of the context after its
+  observation (a resume that rebuilt another context there rewinds: see ``rewind``);
 - ``checkpoint``: a ready checkpoint of the sandbox: its id in the run's checkpoint store, its
   prefix and turn, the router context it is tied to (ref and hash), the repository hash and kind;
-- ``rewind``: a recovery took the trajectory back to ``turn``: later actions and checkpoints no
-  longer hold.
+- ``rewind``: a recovery took the trajectory back to ``turn``, or a resumed turn after it came
+  back other than logged (another command, or another context: a turn the router generated
+  anew): later actions and checkpoints no longer hold.
 
 `read_journals` folds a step's events into one `TrajectoryJournal` per trajectory.  A trainer
 that adopted the killed one's router continues a begun trajectory from it (`AgentLoop`
 ``resume``): its turns are sent again under the same request ids (the router answers them from
 what it holds), each logged action's result is taken from the journal, and the sandbox is
 rebuilt once at the last logged turn: its latest ready checkpoint restored (and verified) and
-only the actions after it run again (all of them, in a fresh sandbox, when there is none).
+only the actions after it run again (all of them, in a fresh sandbox, when there is none); a
+sandbox failure meanwhile is recovered as any other (restored again, the actions after it run
+again).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class LoggedAction:
     stdout: str
     stderr: str
     duration_s: float = 0.0
+    context_hash: str = ""  # the context after its observation ("" in an older journal: not compared)
 
     def result(self) -> ExecResult:
         """What the action returned, as `environment.run_action` gave it the first time."""
@@ -101,13 +106,13 @@ class TrajectoryJournal:
 
 
 def action_event(
-    trajectory_id: str, turn: int, prefix: int, command: str, result: ExecResult
+    trajectory_id: str, turn: int, prefix: int, command: str, result: ExecResult, context_hash: str = ""
 ) -> dict[str, Any]:
-    """The ``action`` event of a committed step."""
+    """The ``action`` event of a committed step (``context_hash``: the context after its observation)."""
     return {
         "event": "action", "v": JOURNAL_FORMAT, "trajectory_id": trajectory_id, "turn": turn,
         "prefix": prefix, "command": command, "exit_code": result.exit_code, "stdout": result.stdout,
-        "stderr": result.stderr, "duration_s": result.duration_s,
+        "stderr": result.stderr, "duration_s": result.duration_s, "context_hash": context_hash,
     }  # fmt: skip
 
 
@@ -142,6 +147,7 @@ def read_journals(events: Iterable[dict[str, Any]]) -> dict[str, TrajectoryJourn
                 action = LoggedAction(
                     int(event["turn"]), int(event["prefix"]), str(event["command"]), int(event["exit_code"]),
                     str(event["stdout"]), str(event["stderr"]), float(event.get("duration_s", 0.0)),
+                    str(event.get("context_hash", "")),
                 )  # fmt: skip
                 journal.actions[action.turn] = action
             elif kind == "checkpoint":

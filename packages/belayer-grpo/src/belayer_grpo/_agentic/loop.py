@@ -92,6 +92,8 @@ class AgentLoop:
     restored_from_checkpoint: bool = False  # the resumed sandbox came from a logged checkpoint
     num_turns_regenerated: int = 0  # turns a resume had to generate anew (the router lost or refused them)
     replay_consistent: bool = True  # every replayed action returned what the journal holds
+    num_rebuild_failures: int = 0  # sandbox failures while rebuilding (recovered: restored, replayed again)
+    num_turns_diverged: int = 0  # logged turns that came back other than logged (a ``rewind`` each)
     _from_journal: list[LoggedAction] = attrs.field(factory=list)  # actions taken from ``resume``
     _base: CheckpointRecord | None = None
     _pending: _Step | None = None  # the last step, decided on during the next response
@@ -181,6 +183,7 @@ class AgentLoop:
             stops = set(self.config.stop_token_ids)
             text = self.tokenizer.decode([t for t in completion.token_ids if t not in stops])
             action = actions.parse_action(text)
+            logged = self._follow_journal(turn, action)
             if isinstance(action, actions.Submit):
                 return "submit"
             if isinstance(action, actions.Answer):
@@ -194,7 +197,6 @@ class AgentLoop:
                 self.context.add_text(self.tokenizer, render_feedback(action.feedback))
                 await self._send_added(turn, responded)
                 continue
-            logged = self._logged_action(turn, action.command)
             outcome: ExecResult | environment.SandboxFailure
             if logged is not None:  # resumed: what it returned is in the journal; the sandbox later
                 outcome, self.prefix = logged.result(), logged.prefix
@@ -210,7 +212,6 @@ class AgentLoop:
                 if isinstance(outcome, environment.SandboxFailure):
                     return outcome
                 self.prefix = self.lease.sandbox.prefix
-                self._note(action_event(self.trajectory_id, turn, self.prefix, action.command, outcome))
             self._observations[turn] = ToolObservation(
                 action.command, outcome.exit_code, outcome.stdout + outcome.stderr
             )
@@ -226,7 +227,14 @@ class AgentLoop:
             self.context.add_text(self.tokenizer, observation)
             await self._send_added(turn, responded)
             if logged is not None:
+                self._check_logged_context(logged)
                 continue  # its checkpoint, if it had one, is in the journal too
+            # Logged with the context it leaves (a resume compares the context it rebuilt with it).
+            self._note(
+                action_event(
+                    self.trajectory_id, turn, self.prefix, action.command, outcome, self.context.digest()
+                )
+            )
             # Decided (and checkpointed) while the next response is generated: see `_respond`.
             ref = environment.context_ref(self.trajectory_id, turn)
             self._pending = _Step(
@@ -474,23 +482,51 @@ class AgentLoop:
         if self.note is not None:
             self.note(event)
 
-    def _logged_action(self, turn: int, command: str) -> LoggedAction | None:
-        """The journal's action of ``turn`` while a resumed trajectory is not rebuilt yet (None
-        after that, or when the response asks for another command than the one logged)."""
-        if self.resume is None:
+    def _follow_journal(self, turn: int, action: actions.ParsedAction) -> LoggedAction | None:
+        """The journal's action of ``turn`` while a resumed trajectory is not rebuilt yet, when the
+        response asks for the command logged (None otherwise).  A response that asks for anything
+        else (a turn the router generated anew) leaves the killed run's history at ``turn``: the
+        journal is rewound to the turn before, in memory and in the log (`_diverge`)."""
+        if self.resume is None or (logged := self.resume.actions.get(turn)) is None:
             return None
-        logged = self.resume.actions.get(turn)
-        if logged is None or logged.command != command:
-            self.replay_consistent &= logged is None  # another command than the killed run's
+        if not isinstance(action, actions.BashAction) or action.command != logged.command:
+            self._diverge(turn)
             return None
         self._from_journal.append(logged)
         return logged
+
+    def _check_logged_context(self, logged: LoggedAction) -> None:
+        """After a logged action's observation: the same command may follow another response (a
+        regenerated turn with other tokens), so the context is compared with the one logged; when
+        it differs, the killed run's later turns and checkpoints (tied to its context) no longer
+        hold: the journal is rewound before this turn and the action logged again with ours."""
+        if not logged.context_hash or logged.context_hash == self.context.digest():
+            return
+        self._diverge(logged.turn)
+        result = logged.result()
+        self._note(
+            action_event(
+                self.trajectory_id, logged.turn, logged.prefix, logged.command, result, self.context.digest()
+            )
+        )
+
+    def _diverge(self, turn: int) -> None:
+        """The resumed turn ``turn`` came back other than logged: a ``rewind`` to the turn before
+        (so a second resume reads a journal of this trajectory as it runs now)."""
+        assert self.resume is not None
+        self.resume.rewind(turn - 1)
+        self.num_turns_diverged += 1
+        self._note(rewind_event(self.trajectory_id, turn - 1))
 
     async def _rebuild(self) -> None:
         """Bring a resumed trajectory's sandbox to its last logged turn, once: the latest logged
         checkpoint that restores and verifies (`_restore_environment`: the repository hash and the
         router's ``L_turn``), then only the logged actions after it, run again in order (all of
-        them in the fresh sandbox when no checkpoint is left).  Nothing to do without a resume."""
+        them in the fresh sandbox when no checkpoint is left).  A sandbox failure meanwhile (in a
+        replayed action, or chaos after one) is recovered like any other: a restore again (the
+        same rules: the newest checkpoint that restores, else a fresh sandbox) and the logged
+        actions after it replayed, within ``max_recoveries``; each is a `RecoveryRecord` (no turn
+        is lost: the context holds the logged results).  Nothing to do without a resume."""
         journal, self.resume = self.resume, None
         replay, self._from_journal = self._from_journal, []
         if journal is None or not replay:
@@ -498,22 +534,81 @@ class AgentLoop:
         last = replay[-1].turn
         records = journal.checkpoint_records(self.lease.pool.store.trajectory_dir(self.trajectory_id))
         self.checkpoints = [c for c in records if c.turn <= last]
-        sandbox = self.lease.sandbox
-        target = self._base
-        if self.checkpoints:
-            target, sandbox, _timings, _hash = await self._restore_environment()
-        assert target is not None
+        target, sandbox = self._base, self.lease.sandbox
+        failed: tuple[environment.SandboxFailure, float] | None = None
+        while True:
+            if self.checkpoints or failed is not None:
+                target, sandbox, timings, actual = await self._restore_environment()
+                if failed is not None:
+                    self._record_rebuild_recovery(*failed, target, sandbox, timings, actual)
+            assert target is not None
+            replayed, failure = await self._replay_logged(replay, target.turn, sandbox)
+            if failure is None:
+                break
+            if len(self.recoveries) >= self.config.max_recoveries:
+                raise UnrecoverableTrajectoryError(
+                    self.trajectory_id,
+                    f"more than {self.config.max_recoveries} sandbox failures (last, rebuilding the "
+                    f"resumed sandbox: {failure.reason}); raise rollout.max_recoveries or lower the kill rate",
+                )
+            self.policy.on_failure(self._now(), exposure_s=failure.action_s)
+            self.num_rebuild_failures += 1
+            failed = (failure, time.monotonic())
+        self.num_actions_replayed += replayed
         self.restored_from_checkpoint = target.checkpoint is not None
+        self.replay_consistent &= sandbox.prefix == self.prefix
+
+    async def _replay_logged(
+        self, replay: list[LoggedAction], after_turn: int, sandbox: SandboxLike
+    ) -> tuple[int, environment.SandboxFailure | None]:
+        """Run the logged actions after ``after_turn`` again in ``sandbox`` (chaos may kill it after
+        each, as after any action); how many ran, and the sandbox failure that stopped them."""
+        replayed = 0
         for logged in replay:
-            if logged.turn <= target.turn:
+            if logged.turn <= after_turn:
                 continue
-            again: ExecResult = await anyio.to_thread.run_sync(
-                lambda: sandbox.exec(logged.command, timeout_s=self.config.action_timeout_s)  # noqa: B023
+            again = await anyio.to_thread.run_sync(
+                environment.run_action, sandbox, logged.command, self.config.action_timeout_s, self.injector
             )
-            self.num_actions_replayed += 1
+            if isinstance(again, environment.SandboxFailure):
+                return replayed, again
+            replayed += 1
             seen = (logged.exit_code, logged.stdout, logged.stderr)
             self.replay_consistent &= (again.exit_code, again.stdout, again.stderr) == seen
-        self.replay_consistent &= sandbox.prefix == self.prefix
+        return replayed, None
+
+    def _record_rebuild_recovery(
+        self,
+        failure: environment.SandboxFailure,
+        started: float,
+        target: CheckpointRecord,
+        sandbox: SandboxLike,
+        timings: dict[str, float],
+        actual_hash: str,
+    ) -> None:
+        """A sandbox failure while rebuilding a resumed sandbox, restored again at ``target``."""
+        restore_s = time.monotonic() - started
+        self.policy.on_restore(restore_s)
+        self.recoveries.append(
+            RecoveryRecord(
+                failed_prefix=self.prefix,
+                failed_turn=self.turn,
+                reason=f"{failure.reason} (rebuilding the resumed sandbox)",
+                restored_prefix=target.prefix,
+                restored_turn=target.turn,
+                from_checkpoint=target.checkpoint is not None,
+                restore_s=restore_s,
+                tokens_regenerated=0,  # the logged results stay in the context: no turn is lost
+                rounds_regenerated=0,
+                expected_repo_hash=target.repo_hash,
+                actual_repo_hash=actual_hash,
+                context_matches=True,  # verified by `_restore_environment`
+                prefix_matches=sandbox.prefix == target.prefix
+                and (target.checkpoint is None or sandbox.context_ref == target.context_ref),
+                restore_timings_ms=timings,
+                restored_kind=target.kind,
+            )
+        )
 
     async def _restart_without_state(self, failure: environment.SandboxFailure, started: float) -> None:
         """The control without recovery: a fresh sandbox from the image, the context kept but for

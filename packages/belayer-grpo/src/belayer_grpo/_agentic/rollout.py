@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import shutil
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -53,6 +54,7 @@ class RolloutStats:
     num_restored_from_checkpoint: int = 0  # sandboxes rebuilt from a logged checkpoint
     num_reattach_regenerated: int = 0  # of them, trajectories with a turn generated anew
     num_reattach_inconsistent: int = 0  # of them, a replayed action returned something else
+    num_rebuild_failures: int = 0  # sandbox failures while rebuilding them (recovered, not regenerated)
     errors: list[str] = attrs.field(factory=list)  # `describe_error` of each unrecoverable trajectory
 
     def add(self, other: RolloutStats) -> None:
@@ -67,6 +69,7 @@ class RolloutStats:
         self.num_restored_from_checkpoint += other.num_restored_from_checkpoint
         self.num_reattach_regenerated += other.num_reattach_regenerated
         self.num_reattach_inconsistent += other.num_reattach_inconsistent
+        self.num_rebuild_failures += other.num_rebuild_failures
         self.errors += other.errors
 
     def to_dict(self) -> dict[str, int]:
@@ -191,11 +194,14 @@ async def _roll_out(
     async def sample(task: AgentTask, group_index: int, sample_index: int, attempt: int) -> AgenticTrajectory:
         # Keyed by the sample's place, not its id, so a batch sees the same faults in every run
         # (a group sampled again sees other faults).
-        if (reused := done.get((group_index, sample_index, attempt))) is not None:
-            stats.num_reused += 1
-            return reused
         again = f"-r{attempt}" if attempt else ""
         trajectory_id = f"{run_id}-g{group_index}{again}-s{sample_index}"
+        if (reused := done.get((group_index, sample_index, attempt))) is not None:
+            stats.num_reused += 1
+            if not pool.keep_checkpoints:  # what a kill between its log line and its lease's end left
+                folder = pool.store.trajectory_dir(trajectory_id)
+                await anyio.to_thread.run_sync(lambda: shutil.rmtree(folder, ignore_errors=True))
+            return reused
         injector = None
         if config.sandbox_kill_probability > 0:
             seed = derive_seed(config.seed, f"chaos-g{group_index}-s{sample_index}{again}", -1)
@@ -216,8 +222,11 @@ async def _roll_out(
                     stats.num_restored_from_checkpoint += loop.restored_from_checkpoint
                     stats.num_reattach_regenerated += loop.num_turns_regenerated > 0
                     stats.num_reattach_inconsistent += not loop.replay_consistent
-            if on_finished is not None:
-                on_finished(trajectory, attempt)
+                    stats.num_rebuild_failures += loop.num_rebuild_failures
+                # Logged before the lease ends: leaving it removes the trajectory's checkpoints, and a
+                # kill in between left a begun trajectory whose logged checkpoints were gone.
+                if on_finished is not None:
+                    on_finished(trajectory, attempt)
             return trajectory
         except BaseException:
             # Best effort: what the router still holds of it (its own error is the one to raise).
