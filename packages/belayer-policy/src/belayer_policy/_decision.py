@@ -56,6 +56,7 @@ class Reason(enum.StrEnum):
     COOLDOWN = "cooldown"
     CHECKPOINT_IN_FLIGHT = "checkpoint_in_flight"
     COST_PROBE_IN_FLIGHT = "cost_probe_in_flight"
+    COST_PROBE = "cost_probe"
     ALWAYS = "always"
     NEVER = "never"
     EVERY_K = "every_k"

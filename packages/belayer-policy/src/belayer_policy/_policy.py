@@ -101,6 +101,8 @@ class CheckpointPolicy:
             verdict = self.rule.choose(context)
             if verdict.checkpoint and self._cost_unknown_and_probed(obs.checkpoint_kind):
                 verdict = self._guard(Reason.COST_PROBE_IN_FLIGHT, context)
+            elif isinstance(self.rule, AdaptiveRule) and self._probe_may_help(verdict, obs.checkpoint_kind):
+                verdict = self.rule.probe(context)
         if verdict.checkpoint:
             raw = self._cost_model(obs.checkpoint_kind)
             self._clock.started(obs, obs.checkpoint_kind, raw.estimate if raw.num_observations else 0.0)
@@ -191,6 +193,20 @@ class CheckpointPolicy:
         costs = self.checkpoint_costs
         return (
             costs.num_observations == 0 and costs.probes_in_flight > 0 and self.kind_costs.model(kind) is None
+        )
+
+    def _probe_may_help(self, verdict: Verdict, kind: str | None) -> bool:
+        """Whether the rule declined a full checkpoint on a cost never measured, with no probe of it
+        in flight: then one cost probe may pay (`AdaptiveRule.probe`).
+
+        The cheap kinds' priors come from envckpt's measurements; the full prior is a guess.
+        """
+        costs = self.checkpoint_costs
+        return (
+            verdict.reason is Reason.COST_EXCEEDS_BENEFIT
+            and self.kind_costs.model(kind) is None
+            and costs.num_observations == 0
+            and costs.probes_in_flight == 0
         )
 
     def _contenders(self, total_steps: float) -> int:

@@ -119,13 +119,17 @@ class AdaptiveRule:
 
     name: str = "adaptive"
 
-    def choose(self, context: StepContext) -> Verdict:
-        """The renewal comparison."""
-        c = context
+    @staticmethod
+    def _hazard(c: StepContext) -> float:
         total = c.step_index + c.remaining_steps
         # Independent steps: the duration's spread over its mean is the step's, over sqrt(steps).
         cv = c.step_sd_s / (c.step_s * math.sqrt(total)) if c.step_s > 0 and total > 0 else 0.0
-        hazard = batch_step_hazard(c.failure_probability, total, c.batch_size, cv)
+        return batch_step_hazard(c.failure_probability, total, c.batch_size, cv)
+
+    def choose(self, context: StepContext) -> Verdict:
+        """The renewal comparison."""
+        c = context
+        hazard = self._hazard(c)
         visible = c.visible_now_s + c.extra_cost_s
         if c.step_s <= 0.0 or hazard <= 0.0 or c.remaining_steps <= 0.0:
             return _compare(0.0, visible, hazard)
@@ -138,6 +142,28 @@ class AdaptiveRule:
         # Plans that tie (nothing unprotected) differ only by rounding: count that as no saving.
         saving = verdict.saving_s if verdict.saving_s > 1e-12 * verdict.later_s else 0.0
         return _compare(saving, visible, hazard)
+
+    def probe(self, context: StepContext) -> Verdict:
+        """A cost probe: checkpoint a kind whose cost was never measured iff it is cheap to learn.
+
+        The cost weighed is then only a prior, and a prior that says "too dear" is never tested:
+        no checkpoint, no measurement.  The stake is what the rest of this trajectory loses in
+        expectation with no checkpoint at all, ``a * (m * u + m**2 / 2)``: what checkpoints
+        could save at best, were they free.  One probe pays when that stake exceeds its visible
+        cost at the prior (``benefit_s`` is the stake; reason ``cost_probe``).  The measurement
+        then serves every later decision of the batch.
+        """
+        c = context
+        hazard = self._hazard(c)
+        visible = c.visible_now_s + c.extra_cost_s
+        m = round(c.remaining_steps)
+        if c.step_s <= 0.0 or hazard <= 0.0 or m <= 0:
+            return _compare(0.0, visible, hazard)
+        loss_rate = hazard * c.step_s
+        stake = loss_rate * (m * c.regeneration_s / c.step_s + m * m / 2.0)
+        if stake > visible:
+            return Verdict(True, Reason.COST_PROBE, stake, visible, hazard)
+        return Verdict(False, Reason.COST_EXCEEDS_BENEFIT, stake, visible, hazard)
 
 
 def _baseline(checkpoint: bool, reason: Reason, context: StepContext) -> Verdict:
