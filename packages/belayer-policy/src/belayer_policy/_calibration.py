@@ -9,8 +9,11 @@ how far the response already was when it started).  A checkpoint that the respon
 only bounds its cost from above.
 
 :class:`CostCalibration` (shared by a batch) keeps, per checkpoint kind, a shrunk mean of
-``log(clock cost / estimate the rule weighed)``: ``prior_weight`` pseudo-observations of no error,
-then every checkpoint measured on the clock, older ones forgotten over ``window``.  A hidden
+``log(clock cost / estimate the rule weighed)`` over every checkpoint measured on the clock, older
+ones forgotten over ``window``, shrunk towards no error by the measurements' own noise (0.7.0): a
+normal prior of spread ``prior_log_sd`` on the log factor, and a noise variance estimated from the
+ratios' spread (``prior_weight`` pseudo-observations of noise as large as the prior's spread).
+Consistent measurements are believed after a few; noisy ones are averaged over more.  A hidden
 checkpoint whose bound lies below the current factor counts as an observation at the bound; one
 whose bound lies above says nothing more and is not counted.  :class:`ClockProbe` is
 one trajectory's side: it remembers the checkpoint in flight and the overhead of steps without one.
@@ -33,6 +36,7 @@ _FULL = "full"
 @attrs.define
 class _LogMean:
     total: float = 0.0
+    squares: float = 0.0
     weight: float = 0.0
 
 
@@ -40,13 +44,18 @@ class _LogMean:
 class CostCalibration:
     """Per kind, the factor by which the cost estimates should be multiplied (1.0 until measured).
 
-    ``factor(kind) = exp(sum(log ratios) / (n + prior_weight))`` with the ratios and ``n`` decayed by
-    ``1 - 1 / window`` per observation.  ``observe(kind, ratio)`` adds a clock-measured ratio,
+    ``factor(kind) = exp(sum(log ratios) / (n + noise_var / prior_log_sd**2))``: the posterior mean
+    of a normal prior (no error, spread ``prior_log_sd``) with ``n`` measurements of variance
+    ``noise_var = (spread of the log ratios + prior_weight * prior_log_sd**2) / (n + prior_weight)``;
+    sums and ``n`` decayed by ``1 - 1 / window`` per observation.  (0.6.0 shrank by a fixed
+    ``prior_weight``, which kept a factor measured exactly a few percent low.)  ``prior_log_sd`` 0
+    keeps the factor at 1.  ``observe(kind, ratio)`` adds a clock-measured ratio,
     ``observe_bound(kind, ratio)`` an upper bound (a hidden checkpoint).
     """
 
     prior_weight: float = attrs.field(default=2.0, validator=non_negative)
     window: int = attrs.field(default=64, validator=positive_int)
+    prior_log_sd: float = attrs.field(default=math.log(2.0), validator=non_negative)
     _kinds: dict[str, _LogMean] = attrs.field(init=False, factory=dict)
 
     def factor(self, kind: str | None) -> float:
@@ -71,14 +80,18 @@ class CostCalibration:
 
     def _log_factor(self, key: str) -> float:
         state = self._kinds.get(key)
-        if state is None:
+        if state is None or state.weight <= 0.0 or self.prior_log_sd <= 0.0:
             return 0.0
-        return state.total / (state.weight + self.prior_weight)
+        prior_var = self.prior_log_sd**2
+        spread = max(state.squares - state.total * state.total / state.weight, 0.0)
+        noise_var = (spread + self.prior_weight * prior_var) / (state.weight + self.prior_weight)
+        return state.total / (state.weight + noise_var / prior_var)
 
     def _add(self, key: str, log_ratio: float) -> None:
         state = self._kinds.setdefault(key, _LogMean())
         keep = 1.0 - 1.0 / self.window
         state.total = state.total * keep + log_ratio
+        state.squares = state.squares * keep + log_ratio * log_ratio
         state.weight = state.weight * keep + 1.0
 
 
