@@ -25,8 +25,11 @@ tooluse ``store`` task (4 tasks x 4 samples, real Docker sandboxes):
   weights equal A's bit for bit (tolerance none: see test_resume_e2e.py), and nothing of either
   trainer or the host is left afterwards.
 
-A second run is killed and nobody resumes it: after the grace period the guardian reaps the host,
-its slots and everything else of the run.
+A second run, its rollout side on Ray (two nodes that share nothing where this process may make
+them: `test_resume_e2e`'s cluster case; the rollout host is the Ray driver), is killed and nobody
+resumes it: after the grace period the guardian reaps the host, the cluster it drove (the head,
+every node's processes, their namespaces and links, the run's shared folder), the slots and
+everything else of the run.  (The kill-and-adopt case on Ray is `test_resume_e2e`'s.)
 """
 
 from __future__ import annotations
@@ -44,7 +47,15 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from test_resume_e2e import _logged_lines, _model, _sandboxes, _train
+from test_resume_e2e import (
+    _ISOLATED_NODES,
+    _cluster_leftovers,
+    _clusters_of,
+    _logged_lines,
+    _model,
+    _sandboxes,
+    _train,
+)
 from test_sigint import _tagged_pids
 
 from belayer_grpo._guardian import run_marker
@@ -292,11 +303,23 @@ def test_a_run_nobody_resumes_is_reaped_after_the_grace_period(tmp_path: Path) -
     tag = os.urandom(8).hex()
     env = {**os.environ, "BELAYER_TEST_TAG": tag}
     run_dir = tmp_path / "run"
-    args = [*_COMMON, *_MATH, "system.resume_grace_s=5", f"system.run_dir={str(run_dir)!r}"]
+    nodes = ["cluster.nodes=2", f"cluster.isolated={str(_ISOLATED_NODES).lower()}", "system.num_slots=2"]
+    args = [*_COMMON, *_MATH, *nodes, "system.resume_grace_s=5", f"system.run_dir={str(run_dir)!r}"]
     host_pid = _kill_mid_rollout(args, env, tmp_path / "b.log", step=1, lines=1)
+    clusters = _clusters_of(host_pid)  # the rollout host started the cluster: it drives it
+    shared = Path((run_dir / "cluster-shared").read_text())
     assert pid_alive(host_pid)  # killed a moment ago: within the grace period
+    assert len(clusters) == _ISOLATED_NODES
     _nothing_left(run_dir, tag, 5 + 60)
     assert not pid_alive(host_pid)
+    deadline = time.monotonic() + 30
+    while clusters and _cluster_leftovers(clusters[0]):  # the nodes' namespaces, links, the head's folder
+        assert time.monotonic() < deadline, (
+            _cluster_leftovers(clusters[0]),
+            (run_dir / "guardian.log").read_text(),
+        )
+        time.sleep(0.1)
+    assert not shared.exists()
     assert (run_dir / "rollout-host" / "lease").read_text() == REAPED
     guardian = (run_dir / "guardian.log").read_text()
     assert "waits 5 s" in guardian

@@ -134,6 +134,18 @@ def _remove_isolated_clusters(run_dir: Path) -> list[str]:
     return clean_stale_clusters()
 
 
+def _cluster_shared(run_dir: Path) -> list[Path]:
+    """The temporary shared folder of a cluster run (its router journal, the slots' folders), if
+    one is recorded; only a folder that belayer-grpo made (its name says so)."""
+    try:
+        shared = Path((run_dir / "cluster-shared").read_text().strip())
+    except OSError:
+        return []
+    if not shared.is_absolute() or not shared.name.startswith("belayer-grpo-cluster-"):
+        return []
+    return [shared, run_dir / "cluster-shared"]
+
+
 def _workload(run_dir: Path) -> str | None:
     data = _run_config(run_dir).get("data")
     workload = data.get("workload") if isinstance(data, dict) else None
@@ -218,6 +230,7 @@ def reap_run(
         *([] if keep_rollout_host else [run_dir / "env-checkpoints"]),
         *run_dir.glob("checkpoints/.*.tmp"),
         *([] if keep_rollout_host else [run_dir / "rollout-host" / "host.json"]),
+        *([] if keep_rollout_host else _cluster_shared(run_dir)),
     ]:
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)

@@ -3,10 +3,13 @@
 With ``system.resume_grace_s > 0`` the trainer does not run the router and the slot supervisors
 itself: it starts ``python -m belayer_grpo._rollout_host RUN_DIR`` (a session of its own, so a
 Ctrl-C to the trainer's process group does not reach it), which runs `RolloutSystem` exactly as
-the trainer would, writes ``rollout-host/host.json`` (its pid, the router's URL and admin token,
-the slots) once every slot serves, and answers a few calls on ``rollout-host/control.sock`` (one
-JSON line each way): ``keep_weights``, ``kill_main`` (chaos), ``status`` and ``stop``.  The
-trainer sees it as `HostSystem`, which answers the calls of `RolloutSystem`.
+the trainer would (`ClusterSystem` on Ray with ``cluster.nodes`` or ``cluster.address``: the host is
+then the Ray driver, `belayer_grpo._cluster.hosted`), writes ``rollout-host/host.json`` (its pid,
+the router's URL and admin token, the slots) once every slot serves, and answers a few calls on
+``rollout-host/control.sock`` (one JSON line each way): ``keep_weights``, ``kill_main`` (chaos),
+``status`` and ``stop`` (and a cluster's weight pushes, node chaos, events: `CLUSTER_OPS`).  The
+trainer sees it as `HostSystem` (`HostedCluster`), which answers the calls of `RolloutSystem`
+(`ClusterSystem`).
 
 When the trainer is killed the host keeps running: the router keeps every request it was sent
 (finished ones whole, interrupted ones up to their last token) and the slots keep the weights they
@@ -25,8 +28,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +44,7 @@ from belayer_router import RouterClient
 if TYPE_CHECKING:
     from anyio.abc import SocketStream
 
+    from belayer_grpo._cluster.system import ClusterSystem
     from belayer_grpo._system import RolloutSystem
     from belayer_shadow import ModelConfig
 
@@ -214,12 +218,25 @@ def _stop_host(folder: Path, pid: int, process: subprocess.Popen[bytes] | None) 
         time.sleep(0.05)
 
 
-async def _answer(system: RolloutSystem, request: dict[str, Any]) -> Any:
+async def _answer(system: RolloutSystem | ClusterSystem, request: dict[str, Any]) -> Any:
+    from belayer_grpo._cluster.hosted import CLUSTER_OPS, answer_cluster
+    from belayer_grpo._cluster.system import ClusterSystem
+
     op = request.get("op")
-    if op == "status":
-        return {"healthy": system.healthy_slots(), "num_handovers": system.num_handovers()}
+    if op == "status":  # a cluster's reads its slots' events from their nodes: in a thread
+        healthy, num_handovers = await anyio.to_thread.run_sync(
+            lambda: (system.healthy_slots(), system.num_handovers())
+        )
+        return {"healthy": healthy, "num_handovers": num_handovers}
     if op == "stop":
         return None  # `handle` sets ``stop`` once the answer is sent
+    if isinstance(system, ClusterSystem):
+        if op in CLUSTER_OPS:
+            return await answer_cluster(system, request)
+        if op == "kill_main":
+            remote = next(s for s in system.slots if s.config.slot == request.get("slot"))
+            return await anyio.to_thread.run_sync(remote.kill_main)
+        raise ValueError(f"unknown call {op!r} (a cluster's rollout host)")
     slot = next(s for s in system.slots if s.config.slot == request.get("slot"))
     if op == "kill_main":
         return await anyio.to_thread.run_sync(slot.kill_main)
@@ -231,6 +248,7 @@ async def _answer(system: RolloutSystem, request: dict[str, Any]) -> Any:
 
 
 async def _serve(run_dir: Path) -> None:
+    from belayer_grpo._cluster.system import ClusterSystem, cluster_wanted
     from belayer_grpo._config import config_from_dict
     from belayer_grpo._system import RolloutSystem
     from belayer_shadow import ModelConfig
@@ -240,7 +258,11 @@ async def _serve(run_dir: Path) -> None:
     config = config_from_dict(spec["config"])
     model_config = ModelConfig.from_dict(spec["model"])
     stop = anyio.Event()
-    async with RolloutSystem.start(config, run_dir, model_config, Path(spec["weights"])) as system:
+    # On Ray this process is the driver: the cluster, the router and every actor are its own.
+    start: Callable[..., AbstractAsyncContextManager[RolloutSystem | ClusterSystem]] = (
+        ClusterSystem.start if cluster_wanted(config) else RolloutSystem.start
+    )
+    async with start(config, run_dir, model_config, Path(spec["weights"])) as system:
 
         async def handle(stream: SocketStream) -> None:
             async with stream:
@@ -267,6 +289,7 @@ async def _serve(run_dir: Path) -> None:
         info = {
             "pid": os.getpid(), "url": system.router_url, "admin_token": system.admin_token,
             "slots": [slot.config.slot for slot in system.slots], "weight_sockets": [str(p) for p in system.weight_sockets],
+            "cluster": isinstance(system, ClusterSystem),
         }  # fmt: skip
         aside = folder / ".host.json.tmp"
         aside.unlink(missing_ok=True)

@@ -27,7 +27,15 @@ from belayer_grpo._agentic import AgenticTrajectory, default_estimators, to_samp
 from belayer_grpo._agentic.journal import TrajectoryJournal
 from belayer_grpo._chaos import FailureRecord, WorkerChaos, match_recoveries
 from belayer_grpo._checkpointing import find_latest, load_checkpoint, save_checkpoint
-from belayer_grpo._cluster import ClusterSystem, ClusterWeights, cluster_wanted, rollout_system
+from belayer_grpo._cluster import (
+    ClusterSystem,
+    ClusterWeights,
+    HostedCluster,
+    HostedWeights,
+    cluster_wanted,
+    hosted_on_cluster,
+    rollout_system,
+)
 from belayer_grpo._config import Config
 from belayer_grpo._data import PolicyTokenizer, Problem, PromptSampler, generate_arithmetic, load_math_file
 from belayer_grpo._errors import CheckpointError, GrpoConfigError
@@ -443,13 +451,13 @@ async def _step(
     system: RolloutSystem | HostSystem | ClusterSystem,
     router: RouterClient,
     chaos: WorkerChaos,
-    sync: WeightSync | ClusterWeights,
+    sync: WeightSync | ClusterWeights | HostedWeights,
 ) -> dict[str, Any]:
     config = run.config
     total = config.rollout.batch_size * config.rollout.samples_per_prompt
     run.reporter.begin_step(step, total)
     chaos.current_step = step
-    if isinstance(system, ClusterSystem):  # chaos.kill_node_at_step
+    if isinstance(system, (ClusterSystem, HostedCluster)):  # chaos.kill_node_at_step
         system.before_rollout(step, num_trajectories=total)
     started = time.monotonic()
     try:
@@ -459,7 +467,7 @@ async def _step(
             finished = system.trajectory_finished if isinstance(system, ClusterSystem) else None
             samples, extra = await _swe_rollout(run, step, router, chaos, finished)
     finally:
-        if isinstance(system, ClusterSystem):  # a node loss armed for the step waits no longer
+        if isinstance(system, (ClusterSystem, HostedCluster)):  # a node loss armed for it waits no longer
             system.after_rollout(step)
     rollout_s = time.monotonic() - started
     run.reporter.advance("reward")
@@ -495,7 +503,9 @@ async def _step(
         "weight_version": min(versions),
         **{key: value for key, value in attrs.asdict(update).items()},
         "healthy_slots": len(system.healthy_slots()),
-        **(sync.metrics() if isinstance(sync, ClusterWeights) else {}),  # versions, checksums by node
+        **(
+            sync.metrics() if isinstance(sync, (ClusterWeights, HostedWeights)) else {}
+        ),  # versions, checksums by node
         **extra,
     }
 
@@ -540,7 +550,7 @@ async def run_training(config: Config, *, stream: TextIO, run_dir: Path | None =
         host_alive
         and bool(config.system.resume)
         and config.system.resume_grace_s > 0
-        and not cluster_wanted(config)
+        and (not cluster_wanted(config) or hosted_on_cluster(config))  # on Ray: the host drives it
     )
     leftovers = await anyio.to_thread.run_sync(
         functools.partial(reap_run, run_dir, owner_gone=host_alive, keep_rollout_host=adopt)
@@ -579,7 +589,7 @@ async def _train(config: Config, stream: TextIO, run_dir: Path, adopt: bool) -> 
         if adopt:
             run.reporter.message("belayer-grpo: re-attached to the rollout host of the killed trainer")
         async with (
-            HostSystem.adopt(run_dir)
+            (HostedCluster if cluster_wanted(config) else HostSystem).adopt(run_dir)
             if adopt
             else rollout_system(config, run_dir, model_config, weights_file) as system,
             system.client() as router,
@@ -593,7 +603,7 @@ async def _train(config: Config, stream: TextIO, run_dir: Path, adopt: bool) -> 
             )
             sync = (
                 system.weights
-                if isinstance(system, ClusterSystem)
+                if isinstance(system, (ClusterSystem, HostedCluster))
                 else WeightSync(
                     system.weight_sockets,
                     keepers=[slot.keep_weights for slot in system.slots],
@@ -628,7 +638,7 @@ async def _train(config: Config, stream: TextIO, run_dir: Path, adopt: bool) -> 
                 summary["eval_accuracy_after"] = await _evaluate_agentic(run, router, "after")
             match_recoveries(chaos.failures, system.events())
             summary["failures"] = [f.to_dict() for f in chaos.failures]
-            if isinstance(system, ClusterSystem):
+            if isinstance(system, (ClusterSystem, HostedCluster)):
                 summary["node_losses"] = await anyio.to_thread.run_sync(system.node_losses)
                 summary["weights"] = system.weights.status()
             summary["status"] = "completed"

@@ -40,7 +40,18 @@ if TYPE_CHECKING:
     from belayer_grpo._agentic.pool import SandboxPool
     from belayer_shadow import ModelConfig
 
-__all__ = ["ClusterSystem", "RemoteSlot", "cluster_wanted", "rollout_system"]
+__all__ = [
+    "SHARED_PREFIX",
+    "SHARED_RECORD",
+    "ClusterSystem",
+    "RemoteSlot",
+    "cluster_wanted",
+    "hosted_on_cluster",
+    "rollout_system",
+]
+
+SHARED_PREFIX = "belayer-grpo-cluster-"  # a run's own shared folder (temporary; short socket paths)
+SHARED_RECORD = "cluster-shared"  # in the run folder: that folder's path, while it is in use
 
 
 def cluster_wanted(config: Config) -> bool:
@@ -48,12 +59,23 @@ def cluster_wanted(config: Config) -> bool:
     return config.cluster.nodes > 0 or bool(config.cluster.address)
 
 
+def hosted_on_cluster(config: Config) -> bool:
+    """Whether a Ray run's rollout side may run in a rollout host: a math workload's (an agentic
+    one's sandbox pool calls the nodes' sandbox hosts from the trainer, so its cluster stays there)."""
+    return config.data.workload == "math"
+
+
 def rollout_system(
     config: Config, run_dir: Path, model_config: ModelConfig, weights_file: Path
 ) -> AbstractAsyncContextManager[RolloutSystem | HostSystem | ClusterSystem]:
-    """`ClusterSystem.start` when the run asks for Ray, else the single-machine `RolloutSystem.start`
-    (in a rollout host process, `HostSystem.start`, with ``system.resume_grace_s > 0``)."""
+    """`ClusterSystem.start` when the run asks for Ray, else the single-machine `RolloutSystem.start`;
+    with ``system.resume_grace_s > 0`` either in a rollout host process (`HostSystem.start`,
+    `HostedCluster.start`: math only on Ray) that outlives the trainer for its grace."""
     if cluster_wanted(config):
+        if config.system.resume_grace_s > 0 and hosted_on_cluster(config):
+            from belayer_grpo._cluster.hosted import HostedCluster
+
+            return HostedCluster.start(config, run_dir, model_config, weights_file)
         return ClusterSystem.start(config, run_dir, model_config, weights_file)
     if config.system.resume_grace_s > 0:  # a rollout host that outlives the trainer for its grace
         return HostSystem.start(config, run_dir, model_config, weights_file)
@@ -109,7 +131,9 @@ class ClusterSystem:
         (run_dir / "model.json").write_text(json.dumps(model_config.to_dict(), indent=2))
         # Unix socket paths are short (107 bytes): the shared folder is short too.
         own_shared = not config.cluster.shared_dir
-        shared = Path(config.cluster.shared_dir or tempfile.mkdtemp(prefix="belayer-grpo-cluster-"))
+        shared = Path(config.cluster.shared_dir or tempfile.mkdtemp(prefix=SHARED_PREFIX))
+        if own_shared:  # a guardian removes it should this process die (`belayer_grpo._guardian`)
+            (run_dir / SHARED_RECORD).write_text(str(shared))
         # What the slots read goes to the shared folder: a node does not see the trainer's run
         # folder (isolated nodes, real machines).
         inputs = shared / "inputs"
@@ -126,6 +150,7 @@ class ClusterSystem:
             stop_all(parts)
             if own_shared:
                 shutil.rmtree(shared, ignore_errors=True)
+                (run_dir / SHARED_RECORD).unlink(missing_ok=True)
             if isinstance(exc, BelayerClusterError):
                 raise SystemStartError(f"the cluster did not start: {exc}") from exc
             raise
@@ -135,6 +160,7 @@ class ClusterSystem:
             stop_all(parts)  # blocking on purpose: Ray is stopped from the main thread
             if own_shared:
                 shutil.rmtree(shared, ignore_errors=True)
+                (run_dir / SHARED_RECORD).unlink(missing_ok=True)
 
     def client(self, timeout_s: float = 600.0, multiplex: bool = True) -> RouterClient:
         """A router client for rollouts (use as ``async with``).  ``multiplex`` (default): every

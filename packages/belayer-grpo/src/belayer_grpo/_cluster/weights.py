@@ -65,13 +65,16 @@ class ClusterWeights:
 
     def push(self, model: torch.nn.Module) -> list[int]:
         """Send `model`'s parameters to every live node (blocking; call from a thread)."""
+        return self.push_tensors({name: tensor.detach() for name, tensor in model.state_dict().items()})
+
+    def push_tensors(self, tensors: dict[str, torch.Tensor]) -> list[int]:
+        """`push` of a model's state dict (the rollout host's path: the trainer sends a file)."""
         from belayer_cluster import BelayerClusterError
 
         start = time.monotonic()
         self.sockets._settle()  # a node removal under way is handled first
         for node_id in {loss.node_id for loss in self.rollout.losses} & set(self.sync.members):
             self.sync.drop_node(node_id, "its node was lost (Ray)")
-        tensors = {name: tensor.detach() for name, tensor in model.state_dict().items()}
         try:
             result = self.sync.update(tensors)
         except BelayerClusterError as error:
