@@ -46,6 +46,7 @@ __all__ = [
     "find_run_processes",
     "guard_run",
     "reap_run",
+    "run_facts",
     "run_marker",
     "run_processes_marked",
 ]
@@ -124,9 +125,13 @@ def _run_config(run_dir: Path) -> dict[str, Any]:
     return config if isinstance(config, dict) else {}
 
 
-def _remove_isolated_clusters(run_dir: Path) -> list[str]:
+def _isolated(run_dir: Path) -> bool:
     cluster = _run_config(run_dir).get("cluster")
-    if not isinstance(cluster, dict) or not cluster.get("isolated"):
+    return isinstance(cluster, dict) and bool(cluster.get("isolated"))
+
+
+def _remove_isolated_clusters(isolated: bool) -> list[str]:
+    if not isolated:
         return []  # only `cluster.isolated` makes namespaces and links that outlive their processes
     from belayer_cluster import clean_stale_clusters
 
@@ -144,6 +149,12 @@ def _cluster_shared(run_dir: Path) -> list[Path]:
     if not shared.is_absolute() or not shared.name.startswith("belayer-grpo-cluster-"):
         return []
     return [shared, run_dir / "cluster-shared"]
+
+
+def run_facts(run_dir: Path) -> tuple[bool, list[Path]]:
+    """What a reap needs of the folder besides its processes: whether its cluster is isolated
+    (namespaces and links to tear down) and its cluster's shared folder with the record naming it."""
+    return _isolated(run_dir), _cluster_shared(run_dir)
 
 
 def _workload(run_dir: Path) -> str | None:
@@ -197,6 +208,7 @@ def reap_run(
     owner_gone: bool = False,
     keep_rollout_host: bool = False,
     workload: str | None = None,
+    at_death: tuple[bool, list[Path]] | None = None,
 ) -> ReapReport:
     """Kill and remove everything of an earlier run in ``run_dir`` that is still there.
 
@@ -207,8 +219,11 @@ def reap_run(
     folders and the sandbox checkpoints (the trajectories in flight continue from them,
     `belayer_grpo._agentic.journal`); the killed trainer's sandboxes still go.
     ``workload``: the run's ``data.workload`` when its ``config.json`` may be gone by now (the
-    guardian reads it when the trainer dies, before a grace period), else read from it.
+    guardian reads it when the trainer dies, before a grace period), else read from it;
+    ``at_death`` likewise: whether the run's cluster was isolated and its shared folder
+    (`run_facts`).
     """
+    isolated, shared = at_death if at_death is not None else run_facts(run_dir)
     marker = run_marker(run_dir)
     pids: list[int] = []
     sockets = []
@@ -221,7 +236,7 @@ def reap_run(
                 socket.unlink()
                 sockets.append(str(socket))
     containers = _remove_containers(run_dir, marker, workload)
-    clusters = _remove_isolated_clusters(run_dir)
+    clusters = _remove_isolated_clusters(isolated)
     paths = []
     # Memory-server folders, sandbox checkpoints of trajectories that will never resume, torn
     # training checkpoints (complete ones stay: `system.resume=latest` reads them).
@@ -230,7 +245,7 @@ def reap_run(
         *([] if keep_rollout_host else [run_dir / "env-checkpoints"]),
         *run_dir.glob("checkpoints/.*.tmp"),
         *([] if keep_rollout_host else [run_dir / "rollout-host" / "host.json"]),
-        *([] if keep_rollout_host else _cluster_shared(run_dir)),
+        *([] if keep_rollout_host else shared),
     ]:
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
@@ -320,10 +335,11 @@ def guard_run(run_dir: Path, trainer_pid: int) -> int:
     message = sys.stdin.buffer.read()  # end-of-file: the trainer exited or was killed
     if message == _DONE:
         return 0
-    workload = _workload(run_dir)  # now: the folder may be removed while a grace period runs
+    # Now: the folder may be removed while a grace period runs (what it names must still go).
+    workload, facts = _workload(run_dir), run_facts(run_dir)
     if _adopted_in_grace(run_dir, trainer_pid):
         return 0
-    report = reap_run(run_dir, exclude=(trainer_pid,), owner_gone=True, workload=workload)
+    report = reap_run(run_dir, exclude=(trainer_pid,), owner_gone=True, workload=workload, at_death=facts)
     print(
         f"belayer-grpo guardian: trainer {trainer_pid} died; reaped {report.describe()}",
         file=sys.stderr,
