@@ -109,25 +109,26 @@ def _kill_mid_rollout(
             def running() -> None:
                 assert train.poll() is None, output.read_text()
                 assert time.monotonic() < deadline, output.read_text()
-                time.sleep(0.01)
 
             while not log.is_file():  # the step began: the host is up
                 running()
+                time.sleep(0.01)
             host_file = run_dir / "rollout-host" / "host.json"
             assert host_file.stat().st_mode & 0o077 == 0  # the admin token: the owner's only
             host = json.loads(host_file.read_text())
             # Read before the kill is due: an agentic step's trajectories end within a moment.
             with RouterAdmin(host["url"], host["admin_token"]) as admin:
-                # Math: at a moment the router has a request in flight (one cut by the kill),
-                # checked in the same loop (a step ends within a second or two). Not for an agentic
-                # step (it may end meanwhile); its trajectories in flight hold finished turns at
-                # the router anyway.
-                while (
-                    len(_finished(log)) < lines
-                    or not (in_flight or _journal_waits(log))
-                    or (in_flight and not admin.counters().values.get("requests_in_flight"))
-                ):
+                # Math: also at a moment the router has a request in flight (one cut by the kill),
+                # polled without a pause once enough samples are logged: a math request lasts a few
+                # tokens, so the gauge is 0 between most polls (measured: 0, 0, 4 over 3 polls at
+                # load 12) and a step ends within a second or two. Not for an agentic step (it may
+                # end meanwhile); its trajectories in flight hold finished turns at the router anyway.
+                while True:
                     running()
+                    if len(_finished(log)) < lines or not (in_flight or _journal_waits(log)):
+                        time.sleep(0.01)
+                    elif not in_flight or admin.counters().values.get("requests_in_flight"):
+                        break
             train.send_signal(signal.SIGKILL)
             assert train.wait(timeout=60) == -signal.SIGKILL
         finally:
