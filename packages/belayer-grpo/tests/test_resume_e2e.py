@@ -200,10 +200,12 @@ def test_a_run_killed_mid_rollout_resumes_to_the_uninterrupted_model(
                 host = json.loads((run_dir / "rollout-host" / "host.json").read_text())
                 driver = int(host["pid"])
                 with RouterAdmin(host["url"], host["admin_token"]) as admin:
-                    while len(_logged_lines(log)) < num_samples // 4 or not admin.counters().values.get(
-                        "requests_in_flight"
-                    ):
-                        running()
+                    while True:  # the gauge polled without a pause once enough is logged (a math
+                        running()  # request lasts a few tokens: it reads 0 between most polls)
+                        if len(_logged_lines(log)) < num_samples // 4:
+                            time.sleep(0.01)
+                        elif admin.counters().values.get("requests_in_flight"):
+                            break
             while len(_logged_lines(log)) < num_samples // 4:
                 running()
                 time.sleep(0.01)
