@@ -1,13 +1,16 @@
 """Trainer-crash resume: the rollout host (``system.resume_grace_s > 0``) against a new rollout side.
 
-Math workload, 3 steps of 16 prompts x 8 samples (``rollout.concurrency=4``), fixed seed, the same
-run folder path for every run (its marker names the requests).  Each repetition, in one run:
+``--workload math`` (the default): 3 steps of 16 prompts x 8 samples (``rollout.concurrency=4``).
+``--workload tooluse``: the default agentic workload as it ships (the ``build`` tool-use task, 4
+tasks x 4 samples per step, the adaptive checkpoint policy, sandbox kills with p = 0.05 per action,
+real Docker sandboxes), 3 steps, the worker kill of step 3 off and ``data.held_out=4``.  Fixed seed,
+the same run folder path for every run (its marker names the requests).  Each repetition, in one run:
 
 - **reference** (grace 0 and grace > 0): the uninterrupted run; its wall time with and without
   the rollout host is the host's cost when nothing fails, its final weights the target.
 - **host** (grace > 0): the trainer is SIGKILLed once a quarter of step 2's samples are in its
-  rollout log and the router has a request in flight; ``--resume`` adopts the rollout host and
-  re-attaches the step's requests.
+  rollout log and the router has a request in flight (tooluse: at once); ``--resume`` adopts the rollout host and re-attaches the step's requests
+  (tooluse: continues each begun trajectory from its journal, its sandbox rebuilt).
 - **baseline** (grace 0, the default): the same kill point; ``--resume`` starts a new router and new
   slots and generates every sample of step 2 missing from the log again.
 
@@ -16,23 +19,31 @@ Measured per interrupted arm: seconds from the kill until the resumed run has fi
 (held by the router), regenerated (begun before the kill, generated again from the start) and new
 (never sent before the kill); tokens regenerated (tokens the killed trainer had generated that
 the resumed one generates again); and whether the final weights equal the grace-0 reference's
-bit for bit (else the largest absolute difference).  Just before the kill, in both arms, the
-slot's workers are paused (SIGSTOP, resumed with SIGCONT after the kill) while the router is asked
-(``GET /requests/{id}``) which of step 2's samples missing from the log it has begun and with how
-many tokens: with grace 0 the router dies with the trainer, so that snapshot is what the new
+bit for bit (else the largest absolute difference; the build task stamps a random build id into
+every build, so two of its runs never train on the same tokens).  Tooluse also counts the begun
+trajectories' turns and context tokens (responses and observations: the router's contexts do not
+tell them apart, so tooluse's "tokens regenerated" of the baseline is n/a), the logged actions of
+the begun trajectories at the kill (host arm: the journal is written with grace > 0 only), and
+from the host arm's report: trajectories continued, actions replayed, sandboxes restored from a
+checkpoint, inconsistent replays and sandbox failures recovered while rebuilding.  Just before
+the kill, in both arms, the slot's workers are paused (SIGSTOP, resumed with SIGCONT after the
+kill) while the router is asked (``GET /requests/{id}``; tooluse: ``GET /contexts/{trajectory}``)
+which of step 2's samples missing from the log it has begun and with how many tokens: with grace 0 the router dies with the trainer, so that snapshot is what the new
 rollout side generates again; with grace > 0 the resumed run's report gives the count the router
 held after the kill.  Finding the grace-0 router's admin token reads a slot worker's environment
 (/proc: root or the same user).
 
     python benchmarks/bench_resume.py --reps 3
+    python benchmarks/bench_resume.py --workload tooluse --reps 3
 
-Writes ``benchmarks/results/bench_resume.json`` and ``bench_resume.md`` (after every repetition),
-with ``uptime`` at start and end.  Needs the package installed with its test extras (torch).
+Writes ``benchmarks/results/bench_resume.json`` and ``bench_resume.md`` (tooluse:
+``bench_resume_tooluse.*``) after every repetition, with ``uptime`` at start and end.  Needs the package installed with its test extras (torch).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -51,11 +62,48 @@ import torch
 from belayer_grpo._guardian import run_marker
 from belayer_router import RouterAdmin
 
-RESULTS = Path(__file__).parent / "results" / "bench_resume.json"
+RESULTS = Path(__file__).parent / "results"
 STEPS, KILL_STEP = 3, 2
-NUM_SAMPLES = 128  # 16 prompts x 8 samples
-COMMON = [f"algorithm.steps={STEPS}", "chaos.kill_worker_at_steps=[]", "logging.progress=false",
-          "logging.tensorboard=false", "data.workload=math", "rollout.concurrency=4"]  # fmt: skip
+_BASE = [f"algorithm.steps={STEPS}", "chaos.kill_worker_at_steps=[]", "logging.progress=false",
+         "logging.tensorboard=false"]  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What one benchmark run trains: its overrides, samples per step, turns per trajectory."""
+
+    name: str
+    overrides: list[str]
+    num_samples: int
+    max_turns: int  # agentic: a trajectory's turns (request ids ``-t1`` ...); 0: math
+    setup: str
+
+    @property
+    def agentic(self) -> bool:
+        return self.max_turns > 0
+
+    def paths(self, marker: str, index: int) -> list[str]:
+        """What the router is asked of sample ``index`` of the kill step: its request record (math)
+        or its latest turn's context and its prompt (agentic: ``L_T``, ``L_0``; the contexts are
+        kept under the trajectory id with any grace, the per-turn request ids only with grace > 0)."""
+        if not self.agentic:
+            return [f"/requests/{marker}-step{KILL_STEP}-{index}"]
+        group, sample = divmod(index, 4)  # 4 samples per task
+        trajectory = f"{marker}-step{KILL_STEP}-g{group}-s{sample}"
+        return [f"/contexts/{trajectory}", f"/contexts/{trajectory}/0"]
+
+
+WORKLOADS = {
+    "math": Workload(
+        "math", [*_BASE, "data.workload=math", "rollout.concurrency=4"], 128, 0,
+        "math, 3 steps x 128 samples (16 prompts x 8), rollout.concurrency=4",
+    ),
+    "tooluse": Workload(
+        "tooluse", [*_BASE, "data.workload=tooluse", "data.held_out=4"], 16, 4,
+        "tooluse (the default agentic workload: build task, adaptive checkpoints, sandbox kills p=0.05 "
+        "per action, real Docker sandboxes), 3 steps x 16 trajectories (4 tasks x 4), data.held_out=4",
+    ),
+}  # fmt: skip
 
 
 def _uptime() -> str:
@@ -142,13 +190,45 @@ def _signal_all(pids: list[int], signum: signal.Signals) -> None:
             continue
 
 
-def _kill_mid_rollout(argv: list[str], run_dir: Path, log: Path, tag: str) -> dict[str, Any]:
+def _records(run_dir: Path) -> list[dict[str, Any]]:
+    """The whole lines of the kill step's log (samples, trajectories and journal events)."""
+    path = run_dir / "rollouts" / f"step_{KILL_STEP:06d}.jsonl"
+    text = path.read_text() if path.is_file() else ""
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
+
+
+def _logged_actions(run_dir: Path, marker: str, num_samples: int) -> dict[int, int]:
+    """Agentic: by sample index, the journal's committed actions of each trajectory not finished in
+    the log (after its last rewind), from the journal events of the kill step's log."""
+    records, actions = _records(run_dir), {}
+    finished = {r["index"] for r in records if "trajectory" in r and r.get("attempt") == 0}
+    for index in range(num_samples):
+        group, sample = divmod(index, 4)  # 4 samples per task
+        trajectory = f"{marker}-step{KILL_STEP}-g{group}-s{sample}"
+        if index in finished:
+            continue
+        turns: set[int] = set()
+        for event in (r for r in records if r.get("trajectory_id") == trajectory):
+            if event["event"] == "action":
+                turns.add(int(event["turn"]))
+            elif event["event"] == "rewind":
+                turns = {t for t in turns if t <= int(event["turn"])}
+        if turns:
+            actions[index] = len(turns)
+    return actions
+
+
+def _kill_mid_rollout(
+    workload: Workload, argv: list[str], run_dir: Path, log: Path, tag: str
+) -> dict[str, Any]:
     """Train; SIGKILL the trainer once a quarter of step 2's samples are logged and the router has
-    a request in flight.  Just before, the slots' workers are paused (SIGSTOP: no token streams, no
-    request ends) while the router is asked which of the step's samples missing from the log it has
-    begun and with how many tokens; they go on (SIGCONT) after the kill."""
+    a request in flight (agentic: at once).  Just
+    before, the slots' workers are paused (SIGSTOP: no token streams, no request ends) while the
+    router is asked which of the step's samples missing from the log it has begun and with how
+    many tokens; they go on (SIGCONT) after the kill."""
     train = _train(argv, log, tag)
     deadline = time.monotonic() + 900
+    num_samples = workload.num_samples
 
     def alive() -> None:
         if train.poll() is not None or time.monotonic() > deadline:
@@ -162,17 +242,19 @@ def _kill_mid_rollout(argv: list[str], run_dir: Path, log: Path, tag: str) -> di
         url, token, workers = access
         marker = run_marker(run_dir)
         with RouterAdmin(url, token) as admin:
-            while len(_logged(run_dir)) < NUM_SAMPLES // 4:
+            while len(_logged(run_dir)) < num_samples // 4:
                 alive()
                 time.sleep(0.01)
-            while not admin.counters().values.get("requests_in_flight"):
+            # (agentic: at once: the other trajectories are mid-flight then; a turn in flight
+            # may come only in the next step, the step's last ones ending on sandbox work)
+            while not workload.agentic and not admin.counters().values.get("requests_in_flight"):
                 alive()
         _signal_all(workers, signal.SIGSTOP)
         paused = time.monotonic()
         time.sleep(0.05)  # what the workers had sent reaches the router
-        missing = [i for i in range(NUM_SAMPLES) if i not in _logged(run_dir)]
-        ids = {f"{marker}-step{KILL_STEP}-{i}": i for i in missing}
-        begun = {ids[request_id]: n for request_id, n in anyio.run(_begun, url, token, list(ids)).items()}
+        missing = [i for i in range(num_samples) if i not in _logged(run_dir)]
+        ids = {path: i for i in missing for path in workload.paths(marker, i)}
+        held = anyio.run(_begun, url, token, list(ids))
         train.send_signal(signal.SIGKILL)
         killed = time.monotonic()
         if train.wait(timeout=60) != -signal.SIGKILL:
@@ -185,37 +267,53 @@ def _kill_mid_rollout(argv: list[str], run_dir: Path, log: Path, tag: str) -> di
             train.kill()
             train.wait()
     logged = _logged(run_dir)
-    if len(logged) >= NUM_SAMPLES:
+    if len(logged) >= num_samples:
         raise RuntimeError(f"step {KILL_STEP} was whole in the log at the kill: not mid-rollout")
-    begun = {i: n for i, n in begun.items() if i not in logged}  # logged meanwhile: reused
+    # begun: sample index -> tokens so far (agentic: its latest turn and its context's tokens
+    # after the prompt, responses and observations)
+    begun: dict[int, int] = {}
+    turns = 0
+    for path, answer in held.items():
+        index = ids[path]
+        if index in logged:  # logged meanwhile: reused
+            continue
+        if not workload.agentic:
+            begun[index] = len(answer["token_ids"])
+        elif not path.endswith("/0") and int(answer["turn"]) >= 1:
+            prompt = held.get(f"{path}/0", {"token_ids": []})
+            begun[index] = len(answer["token_ids"]) - len(prompt["token_ids"])
+            turns += int(answer["turn"])
+    actions = _logged_actions(run_dir, marker, num_samples) if workload.agentic else {}
     return {
         "killed": killed,
         "workers_paused_s": killed - paused,
         "logged_at_kill": len(logged),
         "begun": len(begun),
         "begun_tokens": sum(begun.values()),
+        "begun_turns": turns,
+        "begun_actions": sum(actions.values()),  # agentic, from the journal (grace > 0 only)
     }
 
 
-async def _begun(url: str, token: str, request_ids: list[str]) -> dict[str, int]:
-    """Of ``request_ids``, those the router has a record of, and their tokens so far: all asked at
-    once (with grace 0 the router shares the busy trainer's event loop; one by one took long
-    enough for the run to finish first)."""
-    found: dict[str, int] = {}
+async def _begun(url: str, token: str, paths: list[str]) -> dict[str, dict[str, Any]]:
+    """Of ``paths`` (``GET``), the router's answers to those it holds: all asked at once (with grace
+    0 the router shares the busy trainer's event loop; one by one took long enough for the run to
+    finish first)."""
+    found: dict[str, dict[str, Any]] = {}
     headers = {"Authorization": f"Bearer {token}"}
-    limits = httpx.Limits(max_connections=len(request_ids) or 1)
+    limits = httpx.Limits(max_connections=len(paths) or 1)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60, limits=limits) as client:
 
-        async def one(request_id: str) -> None:
-            answer = await client.get(f"/requests/{request_id}")
+        async def one(path: str) -> None:
+            answer = await client.get(path)
             if answer.status_code == 200:
-                found[request_id] = len(answer.json()["token_ids"])
+                found[path] = answer.json()
             elif answer.status_code != 404:
-                raise RuntimeError(f"GET /requests/{request_id}: {answer.status_code} {answer.text}")
+                raise RuntimeError(f"GET {path}: {answer.status_code} {answer.text}")
 
         async with anyio.create_task_group() as group:
-            for request_id in request_ids:
-                group.start_soon(one, request_id)
+            for path in paths:
+                group.start_soon(one, path)
     return found
 
 
@@ -267,11 +365,12 @@ def _compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str
 
 
 def _arm(
-    kind: str, grace: float, root: Path, run_dir: Path, reference: dict[str, torch.Tensor]
+    workload: Workload, kind: str, grace: float, root: Path, run_dir: Path, reference: dict[str, torch.Tensor]
 ) -> dict[str, Any]:
-    argv = [*COMMON, f"system.resume_grace_s={grace}", f"system.run_dir={str(run_dir)!r}"]
+    argv = [*workload.overrides, f"system.resume_grace_s={grace}", f"system.run_dir={str(run_dir)!r}"]
     tag = os.urandom(8).hex()
-    kill = _kill_mid_rollout(argv, run_dir, root / f"{kind}-killed.log", tag)
+    kill = _kill_mid_rollout(workload, argv, run_dir, root / f"{kind}-killed.log", tag)
+    num_samples = workload.num_samples
     resumed = _resume(run_dir, root / f"{kind}-resumed.log", kill["killed"], tag)
     _settle(tag)
     report = resumed["report"]
@@ -284,10 +383,25 @@ def _arm(
         tokens_regenerated = 0 if regenerated == 0 else None
     else:  # grace 0: every missing sample is generated again; those begun before the kill are lost work
         reattached = reattached_tokens = 0
-        regenerated, new = kill["begun"], NUM_SAMPLES - reused - kill["begun"]
-        tokens_regenerated = kill["begun_tokens"]
-        if int(report["trajectories_regenerated"]) != NUM_SAMPLES - reused:
-            raise RuntimeError(f"baseline: report counts {report['trajectories_regenerated']} regenerated")
+        regenerated, new = kill["begun"], num_samples - reused - kill["begun"]
+        # (agentic: the router's contexts do not tell generated tokens from observations)
+        tokens_regenerated = None if workload.agentic else kill["begun_tokens"]
+        counted = int(report["trajectories_regenerated"])
+        # (agentic: a group resampled after an unrecoverable trajectory generates more)
+        if counted != num_samples - reused and not (workload.agentic and counted > num_samples - reused):
+            raise RuntimeError(f"baseline: report counts {counted} regenerated")
+    agentic: dict[str, Any] = {}
+    if workload.agentic:
+        keys = ("trajectories_reattached", "actions_replayed", "sandboxes_restored_from_checkpoint",
+                "reattached_inconsistent", "rebuild_failures_recovered")  # fmt: skip
+        agentic = {
+            "turns_begun_before_kill": kill["begun_turns"],
+            "actions_begun_before_kill": kill["begun_actions"] if kind == "host" else None,
+            **{key: int(report.get(key, 0)) if kind == "host" else 0 for key in keys},
+            # the baseline runs every action of a begun trajectory again (the journal, grace > 0
+            # only, would say how many)
+            "actions_run_again": int(report.get("actions_replayed", 0)) if kind == "host" else None,
+        }
     weights = _compare(reference, _weights(run_dir))
     run_dir.rename(root / kind)
     return {
@@ -305,10 +419,11 @@ def _arm(
         "tokens_begun_before_kill": kill["begun_tokens"],
         "resumed_report_wall_s": report.get("wall_s"),
         "weights_vs_reference": weights,
+        **agentic,
     }
 
 
-def one_rep(rep: int, grace: float) -> dict[str, Any]:
+def one_rep(workload: Workload, rep: int, grace: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-resume-") as tmp:
         root = Path(tmp)
         run_dir = root / "run"
@@ -316,13 +431,13 @@ def one_rep(rep: int, grace: float) -> dict[str, Any]:
         order = [0.0, grace] if rep % 2 == 0 else [grace, 0.0]  # alternated: load drifts over a rep
         for g in order:
             name = "grace_0" if g == 0 else "grace_on"
-            argv = [*COMMON, f"system.resume_grace_s={g}", f"system.run_dir={str(run_dir)!r}"]
+            argv = [*workload.overrides, f"system.resume_grace_s={g}", f"system.run_dir={str(run_dir)!r}"]
             walls[name] = _uninterrupted(argv, root / f"reference-{name}.log")
             run_dir.rename(root / f"reference-{name}")
         reference = _weights(root / "reference-grace_0")
         arms: dict[str, Any] = {}
         for kind in ["baseline", "host"] if rep % 2 == 0 else ["host", "baseline"]:
-            arms[kind] = _arm(kind, 0.0 if kind == "baseline" else grace, root, run_dir, reference)
+            arms[kind] = _arm(workload, kind, 0.0 if kind == "baseline" else grace, root, run_dir, reference)
         return {
             "rep": rep,
             "reference_wall_s": walls,
@@ -338,6 +453,7 @@ def _cell(reps: list[dict[str, Any]], get: Any, digits: int = 1, unit: str = " s
 
 def _table(document: dict[str, Any]) -> str:
     reps = document["reps"]
+    agentic = document.get("workload") == "tooluse"
 
     def arm(kind: str, key: str, digits: int = 1, unit: str = " s") -> str:
         if any(r[kind][key] is None for r in reps):
@@ -361,6 +477,19 @@ def _table(document: dict[str, Any]) -> str:
         ("tokens regenerated", arm("host", "tokens_regenerated", 0, ""), arm("baseline", "tokens_regenerated", 0, "")),
         ("final weights vs the uninterrupted run", weights("host"), weights("baseline")),
     ]  # fmt: skip
+    if agentic:  # trajectories: samples are trajectories, requests their turns
+        rows = [(a.replace("samples", "trajectories"), b, c) for a, b, c in rows]
+        rows[3] = ("turns re-attached (router held them)", rows[3][1], rows[3][2])
+        rows[-1:-1] = [
+            ("context tokens of the begun trajectories at the kill (responses + observations)", arm("host", "tokens_begun_before_kill", 0, ""), arm("baseline", "tokens_begun_before_kill", 0, "")),
+            ("turns of the begun trajectories at the kill", arm("host", "turns_begun_before_kill", 0, ""), arm("baseline", "turns_begun_before_kill", 0, "")),
+            ("begun trajectories continued from their journal", arm("host", "trajectories_reattached", 0, ""), arm("baseline", "trajectories_reattached", 0, "")),
+            ("actions the begun trajectories had logged (journal: host path only)", arm("host", "actions_begun_before_kill", 0, ""), arm("baseline", "actions_begun_before_kill", 0, "")),
+            ("logged actions run again (baseline: every action of a begun trajectory, uncounted)", arm("host", "actions_run_again", 0, ""), arm("baseline", "actions_run_again", 0, "")),
+            ("sandboxes restored from a logged checkpoint", arm("host", "sandboxes_restored_from_checkpoint", 0, ""), "n/a"),
+            ("replays that returned something else", arm("host", "reattached_inconsistent", 0, ""), "n/a"),
+            ("sandbox failures recovered while rebuilding", arm("host", "rebuild_failures_recovered", 0, ""), "n/a"),
+        ]  # fmt: skip
     ref = [r["reference_grace_on_vs_grace_0"] for r in reps]
     on = [r["reference_wall_s"]["grace_on"] for r in reps]
     off = [r["reference_wall_s"]["grace_0"] for r in reps]
@@ -394,21 +523,31 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--grace", type=float, default=300.0, help="system.resume_grace_s of the host path")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="math")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="results file (default: benchmarks/results/...)"
+    )
     args = parser.parse_args()
+    workload = WORKLOADS[args.workload]
+    name = "bench_resume" if workload.name == "math" else f"bench_resume_{workload.name}"
+    out: Path = args.out or RESULTS / f"{name}.json"
+    kill_point = "" if workload.agentic else " and a request was in flight"
     uptime_before, load_before, started = _uptime(), os.getloadavg(), time.time()
     reps: list[dict[str, Any]] = []
     for rep in range(args.reps):
-        reps.append(one_rep(rep, args.grace))
+        reps.append(one_rep(workload, rep, args.grace))
         print(json.dumps(reps[-1]), file=sys.stderr, flush=True)
         document = {
             "benchmark": "bench_resume",
-            "command": f"python benchmarks/bench_resume.py --reps {args.reps}"
+            "command": "python benchmarks/bench_resume.py"
+            + (f" --workload {workload.name}" if workload.name != "math" else "")
+            + f" --reps {args.reps}"
             + (f" --grace {args.grace:g}" if args.grace != 300.0 else ""),
+            "workload": workload.name,
             "grace_s": args.grace,
-            "setup": f"math, {STEPS} steps x {NUM_SAMPLES} samples (16 prompts x 8), rollout.concurrency=4, "
-            f"fixed seed, 1 slot on CPU (the default), trainer SIGKILLed once {NUM_SAMPLES // 4} of step "
-            f"{KILL_STEP}'s samples were logged and a request was in flight; shared 2-core machine",
+            "setup": f"{workload.setup}, fixed seed, 1 slot on CPU (the default), trainer SIGKILLed once "
+            f"{workload.num_samples // 4} of step {KILL_STEP}'s samples were logged{kill_point}; "
+            "shared 2-core machine",
             "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)),
             "ended_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
             "uptime_before": uptime_before,
@@ -418,10 +557,10 @@ def main() -> int:
             "repetitions": len(reps),
             "reps": reps,
         }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(document, indent=2) + "\n")
-        args.out.with_suffix(".md").write_text(_table(document))
-    print(args.out.with_suffix(".md").read_text())
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(document, indent=2) + "\n")
+        out.with_suffix(".md").write_text(_table(document))
+    print(out.with_suffix(".md").read_text())
     return 0
 
 
