@@ -265,6 +265,64 @@ async def _router_with(respond: Callable[[str], str]) -> AsyncIterator[RouterCli
 
 
 @pytest.mark.parametrize(
+    ("kept", "restored"),
+    [
+        (("action", "checkpoint", "action"), True),  # turn 2's `cat` replayed after turn 1's checkpoint
+        (("action", "action"), False),  # both replayed in a fresh sandbox: back to the prompt
+    ],
+)
+async def test_a_replay_that_returns_other_than_logged_rewinds_to_a_checkpoint(
+    engine: Engine, tmp_path: Path, kept: tuple[str, ...], restored: bool
+) -> None:
+    """An action whose effect differs when run again (a build id, a time) would leave the agent's
+    context describing another sandbox than the one it goes on in: the journal's turn-2 result is
+    made other than what `cat` prints, so the rebuild's replay returns something else.  The
+    trajectory is recovered like a sandbox failure (the checkpoint the replay started from, or the
+    prompt) and goes on in a sandbox that is what its context says: token for token the first run."""
+    task, config, pool = _one_task(engine, tmp_path)
+    events: list[dict[str, Any]] = []
+    resumed_events: list[dict[str, Any]] = []
+    stats = RolloutStats()
+    name = run_id(f"diverge-{len(kept)}")
+    try:
+        async with router_with_tooluse_agent() as client:
+            with anyio.fail_after(240):
+                (first,) = await run_agentic_rollouts(
+                    task, client, config, engine=engine, pool=pool, run_id=name, note=events.append
+                )
+                cut = _cut(events, kept)
+                true_stdout = cut[-1]["stdout"]
+                cut[-1] = {**cut[-1], "stdout": "not what it printed\n", "context_hash": ""}
+                (again,) = await run_agentic_rollouts(
+                    task, client, config, engine=engine, pool=pool, run_id=name,
+                    resume=read_journals(cut), stats=stats, note=resumed_events.append,
+                )  # fmt: skip
+    finally:
+        await pool.aclose()
+    assert first.reward == 1.0, first.test_output
+    assert (again.token_ids, again.logprobs, again.loss_mask) == (
+        first.token_ids,
+        first.logprobs,
+        first.loss_mask,
+    )
+    assert (again.reward, again.finish, again.num_actions) == (1.0, "answer", 2), again.test_output
+    assert (stats.num_reattached, stats.num_reattach_inconsistent, stats.num_unrecoverable) == (1, 1, 0)
+    (recovery,) = again.recoveries
+    assert "turn 2 returned other than logged" in recovery.reason
+    assert (recovery.from_checkpoint, recovery.restored_turn) == (restored, int(restored))
+    assert recovery.prefix_consistent
+    # The journal says so: a rewind to the restored turn, then turn 2 logged again with what ran.
+    kinds = [e["event"] for e in resumed_events]
+    assert "rewind" in kinds
+    rewind = resumed_events[kinds.index("rewind")]
+    assert rewind["turn"] == int(restored)
+    (logged_again,) = [
+        e for e in resumed_events[kinds.index("rewind") :] if e["event"] == "action" and e["turn"] == 2
+    ]
+    assert logged_again["stdout"] == true_stdout
+
+
+@pytest.mark.parametrize(
     "first_turn",
     [
         pytest.param(lambda value: f"ACTION: echo {value} >a\n", id="another-command"),

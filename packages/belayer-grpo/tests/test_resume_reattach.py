@@ -282,11 +282,13 @@ def test_a_resume_within_the_grace_period_regenerates_nothing(
     assert step2[0]["requests_reattached"] == report["requests_reattached"]
     if not math:
         assert step2[0]["actions_replayed"] == report["actions_replayed"]
-        # The chaos struck in the resumed run: rebuilds as counted, and live actions of prefix 2.
+        # The chaos in the resumed run: every rebuild it killed is among the run's sandbox failures.
+        # (It strikes only a trajectory that runs a second action live: none may, when the agent
+        # answers after one; seen once at load 0-2, 0 failures in steps 2-3.)
         resumed_steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         failures = sum(record.get("env_failures", 0) for record in resumed_steps if record["step"] >= 2)
         print("env_failures (steps 2-3)", failures)
-        assert failures >= max(1, reattach[3])
+        assert failures >= reattach[3]
 
     model_a, model_b = _model(run_a), _model(run_dir)
     assert model_a.keys() == model_b.keys()

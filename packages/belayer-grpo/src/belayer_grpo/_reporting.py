@@ -169,7 +169,8 @@ class Reporter:
                         else ""
                     )
                     + (
-                        f", {summary['reattached_inconsistent']} INCONSISTENT"
+                        f", {summary['reattached_inconsistent']} whose replay returned other than logged "
+                        "(rewound to a checkpoint)"
                         if summary["reattached_inconsistent"]
                         else ""
                     )

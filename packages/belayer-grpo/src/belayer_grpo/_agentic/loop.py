@@ -91,7 +91,8 @@ class AgentLoop:
     num_actions_replayed: int = 0  # logged actions run again to rebuild the sandbox (resume)
     restored_from_checkpoint: bool = False  # the resumed sandbox came from a logged checkpoint
     num_turns_regenerated: int = 0  # turns a resume had to generate anew (the router lost or refused them)
-    replay_consistent: bool = True  # every replayed action returned what the journal holds
+    # every replayed action returned what the journal holds (one that did not was recovered: `_rebuild`)
+    replay_consistent: bool = True
     num_rebuild_failures: int = 0  # sandbox failures while rebuilding (recovered: restored, replayed again)
     num_turns_diverged: int = 0  # logged turns that came back other than logged (a ``rewind`` each)
     _from_journal: list[LoggedAction] = attrs.field(factory=list)  # actions taken from ``resume``
@@ -122,7 +123,11 @@ class AgentLoop:
             if isinstance(finish, environment.SandboxFailure):
                 await self._recover(finish)
                 continue
-            await self._rebuild()  # a resumed trajectory that ends on its logged turns: its sandbox
+            # A resumed trajectory that ends on its logged turns: its sandbox (a replay that
+            # returned other than logged is recovered like a sandbox failure: see `_rebuild`).
+            if (diverged := await self._rebuild()) is not None:
+                await self._recover(diverged)
+                continue
             if isinstance(self.task, ToolUseTask):
                 state = await self._read_state()
                 if isinstance(state, environment.SandboxFailure):
@@ -201,7 +206,8 @@ class AgentLoop:
             if logged is not None:  # resumed: what it returned is in the journal; the sandbox later
                 outcome, self.prefix = logged.result(), logged.prefix
             else:
-                await self._rebuild()
+                if (diverged := await self._rebuild()) is not None:
+                    return diverged  # rewound to a checkpoint (or the prompt) by `_recover`
                 outcome = await anyio.to_thread.run_sync(
                     environment.run_action,
                     self.lease.sandbox,
@@ -518,7 +524,7 @@ class AgentLoop:
         self.num_turns_diverged += 1
         self._note(rewind_event(self.trajectory_id, turn - 1))
 
-    async def _rebuild(self) -> None:
+    async def _rebuild(self) -> environment.SandboxFailure | None:
         """Bring a resumed trajectory's sandbox to its last logged turn, once: the latest logged
         checkpoint that restores and verifies (`_restore_environment`: the repository hash and the
         router's ``L_turn``), then only the logged actions after it, run again in order (all of
@@ -526,11 +532,19 @@ class AgentLoop:
         replayed action, or chaos after one) is recovered like any other: a restore again (the
         same rules: the newest checkpoint that restores, else a fresh sandbox) and the logged
         actions after it replayed, within ``max_recoveries``; each is a `RecoveryRecord` (no turn
-        is lost: the context holds the logged results).  Nothing to do without a resume."""
+        is lost: the context holds the logged results).  Nothing to do without a resume.
+
+        A replayed action that returns other than the journal holds (an action whose effect
+        differs when run again: a build id, a time) would leave the agent's context describing
+        another sandbox than the one it goes on in.  The replay stops there and the rebuild
+        returns it as a `SandboxFailure`, which the caller recovers like any other: the checkpoint
+        the replay started from restored again (or a fresh sandbox and the prompt) and the
+        context cut back to it, the turns after it generated again (the router answers those
+        whose context is unchanged from its records)."""
         journal, self.resume = self.resume, None
         replay, self._from_journal = self._from_journal, []
         if journal is None or not replay:
-            return  # no committed action taken from the journal: the lease's fresh sandbox is the state
+            return None  # no committed action taken from the journal: the lease's fresh sandbox is the state
         last = replay[-1].turn
         records = journal.checkpoint_records(self.lease.pool.store.trajectory_dir(self.trajectory_id))
         self.checkpoints = [c for c in records if c.turn <= last]
@@ -542,7 +556,16 @@ class AgentLoop:
                 if failed is not None:
                     self._record_rebuild_recovery(*failed, target, sandbox, timings, actual)
             assert target is not None
-            replayed, failure = await self._replay_logged(replay, target.turn, sandbox)
+            replayed, failure, diverged = await self._replay_logged(replay, target.turn, sandbox)
+            if diverged is not None:
+                self.num_actions_replayed += replayed
+                self.replay_consistent = False
+                if target.checkpoint is not None:
+                    self.checkpoints.append(target)  # restored again: the replay went elsewhere from it
+                return environment.SandboxFailure(
+                    f"the logged action of turn {diverged} returned other than logged when run again "
+                    "to rebuild the resumed sandbox"
+                )
             if failure is None:
                 break
             if len(self.recoveries) >= self.config.max_recoveries:
@@ -557,12 +580,14 @@ class AgentLoop:
         self.num_actions_replayed += replayed
         self.restored_from_checkpoint = target.checkpoint is not None
         self.replay_consistent &= sandbox.prefix == self.prefix
+        return None
 
     async def _replay_logged(
         self, replay: list[LoggedAction], after_turn: int, sandbox: SandboxLike
-    ) -> tuple[int, environment.SandboxFailure | None]:
+    ) -> tuple[int, environment.SandboxFailure | None, int | None]:
         """Run the logged actions after ``after_turn`` again in ``sandbox`` (chaos may kill it after
-        each, as after any action); how many ran, and the sandbox failure that stopped them."""
+        each, as after any action); how many ran, the sandbox failure that stopped them, and the
+        turn of the first that returned other than logged (the replay stops there)."""
         replayed = 0
         for logged in replay:
             if logged.turn <= after_turn:
@@ -571,11 +596,15 @@ class AgentLoop:
                 environment.run_action, sandbox, logged.command, self.config.action_timeout_s, self.injector
             )
             if isinstance(again, environment.SandboxFailure):
-                return replayed, again
+                return replayed, again, None
             replayed += 1
-            seen = (logged.exit_code, logged.stdout, logged.stderr)
-            self.replay_consistent &= (again.exit_code, again.stdout, again.stderr) == seen
-        return replayed, None
+            if (again.exit_code, again.stdout, again.stderr) != (
+                logged.exit_code,
+                logged.stdout,
+                logged.stderr,
+            ):
+                return replayed, None, logged.turn
+        return replayed, None, None
 
     def _record_rebuild_recovery(
         self,

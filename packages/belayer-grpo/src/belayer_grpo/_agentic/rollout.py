@@ -53,7 +53,8 @@ class RolloutStats:
     num_actions_replayed: int = 0  # logged actions run again to rebuild their sandboxes
     num_restored_from_checkpoint: int = 0  # sandboxes rebuilt from a logged checkpoint
     num_reattach_regenerated: int = 0  # of them, trajectories with a turn generated anew
-    num_reattach_inconsistent: int = 0  # of them, a replayed action returned something else
+    # of them, a replayed action returned something else (rewound to a checkpoint, then went on)
+    num_reattach_inconsistent: int = 0
     num_rebuild_failures: int = 0  # sandbox failures while rebuilding them (recovered, not regenerated)
     errors: list[str] = attrs.field(factory=list)  # `describe_error` of each unrecoverable trajectory
 
