@@ -17,16 +17,14 @@ the journal, so a second kill and resume continues what the first resume did.
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import attrs
 import pytest
-from agent_script import STOP
-from agentic_support import ADMIN, agentic_config, connect_engine, run_id
+from agentic_support import agentic_config, connect_engine, run_id
 from test_tooluse_sandbox import router_with_tooluse_agent, tooluse_response
 
 from belayer_envckpt import CheckpointStore, Engine
@@ -39,8 +37,6 @@ from belayer_grpo._agentic import (
     run_agentic_rollouts,
 )
 from belayer_grpo._agentic.journal import read_journals
-from belayer_router import ByteTokenizer, RouterClient, RouterConfig, running_router
-from belayer_router.testing import running_worker, text_script
 
 pytestmark = [pytest.mark.docker, pytest.mark.anyio]
 
@@ -251,19 +247,6 @@ def _store_agent(first_turn: Callable[[str], str]) -> Callable[[str], str]:
     return respond
 
 
-@asynccontextmanager
-async def _router_with(respond: Callable[[str], str]) -> AsyncIterator[RouterClient]:
-    """A new router (none of the earlier turns) whose scripted worker answers ``respond``."""
-    script = text_script(ByteTokenizer(), respond, STOP)
-    async with (
-        running_router(RouterConfig(admin_token=ADMIN, resume_wait_s=10.0)) as (url, _app),
-        running_worker(1, script=script) as (worker_url, _worker),
-        RouterClient(url, admin_token=ADMIN) as client,
-    ):
-        await client.register("s0", worker_url, 1)
-        yield client
-
-
 @pytest.mark.parametrize(
     ("kept", "restored"),
     [
@@ -348,7 +331,7 @@ async def test_a_resumed_turn_that_comes_back_otherwise_rewinds_the_journal(
         # Killed after turn 2's action; resumed on a router that lost every turn and whose agent
         # answers turn 1 otherwise: the killed run's history no longer holds from turn 1.
         killed = _cut(events, ("action", "checkpoint", "action"))
-        async with _router_with(_store_agent(first_turn)) as other:
+        async with router_with_tooluse_agent(_store_agent(first_turn)) as other:
             with anyio.fail_after(240):
                 (second,) = await run_agentic_rollouts(
                     task, other, config, engine=engine, pool=pool, run_id=name,

@@ -5,7 +5,7 @@ while checkpoint recovery (or a replay from scratch) keeps every answer right.""
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -49,8 +49,11 @@ def tooluse_response(prompt: str) -> str:
 
 
 @asynccontextmanager
-async def router_with_tooluse_agent() -> AsyncIterator[RouterClient]:
-    script = text_script(ByteTokenizer(), tooluse_response, STOP)
+async def router_with_tooluse_agent(
+    respond: Callable[[str], str] = tooluse_response,
+) -> AsyncIterator[RouterClient]:
+    """A new router (none of the earlier turns) whose scripted worker answers ``respond``."""
+    script = text_script(ByteTokenizer(), respond, STOP)
     async with (
         running_router(RouterConfig(admin_token=ADMIN, resume_wait_s=10.0)) as (url, _app),
         running_worker(1, script=script) as (worker_url, _worker),
