@@ -79,6 +79,35 @@ def test_the_links_climb_to_the_root_from_wherever_they_are_unpacked(tmp_path):
         assert (elsewhere / "pages-1.img").read_bytes() == b"pages"
 
 
+def _store_through_a_symlink(tmp_path: Path) -> Path:
+    """A store folder reached through an absolute symbolic link (a /var/run -> /run, a /home ->
+    /data/home): CRIU would resolve such a link against the new container's root."""
+    (tmp_path / "real").mkdir()
+    via = tmp_path / "via"
+    via.symlink_to(tmp_path / "real")  # absolute
+    return via
+
+
+def test_the_links_name_the_stores_real_path(tmp_path):
+    via = _store_through_a_symlink(tmp_path)
+    (via / "criu").mkdir()
+    (via / "criu" / "pages-1.img").write_bytes(b"pages")
+    assert stage_images(via / "criu", tmp_path / "staged", in_place=True) == IN_PLACE
+    real = os.path.realpath(tmp_path / "real" / "criu" / "pages-1.img")
+    assert os.readlink(tmp_path / "staged" / "pages-1.img") == "../" * 64 + real.lstrip("/")
+
+
+def test_a_store_reached_through_an_absolute_symlink_is_read_in_place(make_sandbox, track, engine, tmp_path):
+    sandbox = make_sandbox(DEBIAN, "mem", command=("python3", "-c", APP))
+    wait_for(lambda: sandbox.exec("cat /work/h0 2>/dev/null").stdout != "", timeout=30)
+    before = sandbox.exec("cat /work/h0").stdout
+    ckpt = full_checkpoint(sandbox, "mem", store=CheckpointStore(_store_through_a_symlink(tmp_path)))
+    sandbox.kill()
+    restored = track(full_restore(ckpt, engine=engine))
+    assert restored.restore_images == IN_PLACE
+    assert _memory_digest(restored) == before
+
+
 def test_a_crius_dedup_setting_keeps_the_images_copied(tmp_path, monkeypatch):
     conf = tmp_path / "runc.conf"
     conf.write_text("tcp-established\nauto-dedup\n")

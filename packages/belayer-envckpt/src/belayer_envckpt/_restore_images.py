@@ -8,10 +8,10 @@ them.  So each ``pages-*.img`` goes in as a symbolic link to the store's file in
 carries the link, containerd unpacks the link, and CRIU reads the store's file in place.
 
 The link is relative and climbs to the root first (``../`` more times than any folder is deep,
-then the store's absolute path): CRIU opens the images relative to the image folder it was given,
-after it has entered the new container's root, where an absolute target would name a path inside
-the container.  A climb past the top of the mount tree stays at its root, wherever containerd
-unpacks the folder.
+then the store's absolute path, symbolic links resolved): CRIU opens the images relative to the
+image folder it was given, after it has entered the new container's root, where an absolute
+target (or an absolute symbolic link on the way) would name a path inside the container.  A climb
+past the top of the mount tree stays at its root, wherever containerd unpacks the folder.
 
 A link is used only where it resolves to the same file for containerd (and so for the runc and
 CRIU it starts): the store's path through ``/proc/<containerd>/root`` names the same inode, which
@@ -60,7 +60,7 @@ def _engine_roots() -> list[Path]:
 def engine_sees(path: Path) -> bool:
     """True when every containerd on the host finds the very file ``path`` at the same path
     (same device and inode through its root); False where none is found or one cannot look."""
-    path = Path(os.path.abspath(path))
+    path = Path(os.path.realpath(path))  # the path the links name (`stage_images`)
     try:
         ours = path.stat()
     except OSError:
@@ -103,7 +103,9 @@ def stage_images(images: Path, target: Path, *, in_place: bool) -> str:
 
     def place(src: str, dst: str) -> None:
         if linked and os.path.basename(src).startswith("pages-"):
-            os.symlink(_UP + os.path.abspath(src).lstrip("/"), dst)
+            # The real path: CRIU would resolve an absolute symbolic link on the way (a store under
+            # /var/run -> /run, a /home -> /data/home) against the new container's root.
+            os.symlink(_UP + os.path.realpath(src).lstrip("/"), dst)
         else:
             link_or_copy(src, dst)
 
