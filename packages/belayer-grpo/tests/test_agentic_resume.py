@@ -292,6 +292,11 @@ async def test_a_replay_that_returns_other_than_logged_rewinds_to_a_checkpoint(
     assert (stats.num_reattached, stats.num_reattach_inconsistent, stats.num_unrecoverable) == (1, 1, 0)
     (recovery,) = again.recoveries
     assert "turn 2 returned other than logged" in recovery.reason
+    # The checkpoint restored for the rebuild and again for the recovery is one record, not two.
+    ids = [c.checkpoint.checkpoint_id for c in again.checkpoints if c.checkpoint is not None]
+    assert len(ids) == len(set(ids)), ids
+    if restored:
+        assert cut[1]["checkpoint_id"] in ids
     assert (recovery.from_checkpoint, recovery.restored_turn) == (restored, int(restored))
     assert recovery.prefix_consistent
     # The journal says so: a rewind to the restored turn, then turn 2 logged again with what ran.

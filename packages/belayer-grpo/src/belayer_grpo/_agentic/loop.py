@@ -560,8 +560,8 @@ class AgentLoop:
             if diverged is not None:
                 self.num_actions_replayed += replayed
                 self.replay_consistent = False
-                if target.checkpoint is not None:
-                    self.checkpoints.append(target)  # restored again: the replay went elsewhere from it
+                # `_restore_environment` kept ``target`` last in `checkpoints`: the caller's recovery
+                # restores it again (not a second record of it).
                 return environment.SandboxFailure(
                     f"the logged action of turn {diverged} returned other than logged when run again "
                     "to rebuild the resumed sandbox"
