@@ -456,30 +456,12 @@ class AgentLoop:
         for t in lost:
             self._observations.pop(t, None)
         self.context.truncate(self._context_length(target))
-        restore_s = time.monotonic() - started
-        self.policy.on_restore(restore_s)  # the measured restore cost feeds the estimators
+        self._record_restore(
+            failure.reason, started, target, sandbox, timings, actual_hash,
+            failed=(failed_prefix, failed_turn), lost=(tokens_lost, len(lost)),
+        )  # fmt: skip
         self.prefix, self.turn = target.prefix, target.turn
         del self._steps[target.prefix :]
-        self.recoveries.append(
-            RecoveryRecord(
-                failed_prefix=failed_prefix,
-                failed_turn=failed_turn,
-                reason=failure.reason,
-                restored_prefix=target.prefix,
-                restored_turn=target.turn,
-                from_checkpoint=target.checkpoint is not None,
-                restore_s=restore_s,
-                tokens_regenerated=tokens_lost,
-                rounds_regenerated=len(lost),
-                expected_repo_hash=target.repo_hash,
-                actual_repo_hash=actual_hash,
-                context_matches=True,  # verified by `_restore_environment`
-                prefix_matches=sandbox.prefix == target.prefix
-                and (target.checkpoint is None or sandbox.context_ref == target.context_ref),
-                restore_timings_ms=timings,
-                restored_kind=target.kind,
-            )
-        )
         self._note(rewind_event(self.trajectory_id, self.turn))
 
     # -- resume (the journal of a killed trainer) --------------------------------------------
@@ -554,7 +536,15 @@ class AgentLoop:
             if self.checkpoints or failed is not None:
                 target, sandbox, timings, actual = await self._restore_environment()
                 if failed is not None:
-                    self._record_rebuild_recovery(*failed, target, sandbox, timings, actual)
+                    self._record_restore(  # no turn is lost: the logged results stay in the context
+                        f"{failed[0].reason} (rebuilding the resumed sandbox)",
+                        failed[1],
+                        target,
+                        sandbox,
+                        timings,
+                        actual,
+                        failed=(self.prefix, self.turn),
+                    )
             assert target is not None
             replayed, failure, diverged = await self._replay_logged(replay, target.turn, sandbox)
             if diverged is not None:
@@ -606,29 +596,34 @@ class AgentLoop:
                 return replayed, None, logged.turn
         return replayed, None, None
 
-    def _record_rebuild_recovery(
+    def _record_restore(
         self,
-        failure: environment.SandboxFailure,
+        reason: str,
         started: float,
         target: CheckpointRecord,
         sandbox: SandboxLike,
         timings: dict[str, float],
         actual_hash: str,
+        *,
+        failed: tuple[int, int],
+        lost: tuple[int, int] = (0, 0),
     ) -> None:
-        """A sandbox failure while rebuilding a resumed sandbox, restored again at ``target``."""
+        """A recovery restored at ``target`` (verified by `_restore_environment`): its measured
+        cost to the policy and its `RecoveryRecord` (``failed``: the prefix and turn that failed;
+        ``lost``: the tokens and rounds generated again)."""
         restore_s = time.monotonic() - started
-        self.policy.on_restore(restore_s)
+        self.policy.on_restore(restore_s)  # the measured restore cost feeds the estimators
         self.recoveries.append(
             RecoveryRecord(
-                failed_prefix=self.prefix,
-                failed_turn=self.turn,
-                reason=f"{failure.reason} (rebuilding the resumed sandbox)",
+                failed_prefix=failed[0],
+                failed_turn=failed[1],
+                reason=reason,
                 restored_prefix=target.prefix,
                 restored_turn=target.turn,
                 from_checkpoint=target.checkpoint is not None,
                 restore_s=restore_s,
-                tokens_regenerated=0,  # the logged results stay in the context: no turn is lost
-                rounds_regenerated=0,
+                tokens_regenerated=lost[0],
+                rounds_regenerated=lost[1],
                 expected_repo_hash=target.repo_hash,
                 actual_repo_hash=actual_hash,
                 context_matches=True,  # verified by `_restore_environment`
