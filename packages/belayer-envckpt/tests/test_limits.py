@@ -360,3 +360,25 @@ def _put_file(sandbox: Sandbox, path: str) -> None:
     with tarfile.open(fileobj=buf, mode="w") as tar:
         tar.addfile(tarfile.TarInfo(Path(path).name))
     assert sandbox._container.put_archive(str(Path(path).parent), buf.getvalue())
+
+
+def test_the_kill_at_a_limit_also_takes_processes_forked_while_it_ran(make_sandbox):
+    # Ten shells fork a long sleep and kill it at once, without end: a shell killed just after a
+    # fork leaves a `sleep 1000` that a single listing-then-kill of the action's processes misses.
+    # (This did not reproduce CI's failure, where the disk filler's shell was still listed after the
+    # kill, on a quiet machine: the kill now repeats until the action's processes are gone.)
+    sandbox = make_sandbox(
+        BUSYBOX, "forker", limits=SandboxLimits(pids=512, memory_mb=96, cpus=0.5, disk_mb=16)
+    )
+    forker = "while :; do sleep 1000 & kill $! 2>/dev/null; wait $!; done"
+    action = f"for i in 1 2 3 4 5 6 7 8 9 10; do sh -c '{forker}' & done; sleep 1; " + (
+        "while :; do dd if=/dev/zero bs=1048576 count=1 2>/dev/null >> /tmp/fill; done"
+    )
+    for _ in range(3):
+        with pytest.raises(SandboxLimitError, match="over its disk cap of 16 MB"):
+            sandbox.exec(action, timeout_s=120)
+        left = sandbox.probe("ps -o args").stdout
+        assert not [
+            line for line in left.splitlines() if "sleep 1000" in line or "dd if" in line or "kill $!" in line
+        ]
+        sandbox.exec("rm -f /tmp/fill")

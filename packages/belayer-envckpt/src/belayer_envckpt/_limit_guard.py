@@ -23,9 +23,11 @@ import attrs
 from ._errors import BelayerEnvckptError, CheckpointFailedError, CheckpointTooLargeError, SandboxLimitError
 from ._limits import MIB, LimitCause, SandboxLimits, host_has_cap_sys_resource, is_root_user
 from ._procfs import InContainer, host_proc, kill_host_processes
-from ._runtime import container_pids
+from ._runtime import container_pids, is_alive
 
 POLL_COST_RATIO = 9.0
+# How long a hit limit's kill waits for the action's processes to be gone.
+KILL_SETTLE_S = 10.0
 
 # -- the disk cap ---------------------------------------------------------------------------
 
@@ -212,11 +214,27 @@ class LimitGuard:
             wait_s = max(self.limits.disk_poll_s, POLL_COST_RATIO * (time.perf_counter() - started))
 
     def _kill_action(self) -> None:
+        """SIGKILL the processes the action started until none is left (bounded by KILL_SETTLE_S).
+
+        One listing then one kill is not enough: a process the action forked after the listing
+        outlives it, and a killed one in an uninterruptible sleep (a page fault under I/O load)
+        lives on for a while under its old command line (CI saw the disk filler's shell there).
+        Zombies count as gone: a killed process whose new parent, the container's init, never
+        reaps it stays one.
+        """
         assert self._files is not None
-        started = container_pids(self.init_pid) - self._procs_before - {self.init_pid}
-        # Best effort: `check` reports the hit whether or not the kill got through.
-        with contextlib.suppress(ProcessLookupError, PermissionError, BelayerEnvckptError):
-            kill_host_processes(started, signal.SIGKILL, self.in_container)
+        deadline = time.monotonic() + KILL_SETTLE_S
+        while True:
+            started = container_pids(self.init_pid) - self._procs_before - {self.init_pid}
+            alive = {pid for pid in started if is_alive(pid)}
+            if not alive or time.monotonic() > deadline:
+                return
+            # Best effort: `check` reports the hit whether or not the kill got through.
+            try:
+                kill_host_processes(alive, signal.SIGKILL, self.in_container)
+            except (ProcessLookupError, PermissionError, BelayerEnvckptError):
+                return
+            time.sleep(0.01)
 
     def check(self, result: object = None) -> None:
         """Raise `SandboxLimitError` if the action hit a limit (its processes are killed first)."""

@@ -460,6 +460,12 @@ def _init_start(pid: int) -> int | None:
     return int(fields[19])
 
 
+def is_alive(pid: int) -> bool:
+    """Whether host process ``pid`` exists and is not a zombie (a killed process counts until it
+    has exited: one in an uninterruptible sleep goes on showing its command line)."""
+    return _init_start(pid) is not None
+
+
 def _thawed(pid: int, *, proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> bool:
     """Whether the cgroup of ``pid`` is not frozen (False when that cannot be read).
 
