@@ -98,8 +98,12 @@ def test_corrupt_checkpoint_is_refused_before_anything_changes(damage, saved, en
         (ckpt.path / "manifest.json").write_text("{not json")
     with pytest.raises(CheckpointCorruptError):
         full_restore(ckpt, engine=engine)
-    # Nothing was touched: the original container still runs, the files are where they were.
+    # Nothing was touched: the original container still runs, the files are where they were, and
+    # no other container of the trajectory is left (a flipped page byte is found only after the new
+    # container was created: page images are hashed beside its creation).
     assert sandbox.status() == "running"
+    labels = [f"{key}={value}" for key, value in {**TEST_LABELS, "belayer.trajectory": "saved"}.items()]
+    assert [c.id for c in engine._client.containers.list(all=True, filters={"label": labels})] == [sandbox.id]
     assert ckpt.path.is_dir()
     with pytest.raises(CheckpointCorruptError):
         store.verify(ckpt)

@@ -13,6 +13,7 @@ from ._criu import describe_inet_socket, first_error_line, log_named_in, unresto
 from ._docker import Engine
 from ._errors import (
     BelayerEnvckptError,
+    CheckpointCorruptError,
     CheckpointFailedError,
     CheckpointNotFoundError,
     CommandError,
@@ -31,7 +32,17 @@ from ._manifest import RUNTIME_FRESH
 from ._runtime import refuse_uncaptured, sandbox_runtime
 from ._sandbox import Sandbox, SandboxConfig, check_guarantee
 from ._spares import SparePool, restore_into_spare
-from ._store import CRIU_DIR, LAYER, PARTIAL, Checkpoint, CheckpointStore, record_files, verify_checkpoint
+from ._store import (
+    CRIU_DIR,
+    LAYER,
+    PARTIAL,
+    Checkpoint,
+    CheckpointStore,
+    is_page_image,
+    record_files,
+    verify_checkpoint,
+    verify_files_meanwhile,
+)
 
 
 def _ms(start: float) -> float:
@@ -226,7 +237,11 @@ def full_restore(
     the label of the node that owns the container now (belayer-cluster's isolated nodes).
 
     Nothing is touched before the manifest, every checksum and the layer archive's members have
-    been checked.  The failed instance is never reused: a new container is created from the
+    been checked, except that the CRIU page images (most of a full checkpoint's bytes) are hashed
+    in a thread while the new container is created and the layer installed into it: the failed
+    container is removed and the new one started only once they match; when one does not, the
+    new container is removed and `CheckpointCorruptError` raised, the failed one left as it was.
+    The failed instance is never reused: a new container is created from the
     original image and configuration, the layer is installed, and it starts from the CRIU images
     (a ``full`` checkpoint) or normally (a ``fresh-runtime`` one, or a ``reference`` to one).
     """
@@ -237,7 +252,8 @@ def full_restore(
         )
     timings: dict[str, float] = {}
     started = time.perf_counter()
-    checkpoint = verify_checkpoint(checkpoint.path)
+    checkpoint = verify_checkpoint(checkpoint.path, hash_later=is_page_image)
+    pages_verified = verify_files_meanwhile(checkpoint, [r for r in checkpoint.files if is_page_image(r)])
     members = checked_members(checkpoint.path / LAYER)
     timings["verify_ms"] = _ms(started)
     own_engine = engine is None and spares is None
@@ -246,11 +262,9 @@ def full_restore(
     config = SandboxConfig.from_dict(checkpoint.config)
     if labels:
         config = attrs.evolve(config, labels={**config.labels, **labels})
-    if remove_failed:
-        step = time.perf_counter()
-        engine.remove(checkpoint.container_id)
-        timings["remove_ms"] = _ms(step)
-    if spares is not None and checkpoint.runtime == RUNTIME_FRESH:
+    if spares is not None and checkpoint.runtime == RUNTIME_FRESH:  # no page images: all verified
+        _remove_failed(engine, checkpoint, remove_failed, timings)
+        remove_failed = False
         spare = restore_into_spare(
             spares, checkpoint.path / LAYER, members, config, checkpoint.trajectory, timings
         )
@@ -264,6 +278,10 @@ def full_restore(
         install_layer(checkpoint.path / LAYER, engine.upper_dir(sandbox._container))
         timings["layer_ms"] = _ms(step)
         step = time.perf_counter()
+        pages_verified()  # hashed beside the create and the layer: nothing starts before they match
+        timings["pages_verify_wait_ms"] = _ms(step)
+        _remove_failed(engine, checkpoint, remove_failed, timings)
+        step = time.perf_counter()
         if checkpoint.runtime == RUNTIME_FRESH:
             sandbox.start()  # the runtime was the image's stateless init: start it anew
         else:
@@ -272,6 +290,11 @@ def full_restore(
             )
         sandbox.reload()
         timings["start_ms"] = _ms(step)
+    except CheckpointCorruptError:
+        sandbox.remove()
+        if own_engine:
+            engine.close()
+        raise
     except (BelayerEnvckptError, OSError) as exc:
         sandbox.remove()
         if own_engine:
@@ -281,6 +304,13 @@ def full_restore(
             "removed and the checkpoint is untouched. Check `belayer-envckpt doctor`"
         ) from exc
     return _restored(sandbox, checkpoint, timings, started)
+
+
+def _remove_failed(engine: Engine, checkpoint: Checkpoint, remove: bool, timings: dict[str, float]) -> None:
+    if remove:
+        step = time.perf_counter()
+        engine.remove(checkpoint.container_id)
+        timings["remove_ms"] = _ms(step)
 
 
 def _restored(sandbox: Sandbox, checkpoint: Checkpoint, timings: dict[str, float], started: float) -> Sandbox:

@@ -13,6 +13,8 @@ import fcntl
 import json
 import os
 import shutil
+import threading
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 import attrs
@@ -46,9 +48,12 @@ __all__ = [
     "CheckpointKind",
     "CheckpointStore",
     "FileRecord",
+    "is_page_image",
     "link_artifacts",
     "record_files",
     "verify_checkpoint",
+    "verify_files",
+    "verify_files_meanwhile",
 ]
 
 PARTIAL = ".partial-"
@@ -98,8 +103,18 @@ def _missing_artifacts(files: builtins.set[str], runtime: str) -> str:
     return ""
 
 
-def verify_checkpoint(path: Path) -> Checkpoint:
-    """Load and fully check a checkpoint: manifest, every file's presence, size and sha256."""
+def is_page_image(rel: str) -> bool:
+    """Whether ``rel`` (a manifest's file name) is one of CRIU's memory page images."""
+    name = rel.removeprefix(f"{CRIU_DIR}/")
+    return name != rel and name.startswith("pages-") and name.endswith(".img")
+
+
+def verify_checkpoint(path: Path, *, hash_later: Callable[[str], bool] | None = None) -> Checkpoint:
+    """Load and fully check a checkpoint: manifest, every file's presence, size and sha256.
+
+    The files ``hash_later`` names are checked for presence and size only: the caller hashes them
+    with `verify_files` (`full_restore` does so while it creates the new container).
+    """
     checkpoint = Checkpoint.load(path)
     lacking = _missing_artifacts(set(checkpoint.files), checkpoint.runtime)
     if lacking:
@@ -108,17 +123,54 @@ def verify_checkpoint(path: Path) -> Checkpoint:
         file = path / rel
         if not file.is_file():
             raise CheckpointCorruptError(f"checkpoint {path} is missing {rel}; it cannot be restored")
-        if file.stat().st_size != record.size or sha256_file(file) != record.sha256:
-            raise CheckpointCorruptError(
-                f"checkpoint {path}: {rel} does not match its checksum; it is corrupt and cannot be "
-                "restored. Restore an earlier checkpoint (`belayer-envckpt ls`) or restart the trajectory"
-            )
+        if file.stat().st_size != record.size:
+            raise _mismatch(path, rel)
+        if hash_later is None or not hash_later(rel):
+            verify_files(checkpoint, [rel])
     extra = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()} - set(checkpoint.files)
     if extra - {MANIFEST}:
         raise CheckpointCorruptError(
             f"checkpoint {path} holds files its manifest does not list: {sorted(extra)}"
         )
     return checkpoint
+
+
+def verify_files(checkpoint: Checkpoint, rels: Iterable[str]) -> None:
+    """Check the sha256 of each of ``checkpoint``'s files ``rels`` against its manifest."""
+    for rel in rels:
+        if sha256_file(checkpoint.path / rel) != checkpoint.files[rel].sha256:
+            raise _mismatch(checkpoint.path, rel)
+
+
+def verify_files_meanwhile(checkpoint: Checkpoint, rels: Collection[str]) -> Callable[[], None]:
+    """Start `verify_files` of ``rels`` in a thread; the call returned waits for it and raises
+    what it raised (sha256 releases the GIL: the hashing runs beside the caller's engine calls)."""
+    if not rels:
+        return lambda: None
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            verify_files(checkpoint, rels)
+        except BaseException as exc:  # handed to the waiter
+            failed.append(exc)
+
+    worker = threading.Thread(target=run, name=f"verify-{checkpoint.checkpoint_id}", daemon=True)
+    worker.start()
+
+    def wait() -> None:
+        worker.join()
+        if failed:
+            raise failed[0]
+
+    return wait
+
+
+def _mismatch(path: Path, rel: str) -> CheckpointCorruptError:
+    return CheckpointCorruptError(
+        f"checkpoint {path}: {rel} does not match its checksum; it is corrupt and cannot be "
+        "restored. Restore an earlier checkpoint (`belayer-envckpt ls`) or restart the trajectory"
+    )
 
 
 def _lock_path(partial: Path) -> Path:
