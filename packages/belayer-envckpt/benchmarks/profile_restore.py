@@ -106,7 +106,12 @@ def profile_one(engine: Engine, ckpt: object, images_bytes: int) -> dict[str, fl
     s = sampler.samples
     timings = restored.restore_timings_ms
     start_step = (
-        started + sum(timings.get(k, 0.0) for k in ("verify_ms", "remove_ms", "create_ms", "layer_ms")) / 1e3
+        started
+        + sum(
+            timings.get(k, 0.0)
+            for k in ("verify_ms", "remove_ms", "create_ms", "layer_ms", "pages_verify_wait_ms")
+        )
+        / 1e3
     )
     copied = _first(s, 1, base[1] + 0.95 * images_bytes) or start_step
     unpack = _first(s, 3, base[3] + 1e6) or copied
@@ -115,7 +120,8 @@ def profile_one(engine: Engine, ckpt: object, images_bytes: int) -> dict[str, fl
     ms = lambda a, b: round((b - a) * 1e3, 1)  # noqa: E731
     return {
         "total_ms": round((ended - started) * 1e3, 1),
-        "ours_verify_ms": timings["verify_ms"],
+        # On the critical path: the checks before the create, and the wait for the page hashing after it.
+        "ours_verify_ms": round(timings["verify_ms"] + timings.get("pages_verify_wait_ms", 0.0), 1),
         "ours_create_and_layer_ms": round(timings["create_ms"] + timings["layer_ms"], 1),
         "images_into_engine_folder_ms": ms(start_step, copied),
         "engine_content_store_upload_ms": ms(copied, unpack),
