@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import stat
 import struct
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,35 @@ def test_ready_file_pid_file_private_socket_and_clean_sigterm(run_dir: Path, tmp
     assert not config.socket.exists()
     assert not ready.exists()
     assert not pid.exists()
+
+
+def _death_signal_in_child() -> None:
+    """A `preexec_fn`: SIGKILL the child when the thread that forked it ends (PR_SET_PDEATHSIG)."""
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)
+
+
+def test_spawn_runs_preexec_fn_and_a_death_signal_set_there_follows_the_forking_thread(
+    run_dir: Path,
+) -> None:
+    # A supervisor spawns a server (to record its pid before it is ready), then waits for it. A
+    # parent-death signal set in `preexec_fn` fires when the forking *thread* ends, not the
+    # process: a supervisor forks from a long-lived thread (belayer-shadow's `Spawner`).
+    config = ServerConfig(kind="kv", socket=run_dir / "kv.sock", kv_layout=KV_LAYOUT)
+    spawned: list[subprocess.Popen[str]] = []
+    forker = threading.Thread(
+        target=lambda: spawned.append(ServerProcess.spawn(config, preexec_fn=_death_signal_in_child))
+    )
+    forker.start()
+    forker.join()
+    (short_lived,) = spawned
+    short_lived.communicate(timeout=60)
+    assert short_lived.returncode == -signal.SIGKILL  # its forking thread ended: it went too
+    popen = ServerProcess.spawn(config, preexec_fn=_death_signal_in_child)  # this thread lives on
+    server = ServerProcess.wait_ready(config, popen)
+    try:
+        assert ping(config.socket)["pid"] == server.pid == popen.pid
+    finally:
+        assert server.stop() == ExitCode.INTERRUPTED
 
 
 def test_server_killed_gives_a_typed_error_and_the_mapping_survives(weights_server: ServerProcess) -> None:

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Self
 
 import attrs
@@ -43,8 +44,29 @@ class ServerProcess:
     @classmethod
     def start(cls, config: ServerConfig, *, timeout_s: float = 60.0) -> ServerProcess:
         """Spawn the server and block until it prints its ready line; raises ServerStartError otherwise."""
+        return cls.wait_ready(config, cls.spawn(config), timeout_s=timeout_s)
+
+    @staticmethod
+    def spawn(config: ServerConfig, *, preexec_fn: Callable[[], None] | None = None) -> subprocess.Popen[str]:
+        """Spawn the server without waiting for it; hand the process to `wait_ready`.
+
+        For a supervisor that must know the process before it is ready (to record it, so that a
+        kill of the supervisor meanwhile leaves nothing) or that forks it with a parent-death signal
+        (`preexec_fn` runs in the child between fork and exec; a death signal set there follows the
+        *thread* that called `spawn`).
+        """
         argv = [sys.executable, "-m", "belayer_gpumem", *config.to_argv()]
-        popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn
+        )
+
+    @classmethod
+    def wait_ready(
+        cls, config: ServerConfig, popen: subprocess.Popen[str], *, timeout_s: float = 60.0
+    ) -> ServerProcess:
+        """Block until `popen` (from `spawn`) prints its ready line; otherwise kill it and raise
+        ServerStartError."""
+        argv = [sys.executable, "-m", "belayer_gpumem", *config.to_argv()]
         tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
         try:
             info = _wait_ready(popen, argv, timeout_s, tail)
