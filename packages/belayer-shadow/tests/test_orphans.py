@@ -13,6 +13,7 @@ from pathlib import Path
 import anyio
 import pytest
 from handover_helpers import PROMPTS, TOKEN, generate_all, router, supervised
+from serve_helpers import processes_mentioning, wait_until_gone
 
 from belayer_shadow import SlotConfig, SlotSupervisor, SupervisorError, reap_stale_processes
 from belayer_shadow._workers._processes import process_start_time
@@ -34,6 +35,38 @@ _OWNER = textwrap.dedent(
     pids = [slot.main.pid, slot.shadow.pid, slot.weights_server.pid, slot.kv_server.pid]
     print(json.dumps(pids), flush=True)
     time.sleep(3600)
+    """
+)
+
+
+# The owner of a slot held inside the start of its memory servers until the test SIGKILLs it:
+# while it fills the new weight server, or once the KV server is ready (both up, as a restart from
+# scratch has them). A hook in the owner only; nothing reaches a router (no worker starts).
+_OWNER_IN_MEMORY_START = textwrap.dedent(
+    """
+    import sys, threading, time
+    import belayer_gpumem._process as process
+    import belayer_shadow._workers._slot as slot_module
+    from belayer_shadow import SlotConfig, SlotSupervisor
+
+    def hold(*args, **kwargs):
+        print("held", flush=True)
+        time.sleep(3600)
+
+    if sys.argv[3] == "weights-fill":
+        slot_module.fill_weight_server = hold
+    else:
+        wait_ready = process._wait_ready
+        def ready_then_hold(popen, argv, *rest):
+            info = wait_ready(popen, argv, *rest)
+            if "kv" in argv:
+                hold()
+            return info
+        process._wait_ready = ready_then_hold
+    config = SlotConfig(slot="window", router_url=sys.argv[1], run_dir=sys.argv[2], num_kv_blocks=64)
+    starter = threading.Thread(target=SlotSupervisor(config).start)  # as anyio.to_thread would
+    starter.start()
+    starter.join()
     """
 )
 
@@ -197,3 +230,27 @@ async def test_workers_outlive_the_thread_that_started_the_supervisor(tmp_path: 
             assert slot.shadow.alive()
         finally:
             await anyio.to_thread.run_sync(slot.stop)
+
+
+@pytest.mark.parametrize("window", ["weights-fill", "kv-ready"])
+def test_a_supervisor_killed_while_it_starts_its_memory_servers_leaves_none(
+    tmp_path: Path, window: str
+) -> None:
+    # Before belayer-shadow 0.4.4 the servers were recorded only once both were up and filled, and
+    # had no death signal: a SIGKILL in this window (a `serve` killed during a restart from
+    # scratch) left both running, orphaned.
+    run_dir = tmp_path / "slot"
+    command = [sys.executable, "-c", _OWNER_IN_MEMORY_START, "http://127.0.0.1:9", str(run_dir), window]
+    owner = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None
+        assert owner.stdout.readline() == "held\n"
+        servers = [pid for pid in processes_mentioning(str(run_dir / "mem")) if pid != owner.pid]
+        assert len(servers) == (1 if window == "weights-fill" else 2), servers
+        owner.kill()
+        owner.wait()
+        assert wait_until_gone(str(run_dir), 60.0) == []  # servers, and the guardian once it reaped
+    finally:
+        owner.kill()
+        owner.wait()
+    assert not any((run_dir / "mem").glob("*.sock"))

@@ -2,13 +2,14 @@
 
 Three layers, each enough on its own for the case it covers:
 
-- every worker is forked with `PR_SET_PDEATHSIG` = SIGKILL (set between fork and exec, then the
-  parent pid is checked, in case the parent died before the prctl) and leads its own process
-  group. Linux ties the death signal to the forking *thread*, so every worker is forked by one
-  long-lived `Spawner` thread per supervisor, never by a short-lived one (an anyio worker thread
-  that idles out would kill the children it started);
-- the supervisor records every child it starts (workers and belayer-gpumem's memory servers,
-  which it does not fork itself) in `run_dir/processes.json` with its start time, and a small
+- every worker and memory server is forked with `PR_SET_PDEATHSIG` = SIGKILL (set between fork
+  and exec, then the parent pid is checked, in case the parent died before the prctl); a worker
+  leads its own process group. Linux ties the death signal to the forking *thread*, so every child
+  is forked by one long-lived `Spawner` thread per supervisor, never by a short-lived one (an anyio
+  worker thread that idles out would kill the children it started);
+- the supervisor records every child it starts (workers and belayer-gpumem's memory servers) in
+  `run_dir/processes.json` with its start time as soon as it is forked (before it is waited for:
+  a kill meanwhile must not find it unrecorded), and a small
   guardian process holds a pipe to the supervisor: when the supervisor dies (even by SIGKILL), the
   pipe reads end-of-file and the guardian kills every recorded process;
 - `reap_stale_processes(run_dir)` kills what an earlier killed run left (a new supervisor calls it

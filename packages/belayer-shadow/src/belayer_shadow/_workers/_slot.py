@@ -54,6 +54,7 @@ from belayer_shadow._workers._processes import (
     Guardian,
     ProcessTable,
     Spawner,
+    die_with_parent,
     reap_stale_processes,
 )
 from belayer_shadow._workers._slot_config import SlotConfig
@@ -354,7 +355,7 @@ class SlotSupervisor:
             layout_file.write_text(json.dumps(weight_layout(model).to_json()))
             # Kept weights of version N: the server starts at N - 1 and their refill commits N.
             kept_version = self.kept_version
-            self.weights_server = ServerProcess.start(
+            self.weights_server = self._start_server(
                 ServerConfig(
                     kind="weights",
                     socket=self.weights_socket,
@@ -362,24 +363,38 @@ class SlotSupervisor:
                     backend=backend,
                     device=device,
                     start_version=0 if kept_version is None else max(0, kept_version - 1),
-                )
+                ),
+                "weights-server",
             )
             try:
                 self._fill_weights()
             except BaseException:
-                self.weights_server.stop(timeout_s=10)
-                self.weights_server = None
+                self.stop_memory_servers()
                 raise
             layout = kv_layout(model, config.num_kv_blocks, config.block_size)
-            self.kv_server = ServerProcess.start(
+            self.kv_server = self._start_server(
                 ServerConfig(
                     kind="kv", socket=self.kv_socket, kv_layout=layout, backend=backend, device=device
-                )
+                ),
+                "kv-server",
             )
+
+    def _start_server(self, server: ServerConfig, role: str) -> ServerProcess:
+        """Start one memory server so that no kill of this process leaves it behind: forked by the
+        spawner thread with the parent-death signal (as the workers), and recorded in
+        `processes.json` (for the guardian) before it is waited for, not after."""
+        if self._spawner is None:  # not started: a plain child, as belayer-gpumem starts it
+            return ServerProcess.start(server)
+        parent = os.getpid()
+        popen = self._spawner.call(lambda: ServerProcess.spawn(server, preexec_fn=die_with_parent(parent)))
         if self._processes is not None:
-            weights, kv = self.weights_server.pid, self.kv_server.pid
-            self._processes.add(weights, "weights-server", group=False, files=(self.weights_socket,))
-            self._processes.add(kv, "kv-server", group=False, files=(self.kv_socket,))
+            self._processes.add(popen.pid, role, group=False, files=(server.socket,))
+        try:
+            return ServerProcess.wait_ready(server, popen)
+        except BaseException:
+            if self._processes is not None:
+                self._processes.remove(popen.pid)  # wait_ready killed and reaped it
+            raise
 
     def _fill_weights(self) -> None:
         """Fill the new weight server from the checkpoint; again while an update kept a newer copy
