@@ -33,7 +33,8 @@ from belayer_cluster import (
     SandboxCluster,
     SandboxHostError,
 )
-from belayer_envckpt import BelayerEnvckptError, ExecResult, SandboxConfig, SandboxLike
+from belayer_cluster._sandbox_host import CLUSTER_LABEL, HOST_NODE_LABEL
+from belayer_envckpt import BelayerEnvckptError, Engine, ExecResult, SandboxConfig, SandboxLike
 
 pytestmark = pytest.mark.timeout(300)
 MAX_TOKENS = 160
@@ -362,7 +363,20 @@ def test_a_router_that_refuses_the_watcher_is_a_config_error_at_start(
     assert not elsewhere.hosts
 
 
+def _made_on(sandboxes: SandboxCluster, node_id: str) -> dict[str, str]:
+    """The cluster's containers that node `node_id`'s sandbox host made: id -> trajectory label."""
+    engine = Engine.connect()
+    try:
+        found = engine.list_containers(
+            [f"{CLUSTER_LABEL}={sandboxes.cluster_id}", f"{HOST_NODE_LABEL}={node_id}"]
+        )
+    finally:
+        engine.close()
+    return {c.id: c.labels.get("belayer.trajectory", "") for c in found}
+
+
 def test_a_node_removed_mid_rollout_resumes_on_another_node_exactly(
+    request: pytest.FixtureRequest,
     local_ray: LocalRayCluster,
     slots: RolloutCluster,
     router: DriverRouter,
@@ -383,6 +397,12 @@ def test_a_node_removed_mid_rollout_resumes_on_another_node_exactly(
     fresh = sandboxes.create("traj-c", lost.node_id)  # no checkpoint: fenced, its owner restarts it
     parked = sandboxes.create("traj-idle", lost.node_id, working_dir="/work")  # idle: fenced too
     assert sandboxes.park("traj-idle", parked.container_id)
+    # Every node keeps a started spare: the lost node's goes with it (on simulated nodes too, whose
+    # containers are the host daemon's), the survivors' stay for their restores.
+    sandboxes.keep_spares(1)
+    request.addfinalizer(lambda: sandboxes.keep_spares(0))
+    sandboxes.warm_spares()
+    assert list(_made_on(sandboxes, lost.node_id).values()).count("spare") == 1
     streams = Streams(router.url, PROMPTS, MAX_TOKENS).start()
     streams.wait_tokens(4)
     failures = _stream_failures(router)
@@ -429,11 +449,16 @@ def test_a_node_removed_mid_rollout_resumes_on_another_node_exactly(
     assert fresh.container_id not in containers
     assert parked.container_id not in containers
     assert sandboxes.idle == []
-    assert containers == [restore.container_id]
+    assert _made_on(sandboxes, lost.node_id) == {}  # its spare went with it
+    assert restore.container_id in containers
+    survivors = {c: t for node in sandboxes.hosts for c, t in _made_on(sandboxes, node).items()}
+    assert all(survivors.get(c) == "spare" for c in containers if c != restore.container_id), containers
     if isinstance(local_ray, IsolatedRayCluster):  # the node was killed whole, its containers with it
         assert local_ray.node_processes(lost.node_id) == []
         assert local_ray.containers(lost.node_id) == []
-        assert local_ray.containers(restore.to_node) == [restore.container_id]  # owned by its new node
+        owned = local_ray.containers(restore.to_node)  # the restored sandbox, owned by its new node
+        made = _made_on(sandboxes, restore.to_node)  # and that node's spares
+        assert [c for c in owned if made.get(c) != "spare"] == [restore.container_id]
     # The run after the loss is served by the slot that is left, still exactly.
     assert rollout(router.url, PROMPTS[:2], MAX_TOKENS).tokens == reference[:2]
 

@@ -15,6 +15,7 @@ fits a survivor's spare.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -61,11 +62,18 @@ class SpareSpec:
 
 @attrs.define
 class HostSpares:
-    """The spares of one host: none until `keep` gives a size; `want` names the specs in use."""
+    """The spares of one host: none until `keep` gives a size; `want` names the specs in use.
+
+    `want` calls may arrive out of order (a host serves calls on many threads, and two `create`s
+    ask at once): each carries its ask's generation, and one older than the last applied is
+    dropped, so the newest set of specs stands.
+    """
 
     engine: Engine
     host_labels: dict[str, str]
     pool: SparePool | None = None
+    generation: int = 0  # of the last `want` applied
+    _lock: threading.Lock = attrs.field(factory=threading.Lock)
 
     def keep(self, size: int) -> None:
         """Keep up to ``size`` spares per spec from now on (0: none); the spares kept so far go."""
@@ -75,23 +83,29 @@ class HostSpares:
         if old is not None:
             old.close()
 
-    def want(self, specs: Sequence[SpareSpec], wait: bool = False) -> int:
+    def want(self, specs: Sequence[SpareSpec], wait: bool = False, generation: int | None = None) -> int:
         """Spares for ``specs`` (in the background; with ``wait`` ready on return), none for any other
-        spec; returns how many spares of other specs were removed (0 without a pool)."""
-        pool = self.pool
-        if pool is None:
-            return 0
-        configs = [
-            sandbox_config(s.image, s.working_dir, dict(s.labels), None, self.host_labels) for s in specs
-        ]
-        removed = pool.retain(configs)
-        for config in configs:
-            if wait:
-                pool.wait_idle()
-                pool.warm(config)
-            else:
-                pool.refill_later(config)
-        return removed
+        spec; returns how many spares of other specs were removed (0 without a pool, or when
+        ``generation`` is older than one applied already: this ask is stale and changes nothing)."""
+        with self._lock:
+            if generation is not None:
+                if generation < self.generation:
+                    return 0
+                self.generation = generation
+            pool = self.pool
+            if pool is None:
+                return 0
+            configs = [
+                sandbox_config(s.image, s.working_dir, dict(s.labels), None, self.host_labels) for s in specs
+            ]
+            removed = pool.retain(configs)
+            for config in configs:
+                if wait:
+                    pool.wait_idle()
+                    pool.warm(config)
+                else:
+                    pool.refill_later(config)
+            return removed
 
     def close(self) -> None:
         """Wait for the refills in flight and remove every spare."""

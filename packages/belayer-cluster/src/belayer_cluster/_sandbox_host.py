@@ -29,7 +29,7 @@ from belayer_cluster._host_spares import HostSpares, SpareSpec, sandbox_config
 if TYPE_CHECKING:
     from belayer_envckpt import Checkpoint, ExecResult
 
-__all__ = ["CLUSTER_LABEL", "NODE_ENV", "NODE_LABEL", "SandboxHost", "SandboxInfo"]
+__all__ = ["CLUSTER_LABEL", "HOST_NODE_LABEL", "NODE_ENV", "NODE_LABEL", "SandboxHost", "SandboxInfo"]
 
 CLUSTER_LABEL = "belayer.cluster"  # every container a sandbox host creates carries it
 # A node of an `IsolatedRayCluster` has its name in the environment: its sandbox host labels every
@@ -37,6 +37,9 @@ CLUSTER_LABEL = "belayer.cluster"  # every container a sandbox host creates carr
 # are removed when the node ends.
 NODE_ENV = "BELAYER_NODE"
 NODE_LABEL = "belayer.node"
+# Every container a sandbox host creates (sandboxes, spares) carries its Ray node id: a lost node's
+# containers on a daemon it shared (`LocalRayCluster`'s simulated nodes) are removed by a survivor.
+HOST_NODE_LABEL = "belayer.ray-node"
 
 
 @attrs.frozen
@@ -98,7 +101,8 @@ class SandboxHost:
         self.store = CheckpointStore(Path(store_dir))
         self.sandboxes: dict[str, Any] = {}  # trajectory -> belayer_envckpt.Sandbox
         self.idle: dict[str, Any] = {}  # container id -> a parked belayer_envckpt.Sandbox (reuse)
-        self.spares = HostSpares(self.engine, {**self.node_labels, CLUSTER_LABEL: cluster_id})
+        host_labels = {**self.node_labels, HOST_NODE_LABEL: str(self.node_id), CLUSTER_LABEL: cluster_id}
+        self.spares = HostSpares(self.engine, host_labels)
 
     def node(self) -> str:
         """This host's Ray node id (hex)."""
@@ -266,13 +270,14 @@ class SandboxHost:
         from now on, for restores on this node (0: none); the spares kept so far are removed."""
         self.spares.keep(size)
 
-    def want_spares(self, specs: list[SpareSpec], wait: bool = False) -> int:
+    def want_spares(self, specs: list[SpareSpec], wait: bool = False, generation: int | None = None) -> int:
         """Spares for the configurations `specs` (made in the background; with `wait`, ready on
-        return), none for others (removed: how many is returned)."""
+        return), none for others (removed: how many is returned). An ask whose `generation` is older
+        than one applied already changes nothing (it arrived late)."""
         from belayer_envckpt import BelayerEnvckptError
 
         try:
-            return self.spares.want(specs, wait)
+            return self.spares.want(specs, wait, generation)
         except BelayerEnvckptError as exc:
             raise SandboxHostError(f"no spares on node {self.node_id[:12]}: {exc}") from exc
 
@@ -330,6 +335,13 @@ class SandboxHost:
     def remove_container(self, container_id: str) -> bool:
         """Remove a container by id (a lost node's sandbox, fenced); False if it was gone."""
         return bool(self.engine.remove(container_id))
+
+    def remove_node_containers(self, node_id: str) -> int:
+        """Remove every container of this cluster that node `node_id`'s host created (its spares,
+        what is left of its sandboxes), once that node is lost; how many. Only on a daemon the nodes
+        share (simulated nodes): a lost machine's own daemon went with it."""
+        labels = [f"{CLUSTER_LABEL}={self.cluster_id}", f"{HOST_NODE_LABEL}={node_id}"]
+        return sum(bool(self.engine.remove(c.id)) for c in self.engine.list_containers(labels))
 
     def containers(self) -> list[str]:
         """The ids of every container of this cluster (all nodes: they share one daemon here)."""

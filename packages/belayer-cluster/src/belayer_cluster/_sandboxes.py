@@ -75,6 +75,7 @@ class SandboxCluster:
         self.spares = 0  # spare containers per configuration on every host (`keep_spares`)
         self._specs: dict[str, SpareSpec] = {}  # trajectory -> the configuration it was created with
         self._asked: frozenset[SpareSpec] = frozenset()  # the configurations the hosts keep spares for
+        self._asking = itertools.count(1)  # the generation of each ask for spares: the newest stands
         # A lost node's recovery and a caller's own restore of the same trajectory exclude each other.
         self._moving = threading.RLock()
 
@@ -165,9 +166,10 @@ class SandboxCluster:
         with self._moving:
             self._asked |= {SpareSpec.of(image, working_dir, labels)}
             wanted, hosts = sorted(self._asked, key=repr), list(self.hosts.values())
+            generation = next(self._asking)
         for host in hosts:
             with contextlib.suppress(_HostLost):
-                self._get(host.want_spares.remote(wanted, True))
+                self._get(host.want_spares.remote(wanted, True, generation))
 
     def _ask_for_spares(self, trajectory: str, spec: SpareSpec) -> None:
         """Spares for the configurations the placed trajectories were created with, on every host,
@@ -178,10 +180,12 @@ class SandboxCluster:
             wanted = frozenset(self._specs.values())
             if wanted == self._asked:
                 return
-            self._asked, hosts = wanted, list(self.hosts.values())
+            # Taken with the set, under the lock: two `create`s asking at once reach a host in any
+            # order, and the host drops an ask older than one it applied (not the newer set).
+            self._asked, hosts, generation = wanted, list(self.hosts.values()), next(self._asking)
         for host in hosts:
             with contextlib.suppress(SandboxHostError):  # a spare less only costs a restore time
-                self._get(host.want_spares.remote(sorted(wanted, key=repr)))
+                self._get(host.want_spares.remote(sorted(wanted, key=repr), False, generation))
 
     def exec(
         self, trajectory: str, command: str, timeout_s: float = 60.0, *, container_id: str | None = None
@@ -347,6 +351,9 @@ class SandboxCluster:
             for parked in idle if survivors else []:  # on the shared daemon here: fence them
                 with contextlib.suppress(SandboxHostError):
                     self._get(self.hosts[survivors[0]].remove_container.remote(parked.container_id))
+            if survivors:  # its spares (and any container it made) go with it, as on a machine
+                with contextlib.suppress(SandboxHostError):
+                    self._get(self.hosts[survivors[0]].remove_node_containers.remote(node_id))
             lost = [t for t, info in list(self.placed.items()) if info.node_id == node_id]
             if lost and not survivors:
                 raise SandboxHostError(
