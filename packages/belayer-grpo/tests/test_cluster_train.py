@@ -15,7 +15,9 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -91,11 +93,49 @@ def test_a_math_run_on_two_nodes_survives_losing_one(tmp_path: Path) -> None:
     assert all(node["current"] for node in report["weights"]["nodes"])
 
 
+def _spares_ready_from_the_first_sandbox(monkeypatch: pytest.MonkeyPatch) -> set[Any]:
+    """The first `create` of each configuration returns once every node's spare for it is ready
+    (returns the configurations so warmed).
+
+    A create asks the nodes for spares in the background; under heavy load one may take longer
+    than the first ready checkpoint, after which `chaos.kill_node_at_step` removes the node: the
+    survivor would then have no spare for the loss's restores to go into. With this, it has.
+    """
+    from belayer_cluster import SandboxCluster
+
+    create = SandboxCluster.create
+    warmed: set[tuple[str, str | None, tuple[tuple[str, str], ...]]] = set()
+    warming = threading.Lock()
+
+    def create_then_warm(
+        self: SandboxCluster,
+        trajectory: str,
+        node_id: str | None = None,
+        image: str = "belayer/busybox",
+        *,
+        working_dir: str | None = None,
+        labels: dict[str, str] | None = None,
+    ) -> Any:
+        info = create(self, trajectory, node_id, image, working_dir=working_dir, labels=labels)
+        key = (image, working_dir, tuple(sorted((labels or {}).items())))
+        with warming:  # the creates beside it (other threads) wait for the same spares
+            if key not in warmed:
+                self.warm_spares(image, working_dir=working_dir, labels=labels)
+                warmed.add(key)
+        return info
+
+    monkeypatch.setattr(SandboxCluster, "create", create_then_warm)
+    return warmed
+
+
 @pytest.mark.docker
-def test_an_agentic_run_on_two_nodes_restores_the_lost_nodes_sandboxes_elsewhere(tmp_path: Path) -> None:
+def test_an_agentic_run_on_two_nodes_restores_the_lost_nodes_sandboxes_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from belayer_envckpt import Engine
     from belayer_grpo._guardian import RUN_LABEL, run_marker
 
+    warmed = _spares_ready_from_the_first_sandbox(monkeypatch)
     run_dir = tmp_path / "run"
     config = load_config(
         None,
@@ -144,9 +184,11 @@ def test_an_agentic_run_on_two_nodes_restores_the_lost_nodes_sandboxes_elsewhere
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["healthy_slots"] for m in metrics] == [1]  # the loss is handled within step 1
     # The lost node's sandboxes went into the survivor's spare container (rollout.spare_sandboxes,
-    # default 1, on every node's sandbox host; ready long before the loss): the first at least.
+    # default 1, on every node's sandbox host; ready before the loss, however loaded the machine:
+    # `_spares_ready_from_the_first_sandbox`): the first at least.
     # A trajectory's recovery that adopted one says so, counted per step and in the report as on
     # one machine.
+    assert warmed  # the run's sandboxes were created through SandboxCluster.create, spares ready
     assert any(restore["into_spare"] for restore in loss["sandboxes"]), loss["sandboxes"]
     recoveries = [recovery for line in lines for recovery in line["recoveries"]]
     into_spare = sum(recovery["into_spare"] for recovery in recoveries)
