@@ -344,3 +344,94 @@ def test_a_lone_long_trajectory_is_not_weighted_like_a_full_batch() -> None:
     # visible checkpoints that the batch's weight would have bought
     assert by_name["adaptive"].metrics["checkpoints"].mean < 1.0
     assert by_name["adaptive"].metrics["rollout_s"].mean <= by_name["never"].metrics["rollout_s"].mean * 1.01
+
+
+def test_share_of_trajectories_lasting_at_least_as_long() -> None:
+    lengths = TrajectoryLengthModel(window=3)
+    lengths.observe(4)  # no duration told: the step counts alone
+    assert lengths.share_lasting_at_least(10.0) is None
+    for steps, seconds in ((4, 10.0), (4, 30.0), (4, 20.0)):
+        lengths.observe(steps, duration_s=seconds)
+    assert lengths.share_lasting_at_least(20.0) == pytest.approx(2 / 3)
+    assert lengths.share_lasting_at_least(31.0) == 0.0
+    lengths.observe(4, duration_s=40.0)  # the oldest duration (10 s) leaves the window
+    assert lengths.share_lasting_at_least(15.0) == 1.0
+
+
+def _finish_eleven(shared: SharedEstimators) -> None:
+    """Eleven 6-step trajectories of 3.5 s a step have finished (failure-free): 21 s each."""
+    for _ in range(11):
+        policy = PolicySpec.parse("adaptive").build(shared)
+        for k in range(1, 6):
+            if policy.decide(StepObservation(k, 3.0, 0.5, now=3.5 * k, remaining_steps=6 - k)).checkpoint:
+                policy.on_checkpoint_ready(0.5)
+        policy.on_trajectory_end(6, StepObservation(6, 3.0, 0.5, now=21.0))
+
+
+def test_a_trajectory_projected_to_outlast_the_batch_weighs_its_own_rate() -> None:
+    # Every trajectory has 6 steps, so the step counts see no slack; the seconds do.
+    shared = SharedEstimators(failure_model=FixedStepProbability(0.02), batch_size=12)
+    _finish_eleven(shared)
+    own_rate = -math.log1p(-0.02)
+    typical = PolicySpec.parse("adaptive").build(shared)
+    usual = typical.decide(StepObservation(1, 2.9, 0.5, now=3.4, remaining_steps=5))
+    assert usual.contenders == 12  # projected within the finished ones: the whole batch competes
+    assert usual.hazard > 3 * own_rate
+    slow = PolicySpec.parse("adaptive").build(shared)
+    # one slow step: 6 s of work and 5 more steps of ~3.5 s, projected past the 21 s of the rest
+    decision = slow.decide(StepObservation(1, 5.5, 0.5, now=6.0, remaining_steps=5))
+    assert decision.contenders == 1
+    assert decision.hazard == pytest.approx(own_rate)
+
+
+def test_the_slowest_trajectory_does_not_pay_checkpoints_the_batch_weight_would_buy() -> None:
+    # One 6-step trajectory three times as slow as eleven others of 6 steps is the critical path
+    # of every batch.  Its checkpoints (12 s) outlast its responses (6 s), and at p = 0.02 its own
+    # failures do not repay them: never is best for it; the others' checkpoints hide in their slack.
+    slow = Trajectory([6.0] * 6, [3.0] * 6, [12.0] * 6)
+    fast = [Trajectory([2.5] * 6, [0.5] * 6, [12.0] * 6) for _ in range(11)]
+    summaries = compare_policies(
+        [PolicySpec.parse(name) for name in ("adaptive", "never")],
+        config=SimulationConfig(fail_prob=0.02, failure_streams="per-step"),
+        runs=30,
+        seed=3,
+        trace=[slow, *fast],
+        estimators=lambda: SharedEstimators(failure_model=FixedStepProbability(0.02)),
+        carry_estimators=True,
+    )
+    by_name = {s.policy: s for s in summaries}
+    # after the first batch the slow one knows it outlasts the rest and stops checkpointing
+    assert by_name["adaptive"].metrics["visible_checkpoint_s"].mean < 1.0
+    assert by_name["adaptive"].metrics["rollout_s"].mean <= by_name["never"].metrics["rollout_s"].mean * 1.01
+
+
+def test_an_early_projection_within_the_responses_spread_still_competes() -> None:
+    # Finished trajectories of 6 steps whose responses alternate 1 s and 5 s (21 s each): one slow
+    # response early says little about the end, a very slow one does.
+    shared = SharedEstimators(failure_model=FixedStepProbability(0.02), batch_size=12)
+    shared.checkpoint_costs.observe(0.5)
+    for _ in range(11):
+        policy = PolicySpec.parse("adaptive").build(shared)
+        now = 0.0
+        for k in range(1, 6):
+            now += (1.0 if k % 2 else 5.0) + 0.5
+            if policy.decide(
+                StepObservation(k, 1.0 if k % 2 else 5.0, 0.5, now=now, remaining_steps=6 - k)
+            ).checkpoint:
+                policy.on_checkpoint_ready(0.5)
+        policy.on_trajectory_end(6, StepObservation(6, 5.0, 0.5, now=now + 5.5))
+    # 5.5 s done and 5 steps of ~3.5 s: projected 23 s, past the 21 s of the others, but by less
+    # than the spread of five responses (two standard deviations: ~8.9 s)
+    unsure = (
+        PolicySpec.parse("adaptive")
+        .build(shared)
+        .decide(StepObservation(1, 5.0, 0.5, now=5.5, remaining_steps=5))
+    )
+    assert unsure.contenders == 12
+    # 20.5 s done: past the others by more than that spread
+    sure = (
+        PolicySpec.parse("adaptive")
+        .build(shared)
+        .decide(StepObservation(1, 20.0, 0.5, now=20.5, remaining_steps=5))
+    )
+    assert sure.contenders == 1

@@ -170,7 +170,10 @@ class TrajectoryLengthModel:
 
     The mean gives the expected remaining steps when the agent loop does not give them (it knows
     its ``max_rounds``: pass ``StepObservation.remaining_steps``).  The share tells the adaptive
-    rule how many trajectories of a batch compete with this one for the batch's critical path.
+    rule how many trajectories of a batch compete with this one for the batch's critical path;
+    so does the share that lasted at least as long (their seconds, when told:
+    ``observe(num_steps, duration_s=...)``), which sees slack that the step counts miss where the
+    trajectories' steps differ in length.
     """
 
     prior_steps: float = attrs.field(default=20.0, validator=non_negative)
@@ -179,6 +182,8 @@ class TrajectoryLengthModel:
     _total: float = attrs.field(init=False, default=0.0)
     _recent: deque[float] = attrs.field(init=False, factory=deque)
     _sorted: list[float] = attrs.field(init=False, factory=list)
+    _recent_durations: deque[float] = attrs.field(init=False, factory=deque)
+    _sorted_durations: list[float] = attrs.field(init=False, factory=list)
 
     @property
     def mean(self) -> float:
@@ -196,15 +201,31 @@ class TrajectoryLengthModel:
             return None
         return (len(self._sorted) - bisect.bisect_left(self._sorted, round(steps))) / len(self._sorted)
 
-    def observe(self, num_steps: int) -> None:
-        """Add the length of one finished trajectory."""
+    def share_lasting_at_least(self, duration_s: float) -> float | None:
+        """Share of the recent finished trajectories that lasted at least ``duration_s``; ``None``
+        before one finished with its duration told."""
+        if not self._sorted_durations:
+            return None
+        count = len(self._sorted_durations)
+        return (count - bisect.bisect_left(self._sorted_durations, duration_s)) / count
+
+    def observe(self, num_steps: int, duration_s: float | None = None) -> None:
+        """Add the length of one finished trajectory (and how long it lasted, when known)."""
         value = require_non_negative("num_steps", num_steps)
         self._total += value
         self.num_observations += 1
-        self._recent.append(value)
-        bisect.insort(self._sorted, value)
-        if len(self._recent) > self.window:
-            del self._sorted[bisect.bisect_left(self._sorted, self._recent.popleft())]
+        _slide(self._recent, self._sorted, value, self.window)
+        if duration_s is not None:
+            duration = require_non_negative("duration_s", duration_s)
+            _slide(self._recent_durations, self._sorted_durations, duration, self.window)
+
+
+def _slide(recent: deque[float], ordered: list[float], value: float, window: int) -> None:
+    """Add ``value`` to a window kept in arrival order and sorted, dropping the oldest beyond it."""
+    recent.append(value)
+    bisect.insort(ordered, value)
+    if len(recent) > window:
+        del ordered[bisect.bisect_left(ordered, recent.popleft())]
 
 
 @attrs.define

@@ -36,6 +36,11 @@ from belayer_policy._workload import Trajectory
 
 __all__ = ["CheckpointPolicy"]
 
+# Standard deviations of its remaining steps by which a trajectory's projected end is lowered
+# before it is compared with the finished ones: one projected to outlast them all early, on a few
+# slow responses, still competes with them until the projection is sure.
+_PROJECTION_DOUBT = 2.0
+
 
 @attrs.define
 class CheckpointPolicy:
@@ -73,6 +78,8 @@ class CheckpointPolicy:
     _ready_prefix: int = attrs.field(init=False, default=0)
     _probing: bool = attrs.field(init=False, default=False)
     _pending_kind: str | None = attrs.field(init=False, default=None)
+    _start_s: float | None = attrs.field(init=False, default=None)
+    _last_now: float = attrs.field(init=False, default=0.0)
 
     @property
     def name(self) -> str:
@@ -138,6 +145,9 @@ class CheckpointPolicy:
     def _observe(self, obs: StepObservation) -> StepContext:
         """Learn from the step and gather every estimate the rule may weigh."""
         step_s = obs.response_s + obs.action_s
+        if self._start_s is None:
+            self._start_s = obs.now - obs.response_elapsed_s - step_s
+        self._last_now = obs.now
         if self._regeneration.in_flight:
             self._clock.forget()  # the checkpoint outlived the step: its wait is not on this clock
         self._clock.step(obs)
@@ -175,7 +185,13 @@ class CheckpointPolicy:
             visible_future_s=self.response_times.expected_visible(0.0, future_cost),
             extra_cost_s=self.extra_cost_s,
             remaining_steps=remaining,
-            batch_size=self._contenders(obs.step_index + remaining),
+            batch_size=self._contenders(
+                obs.step_index + remaining,
+                # the projection's doubt: the spread of the remaining steps' responses
+                self._elapsed_s(obs.now)
+                + remaining * duration
+                - _PROJECTION_DOUBT * self.response_times.std * math.sqrt(remaining),
+            ),
             step_sd_s=self.response_times.std,
         )
 
@@ -209,17 +225,38 @@ class CheckpointPolicy:
             and costs.probes_in_flight == 0
         )
 
-    def _contenders(self, total_steps: float) -> int:
+    def _contenders(self, total_steps: float, projected_s: float) -> int:
         """Trajectories of the batch that compete with this one for the critical path.
 
         The batch waits for its slowest trajectory, and one with fewer steps than this one rarely
         is it: so of ``batch_size`` only the share at least as long as this one (from the lengths
         of finished trajectories; all of them before any finished) counts, and at least itself.
+        Long is in steps and, once trajectories finished, in seconds on the clock: ``projected_s``
+        is this one's time so far plus its expected remaining steps, against the finished ones'
+        whole time (their failures, restores and waits included: where failures are frequent the
+        others' losses can overtake this one, and their times show it).  A trajectory projected
+        to outlast the others is the batch's critical path on its own: their slack absorbs their
+        losses, so it weighs failures at about its own rate, while its checkpoints' visible time
+        lengthens the batch in full (slack-aware, 0.8.0).
         """
-        share = self.trajectory_lengths.share_at_least(total_steps)
-        if share is None:
+        shares = [
+            share
+            for share in (
+                self.trajectory_lengths.share_at_least(total_steps),
+                self.trajectory_lengths.share_lasting_at_least(projected_s),
+            )
+            if share is not None
+        ]
+        if not shares:
             return self.batch_size
+        share = min(shares)
         return max(1, min(self.batch_size, math.ceil(self.batch_size * share - 1e-9)))
+
+    def _elapsed_s(self, now: float) -> float:
+        """Seconds since the trajectory started on the clock (its losses, waits and restores
+        included), at least its failure-free work (where ``now`` is no wall clock)."""
+        wall = 0.0 if self._start_s is None else now - self._start_s
+        return max(wall, self._recorder.work_s)
 
     def _cost_estimate(self, now: float, kind: str | None = None) -> float:
         """``c_t`` of a checkpoint of ``kind`` (None: full), calibrated against the clock; before the
@@ -322,7 +359,8 @@ class CheckpointPolicy:
                 last_step.step_index, last_step.response_s, last_step.action_s, last_step.checkpoint_kind
             )
             self.response_times.observe(last_step.response_s)
-        self.trajectory_lengths.observe(num_steps)
+        end = self._last_now if last_step is None else last_step.now
+        self.trajectory_lengths.observe(num_steps, duration_s=self._elapsed_s(end))
 
     def recorded_trajectory(self, *, task: str | None = None, node: str | None = None) -> Trajectory | None:
         """What this trajectory did so far in the simulator's trace format (``None`` before a step).

@@ -35,6 +35,11 @@ class TraceRecorder:
         self._steps.extend([(0.0, 0.0)] * (step_index - 1 - len(self._steps)))
         self._steps.append((response_s, action_s))
 
+    @property
+    def work_s(self) -> float:
+        """Failure-free seconds of the recorded prefix: its responses and actions."""
+        return sum(response + action for response, action in self._steps)
+
     def checkpoint(self, step_index: int, cost_s: float, kind: str | None = None) -> None:
         """A checkpoint of ``kind`` of prefix ``step_index`` became ready after ``cost_s`` seconds."""
         self._checkpoints[step_index] = cost_s
