@@ -290,6 +290,8 @@ async def test_a_replay_that_returns_other_than_logged_rewinds_to_a_checkpoint(
     )
     assert (again.reward, again.finish, again.num_actions) == (1.0, "answer", 2), again.test_output
     assert (stats.num_reattached, stats.num_reattach_inconsistent, stats.num_unrecoverable) == (1, 1, 0)
+    # The rebuild restored the logged checkpoint before its replay diverged: counted (it was not).
+    assert stats.num_restored_from_checkpoint == int(restored)
     (recovery,) = again.recoveries
     assert "turn 2 returned other than logged" in recovery.reason
     # The checkpoint restored for the rebuild and again for the recovery is one record, not two.

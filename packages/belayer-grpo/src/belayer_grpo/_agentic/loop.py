@@ -547,6 +547,8 @@ class AgentLoop:
                     )
             assert target is not None
             replayed, failure, diverged = await self._replay_logged(replay, target.turn, sandbox)
+            # (a replay that diverges is rebuilt from ``target`` too: its recovery restores it again)
+            self.restored_from_checkpoint = target.checkpoint is not None
             if diverged is not None:
                 self.num_actions_replayed += replayed
                 self.replay_consistent = False
@@ -568,7 +570,6 @@ class AgentLoop:
             self.num_rebuild_failures += 1
             failed = (failure, time.monotonic())
         self.num_actions_replayed += replayed
-        self.restored_from_checkpoint = target.checkpoint is not None
         self.replay_consistent &= sandbox.prefix == self.prefix
         return None
 
