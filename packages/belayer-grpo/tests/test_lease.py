@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +24,7 @@ from belayer_grpo._lease import (
     set_lease,
     take_lease,
 )
+from belayer_grpo._rollout_host import prespawn, stop_prespawned
 
 
 @pytest.fixture
@@ -77,3 +82,55 @@ def test_a_host_whose_process_died_is_not_there(tmp_path: Path) -> None:
     _host(tmp_path, _dead_pid())
     assert host_info(tmp_path) is None
     assert not pid_alive(_dead_pid())
+
+
+_PRESPAWNING_TRAINER = """
+import sys
+from pathlib import Path
+from belayer_grpo._rollout_host import prespawn
+print(prespawn(Path(sys.argv[1])).pid, flush=True)
+"""
+
+
+def _wait_gone(pid: int, within_s: float = 120.0) -> None:
+    deadline = time.monotonic() + within_s
+    while pid_alive(pid):
+        assert time.monotonic() < deadline, f"the prespawned rollout host {pid} is still there"
+        time.sleep(0.1)
+
+
+def test_a_prespawned_host_leaves_when_its_trainer_dies_before_sending_the_spec(tmp_path: Path) -> None:
+    """The rollout host starts while the trainer prepares (`prespawn`) and waits for its spec; a
+    trainer that dies before sending it (here: one that just exits) leaves no host behind."""
+    run_dir = tmp_path / "run"
+    trainer = subprocess.run(
+        [sys.executable, "-c", _PRESPAWNING_TRAINER, str(run_dir)], capture_output=True, text=True, check=True
+    )
+    host = int(trainer.stdout)
+    try:
+        _wait_gone(host)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(host, signal.SIGKILL)
+    assert "the trainer is gone before it sent the spec" in (host_dir(run_dir) / "host.log").read_text()
+    assert host_info(run_dir) is None
+
+
+def test_a_prespawned_host_that_never_got_its_spec_stops(tmp_path: Path) -> None:
+    """A run that ends before its rollout host serves (`stop_prespawned`): the waiting host stops."""
+    run_dir = tmp_path / "run"
+    (host_dir(run_dir)).mkdir(parents=True)
+    (host_dir(run_dir) / "spec.json").write_text("an earlier run's")  # removed: the host waits
+    process = prespawn(run_dir)
+    try:
+        time.sleep(1.0)
+        assert process.poll() is None
+        assert not (host_dir(run_dir) / "spec.json").exists()
+        assert int((host_dir(run_dir) / "lease").read_text()) == os.getpid()
+        stop_prespawned(process)
+        assert process.returncode == -signal.SIGTERM
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert host_info(run_dir) is None

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from belayer_grpo._system import RolloutSystem
     from belayer_shadow import ModelConfig
 
-__all__ = ["HostSlot", "HostSystem"]
+__all__ = ["HostSlot", "HostSystem", "prespawn", "stop_prespawned"]
 
 
 @attrs.frozen
@@ -127,17 +127,22 @@ class HostSystem:
     @classmethod
     @asynccontextmanager
     async def start(
-        cls, config: Config, run_dir: Path, model_config: ModelConfig, weights_file: Path
+        cls,
+        config: Config,
+        run_dir: Path,
+        model_config: ModelConfig,
+        weights_file: Path,
+        process: subprocess.Popen[bytes] | None = None,
     ) -> AsyncIterator[HostSystem]:
-        """Start a rollout host serving ``weights_file``; stop it at exit (shielded)."""
+        """Start a rollout host serving ``weights_file`` (in ``process``, from `prespawn`, when
+        given); stop it at exit (shielded)."""
         folder = host_dir(run_dir)
-        folder.mkdir(parents=True, exist_ok=True)
-        for name in ("host.json", "control.sock"):
-            (folder / name).unlink(missing_ok=True)
+        if process is None:
+            process = prespawn(run_dir)
         spec = {"config": config.to_dict(), "model": model_config.to_dict(), "weights": str(weights_file)}
-        (folder / "spec.json").write_text(json.dumps(spec))
-        set_lease(run_dir, os.getpid())
-        process = _spawn(run_dir)
+        aside = folder / ".spec.json.tmp"  # whole or absent: the host may be polling for it
+        aside.write_text(json.dumps(spec))
+        os.replace(aside, folder / "spec.json")
         try:
             deadline = time.monotonic() + config.system.start_timeout_s * 2 + 60
             while (info := host_info(run_dir)) is None:
@@ -188,12 +193,36 @@ class HostSystem:
         return [int(index) for index in self._status()["healthy"]]
 
 
+def prespawn(run_dir: Path) -> subprocess.Popen[bytes]:
+    """Start the rollout host's process (this trainer its lease holder) before the trainer has the
+    weights it serves: its Python, imports and torch (a few seconds, more on a busy machine) then
+    overlap the trainer's preparation; it waits for the spec `HostSystem.start` writes.  Stop it
+    with `stop_prespawned` when the run ends before that."""
+    folder = host_dir(run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("host.json", "control.sock", "spec.json"):  # an earlier run's
+        (folder / name).unlink(missing_ok=True)
+    set_lease(run_dir, os.getpid())
+    return _spawn(run_dir)
+
+
+def stop_prespawned(process: subprocess.Popen[bytes]) -> None:
+    """Stop a `prespawn`ed host that never got its spec (SIGTERM ends it while it waits)."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def _spawn(run_dir: Path) -> subprocess.Popen[bytes]:
-    """``python -m belayer_grpo._rollout_host RUN_DIR`` in a session of its own (a Ctrl-C to the
+    """``python -m belayer_grpo._rollout_host RUN_DIR TRAINER_PID`` in a session of its own (a Ctrl-C to the
     trainer's process group does not reach it; the trainer stops it), logging to ``host.log``."""
     with (host_dir(run_dir) / "host.log").open("ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "belayer_grpo._rollout_host", str(run_dir)],
+            [sys.executable, "-m", "belayer_grpo._rollout_host", str(run_dir), str(os.getpid())],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
         )  # fmt: skip
 
@@ -247,14 +276,30 @@ async def _answer(system: RolloutSystem | ClusterSystem, request: dict[str, Any]
     raise ValueError(f"unknown call {op!r}")
 
 
-async def _serve(run_dir: Path) -> None:
+async def _spec(folder: Path, trainer_pid: int) -> dict[str, Any]:
+    """The trainer's spec (`HostSystem.start`).  Started early (`prespawn`), the host imports what
+    its slots need first (their supervisor fills the weight server with torch), then waits for it;
+    it exits when the trainer that started it is gone before sending it."""
+    path = folder / "spec.json"
+    if not path.exists():
+        import belayer_shadow
+
+        belayer_shadow.SlotSupervisor  # noqa: B018 (the import is the point)
+        while not path.exists():
+            if not pid_alive(trainer_pid):
+                raise SystemExit("belayer-grpo rollout host: the trainer is gone before it sent the spec")
+            await anyio.sleep(0.02)
+    return dict(json.loads(path.read_text()))
+
+
+async def _serve(run_dir: Path, trainer_pid: int) -> None:
     from belayer_grpo._cluster.system import ClusterSystem, cluster_wanted
     from belayer_grpo._config import config_from_dict
     from belayer_grpo._system import RolloutSystem
     from belayer_shadow import ModelConfig
 
     folder = host_dir(run_dir)
-    spec = json.loads((folder / "spec.json").read_text())
+    spec = await _spec(folder, trainer_pid)
     config = config_from_dict(spec["config"])
     model_config = ModelConfig.from_dict(spec["model"])
     stop = anyio.Event()
@@ -311,4 +356,4 @@ async def _serve(run_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    anyio.run(_serve, Path(sys.argv[1]))
+    anyio.run(_serve, Path(sys.argv[1]), int(sys.argv[2]))

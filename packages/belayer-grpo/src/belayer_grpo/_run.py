@@ -14,8 +14,10 @@ import json
 import os
 import platform
 import shutil
+import subprocess
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -58,7 +60,7 @@ from belayer_grpo._rollout_agentic import (
     run_tag,
     tooluse_warmup,
 )
-from belayer_grpo._rollout_host import HostSystem
+from belayer_grpo._rollout_host import HostSystem, prespawn, stop_prespawned
 from belayer_grpo._rollout_log import (
     LoggedStep,
     StepLog,
@@ -559,10 +561,29 @@ async def run_training(config: Config, *, stream: TextIO, run_dir: Path | None =
         print(f"belayer-grpo: reaped what an earlier run left in {run_dir}: {leftovers.describe()}",
               file=stream, flush=True)  # fmt: skip
     with run_processes_marked(run_dir), Guardian(run_dir):
-        return await _train(config, stream, run_dir, adopt)
+        # A new rollout host starts now: its imports overlap the preparation (`prespawn`).
+        fresh_host = config.system.resume_grace_s > 0 and not adopt and not cluster_wanted(config)
+        host = await anyio.to_thread.run_sync(prespawn, run_dir) if fresh_host else None
+        try:
+            return await _train(config, stream, run_dir, adopt, host)
+        finally:
+            if host is not None:  # (stopped already once it served)
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(stop_prespawned, host)
 
 
-async def _train(config: Config, stream: TextIO, run_dir: Path, adopt: bool) -> dict[str, Any]:
+def _rollout_side(
+    config: Config, run_dir: Path, model_config: Any, weights_file: Path, host: subprocess.Popen[bytes] | None
+) -> AbstractAsyncContextManager[RolloutSystem | HostSystem | ClusterSystem]:
+    """`rollout_system`, in the `prespawn`ed rollout host when there is one."""
+    if host is not None:
+        return HostSystem.start(config, run_dir, model_config, weights_file, process=host)
+    return rollout_system(config, run_dir, model_config, weights_file)
+
+
+async def _train(
+    config: Config, stream: TextIO, run_dir: Path, adopt: bool, host: subprocess.Popen[bytes] | None = None
+) -> dict[str, Any]:
     wall_start = time.monotonic()
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     run, model_config = await anyio.to_thread.run_sync(_prepare, config, run_dir, stream)
@@ -591,7 +612,7 @@ async def _train(config: Config, stream: TextIO, run_dir: Path, adopt: bool) -> 
         async with (
             (HostedCluster if cluster_wanted(config) else HostSystem).adopt(run_dir)
             if adopt
-            else rollout_system(config, run_dir, model_config, weights_file) as system,
+            else _rollout_side(config, run_dir, model_config, weights_file, host) as system,
             system.client() as router,
         ):
             run.host_adopted = adopt
