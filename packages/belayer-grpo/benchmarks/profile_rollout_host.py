@@ -5,9 +5,9 @@ on the same default math configuration, model and weights as ``belayer-grpo trai
 
 - **start**: `HostSystem.start` (a second Python process: its imports, torch among them, the spec
   file, the router and the slot started there, ``host.json`` polled) against `RolloutSystem.start`
-  in this process (torch already imported), until each yields; and as ``belayer-grpo train`` starts
-  it since 0.6.9: `prespawn`ed, then the trainer's preparation (here: the policy built again), then
-  `HostSystem.start`; **stop**: until each has stopped (the host: a ``stop`` call, then its exit);
+  in this process (torch already imported), until each yields; and in one step of ``belayer-grpo
+  train`` (which since 0.6.9 starts the host before it prepares, `prespawn`): the host's import of
+  its slot supervisor (torch) and its wait for the trainer's spec after it, from ``host.log``; **stop**: until each has stopped (the host: a ``stop`` call, then its exit);
   **imports**: a bare ``python -c 'import ...'`` of what the host imports (part of its start);
 - **control call**: one ``status`` call on ``control.sock`` (a connection, a JSON line each way)
   against the same answer in process;
@@ -29,6 +29,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -44,7 +45,7 @@ import torch
 from belayer_grpo._config import Config, load_config
 from belayer_grpo._lease import set_lease
 from belayer_grpo._model import build_policy, build_tokenizer, engine_model_config
-from belayer_grpo._rollout_host import HostSystem, prespawn
+from belayer_grpo._rollout_host import HostSystem
 from belayer_grpo._rollout_log import StepLog
 from belayer_grpo._system import RolloutSystem
 from belayer_grpo._weight_sync import WeightSync
@@ -100,15 +101,7 @@ async def _one(kind: str, root: Path, policy: tuple[Config, Any, dict[str, torch
     run_dir.mkdir()
     weights = run_dir / "policy_init.safetensors"
     save_file(tensors, str(weights))
-    prepare_s = 0.0
-    if kind == "host_prespawned":  # as `belayer-grpo train`: the host starts, then the trainer prepares
-        process = prespawn(run_dir)
-        preparing = time.perf_counter()
-        await anyio.to_thread.run_sync(_policy)  # the trainer's preparation (its model built again)
-        prepare_s = time.perf_counter() - preparing
-        starter = functools.partial(HostSystem.start, process=process)
-    else:
-        starter = HostSystem.start if kind == "host" else RolloutSystem.start  # type: ignore[assignment]
+    starter = HostSystem.start if kind == "host" else RolloutSystem.start
     started = time.perf_counter()
     async with starter(config, run_dir, model_config, weights) as system:
         start_s = time.perf_counter() - started
@@ -125,9 +118,24 @@ async def _one(kind: str, root: Path, policy: tuple[Config, Any, dict[str, torch
         stopping = time.perf_counter()
     stop_s = time.perf_counter() - stopping
     return {
-        "start_s": start_s, "prepare_s": prepare_s, "stop_s": stop_s, "status_call_s": status,
+        "start_s": start_s, "stop_s": stop_s, "status_call_s": status,
         "weight_push_s": pushes,
     }  # fmt: skip
+
+
+def _train(root: Path) -> dict[str, float]:
+    """One step of ``belayer-grpo train`` with a grace period: what its host's log says of its import
+    (started before the trainer prepares) and of its wait for the trainer's spec."""
+    run_dir = root / "train"
+    command = [sys.executable, "-m", "belayer_grpo", "train", "algorithm.steps=1", "logging.progress=false",
+               "logging.tensorboard=false", "chaos.kill_worker_at_steps=[]", "data.workload=math",
+               "system.resume_grace_s=300", f"system.run_dir={str(run_dir)!r}"]  # fmt: skip
+    subprocess.run(command, check=True, capture_output=True)
+    log = (run_dir / "rollout-host" / "host.log").read_text()
+    found = re.search(r"imported the slot supervisor in ([\d.]+) s, then waited ([\d.]+) s", log)
+    if found is None:
+        raise RuntimeError(f"the host's log does not say how long it imported: {log[-2000:]}")
+    return {"import_s": float(found.group(1)), "waited_s": float(found.group(2))}
 
 
 def _journal(root: Path, times: int) -> dict[str, list[float]]:
@@ -171,8 +179,8 @@ def _table(document: dict[str, Any]) -> str:
     starts = [r["host"]["start_s"] - r["in_process"]["start_s"] for r in reps]
     rows = [
         ("start (until the router and every slot serve)", _s(each("in_process", "start_s")), _s(each("host", "start_s")), _s(starts)),
-        ("start, the host spawned before the trainer's preparation (0.6.9: `prespawn`)", "-", _s(each("host_prespawned", "start_s")), _s([r["host_prespawned"]["start_s"] - r["in_process"]["start_s"] for r in reps])),
-        ("the preparation it overlapped (the policy built again)", "-", _s(each("host_prespawned", "prepare_s")), "-"),
+        ("`belayer-grpo train` (1 step, grace 300): the host's import of the slot supervisor (torch), started before the trainer prepares (`prespawn`, 0.6.9)", "-", _s([r["train"]["import_s"] for r in reps]), "-"),
+        ("... and then its wait for the trainer's spec (> 0: the import was off the start's critical path)", "-", _s([r["train"]["waited_s"] for r in reps]), "-"),
         ("of the start: `python -c 'import ...'` of the host's modules (torch with the slot supervisor)", "-", _s([v for r in reps for v in r["imports_s"]]), "-"),
         ("stop", _s(each("in_process", "stop_s")), _s(each("host", "stop_s")), _s([r["host"]["stop_s"] - r["in_process"]["stop_s"] for r in reps])),
         ("`status` call (healthy slots, handovers)", _ms(pooled("in_process", "status_call_s")), _ms(pooled("host", "status_call_s")), "-"),
@@ -210,12 +218,13 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="profile-host-") as tmp:
             root = Path(tmp)
             rep_out: dict[str, Any] = {"rep": rep}
-            kinds = ["in_process", "host", "host_prespawned"]
+            kinds = ["in_process", "host"]
             for kind in kinds if rep % 2 == 0 else kinds[::-1]:
                 rep_out[kind] = anyio.run(_one, kind, root, policy)
             rep_out["imports_s"] = _timed(
                 lambda: subprocess.run([sys.executable, "-c", _HOST_IMPORTS], check=True), 2
             )
+            rep_out["train"] = _train(root)
             rep_out.update(_journal(root, 50))
             lease_dir = root / "lease"
             lease_dir.mkdir()

@@ -1,8 +1,9 @@
 """The rollout host: the router and the slots in a process of their own, which outlives the trainer.
 
 With ``system.resume_grace_s > 0`` the trainer does not run the router and the slot supervisors
-itself: it starts ``python -m belayer_grpo._rollout_host RUN_DIR`` (a session of its own, so a
-Ctrl-C to the trainer's process group does not reach it), which runs `RolloutSystem` exactly as
+itself: it starts ``python -m belayer_grpo._rollout_host RUN_DIR TRAINER_PID`` (a session of its
+own, so a Ctrl-C to the trainer's process group does not reach it; on one machine before the
+trainer prepares, `prespawn`, so that the host's imports overlap that), which runs `RolloutSystem` exactly as
 the trainer would (`ClusterSystem` on Ray with ``cluster.nodes`` or ``cluster.address``: the host is
 then the Ray driver, `belayer_grpo._cluster.hosted`), writes ``rollout-host/host.json`` (its pid,
 the router's URL and admin token, the slots) once every slot serves, and answers a few calls on
@@ -284,11 +285,16 @@ async def _spec(folder: Path, trainer_pid: int) -> dict[str, Any]:
     if not path.exists():
         import belayer_shadow
 
+        started = time.monotonic()
         belayer_shadow.SlotSupervisor  # noqa: B018 (the import is the point)
+        imported = time.monotonic()
         while not path.exists():
             if not pid_alive(trainer_pid):
                 raise SystemExit("belayer-grpo rollout host: the trainer is gone before it sent the spec")
             await anyio.sleep(0.02)
+        # (the wait > 0: the import was hidden behind the trainer's preparation)
+        print(f"belayer-grpo rollout host: imported the slot supervisor in {imported - started:.2f} s, "
+              f"then waited {time.monotonic() - imported:.2f} s for the trainer's spec", file=sys.stderr, flush=True)  # fmt: skip
     return dict(json.loads(path.read_text()))
 
 
