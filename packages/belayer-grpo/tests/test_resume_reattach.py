@@ -191,46 +191,66 @@ def _nothing_left(run_dir: Path, tag: str, within_s: float) -> None:
         time.sleep(0.1)
 
 
+_TOOLUSE = [
+    "data.workload=tooluse",
+    "data.tool_task=store",
+    "chaos.sandbox_kill_p=0.0",
+    "data.held_out=4",
+    "rollout.env_checkpoint_policy=always",  # so a trajectory in flight has one to restore
+]
+# Where the rollout side runs: no part of what run A trains (`test_resume_e2e`'s measurement).
+_NODES = ["cluster.nodes=2", f"cluster.isolated={str(_ISOLATED_NODES).lower()}", "system.num_slots=2"]
 _WORKLOADS = [
     pytest.param(_MATH, 128, id="math"),
     # 4 tasks x 4 samples in real sandboxes, no sandbox kills
+    pytest.param(_TOOLUSE, 16, id="tooluse-store", marks=pytest.mark.docker),
+    # the same on Ray (the rollout host drives the cluster and owns the nodes' sandbox hosts); its
+    # run A is the one above (same folder path: the trajectories' seeds start with its tag)
     pytest.param(
-        [
-            "data.workload=tooluse",
-            "data.tool_task=store",
-            "chaos.sandbox_kill_p=0.0",
-            "data.held_out=4",
-            "rollout.env_checkpoint_policy=always",  # so a trajectory in flight has one to restore
-        ],
+        [*_TOOLUSE, *_NODES],
         16,
-        id="tooluse-store",
+        id="tooluse-store-isolated-cluster" if _ISOLATED_NODES else "tooluse-store-cluster",
         marks=pytest.mark.docker,
     ),
 ]
 
 
+@pytest.fixture(scope="module")
+def agentic_run_a(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The agentic cases' common folder (``base``) and, once run, their run A's (``a``)."""
+    return {"base": tmp_path_factory.mktemp("agentic")}
+
+
 @pytest.mark.parametrize(("workload", "num_samples"), _WORKLOADS)
 def test_a_resume_within_the_grace_period_regenerates_nothing(
-    tmp_path: Path, workload: list[str], num_samples: int
+    tmp_path: Path, workload: list[str], num_samples: int, agentic_run_a: dict[str, Path]
 ) -> None:
     tag = os.urandom(8).hex()
     env = {**os.environ, "BELAYER_TEST_TAG": tag}
-    run_dir, run_a = tmp_path / "run", tmp_path / "a"
-    args = [*_COMMON, *workload, "system.resume_grace_s=300", f"system.run_dir={str(run_dir)!r}"]
     math = "data.workload=math" in workload
-    done = _train(*args, env=env)
-    assert done.returncode == 0, done.stderr
-    _nothing_left(run_dir, tag, 30)  # a run that ends stops its rollout host
-    run_dir.rename(run_a)
+    on_ray = "cluster.nodes=2" in workload
+    base = tmp_path if math else agentic_run_a["base"]
+    run_dir, run_a = base / "run", base / "a"
+    if run_dir.exists():  # an earlier agentic case's run B
+        run_dir.rename(tmp_path / "earlier")
+    args = [*_COMMON, *workload, "system.resume_grace_s=300", f"system.run_dir={str(run_dir)!r}"]
+    if not run_a.exists():
+        a_args = [arg for arg in args if arg not in _NODES]  # run A on one machine
+        done = _train(*a_args, env=env)
+        assert done.returncode == 0, done.stderr
+        _nothing_left(run_dir, tag, 30)  # a run that ends stops its rollout host
+        run_dir.rename(run_a)
 
     host_pid = _kill_mid_rollout(
         args, env, tmp_path / "b.log", step=2, lines=num_samples // 4, in_flight=math
     )
+    clusters = _clusters_of(host_pid)  # the rollout host started the cluster: it drives it
+    shared = Path((run_dir / "cluster-shared").read_text()) if on_ray else None
     logged = len(_finished(run_dir / "rollouts" / "step_000002.jsonl"))
     assert num_samples // 4 <= logged < num_samples
     time.sleep(2.0)
     assert pid_alive(host_pid)  # the rollout side outlives the trainer
-    assert any(run_dir.glob("slots/*/mem"))
+    assert on_ray or any(run_dir.glob("slots/*/mem"))
     assert "waits 300 s" in (run_dir / "guardian.log").read_text()
 
     held = _held(run_dir, num_samples) if math else (0, 0)
@@ -268,14 +288,22 @@ def test_a_resume_within_the_grace_period_regenerates_nothing(
         assert report["reattached_inconsistent"] == 0
         assert report["requests_reattached"] >= report["trajectories_reattached"] >= 1
         total = report["trajectories_reused"] + report["trajectories_reattached"] + report["trajectories_new"]
-        # The killed trainer's sandboxes were removed when the resume began, never used again.
         assert killed
-        reaped = re.search(r"reaped what an earlier run left in .*?(\d+) sandbox\(es\)", resumed.stderr)
-        assert reaped, resumed.stderr
-        assert int(reaped.group(1)) >= len(killed)
-        assert not set(killed) & set(_all_containers())
-        assert _sandboxes(run_dir) == []
-        assert not list((run_dir / "env-checkpoints").rglob("*"))  # each went with its trajectory
+        if on_ray:
+            # The sandboxes the killed trainer's trajectories held (on the nodes, the host's) were
+            # removed by the host when the resumed trainer opened its pool (at least one per begun
+            # trajectory); the resumed ones restored their checkpoints from the shared store.
+            released = re.search(r"removed (\d+) sandbox\(es\) the killed trainer's", resumed.stderr)
+            assert released, resumed.stderr
+            assert int(released.group(1)) >= reattach[0]
+        else:
+            # The killed trainer's sandboxes were removed when the resume began, never used again.
+            reaped = re.search(r"reaped what an earlier run left in .*?(\d+) sandbox\(es\)", resumed.stderr)
+            assert reaped, resumed.stderr
+            assert int(reaped.group(1)) >= len(killed)
+            assert not set(killed) & set(_all_containers())
+            assert not list((run_dir / "env-checkpoints").rglob("*"))  # each went with its trajectory
+        assert _sandboxes(run_dir) == []  # nothing with the run's label (on Ray: the host's stop)
     assert total == num_samples
     step2 = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     step2 = [record for record in step2 if record["step"] == 2]
@@ -296,6 +324,15 @@ def test_a_resume_within_the_grace_period_regenerates_nothing(
         assert torch.equal(tensor, model_b[name]), (name, (tensor - model_b[name]).abs().max())
     assert not pid_alive(host_pid)
     _nothing_left(run_dir, tag, 30)  # both trainers, both guardians, the host and its slots
+    # On Ray: the cluster the host drove (isolated: its namespaces, links, head folder) and the
+    # run's shared folder (the sandboxes' checkpoints) are gone too.
+    assert len(clusters) == (on_ray and _ISOLATED_NODES)
+    deadline = time.monotonic() + 30
+    while clusters and _cluster_leftovers(clusters[0]):
+        assert time.monotonic() < deadline, _cluster_leftovers(clusters[0])
+        time.sleep(0.1)
+    assert shared is None or not shared.exists()
+    assert not (run_dir / "cluster-shared").exists()
 
 
 def _all_containers() -> list[str]:

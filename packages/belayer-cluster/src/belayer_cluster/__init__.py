@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from belayer_cluster._cluster import NodeLoss, RolloutCluster
     from belayer_cluster._isolated import IsolatedNode, IsolatedRayCluster, clean_stale_clusters
     from belayer_cluster._local import LocalRayCluster
-    from belayer_cluster._remote_sandbox import RemoteSandbox, RemoteSandboxError
+    from belayer_cluster._remote_sandbox import RemoteSandbox, RemoteSandboxError, SandboxCalls
     from belayer_cluster._replacement import start_replacement_slot
     from belayer_cluster._router import DriverRouter
     from belayer_cluster._sandbox_host import SandboxHost, SandboxInfo
@@ -55,6 +55,7 @@ _LAZY = {
     "NodeLoss": "_cluster",
     "RemoteSandbox": "_remote_sandbox",
     "RemoteSandboxError": "_remote_sandbox",
+    "SandboxCalls": "_remote_sandbox",
     "RemoteSlotWeights": "_serve",
     "RolloutCluster": "_cluster",
     "SandboxCluster": "_sandboxes",
@@ -104,6 +105,7 @@ __all__ = [
     "RemoteSlotWeights",
     "RolloutCluster",
     "RouterAccessError",
+    "SandboxCalls",
     "SandboxCluster",
     "SandboxHost",
     "SandboxHostError",

@@ -13,13 +13,53 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
 
 from belayer_cluster._errors import SandboxHostError
 from belayer_cluster._sandbox_host import SandboxInfo
-from belayer_cluster._sandboxes import SandboxCluster
 from belayer_envckpt import BelayerEnvckptError, Checkpoint, ExecResult, SandboxConfig
 
-__all__ = ["RemoteSandbox", "RemoteSandboxError"]
+__all__ = ["RemoteSandbox", "RemoteSandboxError", "SandboxCalls"]
+
+
+class SandboxCalls(Protocol):
+    """The calls a `RemoteSandbox` makes: `SandboxCluster`'s, or those of a stand-in that carries
+    them to a `SandboxCluster` in another process (the driver that owns the hosts).  Each raises
+    `SandboxHostError` when the host cannot do it."""
+
+    def exec(
+        self, trajectory: str, command: str, timeout_s: float = 60.0, *, container_id: str | None = None
+    ) -> ExecResult: ...
+
+    def probe(
+        self,
+        trajectory: str,
+        argv: list[str],
+        timeout_s: float = 60.0,
+        *,
+        workdir: str | None = None,
+        container_id: str | None = None,
+    ) -> ExecResult: ...
+
+    def control(self, trajectory: str, operation: str, *, container_id: str | None = None) -> str: ...
+
+    def checkpoint_at(
+        self,
+        trajectory: str,
+        context_ref: str,
+        prefix: int,
+        *,
+        probe_argv: list[str] | None = None,
+        workdir: str | None = None,
+        container_id: str | None = None,
+        accept: Callable[[ExecResult], bool] | None = None,
+    ) -> tuple[SandboxInfo, Checkpoint, ExecResult | None]: ...
+
+    def next_kind(self, trajectory: str, *, container_id: str | None = None) -> str | None: ...
+
+    def restore(self, trajectory: str, checkpoint: Checkpoint, *, replacing: str = "") -> SandboxInfo: ...
+
+    def remove(self, trajectory: str, container_id: str) -> None: ...
 
 
 class RemoteSandboxError(SandboxHostError, BelayerEnvckptError):
@@ -29,13 +69,14 @@ class RemoteSandboxError(SandboxHostError, BelayerEnvckptError):
 
 
 class RemoteSandbox:
-    """One trajectory's sandbox in one container on a node's sandbox host (`SandboxCluster`).
+    """One trajectory's sandbox in one container on a node's sandbox host (`SandboxCluster`, or
+    any `SandboxCalls` that carries its calls to one).
 
     Satisfies `belayer_envckpt.SandboxLike`. ``info`` says where it runs (node, container, prefix,
     LLM context); ``config`` is the configuration it was created with (and is restored to).
     """
 
-    def __init__(self, hosts: SandboxCluster, info: SandboxInfo, config: SandboxConfig) -> None:
+    def __init__(self, hosts: SandboxCalls, info: SandboxInfo, config: SandboxConfig) -> None:
         self.hosts, self.config = hosts, config
         self.trajectory, self.node_id, self.container_id = info.trajectory, info.node_id, info.container_id
         self.prefix, self.context_ref = info.prefix, info.context_ref

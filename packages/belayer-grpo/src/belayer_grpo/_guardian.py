@@ -207,6 +207,7 @@ def reap_run(
     timeout_s: float = 20.0,
     owner_gone: bool = False,
     keep_rollout_host: bool = False,
+    keep_sandboxes: bool = False,
     workload: str | None = None,
     at_death: tuple[bool, list[Path]] | None = None,
 ) -> ReapReport:
@@ -217,7 +218,9 @@ def reap_run(
     folder raises `SystemStartError`.  ``keep_rollout_host``: a resumed trainer that adopted the
     run's rollout host (`belayer_grpo._rollout_host`) keeps its processes, sockets and memory
     folders and the sandbox checkpoints (the trajectories in flight continue from them,
-    `belayer_grpo._agentic.journal`); the killed trainer's sandboxes still go.
+    `belayer_grpo._agentic.journal`); the killed trainer's sandboxes still go, unless
+    ``keep_sandboxes``: on Ray they are the adopted host's sandbox hosts' (it removes those the
+    killed trainer's trajectories held, `belayer_grpo._cluster.hosted_sandboxes`).
     ``workload``: the run's ``data.workload`` when its ``config.json`` may be gone by now (the
     guardian reads it when the trainer dies, before a grace period), else read from it;
     ``at_death`` likewise: whether the run's cluster was isolated and its shared folder
@@ -235,7 +238,7 @@ def reap_run(
             with contextlib.suppress(FileNotFoundError):
                 socket.unlink()
                 sockets.append(str(socket))
-    containers = _remove_containers(run_dir, marker, workload)
+    containers = [] if keep_sandboxes else _remove_containers(run_dir, marker, workload)
     clusters = _remove_isolated_clusters(isolated)
     paths = []
     # Memory-server folders, sandbox checkpoints of trajectories that will never resume, torn

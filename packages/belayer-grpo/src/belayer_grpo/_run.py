@@ -35,7 +35,6 @@ from belayer_grpo._cluster import (
     HostedCluster,
     HostedWeights,
     cluster_wanted,
-    hosted_on_cluster,
     rollout_system,
 )
 from belayer_grpo._config import Config
@@ -548,14 +547,14 @@ async def run_training(config: Config, *, stream: TextIO, run_dir: Path | None =
     # Take the folder from any guardian still waiting for a resume: a resumed run re-attaches to
     # the rollout host a killed trainer left (`belayer_grpo._rollout_host`), any other run reaps it.
     host_alive = await anyio.to_thread.run_sync(take_lease, run_dir, os.getpid())
-    adopt = (
-        host_alive
-        and bool(config.system.resume)
-        and config.system.resume_grace_s > 0
-        and (not cluster_wanted(config) or hosted_on_cluster(config))  # on Ray: the host drives it
-    )
+    adopt = host_alive and bool(config.system.resume) and config.system.resume_grace_s > 0
+    # On Ray the sandboxes are the host's sandbox hosts' (on the nodes): the host removes those the
+    # killed trainer held when the resumed one opens its pool (`HostedCluster.open_pool`).
+    keep_sandboxes = adopt and cluster_wanted(config)
     leftovers = await anyio.to_thread.run_sync(
-        functools.partial(reap_run, run_dir, owner_gone=host_alive, keep_rollout_host=adopt)
+        functools.partial(
+            reap_run, run_dir, owner_gone=host_alive, keep_rollout_host=adopt, keep_sandboxes=keep_sandboxes
+        )
     )
     if not leftovers.empty:
         print(f"belayer-grpo: reaped what an earlier run left in {run_dir}: {leftovers.describe()}",
@@ -634,6 +633,14 @@ async def _train(
             if isinstance(system, ClusterSystem) and system.sandboxes is not None and run.pool is None:
                 # agentic on Ray: every sandbox on a node's sandbox host, checkpoints shared
                 run.pool = await anyio.to_thread.run_sync(system.open_pool, config, run_dir)
+            elif isinstance(system, HostedCluster) and config.data.workload != "math" and run.pool is None:
+                # the same through the rollout host, which drives the cluster and owns its sandboxes
+                run.pool = await anyio.to_thread.run_sync(system.open_pool, config, run_dir)
+                if system.num_released:
+                    run.reporter.message(
+                        f"belayer-grpo: removed {system.num_released} sandbox(es) the killed trainer's "
+                        "trajectories held on the nodes"
+                    )
             if config.data.workload == "math":
                 summary["eval_accuracy_before"] = await _evaluate(run, router)
             elif config.data.workload == "tooluse":

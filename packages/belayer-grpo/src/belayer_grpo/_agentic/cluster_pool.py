@@ -1,7 +1,8 @@
 """`ClusterSandboxPool`: the agentic sandbox pool on belayer-cluster's sandbox hosts (one per Ray node).
 
 With ``cluster.nodes`` / ``cluster.address`` every trajectory's sandbox is created by a node's
-sandbox host (belayer-envckpt on that node's container engine), the nodes taken in turn; its
+sandbox host (through the rollout host's `belayer_cluster.SandboxCluster` when that is the Ray
+driver: `belayer_grpo._cluster.hosted_sandboxes`) (belayer-envckpt on that node's container engine), the nodes taken in turn; its
 actions, probes and checkpoints run there, and checkpoints are published to the cluster's shared
 directory, which every node reads.  The agent loop sees a `belayer_cluster.RemoteSandbox`, a
 `belayer_envckpt.SandboxLike` as a local `belayer_envckpt.Sandbox` is.
@@ -34,10 +35,11 @@ from belayer_envckpt import Checkpoint, SandboxConfig, SandboxLike
 from belayer_grpo._agentic.environment import REPO_HASH_SCRIPT, context_ref, is_repository_hash
 from belayer_grpo._agentic.pool import SandboxLease, SandboxPool
 from belayer_grpo._agentic.records import CheckpointRecord
-from belayer_grpo._errors import SandboxCommandError
+from belayer_grpo._errors import SandboxCommandError, SystemStartError
 
 if TYPE_CHECKING:
     from belayer_cluster import RemoteSandbox, SandboxCluster
+    from belayer_grpo._cluster.hosted_sandboxes import HostedSandboxes
 
 __all__ = ["ClusterSandboxPool"]
 
@@ -65,7 +67,8 @@ class ClusterSandboxPool(SandboxPool):
     are kept by every node's host (`SandboxCluster.keep_spares`), not on this machine.
     """
 
-    hosts: SandboxCluster | None = attrs.field(default=None, kw_only=True)
+    # `HostedSandboxes` when the rollout host is the Ray driver (each call through its socket)
+    hosts: SandboxCluster | HostedSandboxes | None = attrs.field(default=None, kw_only=True)
     # Called, in the checkpointing thread, with the sandbox's node after each ready checkpoint
     # (before the trajectory's next action); chaos.kill_node_at_step holds one trajectory there.
     checkpointed: Callable[[str], None] | None = attrs.field(default=None, kw_only=True)
@@ -91,7 +94,7 @@ class ClusterSandboxPool(SandboxPool):
             )
 
     @property
-    def _hosts(self) -> SandboxCluster:
+    def _hosts(self) -> SandboxCluster | HostedSandboxes:
         assert self.hosts is not None
         return self.hosts
 
@@ -174,11 +177,12 @@ class ClusterSandboxPool(SandboxPool):
 
     async def aclose(self) -> None:
         """Remove the nodes' spares; every lease cleans up after itself, and the cluster's
-        `SandboxCluster.stop` removes whatever is left on any node (parked sandboxes too)."""
+        `SandboxCluster.stop` removes whatever is left on any node (parked sandboxes too).  A
+        rollout host's pool (`HostedSandboxes`) closes after the host stopped: nothing to ask."""
         from belayer_cluster import SandboxHostError
 
         self._idle.clear()
         self._created.clear()
         if self.spares:
-            with anyio.CancelScope(shield=True), contextlib.suppress(SandboxHostError):
+            with anyio.CancelScope(shield=True), contextlib.suppress(SandboxHostError, SystemStartError):
                 await anyio.to_thread.run_sync(lambda: self._hosts.keep_spares(0))

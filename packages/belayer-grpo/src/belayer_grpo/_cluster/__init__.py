@@ -18,7 +18,8 @@ One module per role:
 - `sandbox_pool`: an agentic workload's `ClusterSandboxPool` on one sandbox host per node.
 - `system`: `ClusterSystem`, which owns them.
 - `hosted`: `HostedCluster`, the trainer's face of a `ClusterSystem` run by the rollout host
-  (``system.resume_grace_s > 0``, math): the rollout side on Ray outlives a SIGKILLed trainer.
+  (``system.resume_grace_s > 0``, every workload): the rollout side on Ray outlives a SIGKILLed
+  trainer; `hosted_sandboxes`: its sandbox pool's calls, carried out by the host's sandbox hosts.
 
 belayer-cluster is imported only when the cluster is asked for, and only it imports ray: the
 default run never starts Ray.
@@ -27,7 +28,7 @@ default run never starts Ray.
 from __future__ import annotations
 
 from belayer_grpo._cluster.hosted import HostedCluster, HostedWeights
-from belayer_grpo._cluster.system import ClusterSystem, cluster_wanted, hosted_on_cluster, rollout_system
+from belayer_grpo._cluster.system import ClusterSystem, cluster_wanted, rollout_system
 from belayer_grpo._cluster.weights import ClusterWeights
 
 __all__ = [
@@ -36,6 +37,5 @@ __all__ = [
     "HostedCluster",
     "HostedWeights",
     "cluster_wanted",
-    "hosted_on_cluster",
     "rollout_system",
 ]

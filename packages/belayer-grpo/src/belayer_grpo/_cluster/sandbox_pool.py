@@ -10,15 +10,19 @@ from belayer_grpo._config import Config
 
 if TYPE_CHECKING:
     from belayer_cluster import SandboxCluster
+    from belayer_grpo._cluster.hosted_sandboxes import HostedSandboxes
     from belayer_grpo._agentic.pool import SandboxPool
 
 __all__ = ["open_cluster_pool"]
 
 
 def open_cluster_pool(
-    config: Config, run_dir: Path, hosts: SandboxCluster, checkpointed: Callable[[str], None]
+    config: Config,
+    run_dir: Path,
+    hosts: SandboxCluster | HostedSandboxes,
+    checkpointed: Callable[[str], None],
 ) -> SandboxPool:
-    """A `ClusterSandboxPool` on `hosts`, checkpoints in the shared directory; `checkpointed` is
+    """A `ClusterSandboxPool` on `hosts` (or on a rollout host's, `HostedSandboxes`), checkpoints in the shared directory; `checkpointed` is
     called with a sandbox's node after each of its ready checkpoints (the node-loss chaos)."""
     from belayer_envckpt import CheckpointStore
     from belayer_grpo._agentic.cluster_pool import ClusterSandboxPool

@@ -46,7 +46,6 @@ __all__ = [
     "ClusterSystem",
     "RemoteSlot",
     "cluster_wanted",
-    "hosted_on_cluster",
     "rollout_system",
 ]
 
@@ -59,20 +58,15 @@ def cluster_wanted(config: Config) -> bool:
     return config.cluster.nodes > 0 or bool(config.cluster.address)
 
 
-def hosted_on_cluster(config: Config) -> bool:
-    """Whether a Ray run's rollout side may run in a rollout host: a math workload's (an agentic
-    one's sandbox pool calls the nodes' sandbox hosts from the trainer, so its cluster stays there)."""
-    return config.data.workload == "math"
-
-
 def rollout_system(
     config: Config, run_dir: Path, model_config: ModelConfig, weights_file: Path
 ) -> AbstractAsyncContextManager[RolloutSystem | HostSystem | ClusterSystem]:
     """`ClusterSystem.start` when the run asks for Ray, else the single-machine `RolloutSystem.start`;
     with ``system.resume_grace_s > 0`` either in a rollout host process (`HostSystem.start`,
-    `HostedCluster.start`: math only on Ray) that outlives the trainer for its grace."""
+    `HostedCluster.start`: on Ray with the sandbox hosts of an agentic workload) that outlives the
+    trainer for its grace."""
     if cluster_wanted(config):
-        if config.system.resume_grace_s > 0 and hosted_on_cluster(config):
+        if config.system.resume_grace_s > 0:
             from belayer_grpo._cluster.hosted import HostedCluster
 
             return HostedCluster.start(config, run_dir, model_config, weights_file)
