@@ -17,6 +17,9 @@ or the run's shared folder are left.  Its run A is the math workload's, run once
 (`_uninterrupted_model`): where the rollout side runs changes no sample and no update (measured:
 the math run A on one slot and on two isolated nodes end bit-equal), so the Ray run is compared
 with the same uninterrupted model, at the cost of one isolated cluster's start and run less.
+Run A of each workload is run once a session, through a rollout host (`uninterrupted_run`), and
+test_resume_reattach's cases compare with it too (its tooluse cases, on one machine and on Ray,
+run B in run A's folder: the trajectories' seeds start with its tag).
 
 Tolerance for the final weights: none (bit-equal).  On CPU with one intra-op thread the update is
 a deterministic function of the samples (measured: two uninterrupted runs end bit-equal), and
@@ -60,7 +63,13 @@ _WORKLOADS = [
     pytest.param(_MATH, 128, id="math"),
     # 4 tasks x 4 samples in real sandboxes, no sandbox kills
     pytest.param(
-        ["data.workload=tooluse", "data.tool_task=store", "chaos.sandbox_kill_p=0.0", "data.held_out=4"],
+        [
+            "data.workload=tooluse",
+            "data.tool_task=store",
+            "chaos.sandbox_kill_p=0.0",
+            "data.held_out=4",
+            "rollout.env_checkpoint_policy=always",
+        ],  # as test_resume_reattach's (it shares run A)
         16,
         id="tooluse-store",
         marks=pytest.mark.docker,
@@ -132,26 +141,49 @@ def _model(run_dir: Path) -> dict[str, torch.Tensor]:
     return dict(state["model"])
 
 
-@pytest.fixture(scope="module")
-def uninterrupted_models() -> dict[tuple[str, ...], dict[str, torch.Tensor]]:
-    """Run A's final model per workload (the rollout side's placement left out), for the module."""
-    return {}
+# Run A of each workload (the rollout side's placement left out), for the whole session: this
+# module's and test_resume_reattach's cases share it.  The folder it ran in, renamed (its run B's
+# folder path: an agentic trajectory's id, and so its sampling seed, starts with the folder's
+# tag), and its final model.
+_RUNS_A: dict[tuple[str, ...], tuple[Path, dict[str, torch.Tensor]]] = {}
 
 
-def _uninterrupted_model(
-    workload: list[str], args: list[str], run_dir: Path, env: dict[str, str],
-    models: dict[tuple[str, ...], dict[str, torch.Tensor]],
-) -> dict[str, torch.Tensor]:  # fmt: skip
-    """Run A (uninterrupted, in ``run_dir``, renamed afterwards) for this workload, once a module:
-    a workload that differs from one already run only in where its rollout side runs reuses it."""
-    key = tuple(arg for arg in workload if not arg.startswith(_PLACEMENT))
-    if key not in models:
-        done = _train(*args, env=env)
+def uninterrupted_run(
+    common: list[str], workload: list[str], tmp_path: Path, env: dict[str, str]
+) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Run B's folder and run A's final model: run A (uninterrupted, through a rollout host, in
+    the folder run B will use, renamed ``a`` afterwards) once a session per workload; a workload
+    that differs from one already run only in where its rollout side runs reuses it.  A math run
+    B takes ``tmp_path/run`` (math samples do not depend on the folder); an agentic one run A's
+    folder path, an earlier case's run B there moved aside to ``tmp_path/earlier``."""
+    from test_sigint import _tagged_pids
+
+    key = tuple(arg for arg in [*common, *workload] if not arg.startswith(_PLACEMENT))
+    if key not in _RUNS_A:
+        run_dir = tmp_path / "run"
+        started = time.monotonic()
+        done = _train(*key, _GRACE, f"system.run_dir={str(run_dir)!r}", env=env)
         assert done.returncode == 0, done.stderr
-        run_a = run_dir.with_name("a")
-        run_dir.rename(run_a)
-        models[key] = _model(run_a)
-    return models[key]
+        print(f"run A: {time.monotonic() - started:.1f} s")
+        deadline = time.monotonic() + 30  # a run that ends stops its rollout host
+        while (
+            _tagged_pids(env["BELAYER_TEST_TAG"])
+            or any(run_dir.rglob("*.sock"))
+            or any(run_dir.glob("slots/*/mem"))
+        ):
+            assert time.monotonic() < deadline, (
+                _tagged_pids(env["BELAYER_TEST_TAG"]),
+                list(run_dir.rglob("*.sock")),
+            )
+            time.sleep(0.1)
+        run_dir.rename(tmp_path / "a")
+        _RUNS_A[key] = (run_dir, _model(tmp_path / "a"))
+    folder, model = _RUNS_A[key]
+    if "data.workload=math" in workload:
+        return tmp_path / "run", model
+    if folder.exists():
+        folder.rename(tmp_path / "earlier")
+    return folder, model
 
 
 def _sandboxes(run_dir: Path) -> list[str]:
@@ -166,17 +198,13 @@ def _sandboxes(run_dir: Path) -> list[str]:
 
 @pytest.mark.parametrize(("workload", "num_samples"), _WORKLOADS)
 def test_a_run_killed_mid_rollout_resumes_to_the_uninterrupted_model(
-    tmp_path: Path,
-    workload: list[str],
-    num_samples: int,
-    uninterrupted_models: dict[tuple[str, ...], dict[str, torch.Tensor]],
+    tmp_path: Path, workload: list[str], num_samples: int
 ) -> None:
     tag = uuid.uuid4().hex
     env = {**os.environ, "BELAYER_TEST_TAG": tag}
-    run_dir = tmp_path / "run"
+    run_dir, model_a = uninterrupted_run(_COMMON, workload, tmp_path, env)
     args = [*_COMMON, *workload, f"system.run_dir={str(run_dir)!r}"]
     adopt = _GRACE in workload
-    model_a = _uninterrupted_model(workload, args, run_dir, env, uninterrupted_models)
 
     log = run_dir / "rollouts" / "step_000002.jsonl"
     with (tmp_path / "b.log").open("w") as output:

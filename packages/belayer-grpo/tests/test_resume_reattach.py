@@ -4,7 +4,8 @@ With ``system.resume_grace_s > 0`` the router and the slots run in a rollout hos
 (`belayer_grpo._rollout_host`).  A fixed seed, 3 steps; math (16 prompts x 8 samples) and the
 tooluse ``store`` task (4 tasks x 4 samples, real Docker sandboxes):
 
-- run A trains uninterrupted (through a rollout host too), then its folder is renamed;
+- run A trains uninterrupted (through a rollout host too), then its folder is renamed (once a
+  session per workload, shared with test_resume_e2e: `uninterrupted_run`);
 - run B, same configuration and folder path, is SIGKILLed once a quarter of step 2's samples are
   in its rollout log.  Its rollout host, router and slots keep running (the guardian waits for a
   trainer to take the lease); ``--resume`` takes it within the grace period, takes the logged
@@ -25,9 +26,18 @@ tooluse ``store`` task (4 tasks x 4 samples, real Docker sandboxes):
   weights equal A's bit for bit (tolerance none: see test_resume_e2e.py), and nothing of either
   trainer or the host is left afterwards.
 
-A second run, its rollout side on Ray (two nodes that share nothing where this process may make
-them: `test_resume_e2e`'s cluster case; the rollout host is the Ray driver), is killed and nobody
-resumes it: after the grace period the guardian reaps the host, the cluster it drove (the head,
+The tooluse case runs a second time with its rollout side on Ray (two nodes that share nothing
+where this process may make them, a slot each; simulated nodes otherwise, as `test_resume_e2e`'s
+cluster case): the rollout host is the Ray driver and owns the nodes' sandbox hosts, the trainer's
+sandbox pool calls them through the host (`belayer_grpo._cluster.hosted_sandboxes`).  Killed and
+resumed the same way, against the same run A (where the rollout side runs changes no sample): the
+same counts, exactly what the log and the router held, 0 regenerated, weights bit-equal; the host
+removed the sandboxes the killed trainer's trajectories held (at least one per begun trajectory),
+and afterwards nothing is left: processes, the cluster (namespaces, links, head folder), the
+shared folder with its checkpoints, any container with the run's label.  The time one sandbox call
+through the host adds is printed (measured on the live host after the kill, not asserted).
+
+A run on Ray (math) is killed and nobody resumes it: after the grace period the guardian reaps the host, the cluster it drove (the head,
 every node's processes, their namespaces and links, the run's shared folder), the slots and
 everything else of the run.  (The kill-and-adopt case on Ray is `test_resume_e2e`'s.)
 """
@@ -55,6 +65,7 @@ from test_resume_e2e import (
     _model,
     _sandboxes,
     _train,
+    uninterrupted_run,
 )
 from test_sigint import _tagged_pids
 
@@ -215,31 +226,17 @@ _WORKLOADS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def agentic_run_a(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The agentic cases' common folder (``base``) and, once run, their run A's (``a``)."""
-    return {"base": tmp_path_factory.mktemp("agentic")}
-
-
 @pytest.mark.parametrize(("workload", "num_samples"), _WORKLOADS)
 def test_a_resume_within_the_grace_period_regenerates_nothing(
-    tmp_path: Path, workload: list[str], num_samples: int, agentic_run_a: dict[str, Path]
+    tmp_path: Path, workload: list[str], num_samples: int
 ) -> None:
     tag = os.urandom(8).hex()
     env = {**os.environ, "BELAYER_TEST_TAG": tag}
     math = "data.workload=math" in workload
     on_ray = "cluster.nodes=2" in workload
-    base = tmp_path if math else agentic_run_a["base"]
-    run_dir, run_a = base / "run", base / "a"
-    if run_dir.exists():  # an earlier agentic case's run B
-        run_dir.rename(tmp_path / "earlier")
+    # run A: uninterrupted, through a rollout host on one machine (test_resume_e2e's, shared)
+    run_dir, model_a = uninterrupted_run(_COMMON, workload, tmp_path, env)
     args = [*_COMMON, *workload, "system.resume_grace_s=300", f"system.run_dir={str(run_dir)!r}"]
-    if not run_a.exists():
-        a_args = [arg for arg in args if arg not in _NODES]  # run A on one machine
-        done = _train(*a_args, env=env)
-        assert done.returncode == 0, done.stderr
-        _nothing_left(run_dir, tag, 30)  # a run that ends stops its rollout host
-        run_dir.rename(run_a)
 
     host_pid = _kill_mid_rollout(
         args, env, tmp_path / "b.log", step=2, lines=num_samples // 4, in_flight=math
@@ -253,6 +250,8 @@ def test_a_resume_within_the_grace_period_regenerates_nothing(
     assert on_ray or any(run_dir.glob("slots/*/mem"))
     assert "waits 300 s" in (run_dir / "guardian.log").read_text()
 
+    if on_ray:
+        _time_hosted_calls(run_dir)
     held = _held(run_dir, num_samples) if math else (0, 0)
     reattach = (0, 0, 0, 0) if math else _expected_reattach(run_dir, num_samples, kill_at=2)
     killed = [] if math else _sandboxes(run_dir)  # the killed trainer's sandboxes
@@ -318,7 +317,7 @@ def test_a_resume_within_the_grace_period_regenerates_nothing(
         print("env_failures (steps 2-3)", failures)
         assert failures >= reattach[3]
 
-    model_a, model_b = _model(run_a), _model(run_dir)
+    model_b = _model(run_dir)
     assert model_a.keys() == model_b.keys()
     for name, tensor in model_a.items():
         assert torch.equal(tensor, model_b[name]), (name, (tensor - model_b[name]).abs().max())
@@ -333,6 +332,24 @@ def test_a_resume_within_the_grace_period_regenerates_nothing(
         time.sleep(0.1)
     assert shared is None or not shared.exists()
     assert not (run_dir / "cluster-shared").exists()
+
+
+def _time_hosted_calls(run_dir: Path) -> None:
+    """Print what a sandbox call through the rollout host adds (no sandbox work: the release of a
+    trajectory that holds none, a socket round trip and a thread in the host); not asserted."""
+    from belayer_grpo._cluster.hosted_sandboxes import HostedSandboxes
+
+    hosts = HostedSandboxes(run_dir / "rollout-host" / "control.sock", Path("/nonexistent"))
+    times = []
+    for _ in range(200):
+        began = time.perf_counter()
+        hosts.release("nobody")
+        times.append(time.perf_counter() - began)
+    times.sort()
+    load = os.getloadavg()[0]
+    print(
+        f"hosted sandbox call overhead: median {times[100] * 1e3:.2f} ms, p90 {times[180] * 1e3:.2f} ms, load {load:.1f}"
+    )
 
 
 def _all_containers() -> list[str]:

@@ -101,7 +101,11 @@ class HostedSandboxes:
         self._ask("sandbox_keep_spares", size=size)
 
     def warm_spares(
-        self, image: str = "belayer/busybox", *, working_dir: str | None = None, labels: dict[str, str] | None = None
+        self,
+        image: str = "belayer/busybox",
+        *,
+        working_dir: str | None = None,
+        labels: dict[str, str] | None = None,
     ) -> None:
         """`SandboxCluster.warm_spares`."""
         self._ask("sandbox_warm_spares", image=image, working_dir=working_dir, labels=labels)
@@ -123,7 +127,12 @@ class HostedSandboxes:
         self, trajectory: str, command: str, timeout_s: float = 60.0, *, container_id: str | None = None
     ) -> ExecResult:
         """`SandboxCluster.exec`."""
-        fields = {"trajectory": trajectory, "command": command, "timeout_s": timeout_s, "container_id": container_id}
+        fields = {
+            "trajectory": trajectory,
+            "command": command,
+            "timeout_s": timeout_s,
+            "container_id": container_id,
+        }
         return _result(self._ask("sandbox_exec", **fields))
 
     def probe(
@@ -161,13 +170,22 @@ class HostedSandboxes:
 
         if accept not in (None, is_repository_hash):
             raise ValueError("a hosted checkpoint_at takes accept=is_repository_hash or None")
-        fields = {"trajectory": trajectory, "context_ref": context_ref, "prefix": prefix, "probe_argv": probe_argv}
+        fields = {
+            "trajectory": trajectory,
+            "context_ref": context_ref,
+            "prefix": prefix,
+            "probe_argv": probe_argv,
+        }
         answer = self._ask(
             "sandbox_checkpoint_at", **fields, workdir=workdir, container_id=container_id,
             accept=None if accept is None else _ACCEPT,
         )  # fmt: skip
         probed = answer["probed"]
-        return _info(answer["info"]), _checkpoint(answer["checkpoint"]), None if probed is None else _result(probed)
+        return (
+            _info(answer["info"]),
+            _checkpoint(answer["checkpoint"]),
+            None if probed is None else _result(probed),
+        )
 
     def next_kind(self, trajectory: str, *, container_id: str | None = None) -> str | None:
         """`SandboxCluster.next_kind`."""
@@ -228,9 +246,17 @@ _HANDLERS: dict[str, _Handler] = {
         s.exec(r["trajectory"], r["command"], float(r["timeout_s"]), container_id=r["container_id"])
     ),
     "sandbox_probe": lambda _, s, r: _fields(
-        s.probe(r["trajectory"], r["argv"], float(r["timeout_s"]), workdir=r["workdir"], container_id=r["container_id"])
+        s.probe(
+            r["trajectory"],
+            r["argv"],
+            float(r["timeout_s"]),
+            workdir=r["workdir"],
+            container_id=r["container_id"],
+        )
     ),
-    "sandbox_control": lambda _, s, r: s.control(r["trajectory"], r["operation"], container_id=r["container_id"]),
+    "sandbox_control": lambda _, s, r: s.control(
+        r["trajectory"], r["operation"], container_id=r["container_id"]
+    ),
     "sandbox_checkpoint_at": _checkpoint_at,
     "sandbox_next_kind": lambda _, s, r: s.next_kind(r["trajectory"], container_id=r["container_id"]),
     "sandbox_restore": lambda _, s, r: s.restore(

@@ -10,8 +10,8 @@ from belayer_grpo._config import Config
 
 if TYPE_CHECKING:
     from belayer_cluster import SandboxCluster
-    from belayer_grpo._cluster.hosted_sandboxes import HostedSandboxes
     from belayer_grpo._agentic.pool import SandboxPool
+    from belayer_grpo._cluster.hosted_sandboxes import HostedSandboxes
 
 __all__ = ["open_cluster_pool"]
 
