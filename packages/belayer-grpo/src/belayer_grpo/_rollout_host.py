@@ -318,14 +318,20 @@ async def _serve(run_dir: Path, trainer_pid: int) -> None:
         async def handle(stream: SocketStream) -> None:
             async with stream:
                 data = b""
-                while not data.endswith(b"\n"):
-                    data += await stream.receive()
+                with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
+                    while not data.endswith(b"\n"):
+                        data += await stream.receive()
+                if not data.endswith(b"\n"):
+                    return  # the caller went away before its request was whole
                 request = json.loads(data)
                 try:
                     reply = {"result": await _answer(system, request)}
                 except Exception as error:  # the caller raises it: one bad call does not end the host
                     reply = {"error": f"{type(error).__name__}: {error}"}
-                await stream.send(json.dumps(reply).encode() + b"\n")
+                # A call of a trainer SIGKILLed meanwhile (an agentic run's sandbox calls are in
+                # flight at any moment) has nobody to answer: that must not end the host.
+                with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    await stream.send(json.dumps(reply).encode() + b"\n")
                 if request.get("op") == "stop":
                     stop.set()
 
