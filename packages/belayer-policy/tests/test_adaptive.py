@@ -17,6 +17,7 @@ from belayer_policy import (
     FixedStepProbability,
     PolicySpec,
     Reason,
+    RenewalLoss,
     ResponseTimeModel,
     SharedEstimators,
     SimulationConfig,
@@ -79,7 +80,10 @@ def test_adaptive_decision_by_hand() -> None:
     # window {2, 3, 4}: a 3 s checkpoint leaves 1, 0, 0 s visible of responses 2, 3, 4 -> 1/3 s
     assert decision.visible_cost_s == pytest.approx(1 / 3)
     h = -math.log1p(-0.1)
-    expected = compare_now_and_later(1.0, 3.0, h * 4.0, 1 / 3)  # u = 4 s / 4 s, m = 3, a = h d
+    # u = 4 s / 4 s, m = 3, steps of 4 s; stretches priced under restarts with the 2 s restore prior
+    expected = compare_now_and_later(1.0, 3.0, h * 4.0, 1 / 3, RenewalLoss(h, 4.0, 2.0))
+    # to second order it saves more than the first-order comparison said (0.42 s)
+    assert expected.saving_s > compare_now_and_later(1.0, 3.0, h * 4.0, 1 / 3).saving_s
     assert decision.hazard == pytest.approx(h)
     assert decision.benefit_s == pytest.approx(expected.saving_s)
     assert decision.checkpoint == (expected.saving_s > 1 / 3)
@@ -168,11 +172,13 @@ def test_adaptive_is_monotone_in_the_hazard(context: StepContext, p1: float, p2:
         # checkpoint would be followed by a second one soon, one checkpoint a step later can be
         # cheaper than both, and that window opens only at a higher hazard.
         c = attrs.evolve(context, failure_probability=high)
+        rate = -math.log1p(-high)
         plan = compare_now_and_later(
             c.regeneration_s / c.step_s,
             c.remaining_steps,
             at_high.hazard * c.step_s,
             c.visible_future_s + c.extra_cost_s,
+            RenewalLoss(rate, c.step_s, c.restore_s, at_high.hazard / rate),
         )
         assert at_high.checkpoint or plan.delay_steps > 0
 
@@ -181,16 +187,17 @@ def test_adaptive_may_wait_one_step_at_a_higher_hazard() -> None:
     # u = 1/3 unprotected steps, 2 to go, now costs 1.5 s visible, a later checkpoint 3.5 s.
     # With a = h d: never 2a(u + 1) = 2.67a; now, one stretch 1.5 + 2a; now and after step 1
     # 5 + a; wait one step 3.5 + a(u + 1) = 3.5 + 1.33a. Best: never below a = 2.25, now up to
-    # a = 3, waiting from 3 to 4.5, now-and-later above.
+    # a = 3, waiting from 3 to 4.5, now-and-later above.  Steps of 600 s keep the rate per step
+    # below 0.01, where the loss under restarts is the first-order one within a few percent.
     context = StepContext(
-        step_index=1, regeneration_s=2.0, step_s=6.0, failure_probability=0.0, checkpoint_cost_s=0.0,
+        step_index=1, regeneration_s=200.0, step_s=600.0, failure_probability=0.0, checkpoint_cost_s=0.0,
         hidden_probability=0.0, visible_now_s=0.0, visible_future_s=2.0, extra_cost_s=1.5,
         remaining_steps=2, batch_size=1,
     )  # fmt: skip
     rule = AdaptiveRule()
 
     def decide(a: float) -> bool:
-        p = -math.expm1(-a / 6.0)  # batch_size 1: the hazard is -log(1 - p) per step
+        p = -math.expm1(-a / 600.0)  # batch_size 1: the hazard is -log(1 - p) per step
         return rule.choose(attrs.evolve(context, failure_probability=p)).checkpoint
 
     assert [decide(a) for a in (2.0, 2.6, 3.7, 5.0)] == [False, True, False, True]

@@ -32,9 +32,13 @@ def shared(fail_prob: float, kind_costs: KindCosts | None = None) -> SharedEstim
 
 
 def stake(fail_prob: float, unprotected_steps: float, remaining: int, step_s: float) -> float:
-    """What the rest of the trajectory loses with no checkpoint: a * (m * u + m**2 / 2)."""
-    loss_rate = -math.log1p(-fail_prob) * step_s
-    return loss_rate * (remaining * unprotected_steps + remaining * remaining / 2.0)
+    """What the rest of the trajectory loses with no checkpoint, under restarts with the 2 s restore
+    prior: ``(d / r + R) e^(r u) (e^(r m) - 1) - m d``; to first order ``a * (m * u + m**2 / 2)``
+    plus ``r * m * R``."""
+    r, restore = -math.log1p(-fail_prob), 2.0
+    return (step_s / r + restore) * math.exp(r * unprotected_steps) * math.expm1(
+        r * remaining
+    ) - remaining * step_s
 
 
 def test_a_never_measured_cost_is_probed_when_the_stake_exceeds_the_probes_visible_cost() -> None:

@@ -30,6 +30,7 @@ from belayer_policy._horizon import (
 from belayer_policy._kinds import CHECKPOINT_KINDS, KIND_PRIORS_S, KindCosts
 from belayer_policy._policy import CheckpointPolicy
 from belayer_policy._pooled import CostModel, HazardView, KeyTable, PooledCost
+from belayer_policy._renewal import RenewalLoss
 from belayer_policy._report import PolicySummary, Stats, compare_policies, format_table, percentile
 from belayer_policy._rules import (
     AdaptiveRule,
@@ -91,6 +92,7 @@ __all__ = [
     "PooledCost",
     "Reason",
     "RegenerationCost",
+    "RenewalLoss",
     "ResponseTimeModel",
     "RestoreCostModel",
     "ScheduledFailure",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from statistics import NormalDist
 
 import attrs
@@ -162,13 +163,22 @@ def batch_step_hazard(
     return 2.0 * largest / total_steps
 
 
-def _stretches_cost(steps: int, k: int, loss_rate: float, visible_s: float) -> float:
+StretchLoss = Callable[[float, float], float]
+"""Expected seconds lost over ``steps`` steps that follow ``unprotected_steps`` since the ready
+checkpoint: ``loss(unprotected_steps, steps)`` (increasing in both, convex in ``steps``)."""
+
+
+def _first_order(loss_rate: float) -> StretchLoss:
+    return lambda u, steps: loss_rate * (steps * u + steps * steps / 2.0)
+
+
+def _stretches_cost(steps: int, k: int, loss: StretchLoss, visible_s: float) -> float:
     # k stretches as equal as whole steps allow: r of length q + 1, k - r of length q.
     q, r = divmod(steps, k)
-    return (k - 1) * visible_s + loss_rate * ((k - r) * q * q + r * (q + 1) * (q + 1)) / 2.0
+    return (k - 1) * visible_s + (k - r) * loss(0.0, q) + r * loss(0.0, q + 1)
 
 
-def protected_cost(steps: int, loss_rate: float, visible_s: float) -> float:
+def protected_cost(steps: int, loss_rate: float, visible_s: float, loss: StretchLoss | None = None) -> float:
     """Least expected cost (seconds) of ``steps`` whole steps that start right after a ready checkpoint.
 
     ``loss_rate`` is ``a = h * d``; future checkpoints cost ``visible_s`` each and fall on step
@@ -177,21 +187,24 @@ def protected_cost(steps: int, loss_rate: float, visible_s: float) -> float:
     squares of a balanced partition is), so a binary search on its slope finds the exact minimum in
     O(log steps).  (The continuous optimum ``steps * sqrt(a / 2v)`` is not enough: once stretches are
     one or two steps long the whole-step cost falls linearly, with slope ``v - a``, to ``k = steps``.)
+    ``loss``, when given, prices a stretch instead of ``a * L**2 / 2`` (:class:`RenewalLoss`:
+    the exact loss under restarts; convex in ``L``, so the balanced split and the search hold).
     """
-    if steps <= 0 or loss_rate <= 0.0:
+    if steps <= 0 or (loss is None and loss_rate <= 0.0):
         return 0.0
+    stretch = _first_order(loss_rate) if loss is None else loss
     if visible_s <= 0.0:
-        return _stretches_cost(steps, steps, loss_rate, 0.0)
+        return _stretches_cost(steps, steps, stretch, 0.0)
     low, high = 1, steps
     while low < high:
         middle = (low + high) // 2
-        if _stretches_cost(steps, middle + 1, loss_rate, visible_s) < _stretches_cost(
-            steps, middle, loss_rate, visible_s
+        if _stretches_cost(steps, middle + 1, stretch, visible_s) < _stretches_cost(
+            steps, middle, stretch, visible_s
         ):
             low = middle + 1
         else:
             high = middle
-    return _stretches_cost(steps, low, loss_rate, visible_s)
+    return _stretches_cost(steps, low, stretch, visible_s)
 
 
 @attrs.frozen
@@ -210,7 +223,11 @@ class HorizonVerdict:
 
 
 def compare_now_and_later(
-    unprotected_steps: float, remaining_steps: float, loss_rate: float, future_visible_s: float
+    unprotected_steps: float,
+    remaining_steps: float,
+    loss_rate: float,
+    future_visible_s: float,
+    loss: StretchLoss | None = None,
 ) -> HorizonVerdict:
     """Compare checkpointing now with waiting ``s = 1, 2, ...`` steps (or to the end).
 
@@ -218,20 +235,22 @@ def compare_now_and_later(
     whole steps).  Waiting ``s``
     steps costs ``a * (s * u + s**2 / 2)`` plus, unless it reaches the end, a checkpoint and the
     protected rest.  O(sqrt of the cost) iterations: a plan whose own exposure already exceeds the
-    best found cannot win.
+    best found cannot win.  ``loss``, when given, prices the stretches instead of the first-order
+    ``a * (s * u + s**2 / 2)`` (``loss_rate`` then unused).
     """
     m = round(remaining_steps)
-    now = protected_cost(m, loss_rate, future_visible_s)
-    if m <= 0 or loss_rate <= 0.0:
+    now = protected_cost(m, loss_rate, future_visible_s, loss)
+    if m <= 0 or (loss is None and loss_rate <= 0.0):
         return HorizonVerdict(now, now, 0)
+    stretch = _first_order(loss_rate) if loss is None else loss
     u = unprotected_steps
     best, best_delay = math.inf, 0
     for s in range(1, m + 1):
-        exposure = loss_rate * (s * u + s * s / 2.0)
+        exposure = stretch(u, s)
         if exposure >= best:
             break
         total = exposure + (
-            future_visible_s + protected_cost(m - s, loss_rate, future_visible_s) if s < m else 0.0
+            future_visible_s + protected_cost(m - s, loss_rate, future_visible_s, loss) if s < m else 0.0
         )
         if total < best:
             best, best_delay = total, (s if s < m else 0)

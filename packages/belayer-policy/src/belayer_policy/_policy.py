@@ -193,6 +193,7 @@ class CheckpointPolicy:
                 - _PROJECTION_DOUBT * self.response_times.std * math.sqrt(remaining),
             ),
             step_sd_s=self.response_times.std,
+            restore_s=self.restore_costs.estimate,
         )
 
     def _cost_unknown_and_probed(self, kind: str | None) -> bool:

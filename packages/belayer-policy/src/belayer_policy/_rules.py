@@ -13,6 +13,7 @@ import attrs
 
 from belayer_policy._decision import Reason
 from belayer_policy._horizon import batch_step_hazard, compare_now_and_later
+from belayer_policy._renewal import RenewalLoss
 from belayer_policy._validate import positive_int
 
 __all__ = [
@@ -37,7 +38,7 @@ class StepContext:
     how many trajectories of the batch compete with this one for its critical path (those at
     least as long as this one; the whole batch until the policy knows the lengths).  ``step_sd_s``
     is the standard deviation of a step's duration (0: unknown), from which the spread of the
-    trajectories' durations follows.
+    trajectories' durations follows.  ``restore_s`` is one restore's expected seconds.
     """
 
     step_index: int
@@ -52,6 +53,7 @@ class StepContext:
     remaining_steps: float
     batch_size: int
     step_sd_s: float = 0.0
+    restore_s: float = 0.0
 
 
 @attrs.frozen
@@ -114,7 +116,9 @@ class AdaptiveRule:
     Compares the best plan that checkpoints now with the best that waits ``s >= 1`` steps (or
     never), over the expected remaining steps, with the per-step weight of the batch's critical
     path (:func:`batch_step_hazard`, scaled by the share of a loss that the trajectories' spread
-    does not absorb); checkpoints iff the saving exceeds the visible cost now.
+    does not absorb); checkpoints iff the saving exceeds the visible cost now.  The stretches are
+    priced exactly under restarts at the trajectory's own rate (:class:`RenewalLoss`: the redone
+    work fails again, every failure pays a restore), weighted by the batch's weight over that rate.
     """
 
     name: str = "adaptive"
@@ -125,6 +129,12 @@ class AdaptiveRule:
         # Independent steps: the duration's spread over its mean is the step's, over sqrt(steps).
         cv = c.step_sd_s / (c.step_s * math.sqrt(total)) if c.step_s > 0 and total > 0 else 0.0
         return batch_step_hazard(c.failure_probability, total, c.batch_size, cv)
+
+    @staticmethod
+    def _loss(c: StepContext, hazard: float) -> RenewalLoss:
+        """The stretches' exact loss at the trajectory's own rate, weighted as the batch weighs it."""
+        rate = -math.log1p(-min(c.failure_probability, 1.0 - 1e-12))
+        return RenewalLoss(rate, c.step_s, c.restore_s, hazard / rate if rate > 0.0 else 0.0)
 
     def choose(self, context: StepContext) -> Verdict:
         """The renewal comparison."""
@@ -138,6 +148,7 @@ class AdaptiveRule:
             c.remaining_steps,
             hazard * c.step_s,
             c.visible_future_s + c.extra_cost_s,
+            self._loss(c, hazard),
         )
         # Plans that tie (nothing unprotected) differ only by rounding: count that as no saving.
         saving = verdict.saving_s if verdict.saving_s > 1e-12 * verdict.later_s else 0.0
@@ -148,7 +159,8 @@ class AdaptiveRule:
 
         The cost weighed is then only a prior, and a prior that says "too dear" is never tested:
         no checkpoint, no measurement.  The stake is what the rest of this trajectory loses in
-        expectation with no checkpoint at all, ``a * (m * u + m**2 / 2)``: what checkpoints
+        expectation with no checkpoint at all (to first order ``a * (m * u + m**2 / 2)``, priced
+        under restarts as the plans are): what checkpoints
         could save at best, were they free.  One probe pays when that stake exceeds its visible
         cost at the prior (``benefit_s`` is the stake; reason ``cost_probe``).  The measurement
         then serves every later decision of the batch.
@@ -159,8 +171,7 @@ class AdaptiveRule:
         m = round(c.remaining_steps)
         if c.step_s <= 0.0 or hazard <= 0.0 or m <= 0:
             return _compare(0.0, visible, hazard)
-        loss_rate = hazard * c.step_s
-        stake = loss_rate * (m * c.regeneration_s / c.step_s + m * m / 2.0)
+        stake = self._loss(c, hazard)(c.regeneration_s / c.step_s, m)
         if stake > visible:
             return Verdict(True, Reason.COST_PROBE, stake, visible, hazard)
         return Verdict(False, Reason.COST_EXCEEDS_BENEFIT, stake, visible, hazard)
