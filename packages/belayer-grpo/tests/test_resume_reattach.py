@@ -7,8 +7,9 @@ tooluse ``store`` task (4 tasks x 4 samples, real Docker sandboxes):
 - run A trains uninterrupted (through a rollout host too), then its folder is renamed (once a
   session per workload, shared with test_resume_e2e: `uninterrupted_run`);
 - run B, same configuration and folder path, is SIGKILLed once a quarter of step 2's samples are
-  in its rollout log.  Its rollout host, router and slots keep running (the guardian waits for a
-  trainer to take the lease); ``--resume`` takes it within the grace period, takes the logged
+  in its rollout log, at a moment (checked on the trainer SIGSTOPped) its router holds a request of
+  a sample the log has not (agentic: a trajectory in flight has a logged checkpoint).  Its rollout
+  host, router and slots keep running (the guardian waits for a trainer to take the lease); ``--resume`` takes it within the grace period, takes the logged
   samples and sends the others again under the same ids: the router answers or continues every
   request it holds (finished, or cut mid-stream: continued from its tokens, not from the start).
   Math: 0 regenerated (each missing sample was held, or never sent).  Agentic (checkpoint policy
@@ -39,11 +40,13 @@ through the host adds is printed (measured on the live host after the kill, not 
 
 A run on Ray (math) is killed and nobody resumes it: after the grace period the guardian reaps the host, the cluster it drove (the head,
 every node's processes, their namespaces and links, the run's shared folder), the slots and
-everything else of the run.  (The kill-and-adopt case on Ray is `test_resume_e2e`'s.)
+everything else of the run.  (The kill-and-adopt case on Ray is the tooluse one above; the
+math one, once `test_resume_e2e`'s, was removed after 0.6.10: it proved nothing this module's cases do not.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -61,7 +64,6 @@ from test_resume_e2e import (
     _ISOLATED_NODES,
     _cluster_leftovers,
     _clusters_of,
-    _logged_lines,
     _model,
     _sandboxes,
     _train,
@@ -71,7 +73,6 @@ from test_sigint import _tagged_pids
 
 from belayer_grpo._guardian import run_marker
 from belayer_grpo._lease import REAPED, pid_alive
-from belayer_router import RouterAdmin
 
 pytestmark = pytest.mark.e2e
 
@@ -100,11 +101,18 @@ def _journal_waits(path: Path) -> bool:
 
 
 def _kill_mid_rollout(
-    args: list[str], env: dict[str, str], output: Path, step: int, lines: int, in_flight: bool = True
+    args: list[str],
+    env: dict[str, str],
+    output: Path,
+    step: int,
+    lines: int,
+    samples: int,
+    in_flight: bool = True,
 ) -> int:
-    """Start ``belayer-grpo train``, SIGKILL it once ``lines`` samples of ``step`` are logged (for an
-    agentic step, also a checkpoint of a trajectory in flight); the pid of its rollout host, read
-    before the kill."""
+    """Start ``belayer-grpo train``, SIGKILL it once ``lines`` samples of ``step`` (of ``samples``) are
+    logged, at a moment some are not: for math, while the router holds a request of a sample not in
+    the log (one the resume must re-attach); for an agentic step, while a trajectory in flight has
+    a logged checkpoint.  The pid of its rollout host, read before the kill."""
     run_dir = Path(args[-1].split("=", 1)[1].strip("'"))
     log = run_dir / "rollouts" / f"step_{step:06d}.jsonl"
     with output.open("w") as out:
@@ -127,19 +135,28 @@ def _kill_mid_rollout(
             host_file = run_dir / "rollout-host" / "host.json"
             assert host_file.stat().st_mode & 0o077 == 0  # the admin token: the owner's only
             host = json.loads(host_file.read_text())
-            # Read before the kill is due: an agentic step's trajectories end within a moment.
-            with RouterAdmin(host["url"], host["admin_token"]) as admin:
-                # Math: also at a moment the router has a request in flight (one cut by the kill),
-                # polled without a pause once enough samples are logged: a math request lasts a few
-                # tokens, so the gauge is 0 between most polls (measured: 0, 0, 4 over 3 polls at
-                # load 12) and a step ends within a second or two. Not for an agentic step (it may
-                # end meanwhile); its trajectories in flight hold finished turns at the router anyway.
-                while True:
-                    running()
-                    if len(_finished(log)) < lines or not (in_flight or _journal_waits(log)):
-                        time.sleep(0.01)
-                    elif not in_flight or admin.counters().values.get("requests_in_flight"):
-                        break
+            # The conditions are checked on a SIGSTOPped trainer, which logs nothing more and sends
+            # nothing more meanwhile, and it is killed as it stands; else it goes on (SIGCONT) and
+            # they are checked again.  (Polled on a running one, a math step's last samples could be
+            # logged between the check and the kill: seen once, 128 of 128 logged, nothing to
+            # re-attach.)  A math request lasts a few tokens and a step a second or two: the router's
+            # in-flight gauge is 0 at most moments, but with 4 requests a time the router holds one of
+            # a sample the log has not at nearly every moment mid-step.
+            while True:
+                running()
+                if len(_finished(log)) < lines or not (in_flight or _journal_waits(log)):
+                    time.sleep(0.01)
+                    continue
+                train.send_signal(signal.SIGSTOP)
+                _wait_stopped(train.pid)
+                finished = _finished(log)
+                if len(finished) >= samples:
+                    raise AssertionError(f"step {step} ended before the kill: {len(finished)} samples logged")
+                if (in_flight and _held(run_dir, samples, step)[0]) or (
+                    not in_flight and _journal_waits(log)
+                ):
+                    break
+                train.send_signal(signal.SIGCONT)
             train.send_signal(signal.SIGKILL)
             assert train.wait(timeout=60) == -signal.SIGKILL
         finally:
@@ -149,15 +166,30 @@ def _kill_mid_rollout(
     return int(host["pid"])
 
 
-def _held(run_dir: Path, num_samples: int) -> tuple[int, int]:
-    """How many of step 2's math samples missing from the rollout log the killed trainer's router
-    holds now and their tokens (`GET /requests/{id}`, the id a resumed trainer derives: `<tag>-step2-<index>`)."""
+def _wait_stopped(pid: int) -> None:
+    """Until every thread of process ``pid`` is stopped (a SIGSTOP is delivered asynchronously)."""
+    deadline = time.monotonic() + 10
+    while True:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        if all(state in "Tt" for state in states):
+            return
+        assert time.monotonic() < deadline, states
+        time.sleep(0.001)
+
+
+def _held(run_dir: Path, num_samples: int, step: int = 2) -> tuple[int, int]:
+    """How many of a step's math samples missing from the rollout log the killed (or stopped)
+    trainer's router holds now and their tokens (`GET /requests/{id}`, the id a resumed trainer
+    derives: `<tag>-step<step>-<index>`)."""
     host = json.loads((run_dir / "rollout-host" / "host.json").read_text())
-    logged = {json.loads(line)["index"] for line in _logged_lines(run_dir / "rollouts" / "step_000002.jsonl")}
+    logged = {record["index"] for record in _finished(run_dir / "rollouts" / f"step_{step:06d}.jsonl")}
     headers = {"Authorization": f"Bearer {host['admin_token']}"}
     with httpx.Client(base_url=host["url"], headers=headers, timeout=30) as client:
         answers = [
-            client.get(f"/requests/{run_marker(run_dir)}-step2-{i}")
+            client.get(f"/requests/{run_marker(run_dir)}-step{step}-{i}")
             for i in range(num_samples)
             if i not in logged
         ]
@@ -239,14 +271,19 @@ def test_a_resume_within_the_grace_period_regenerates_nothing(
     args = [*_COMMON, *workload, "system.resume_grace_s=300", f"system.run_dir={str(run_dir)!r}"]
 
     host_pid = _kill_mid_rollout(
-        args, env, tmp_path / "b.log", step=2, lines=num_samples // 4, in_flight=math
+        args, env, tmp_path / "b.log", step=2, lines=num_samples // 4, samples=num_samples, in_flight=math
     )
     clusters = _clusters_of(host_pid)  # the rollout host started the cluster: it drives it
     shared = Path((run_dir / "cluster-shared").read_text()) if on_ray else None
     logged = len(_finished(run_dir / "rollouts" / "step_000002.jsonl"))
     assert num_samples // 4 <= logged < num_samples
+    assert not any(r.get("ended") for r in _records(run_dir / "rollouts" / "step_000002.jsonl"))
     time.sleep(2.0)
-    assert pid_alive(host_pid)  # the rollout side outlives the trainer
+    assert pid_alive(host_pid), (run_dir / "rollout-host" / "host.log").read_text()[
+        -3000:
+    ]  # it outlives the trainer
+    if clusters:  # the cluster too: its record is still in use
+        assert f"{clusters[0]['id']}.json" in str(_cluster_leftovers(clusters[0]))
     assert on_ray or any(run_dir.glob("slots/*/mem"))
     assert "waits 300 s" in (run_dir / "guardian.log").read_text()
 
@@ -268,7 +305,9 @@ def test_a_resume_within_the_grace_period_regenerates_nothing(
                                             "rebuild_failures_recovered")}, reattach)  # fmt: skip
     assert report["status"] == "completed"
     assert report["steps"] == 3
+    assert (report["resumed_at_step"], report["steps_replayed"]) == (2, 1)  # step 1 from its log
     assert "re-attached to the rollout host" in resumed.stderr
+    assert "trajectories reused" in resumed.stderr
     assert report["trajectories_reused"] >= logged
     assert report["requests_reattached"] >= 1  # at least the requests cut mid-stream by the kill
     # Every sample is reused (logged), re-attached (the router held it) or was never sent.
@@ -306,6 +345,8 @@ def test_a_resume_within_the_grace_period_regenerates_nothing(
     assert total == num_samples
     step2 = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     step2 = [record for record in step2 if record["step"] == 2]
+    assert len(step2) == 1
+    assert step2[0]["trajectories_reused"] == report["trajectories_reused"]
     assert step2[0]["requests_reattached"] == report["requests_reattached"]
     if not math:
         assert step2[0]["actions_replayed"] == report["actions_replayed"]
@@ -363,7 +404,7 @@ def test_a_run_nobody_resumes_is_reaped_after_the_grace_period(tmp_path: Path) -
     run_dir = tmp_path / "run"
     nodes = ["cluster.nodes=2", f"cluster.isolated={str(_ISOLATED_NODES).lower()}", "system.num_slots=2"]
     args = [*_COMMON, *_MATH, *nodes, "system.resume_grace_s=5", f"system.run_dir={str(run_dir)!r}"]
-    host_pid = _kill_mid_rollout(args, env, tmp_path / "b.log", step=1, lines=1)
+    host_pid = _kill_mid_rollout(args, env, tmp_path / "b.log", step=1, lines=1, samples=128)
     clusters = _clusters_of(host_pid)  # the rollout host started the cluster: it drives it
     shared = Path((run_dir / "cluster-shared").read_text())
     assert pid_alive(host_pid)  # killed a moment ago: within the grace period
