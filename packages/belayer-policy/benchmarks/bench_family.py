@@ -10,15 +10,23 @@ Each of ``--workloads`` workloads (seeded) draws, log-uniformly unless said othe
   the policy is told, not only in its prior; the simulator's clock (``StepObservation.now``) is
   true, as a trainer's is, so since 0.6.0 the policy calibrates its estimates against the waits it
   sees there (``CostCalibration``).
-Each workload is a batch of ``--trajectories`` trajectories, simulated ``--runs`` times with fresh
-failure streams, for adaptive and the fixed policies never, always, every:2..every:8.  Every policy
-sees the same failures: one random stream per step of each trajectory (the simulator's
+Each workload runs ``--runs`` batches of ``--trajectories`` trajectories, for adaptive and the fixed
+policies never, always, every:2..every:8.  With ``--batches fresh`` (the default since 0.8.1) every
+batch draws new trajectories from the workload's distributions, as every GRPO step samples new
+prompts and responses; with ``--batches same`` (the only way before 0.8.1) every batch replays one
+drawn batch with fresh failure streams, so a fixed period also profits in hindsight from where that
+one batch's long responses fall (a checkpoint every k steps hidden behind them), which no policy
+chosen in advance could know.  Every policy sees the same trajectories in a batch and the same
+failures: one random stream per step of each trajectory (the simulator's
 ``failure_streams="per-step"``), so the ``n``-th attempt of a step fails alike under every policy,
 also after a restore.  Reported: adaptive's mean batch rollout against the best fixed policy in
 hindsight of that workload, in percent; its distribution and worst cases.
 
 The comparison is noisy: a workload whose failures are rare pays a checkpoint in every batch and
-recovers it only in the batches that fail.  Each workload reports the standard error of its paired
+recovers it only in the batches that fail.  A workload therefore starts with enough batches for
+``--min-failures`` expected failures (since 0.8.1; 24 batches of 16 trajectories of 11 steps at
+p = 0.001 expect 4, and a paired spread measured on batches that saw no failure says the noise is
+nil).  Each workload reports the standard error of its paired
 difference (adaptive minus the best fixed, batch by batch, in percent of the best fixed).  A
 workload runs ``--runs`` batches; where that error is above ``--target-se`` and the result lies
 within two errors of 1 % or 3 % (the goal's thresholds), it runs again with four times the batches,
@@ -28,8 +36,8 @@ about the standard error.  `never` is not simulated where its expected failures 
 (``(1 - p)^-N - 1`` restores of 2 s) exceed three times the best other fixed policy's mean.
 
     python benchmarks/bench_family.py [--workloads 200] [--runs 24] [--max-runs 384]
-        [--target-se 0.3] [--escalate-for-s 900] [--trajectories 16] [--jobs 2]
-        [--indices 3,50,73] [--exact-costs] [--out benchmarks/results/bench_family.json]
+        [--target-se 0.3] [--escalate-for-s 900] [--min-failures 20] [--trajectories 16] [--jobs 2]
+        [--indices 3,50,73] [--exact-costs] [--batches fresh|same] [--out benchmarks/results/bench_family.json]
 
 ``--indices`` judges only those workloads of the family (the same draws and failure streams as in
 a full run), for a quick check of a change on chosen workloads.  ``--exact-costs`` lets the policy
@@ -61,6 +69,7 @@ from belayer_policy import (
     SharedEstimators,
     SimulationConfig,
     Trajectory,
+    Workload,
     compare_policies,
 )
 
@@ -82,8 +91,30 @@ def _log_uniform(rng: random.Random, low: float, high: float) -> float:
     return math.exp(rng.uniform(math.log(low), math.log(high)))
 
 
+@attrs.frozen
+class FamilyWorkload(Workload):
+    """One workload of the family: its parameters, and trajectories drawn from them."""
+
+    params: dict[str, Any] = attrs.field(factory=dict, kw_only=True)
+
+    def draw(self, rng: random.Random) -> Trajectory:
+        """One trajectory: heavy-tailed responses, log-normal actions, checkpoints +-30 % of the mean."""
+        params = self.params
+        checkpoint_mean = params["cost_ratio"] * params["response_mean_s"]
+
+        def lognormal(mean: float, sigma: float) -> float:
+            return rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma)  # that mean
+
+        n = params["steps"]
+        return Trajectory(
+            [lognormal(params["response_mean_s"], params["response_sigma"]) for _ in range(n)],
+            [lognormal(params["action_mean_s"], 0.5) for _ in range(n)],
+            [checkpoint_mean * rng.uniform(0.7, 1.3) for _ in range(n)],
+        )
+
+
 def draw_workload(index: int, seed: int, num_trajectories: int) -> dict[str, Any]:
-    """One workload's parameters and its batch of trajectories."""
+    """One workload's parameters, its generator and one batch of trajectories (``--batches same``)."""
     rng = random.Random(f"family:{seed}:{index}")
     params = {
         "steps": rng.randint(4, 40),
@@ -94,22 +125,10 @@ def draw_workload(index: int, seed: int, num_trajectories: int) -> dict[str, Any
         "fail_prob": _log_uniform(rng, 0.001, 0.2),
         "cost_bias": rng.uniform(0.5, 1.5),
     }
-    checkpoint_mean = params["cost_ratio"] * params["response_mean_s"]
-
-    def lognormal(mean: float, sigma: float) -> float:
-        return rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma)  # that mean
-
-    batch = []
-    for _ in range(num_trajectories):
-        n = params["steps"]
-        batch.append(
-            Trajectory(
-                [lognormal(params["response_mean_s"], params["response_sigma"]) for _ in range(n)],
-                [lognormal(params["action_mean_s"], 0.5) for _ in range(n)],
-                [checkpoint_mean * rng.uniform(0.7, 1.3) for _ in range(n)],
-            )
-        )
-    return {"params": params, "batch": batch}
+    generator = FamilyWorkload(params["steps"], params=params)
+    # the same draws, in the same order, as before the generator existed: the batch of `same`
+    batch = [generator.draw(rng) for _ in range(num_trajectories)]
+    return {"params": params, "generator": generator, "batch": batch}
 
 
 def judge(
@@ -121,15 +140,26 @@ def judge(
     target_se: float = 0.0,
     escalate_before: float = math.inf,
     exact_costs: bool = False,
+    batches: str = "fresh",
+    min_failures: float = 0.0,
 ) -> dict[str, Any]:
     """Adaptive against every fixed policy on one workload.
+
+    It starts with enough batches for ``min_failures`` expected failures (first attempts of its
+    steps), at least ``runs`` and at most ``max_runs``.
 
     While the paired standard error exceeds ``target_se`` percent and the result is within two
     standard errors of a threshold of the goal (1 % or 3 %), the workload runs again with four times
     the batches, up to ``max_runs`` and only before the wall-clock time ``escalate_before``.
     """
+    if min_failures > 0:
+        # a workload whose failures are rare differs from its best fixed policy only in the few
+        # batches that fail: 24 batches may hold none, and the paired spread then misses them
+        params = draw_workload(index, seed, 1)["params"]
+        per_batch = num_trajectories * params["steps"] * params["fail_prob"]  # first attempts alone
+        runs = max(runs, min(max_runs or runs, math.ceil(min_failures / per_batch)))
     while True:
-        row = _judge_once(index, seed, num_trajectories, runs, exact_costs)
+        row = _judge_once(index, seed, num_trajectories, runs, exact_costs, batches)
         pct, se = row["vs_best_fixed_pct"], row["se_pct"]
         ambiguous = any(abs(pct - threshold) < 2.0 * se for threshold in (1.0, 3.0))
         if se <= target_se or not ambiguous or runs * 4 > max_runs or time.time() > escalate_before:
@@ -138,7 +168,7 @@ def judge(
 
 
 def _judge_once(
-    index: int, seed: int, num_trajectories: int, runs: int, exact_costs: bool = False
+    index: int, seed: int, num_trajectories: int, runs: int, exact_costs: bool = False, batches: str = "fresh"
 ) -> dict[str, Any]:
     workload = draw_workload(index, seed, num_trajectories)
     params = workload["params"]
@@ -149,6 +179,14 @@ def _judge_once(
             checkpoint_costs=BiasedCostModel(bias=1.0 if exact_costs else params["cost_bias"]),
         )
 
+    # fresh: every batch draws its own trajectories from the workload (as every GRPO step samples
+    # new prompts and responses); same: every batch replays one drawn batch
+    source: dict[str, Any] = (
+        {"workload": workload["generator"], "num_trajectories": num_trajectories}
+        if batches == "fresh"
+        else {"trace": workload["batch"]}
+    )
+
     def simulate(names: tuple[str, ...]) -> list[PolicySummary]:
         # Each policy gets its own estimators and the same seeded streams, so simulating policies
         # apart gives exactly what one call with all of them gives.
@@ -157,7 +195,7 @@ def _judge_once(
             config=SimulationConfig(fail_prob=params["fail_prob"], restore_s=2.0, failure_streams=PER_STEP),
             runs=runs,
             seed=seed + index,
-            trace=workload["batch"],
+            **source,
             estimators=estimators,
             carry_estimators=True,
         )
@@ -218,6 +256,18 @@ def main() -> None:
         default=math.inf,
         help="no workload starts a rerun with more batches after this many seconds",
     )
+    parser.add_argument(
+        "--batches",
+        choices=("fresh", "same"),
+        default="fresh",
+        help="fresh: each batch draws new trajectories from the workload; same: every batch replays one",
+    )
+    parser.add_argument(
+        "--min-failures",
+        type=float,
+        default=20.0,
+        help="start a workload with enough batches for this many expected failures (up to --max-runs)",
+    )
     parser.add_argument("--indices", default="", help="comma-separated workload indices (default: all)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_family.json"))
     args = parser.parse_args()
@@ -236,6 +286,8 @@ def main() -> None:
                 args.target_se,
                 deadline,
                 args.exact_costs,
+                args.batches,
+                args.min_failures,
             )
             for i in indices
         ]

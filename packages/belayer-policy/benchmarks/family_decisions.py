@@ -7,13 +7,14 @@ both and every checkpoint adaptive decided: batch, trajectory, step, the saving 
 checkpoint.  With ``--exact-costs`` the policy learns unbiased costs.
 
     python benchmarks/family_decisions.py --index 174 --against never [--runs 24] [--exact-costs]
-        [--out benchmarks/results/family_decisions-174.json]
+        [--batches fresh|same] [--out benchmarks/results/family_decisions-174.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,7 @@ def main() -> None:
     parser.add_argument("--trajectories", type=int, default=16)
     parser.add_argument("--seed", type=int, default=34)
     parser.add_argument("--exact-costs", action="store_true")
+    parser.add_argument("--batches", choices=("fresh", "same"), default="fresh", help="as in bench_family.py")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     workload = draw_workload(args.index, args.seed, args.trajectories)
@@ -92,11 +94,23 @@ def main() -> None:
         config=SimulationConfig(fail_prob=params["fail_prob"], restore_s=2.0, failure_streams=PER_STEP),
         runs=args.runs,
         seed=args.seed + args.index,
-        trace=workload["batch"],
+        **(
+            {"workload": workload["generator"], "num_trajectories": args.trajectories}
+            if args.batches == "fresh"
+            else {"trace": workload["batch"]}
+        ),
         estimators=estimators,
         carry_estimators=True,
     )
     rollouts = {s.policy: s.rollouts_s for s in summaries}
+
+    def true_cost(batch: int, trajectory: int, step: int) -> float:
+        if args.batches == "same":
+            return workload["batch"][trajectory].checkpoint_s[step - 1]
+        # the trajectory compare_policies drew for that batch (its seeded stream, `_report._rng`)
+        rng = random.Random(f"work:{args.seed + args.index}:{batch}:{trajectory}")
+        return workload["generator"].draw(rng).checkpoint_s[step - 1]
+
     decisions = [
         {
             "batch": batch,
@@ -106,7 +120,7 @@ def main() -> None:
             "benefit_s": d.benefit_s,
             "visible_cost_s": d.visible_cost_s,
             "checkpoint_cost_s": d.checkpoint_cost_s,
-            "true_cost_s": workload["batch"][trajectory].checkpoint_s[d.step_index - 1],
+            "true_cost_s": true_cost(batch, trajectory, d.step_index),
             "regeneration_s": d.regeneration_s,
             "hazard": d.hazard,
             "contenders": d.contenders,
