@@ -157,6 +157,7 @@ def _kill_mid_rollout(
                 ):
                     break
                 train.send_signal(signal.SIGCONT)
+                time.sleep(0.01)  # let it run a little before the next look
             train.send_signal(signal.SIGKILL)
             assert train.wait(timeout=60) == -signal.SIGKILL
         finally:

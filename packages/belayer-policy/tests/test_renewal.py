@@ -62,6 +62,12 @@ def test_an_impossible_stretch_stays_finite() -> None:
     loss = RenewalLoss(0.7, 0.25, 1.0)
     assert math.isfinite(loss(1e5, 10))
     assert loss(1e5, 10) >= loss(10, 10)
+    # both exponents at their cap: their product must not overflow either
+    assert math.isfinite(loss(1e5, 1e5))
+    assert loss(1e5, 1e5) >= loss(1e5, 10)
+    # no work to redo, or a weight of 0: finite, never nan (0 * inf)
+    assert RenewalLoss(0.7, 0.0, 1.0)(1e5, 1e5) == RenewalLoss(0.7, 0.0, 1.0)(1e5, 1e5) >= 0.0
+    assert RenewalLoss(0.7, 0.25, 1.0, weight=0.0)(1e5, 1e5) == 0.0
 
 
 @given(

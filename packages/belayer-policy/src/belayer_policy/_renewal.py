@@ -1,4 +1,4 @@
-"""The exact expected loss of a stretch of steps under restarts (second order in the failure rate).
+"""The exact expected loss of a stretch of steps under restarts (all orders in the failure rate).
 
 The first-order model of :mod:`belayer_policy._horizon` prices a stretch of ``L`` steps that starts
 ``u`` unprotected steps after the latest ready checkpoint at ``a * (L * u + L**2 / 2)`` seconds: one
@@ -21,9 +21,10 @@ from belayer_policy._validate import non_negative
 
 __all__ = ["RenewalLoss"]
 
-# Beyond e^500 expected restarts a stretch never ends in practice; the exponent is capped there so
-# that the plans' costs stay finite and comparable (a cap only ties plans that are all hopeless).
-_MAX_EXPONENT = 500.0
+# Beyond e^300 expected restarts a stretch never ends in practice; each exponent is capped there so
+# that the plans' costs stay finite and comparable (a cap only ties plans that are all hopeless):
+# the loss multiplies two of them, and e^600 times a step's seconds stays far below a float's e^709.
+_MAX_EXPONENT = 300.0
 
 
 def _expm1_minus_x_over_r(r: float, steps: float) -> float:
