@@ -131,6 +131,15 @@ def draw_workload(index: int, seed: int, num_trajectories: int) -> dict[str, Any
     return {"params": params, "generator": generator, "batch": batch}
 
 
+def batch_source(workload: dict[str, Any], batches: str, num_trajectories: int) -> dict[str, Any]:
+    """``compare_policies``' batch arguments: ``fresh``, every batch draws its own trajectories from
+    the workload (as every GRPO step samples new prompts and responses); ``same``, every batch
+    replays the one drawn batch."""
+    if batches == "fresh":
+        return {"workload": workload["generator"], "num_trajectories": num_trajectories}
+    return {"trace": workload["batch"]}
+
+
 def judge(
     index: int,
     seed: int,
@@ -179,13 +188,7 @@ def _judge_once(
             checkpoint_costs=BiasedCostModel(bias=1.0 if exact_costs else params["cost_bias"]),
         )
 
-    # fresh: every batch draws its own trajectories from the workload (as every GRPO step samples
-    # new prompts and responses); same: every batch replays one drawn batch
-    source: dict[str, Any] = (
-        {"workload": workload["generator"], "num_trajectories": num_trajectories}
-        if batches == "fresh"
-        else {"trace": workload["batch"]}
-    )
+    source = batch_source(workload, batches, num_trajectories)
 
     def simulate(names: tuple[str, ...]) -> list[PolicySummary]:
         # Each policy gets its own estimators and the same seeded streams, so simulating policies

@@ -1,7 +1,8 @@
 """Diagnosis: one workload of ``bench_family.py``, batch by batch, with adaptive's checkpoint decisions.
 
 Runs adaptive and the given fixed policy on the workload's batches exactly as ``bench_family.py``
-judges them (same draws, streams and carried estimators) and records each batch's rollout under
+judges them (same draws, streams and carried estimators; ``--runs`` batches: it does not apply
+``bench_family.py``'s ``--min-failures``) and records each batch's rollout under
 both and every checkpoint adaptive decided: batch, trajectory, step, the saving it weighed
 (``benefit_s``), the visible cost it estimated, its cost estimate and the true cost of that
 checkpoint.  With ``--exact-costs`` the policy learns unbiased costs.
@@ -19,7 +20,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench_family import PER_STEP, BiasedCostModel, draw_workload
+from bench_family import PER_STEP, BiasedCostModel, batch_source, draw_workload
 
 from belayer_policy import (
     CheckpointPolicy,
@@ -94,11 +95,7 @@ def main() -> None:
         config=SimulationConfig(fail_prob=params["fail_prob"], restore_s=2.0, failure_streams=PER_STEP),
         runs=args.runs,
         seed=args.seed + args.index,
-        **(
-            {"workload": workload["generator"], "num_trajectories": args.trajectories}
-            if args.batches == "fresh"
-            else {"trace": workload["batch"]}
-        ),
+        **batch_source(workload, args.batches, args.trajectories),
         estimators=estimators,
         carry_estimators=True,
     )

@@ -82,7 +82,7 @@ def test_adaptive_decision_by_hand() -> None:
     h = -math.log1p(-0.1)
     # u = 4 s / 4 s, m = 3, steps of 4 s; stretches priced under restarts with the 2 s restore prior
     expected = compare_now_and_later(1.0, 3.0, h * 4.0, 1 / 3, RenewalLoss(h, 4.0, 2.0))
-    # to second order it saves more than the first-order comparison said (0.42 s)
+    # under restarts it saves more than the first-order comparison said (0.42 s)
     assert expected.saving_s > compare_now_and_later(1.0, 3.0, h * 4.0, 1 / 3).saving_s
     assert decision.hazard == pytest.approx(h)
     assert decision.benefit_s == pytest.approx(expected.saving_s)

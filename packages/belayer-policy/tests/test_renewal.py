@@ -1,4 +1,4 @@
-"""The exact loss of a stretch under restarts (second order in the failure rate; issue 34's
+"""The exact loss of a stretch under restarts (all orders in the failure rate; issue 34's
 workloads 38 and 150: a tenth of the steps fail, and the first-order loss declined every checkpoint)."""
 
 from __future__ import annotations
